@@ -1,0 +1,330 @@
+/* The host backend: CPU memory, each "cpu" entry of a device list an emulated device. Copies are memcpy of the
+ * longest contiguous runs, sums are blocked loops the compiler vectorises; both split across threads when a
+ * call moves enough bytes to pay for them (FASTDP_HOST_THREADS, FASTDP_HOST_PARALLEL_MIN). */
+#include "core/backend.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MAX_THREADS 64
+
+/* ---- a parallel-for over [0, n) in contiguous ranges ---- */
+
+typedef void (*range_fn)(void *ctx, int64_t begin, int64_t end);
+
+typedef struct {
+  range_fn fn;
+  void *ctx;
+  int64_t begin, end;
+} range_job_t;
+
+static void *run_range(void *arg) {
+  range_job_t *j = arg;
+  j->fn(j->ctx, j->begin, j->end);
+  return NULL;
+}
+
+static int nthreads;
+static pthread_once_t nthreads_once = PTHREAD_ONCE_INIT;
+
+static void count_threads(void) {
+  int64_t t = fdp__param(FDP_PARAM_HOST_THREADS);
+  if (t <= 0) t = sysconf(_SC_NPROCESSORS_ONLN); /* reads /sys: once per process, not per call */
+  if (t < 1) t = 1;
+  nthreads = t > MAX_THREADS ? MAX_THREADS : (int)t;
+}
+
+static int host_threads(void) {
+  pthread_once(&nthreads_once, count_threads);
+  return nthreads;
+}
+
+/* Runs fn over [0, n) on up to host_threads() threads, each taking at least `grain` items. If a thread cannot
+ * be started its range runs on the calling thread, so the work is always done. */
+static void parallel_for(int64_t n, int64_t grain, range_fn fn, void *ctx) {
+  if (grain >= n) {
+    if (n > 0) fn(ctx, 0, n);
+    return;
+  }
+  int64_t nt = host_threads();
+  if (grain < 1) grain = 1;
+  if (nt > n / grain) nt = n / grain;
+  if (nt <= 1) {
+    if (n > 0) fn(ctx, 0, n);
+    return;
+  }
+  range_job_t jobs[MAX_THREADS];
+  pthread_t tids[MAX_THREADS];
+  int started[MAX_THREADS];
+  for (int64_t i = 0; i < nt; i++) jobs[i] = (range_job_t){fn, ctx, n * i / nt, n * (i + 1) / nt};
+  for (int64_t i = 1; i < nt; i++) started[i] = pthread_create(&tids[i], NULL, run_range, &jobs[i]) == 0;
+  run_range(&jobs[0]);
+  for (int64_t i = 1; i < nt; i++) {
+    if (started[i])
+      pthread_join(tids[i], NULL);
+    else
+      run_range(&jobs[i]);
+  }
+}
+
+/* ---- strided copies ---- */
+
+/* A copy reduced to its simplest loop nest: rows of `row_bytes` contiguous bytes (or single elements when the
+ * innermost dimension is strided), walked over up to FDP_MAX_DIMS outer dimensions. */
+typedef struct {
+  char *dst;
+  const char *src;
+  int ndim; /* outer dims */
+  int64_t sizes[FDP_MAX_DIMS];
+  int64_t dstride[FDP_MAX_DIMS]; /* bytes */
+  int64_t sstride[FDP_MAX_DIMS];
+  int64_t rows;       /* product of outer sizes */
+  int64_t row_len;    /* elements per row */
+  int64_t row_dstep;  /* bytes between elements of a row */
+  int64_t row_sstep;
+  int elem_size;
+} plan_copy_t;
+
+static void plan_copy(const fdp_copy_t *c, plan_copy_t *p) {
+  int64_t sz[FDP_MAX_DIMS], ds[FDP_MAX_DIMS], ss[FDP_MAX_DIMS];
+  int n = 0, es = c->src.elem_size;
+  for (int i = 0; i < c->src.ndim; i++) {
+    if (c->src.sizes[i] == 1) continue;
+    sz[n] = c->src.sizes[i];
+    ds[n] = c->dst.strides[i] * es;
+    ss[n] = c->src.strides[i] * es;
+    n++;
+  }
+  /* Merge a dim into the next inner one when both sides walk it as one longer run. */
+  int m = 0;
+  for (int i = 0; i < n; i++) {
+    if (m > 0 && ds[m - 1] == ds[i] * sz[i] && ss[m - 1] == ss[i] * sz[i]) {
+      sz[m - 1] *= sz[i];
+      ds[m - 1] = ds[i];
+      ss[m - 1] = ss[i];
+    } else {
+      sz[m] = sz[i];
+      ds[m] = ds[i];
+      ss[m] = ss[i];
+      m++;
+    }
+  }
+  memset(p, 0, sizeof *p);
+  p->dst = c->dst.data;
+  p->src = c->src.data;
+  p->elem_size = es;
+  if (m == 0) { /* a single element */
+    p->rows = 1;
+    p->row_len = 1;
+    return;
+  }
+  p->row_len = sz[m - 1];
+  p->row_dstep = ds[m - 1];
+  p->row_sstep = ss[m - 1];
+  p->ndim = m - 1;
+  p->rows = 1;
+  for (int i = 0; i < m - 1; i++) {
+    p->sizes[i] = sz[i];
+    p->dstride[i] = ds[i];
+    p->sstride[i] = ss[i];
+    p->rows *= sz[i];
+  }
+}
+
+static void copy_row(const plan_copy_t *p, char *d, const char *s, int64_t first, int64_t count) {
+  int es = p->elem_size;
+  if (p->row_dstep == es && p->row_sstep == es) {
+    memcpy(d + first * es, s + first * es, (size_t)(count * es));
+    return;
+  }
+  d += first * p->row_dstep;
+  s += first * p->row_sstep;
+  for (int64_t k = 0; k < count; k++, d += p->row_dstep, s += p->row_sstep) memcpy(d, s, (size_t)es);
+}
+
+/* Items are rows, except for a single long row, which is split into element ranges. */
+static void copy_range(void *ctx, int64_t begin, int64_t end) {
+  const plan_copy_t *p = ctx;
+  if (p->rows == 1) {
+    copy_row(p, p->dst, p->src, begin, end - begin);
+    return;
+  }
+  int64_t idx[FDP_MAX_DIMS];
+  int64_t r = begin;
+  char *d = p->dst;
+  const char *s = p->src;
+  for (int i = p->ndim - 1; i >= 0; i--) {
+    idx[i] = r % p->sizes[i];
+    r /= p->sizes[i];
+    d += idx[i] * p->dstride[i];
+    s += idx[i] * p->sstride[i];
+  }
+  for (int64_t row = begin; row < end; row++) {
+    copy_row(p, d, s, 0, p->row_len);
+    for (int i = p->ndim - 1; i >= 0; i--) { /* odometer step */
+      d += p->dstride[i];
+      s += p->sstride[i];
+      if (++idx[i] < p->sizes[i]) break;
+      d -= p->dstride[i] * p->sizes[i];
+      s -= p->sstride[i] * p->sizes[i];
+      idx[i] = 0;
+    }
+  }
+}
+
+static fdp_result_t host_copy(const fdp_copy_t *copies, int n, const fdp_streams_t *streams) {
+  (void)streams;
+  int64_t min_bytes = fdp__param(FDP_PARAM_HOST_PARALLEL_MIN);
+  for (int i = 0; i < n; i++) {
+    plan_copy_t p;
+    plan_copy(&copies[i], &p);
+    int64_t items = p.rows == 1 ? p.row_len : p.rows;
+    int64_t bytes = p.rows * p.row_len * p.elem_size;
+    int64_t item_bytes = bytes / (items ? items : 1);
+    int64_t grain = bytes < min_bytes ? items : (min_bytes / 4) / (item_bytes ? item_bytes : 1) + 1;
+    parallel_for(items, grain, copy_range, &p);
+  }
+  return FDP_OK;
+}
+
+/* ---- sums ---- */
+
+typedef struct {
+  const fdp_tensor_t *inputs;
+  int n;
+  const fdp_tensor_t *out;
+} sum_ctx_t;
+
+#define BLOCK 2048
+
+/* IEEE binary16 and bfloat16 to and from float, round to nearest even, as PyTorch converts on the CPU. */
+static inline float h2f(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else { /* subnormal: normalise */
+      int e = -1;
+      do {
+        e++;
+        man <<= 1;
+      } while (!(man & 0x400));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t f2h(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000;
+  uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 | ((ax >> 13) & 0x3ff) : 0));
+  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* rounds to or above 65520: inf */
+  if (ax < 0x38800000u) { /* result is subnormal or zero */
+    if (ax < 0x33000000u) return (uint16_t)sign; /* below half the smallest subnormal */
+    uint32_t e = ax >> 23, man = (ax & 0x7fffff) | 0x800000;
+    uint32_t shift = 126 - e; /* 14..24 */
+    uint32_t hman = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (hman & 1))) hman++;
+    return (uint16_t)(sign | hman);
+  }
+  uint32_t h = ((ax >> 13) - (112u << 10));
+  uint32_t rem = ax & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;
+  return (uint16_t)(sign | h);
+}
+
+static inline float bf2f(uint16_t b) {
+  uint32_t bits = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t f2bf(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40); /* quiet NaN */
+  x += 0x7fff + ((x >> 16) & 1);
+  return (uint16_t)(x >> 16);
+}
+
+#define SUM_LOOP(T, OP)                                                                                      \
+  do {                                                                                                       \
+    T *o = (T *)c->out->data;                                                                                \
+    for (int64_t b0 = begin; b0 < end; b0 += BLOCK) {                                                        \
+      int64_t b1 = b0 + BLOCK < end ? b0 + BLOCK : end;                                                      \
+      const T *a = (const T *)c->inputs[0].data;                                                             \
+      if (o != a) memcpy(o + b0, a + b0, (size_t)(b1 - b0) * sizeof(T));                                     \
+      for (int k = 1; k < c->n; k++) {                                                                       \
+        const T *x = (const T *)c->inputs[k].data;                                                           \
+        for (int64_t i = b0; i < b1; i++) OP;                                                                \
+      }                                                                                                      \
+    }                                                                                                        \
+  } while (0)
+
+static void sum_range(void *ctx, int64_t begin, int64_t end) {
+  const sum_ctx_t *c = ctx;
+  switch (c->out->dtype) {
+  case FDP_DTYPE_F32: SUM_LOOP(float, o[i] += x[i]); break;
+  case FDP_DTYPE_F64: SUM_LOOP(double, o[i] += x[i]); break;
+  /* Integers wrap, as PyTorch's do; unsigned arithmetic keeps that defined. */
+  case FDP_DTYPE_I64: SUM_LOOP(uint64_t, o[i] += x[i]); break;
+  case FDP_DTYPE_I32: SUM_LOOP(uint32_t, o[i] += x[i]); break;
+  case FDP_DTYPE_I16: SUM_LOOP(uint16_t, o[i] = (uint16_t)(o[i] + x[i])); break;
+  case FDP_DTYPE_I8:
+  case FDP_DTYPE_U8: SUM_LOOP(uint8_t, o[i] = (uint8_t)(o[i] + x[i])); break;
+  case FDP_DTYPE_BOOL: SUM_LOOP(uint8_t, o[i] = (uint8_t)((o[i] | x[i]) != 0)); break;
+  /* Half types round after every addition, so the sum equals PyTorch's a + b + c element for element. */
+  case FDP_DTYPE_F16: SUM_LOOP(uint16_t, o[i] = f2h(h2f(o[i]) + h2f(x[i]))); break;
+  case FDP_DTYPE_BF16: SUM_LOOP(uint16_t, o[i] = f2bf(bf2f(o[i]) + bf2f(x[i]))); break;
+  default: break;
+  }
+}
+
+static fdp_result_t host_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
+                                const fdp_streams_t *streams) {
+  (void)streams;
+  switch (out->dtype) {
+  case FDP_DTYPE_F32: case FDP_DTYPE_F64: case FDP_DTYPE_I64: case FDP_DTYPE_I32: case FDP_DTYPE_I16:
+  case FDP_DTYPE_I8: case FDP_DTYPE_U8: case FDP_DTYPE_BOOL: case FDP_DTYPE_F16: case FDP_DTYPE_BF16: break;
+  default: return fdp__fail(FDP_DTYPE, "host reduce: dtype %s not supported", fdp_dtype_name(out->dtype));
+  }
+  /* The output may be one of the inputs only as inputs[0] (summed in place); anywhere else it would be
+   * overwritten before being read. */
+  for (int k = 1; k < n; k++)
+    if (inputs[k].data == out->data)
+      return fdp__fail(FDP_INVALID, "reduce: the output may alias only the first input, not input %d", k);
+  sum_ctx_t c = {inputs, n, out};
+  int64_t numel = fdp_tensor_numel(out);
+  int64_t bytes = numel * out->elem_size * (n + 1);
+  int64_t min_bytes = fdp__param(FDP_PARAM_HOST_PARALLEL_MIN);
+  int64_t grain = bytes < min_bytes ? numel : BLOCK * 4;
+  parallel_for(numel, grain, sum_range, &c);
+  return FDP_OK;
+}
+
+static int host_usable(const char **why) {
+  *why = "";
+  return 1;
+}
+
+const fdp_backend_t fdp__backend_host = {
+    .name = "host",
+    .usable = host_usable,
+    .copy = host_copy,
+    .reduce = host_reduce,
+    .broadcast = NULL,
+    .reduce_collective = NULL,
+    .shutdown = NULL,
+};

@@ -1,0 +1,80 @@
+/* The contract between the core and its transports: one table of function pointers per backend, plus the
+ * internal helpers (errors, knobs, logging) that core and backends share. Not installed, not for bindings. */
+#ifndef FASTDP_CORE_BACKEND_H
+#define FASTDP_CORE_BACKEND_H
+
+#include "fastdp.h"
+
+#include <stdarg.h>
+
+/* One pending element-wise copy between two descriptors of one shape. */
+typedef struct fdp_copy {
+  fdp_tensor_t dst;
+  fdp_tensor_t src;
+} fdp_copy_t;
+
+/* A transport. The core has validated shapes, dtypes and device kinds before any of these is called.
+ * Every function may be called from several threads at once. */
+typedef struct fdp_backend {
+  const char *name;
+  /* Returns 1 when it can run in this process now; otherwise 0 with a reason in *why (static string). */
+  int (*usable)(const char **why);
+  /* Performs all copies (in any order; destinations never overlap). */
+  fdp_result_t (*copy)(const fdp_copy_t *copies, int n, const fdp_streams_t *streams);
+  /* out = sum of inputs (contiguous, same dtype and numel), accumulated in input order. */
+  fdp_result_t (*reduce)(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
+                         const fdp_streams_t *streams);
+  /* Optional collective broadcast of one dense source to dense, same-strided destinations on distinct
+   * devices; NULL or FDP_UNAVAILABLE means the core falls back to copy. */
+  fdp_result_t (*broadcast)(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst,
+                            const fdp_streams_t *streams);
+  /* Optional collective reduce (same conditions as broadcast); NULL or FDP_UNAVAILABLE → reduce. */
+  fdp_result_t (*reduce_collective)(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
+                                    const fdp_streams_t *streams);
+  /* Releases cached state; may be NULL. */
+  void (*shutdown)(void);
+} fdp_backend_t;
+
+extern const fdp_backend_t fdp__backend_host;
+#ifdef FDP_WITH_CUDA
+extern const fdp_backend_t fdp__backend_cuda;
+extern const fdp_backend_t fdp__backend_nccl;
+#endif
+
+/* Sets the thread's error detail (printf format) and returns `r`, so that `return fdp__fail(...)` reads well. */
+fdp_result_t fdp__fail(fdp_result_t r, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Writes one line to stderr when FASTDP_DEBUG is set; the only output fastdp's C code ever makes. */
+void fdp__log(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
+
+/* Environment knobs, declared once in param.c with their defaults. */
+typedef enum {
+  FDP_PARAM_DEBUG,             /* FASTDP_DEBUG: log to stderr */
+  FDP_PARAM_HOST_THREADS,      /* FASTDP_HOST_THREADS: worker threads for host copies and sums (0: cores) */
+  FDP_PARAM_HOST_PARALLEL_MIN, /* FASTDP_HOST_PARALLEL_MIN: bytes below which host work stays on one thread */
+  FDP_PARAM_DISABLE_NCCL,      /* FASTDP_DISABLE_NCCL: never pick the nccl backend */
+  FDP_PARAM_DISABLE_CUDA,      /* FASTDP_DISABLE_CUDA: do not load the CUDA driver */
+  FDP_PARAM_COUNT
+} fdp_param_t;
+
+int64_t fdp__param(fdp_param_t p);
+const char *fdp__param_name(fdp_param_t p);
+
+/* The stream listed for `device`, or NULL (the legacy default stream). */
+void *fdp__stream_for(const fdp_streams_t *streams, int device);
+
+#define FDP_CHECK(expr)                                                                          \
+  do {                                                                                           \
+    fdp_result_t fdp__r = (expr);                                                                \
+    if (fdp__r != FDP_OK) return fdp__r;                                                         \
+  } while (0)
+
+#endif

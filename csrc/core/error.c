@@ -1,0 +1,49 @@
+/* Result codes, their names and messages (from FDP_RESULT_MAP), and the thread-local detail string that says
+ * what the last failing call on this thread was doing. */
+#include "backend.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static _Thread_local char last_error[1024];
+
+static const char *const names[] = {
+#define FDP_X(name, msg) "FDP_" #name,
+    FDP_RESULT_MAP(FDP_X)
+#undef FDP_X
+};
+
+static const char *const messages[] = {
+#define FDP_X(name, msg) msg,
+    FDP_RESULT_MAP(FDP_X)
+#undef FDP_X
+};
+
+const char *fdp_result_name(fdp_result_t r) {
+  return (unsigned)r < FDP_RESULT_COUNT ? names[r] : "FDP_UNKNOWN";
+}
+
+const char *fdp_result_message(fdp_result_t r) {
+  return (unsigned)r < FDP_RESULT_COUNT ? messages[r] : "unknown result";
+}
+
+const char *fdp_last_error(void) { return last_error; }
+
+fdp_result_t fdp__fail(fdp_result_t r, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(last_error, sizeof last_error, fmt, ap);
+  va_end(ap);
+  fdp__log("%s: %s", fdp_result_name(r), last_error);
+  return r;
+}
+
+void fdp__log(const char *fmt, ...) {
+  if (!fdp__param(FDP_PARAM_DEBUG)) return;
+  char line[1200];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "[fastdp] %s\n", line);
+}

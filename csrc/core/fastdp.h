@@ -1,0 +1,186 @@
+/* fastdp core: the data movement of data-parallel training (broadcast, reduce, scatter, gather, coalesced
+ * buckets) over strided tensor descriptors, dispatched to one backend per device list. Pure C11: no Python,
+ * no CUDA headers. Every fallible function returns an fdp_result_t; fdp_last_error() says what failed. */
+#ifndef FASTDP_CORE_FASTDP_H
+#define FASTDP_CORE_FASTDP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FDP_MAX_DIMS 16
+#define FDP_MAX_DEVICES 64
+#define FDP_HOST (-1) /* device ordinal of host memory */
+
+/* One table gives the result enum, its names and its messages. */
+#define FDP_RESULT_MAP(X)                                                                        \
+  X(OK, "success")                                                                               \
+  X(INVALID, "invalid argument")                                                                 \
+  X(DTYPE, "unsupported dtype")                                                                  \
+  X(NOMEM, "out of host memory")                                                                 \
+  X(UNAVAILABLE, "backend not available")                                                        \
+  X(CUDA, "CUDA error")                                                                          \
+  X(NCCL, "NCCL error")                                                                          \
+  X(INTERNAL, "internal error")
+
+typedef enum {
+#define FDP_X(name, msg) FDP_##name,
+  FDP_RESULT_MAP(FDP_X)
+#undef FDP_X
+      FDP_RESULT_COUNT
+} fdp_result_t;
+
+/* Element types the reductions know. Copies only need the element size, so any dtype can be moved. */
+#define FDP_DTYPE_MAP(X)                                                                         \
+  X(OTHER, "other", 0)                                                                           \
+  X(BOOL, "bool", 1)                                                                             \
+  X(U8, "uint8", 1)                                                                              \
+  X(I8, "int8", 1)                                                                               \
+  X(I16, "int16", 2)                                                                             \
+  X(I32, "int32", 4)                                                                             \
+  X(I64, "int64", 8)                                                                             \
+  X(F16, "float16", 2)                                                                           \
+  X(BF16, "bfloat16", 2)                                                                         \
+  X(F32, "float32", 4)                                                                           \
+  X(F64, "float64", 8)
+
+typedef enum {
+#define FDP_X(name, str, size) FDP_DTYPE_##name,
+  FDP_DTYPE_MAP(FDP_X)
+#undef FDP_X
+      FDP_DTYPE_COUNT
+} fdp_dtype_t;
+
+/* A strided view of memory on one device. Sizes and strides are in elements; data is element 0.
+ * Descriptors never own memory: the caller keeps it alive until the operation using it completes. */
+typedef struct fdp_tensor {
+  char *data;
+  int device;    /* FDP_HOST or a CUDA ordinal */
+  int dtype;     /* fdp_dtype_t */
+  int elem_size; /* bytes per element */
+  int ndim;
+  int64_t sizes[FDP_MAX_DIMS];
+  int64_t strides[FDP_MAX_DIMS];
+} fdp_tensor_t;
+
+/* The stream each device's work is ordered on (PyTorch's current stream there). Ignored by the host backend.
+ * A device that is not listed uses its legacy default stream. */
+typedef struct fdp_streams {
+  int n;
+  int device[FDP_MAX_DEVICES];
+  void *stream[FDP_MAX_DEVICES];
+} fdp_streams_t;
+
+typedef enum { FDP_BACKEND_HOST = 0, FDP_BACKEND_CUDA = 1, FDP_BACKEND_NCCL = 2, FDP_BACKEND_COUNT } fdp_backend_id_t;
+
+/* ---- errors ---- */
+
+/* Name ("FDP_INVALID") and message of a result code; static strings. */
+const char *fdp_result_name(fdp_result_t r);
+const char *fdp_result_message(fdp_result_t r);
+/* Detail of the last failure on this thread (what failed, with which arguments); valid until the next
+ * failing call on the same thread. Never NULL. */
+const char *fdp_last_error(void);
+
+/* ---- tensors ---- */
+
+const char *fdp_dtype_name(int dtype);
+int64_t fdp_tensor_numel(const fdp_tensor_t *t);
+/* 1 when the elements occupy one gap-free block in some dimension order (contiguous, channels_last, ...). */
+int fdp_tensor_is_dense(const fdp_tensor_t *t);
+/* 1 when row-major contiguous. */
+int fdp_tensor_is_contiguous(const fdp_tensor_t *t);
+/* The view of `t` narrowed to [start, start + length) along dim (already wrapped). */
+void fdp_tensor_narrow(const fdp_tensor_t *t, int dim, int64_t start, int64_t length, fdp_tensor_t *out);
+
+/* ---- backends ---- */
+
+/* Which backends this build contains and which can run now; `why` (may be NULL) receives a static or
+ * thread-local explanation when one cannot. Thread-safe. */
+int fdp_backend_compiled(fdp_backend_id_t id);
+int fdp_backend_usable(fdp_backend_id_t id, const char **why);
+const char *fdp_backend_name(fdp_backend_id_t id);
+
+/* ---- bucket plans (coalesced operations) ---- */
+
+typedef struct fdp_bucket {
+  int dtype;       /* fdp_dtype_t of every member (or OTHER, grouped by elem_size) */
+  int elem_size;
+  int64_t numel;   /* elements in the flat buffer */
+  int first;       /* index into fdp_plan_t.members */
+  int count;
+} fdp_bucket_t;
+
+typedef struct fdp_member {
+  int tensor;      /* index in the input list */
+  int64_t offset;  /* element offset inside the bucket's flat buffer */
+  int64_t numel;
+} fdp_member_t;
+
+typedef struct fdp_plan {
+  int nbuckets;
+  int nmembers;
+  fdp_bucket_t *buckets;
+  fdp_member_t *members;
+} fdp_plan_t;
+
+/* Groups tensors by (dtype, element size), keeping their order within a group, and closes a bucket once it
+ * holds at least bucket_bytes (one tensor larger than that is a bucket of its own), as upstream's
+ * take_tensors does. `type_key[i]` separates groups beyond the dtype (e.g. dense vs. sparse); may be NULL.
+ * On success *out is owned by the caller and released with fdp_plan_free. Errors: FDP_INVALID, FDP_NOMEM. */
+fdp_result_t fdp_plan_build(const fdp_tensor_t *tensors, const int *type_key, int n, size_t bucket_bytes,
+                            fdp_plan_t **out);
+void fdp_plan_free(fdp_plan_t *plan);
+
+/* ---- operations ----
+ * Copies (copy, broadcast, scatter, gather) may cross between host and CUDA memory; they are then the cuda
+ * backend's work, and FDP_UNAVAILABLE where it cannot run. A reduce takes all-host or all-CUDA tensors only
+ * (FDP_INVALID otherwise). Host work is complete when the call returns. CUDA and NCCL work is enqueued on the listed streams and
+ * ordered after the work already there; memory may be reused once those streams pass the call's point.
+ * Functions are thread-safe; the caller must not write the destinations concurrently. */
+
+/* dst[i] = src for every i. Shapes must match; strides may differ. A destination with the very address and
+ * strides of src is skipped (the source entry of a broadcast). NCCL when every tensor is dense, same-strided,
+ * on distinct devices and of an NCCL dtype (bytes otherwise); device copies or host memcpy otherwise. */
+fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst,
+                              const fdp_streams_t *streams);
+
+/* out = inputs[0] + inputs[1] + ... in that order, per element. Inputs and out must be contiguous, of one
+ * shape and dtype; out may alias no input except by being one of them exactly. */
+fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
+                           const fdp_streams_t *streams);
+
+/* outs[i] = src narrowed along dim to the i-th chunk, chunk i holding sizes[i] elements along dim. An output
+ * that already is that view (same address and strides) is skipped. */
+fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chunk_sizes,
+                            const fdp_tensor_t *outs, int n, const fdp_streams_t *streams);
+
+/* out narrowed along dim to the i-th slice = inputs[i], slices in order. */
+fdp_result_t fdp_op_gather(const fdp_tensor_t *inputs, int n, int dim, const fdp_tensor_t *out,
+                           const fdp_streams_t *streams);
+
+/* Element-wise copies dst[i] = src[i]; each pair has one shape. Used to pack tensors into flat buckets. */
+fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const fdp_streams_t *streams);
+
+/* ---- machine facts (python -m fastdp info) ----
+ * All return 0 / FDP_UNAVAILABLE when the GPU backends are not compiled or the driver cannot be loaded. */
+int fdp_cuda_driver_version(void);  /* e.g. 13000; 0 when unknown */
+int fdp_nccl_version(void);         /* e.g. 22703; 0 when NCCL cannot be loaded */
+const char *fdp_nccl_library(void); /* path or soname of the NCCL library in use, "" when none */
+int fdp_cuda_device_count(void);
+/* name: NUL-terminated into a buffer of name_len bytes; bytes: total and free device memory. */
+fdp_result_t fdp_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes,
+                                  size_t *free_bytes);
+int fdp_cuda_can_access_peer(int device, int peer);
+
+/* Releases cached communicators and device state. Not safe concurrently with other calls; the next call
+ * rebuilds what it needs. */
+void fdp_shutdown(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,313 @@
+/* The one engine behind every entry point: validates descriptors once, picks the backend for the device
+ * list (host, nccl, or cuda copies and kernels) and hands the work over. */
+#include "backend.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const fdp_backend_t *const backends[FDP_BACKEND_COUNT] = {
+    [FDP_BACKEND_HOST] = &fdp__backend_host,
+#ifdef FDP_WITH_CUDA
+    [FDP_BACKEND_CUDA] = &fdp__backend_cuda,
+    [FDP_BACKEND_NCCL] = &fdp__backend_nccl,
+#endif
+};
+
+static const char *const backend_names[FDP_BACKEND_COUNT] = {"host", "cuda", "nccl"};
+
+const char *fdp_backend_name(fdp_backend_id_t id) {
+  return (unsigned)id < FDP_BACKEND_COUNT ? backend_names[id] : "unknown";
+}
+
+int fdp_backend_compiled(fdp_backend_id_t id) { return (unsigned)id < FDP_BACKEND_COUNT && backends[id]; }
+
+int fdp_backend_usable(fdp_backend_id_t id, const char **why) {
+  const char *dummy;
+  if (!why) why = &dummy;
+  *why = "";
+  if (!fdp_backend_compiled(id)) {
+    *why = "not compiled: the CUDA toolkit (cuda.h) was not found when fastdp was built; "
+           "install it (or set CUDA_HOME) and reinstall fastdp";
+    return 0;
+  }
+  return backends[id]->usable ? backends[id]->usable(why) : 1;
+}
+
+void *fdp__stream_for(const fdp_streams_t *streams, int device) {
+  if (!streams) return NULL;
+  for (int i = 0; i < streams->n && i < FDP_MAX_DEVICES; i++)
+    if (streams->device[i] == device) return streams->stream[i];
+  return NULL;
+}
+
+void fdp_shutdown(void) {
+  for (int i = 0; i < FDP_BACKEND_COUNT; i++)
+    if (backends[i] && backends[i]->shutdown) backends[i]->shutdown();
+}
+
+/* ---- validation ---- */
+
+static void shape_str(const fdp_tensor_t *t, char *buf, size_t len) {
+  size_t used = (size_t)snprintf(buf, len, "[");
+  for (int i = 0; i < t->ndim && used < len; i++)
+    used += (size_t)snprintf(buf + used, len - used, i ? ", %lld" : "%lld", (long long)t->sizes[i]);
+  if (used < len) snprintf(buf + used, len - used, "]");
+}
+
+static fdp_result_t check_tensor(const fdp_tensor_t *t, const char *what, int index) {
+  if (t->ndim < 0 || t->ndim > FDP_MAX_DIMS)
+    return fdp__fail(FDP_INVALID, "%s %d has %d dimensions; at most %d are supported", what, index, t->ndim,
+                     FDP_MAX_DIMS);
+  if (t->elem_size <= 0 || t->elem_size > 16)
+    return fdp__fail(FDP_INVALID, "%s %d has element size %d", what, index, t->elem_size);
+  if (t->device < FDP_HOST || t->device >= FDP_MAX_DEVICES)
+    return fdp__fail(FDP_INVALID, "%s %d is on device %d, outside [-1, %d)", what, index, t->device,
+                     FDP_MAX_DEVICES);
+  int64_t numel = 1;
+  for (int i = 0; i < t->ndim; i++) {
+    if (t->sizes[i] < 0) return fdp__fail(FDP_INVALID, "%s %d has a negative size", what, index);
+    if (t->strides[i] < 0)
+      return fdp__fail(FDP_INVALID, "%s %d has a negative stride along dim %d", what, index, i);
+    numel *= t->sizes[i];
+  }
+  if (numel > 0 && !t->data) return fdp__fail(FDP_INVALID, "%s %d has no data pointer", what, index);
+  return FDP_OK;
+}
+
+static int same_shape(const fdp_tensor_t *a, const fdp_tensor_t *b) {
+  if (a->ndim != b->ndim) return 0;
+  for (int i = 0; i < a->ndim; i++)
+    if (a->sizes[i] != b->sizes[i]) return 0;
+  return 1;
+}
+
+static int same_view(const fdp_tensor_t *a, const fdp_tensor_t *b) {
+  if (a->data != b->data || a->device != b->device || !same_shape(a, b)) return 0;
+  for (int i = 0; i < a->ndim; i++)
+    if (a->sizes[i] > 1 && a->strides[i] != b->strides[i]) return 0;
+  return 1;
+}
+
+/* All descriptors host, or all CUDA; returns the kind through *cuda. */
+static fdp_result_t check_kind(const fdp_tensor_t *const *ts, int n, const char *op, int *cuda) {
+  int host = 0, dev = 0;
+  for (int i = 0; i < n; i++) {
+    if (ts[i]->device == FDP_HOST)
+      host++;
+    else
+      dev++;
+  }
+  if (host && dev)
+    return fdp__fail(FDP_INVALID,
+                     "%s: CPU and CUDA tensors are mixed in one call; use \"cpu\" entries only or CUDA "
+                     "devices only",
+                     op);
+  *cuda = dev > 0;
+  return FDP_OK;
+}
+
+static fdp_result_t pick_copy_backend(int cuda, const fdp_backend_t **out) {
+  fdp_backend_id_t id = cuda ? FDP_BACKEND_CUDA : FDP_BACKEND_HOST;
+  const char *why;
+  if (!fdp_backend_usable(id, &why))
+    return fdp__fail(FDP_UNAVAILABLE, "the %s backend is not usable: %s", fdp_backend_name(id), why);
+  *out = backends[id];
+  return FDP_OK;
+}
+
+static int distinct_devices(const fdp_tensor_t *const *ts, int n) {
+  for (int i = 0; i < n; i++)
+    for (int j = i + 1; j < n; j++)
+      if (ts[i]->device == ts[j]->device) return 0;
+  return 1;
+}
+
+static int nccl_ready(void) {
+  return !fdp__param(FDP_PARAM_DISABLE_NCCL) && fdp_backend_usable(FDP_BACKEND_NCCL, NULL);
+}
+
+/* ---- operations ---- */
+
+fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const fdp_streams_t *streams) {
+  if (n < 0 || (n > 0 && (!dst || !src))) return fdp__fail(FDP_INVALID, "copy: bad tensor lists (n=%d)", n);
+  if (n == 0) return FDP_OK;
+  fdp_copy_t *copies = calloc((size_t)n, sizeof *copies);
+  const fdp_tensor_t **all = calloc((size_t)2 * n, sizeof *all);
+  fdp_result_t r = FDP_OK;
+  int cuda = 0, k = 0;
+  const fdp_backend_t *be = NULL;
+  if (!copies || !all) {
+    r = fdp__fail(FDP_NOMEM, "copy: cannot allocate %d copy records", n);
+    goto done;
+  }
+  for (int i = 0; i < n; i++) {
+    if ((r = check_tensor(&dst[i], "destination", i)) || (r = check_tensor(&src[i], "source", i))) goto done;
+    if (!same_shape(&dst[i], &src[i]) || dst[i].elem_size != src[i].elem_size) {
+      char a[256], b[256];
+      shape_str(&dst[i], a, sizeof a);
+      shape_str(&src[i], b, sizeof b);
+      r = fdp__fail(FDP_INVALID, "copy %d: destination %s (element size %d) does not match source %s (%d)", i, a,
+                    dst[i].elem_size, b, src[i].elem_size);
+      goto done;
+    }
+    all[2 * i] = &dst[i];
+    all[2 * i + 1] = &src[i];
+    if (!same_view(&dst[i], &src[i]) && fdp_tensor_numel(&src[i]) > 0)
+      copies[k++] = (fdp_copy_t){dst[i], src[i]};
+  }
+  /* Copies may cross between host and CUDA memory (a CPU batch scattered to GPUs, outputs gathered to the
+   * CPU): any CUDA side makes it the cuda backend's work, which handles host pointers too. */
+  for (int i = 0; i < 2 * n; i++) cuda |= all[i]->device != FDP_HOST;
+  if ((r = pick_copy_backend(cuda, &be))) goto done;
+  if (k) r = be->copy(copies, k, streams);
+done:
+  free(copies);
+  free(all);
+  return r;
+}
+
+fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst,
+                              const fdp_streams_t *streams) {
+  if (!src || ndst < 0 || (ndst > 0 && !dst)) return fdp__fail(FDP_INVALID, "broadcast: bad arguments");
+  if (ndst == 0) return FDP_OK;
+  FDP_CHECK(check_tensor(src, "source", 0));
+  if (src->device != FDP_HOST && nccl_ready() && ndst + 1 <= FDP_MAX_DEVICES && fdp_tensor_is_dense(src)) {
+    /* NCCL needs one dense layout everywhere and one buffer per device. */
+    const fdp_tensor_t *all[FDP_MAX_DEVICES];
+    int ok = 1, n = 0;
+    all[n++] = src;
+    for (int i = 0; i < ndst && ok; i++) {
+      FDP_CHECK(check_tensor(&dst[i], "destination", i));
+      ok = dst[i].device != FDP_HOST && same_shape(&dst[i], src) && dst[i].elem_size == src->elem_size;
+      for (int d = 0; d < src->ndim && ok; d++) ok = src->sizes[d] <= 1 || dst[i].strides[d] == src->strides[d];
+      all[n++] = &dst[i];
+    }
+    if (ok && distinct_devices(all, n) && fdp_tensor_numel(src) > 0) {
+      fdp_result_t r = backends[FDP_BACKEND_NCCL]->broadcast(src, dst, ndst, streams);
+      if (r != FDP_UNAVAILABLE) return r;
+      fdp__log("broadcast: nccl declined (%s); using device copies", fdp_last_error());
+    }
+  }
+  fdp_tensor_t *srcs = malloc((size_t)ndst * sizeof *srcs);
+  if (!srcs) return fdp__fail(FDP_NOMEM, "broadcast: cannot allocate %d descriptors", ndst);
+  for (int i = 0; i < ndst; i++) srcs[i] = *src;
+  fdp_result_t r = fdp_op_copy(dst, srcs, ndst, streams);
+  free(srcs);
+  return r;
+}
+
+fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
+                           const fdp_streams_t *streams) {
+  if (n <= 0 || !inputs || !out) return fdp__fail(FDP_INVALID, "reduce: expected at least one input");
+  if (n > FDP_MAX_DEVICES * 16) return fdp__fail(FDP_INVALID, "reduce: too many inputs (%d)", n);
+  const fdp_tensor_t *all[FDP_MAX_DEVICES * 16 + 1];
+  FDP_CHECK(check_tensor(out, "output", 0));
+  if (!fdp_tensor_is_contiguous(out)) return fdp__fail(FDP_INVALID, "reduce: the output must be contiguous");
+  for (int i = 0; i < n; i++) {
+    FDP_CHECK(check_tensor(&inputs[i], "input", i));
+    if (inputs[i].dtype != out->dtype || inputs[i].elem_size != out->elem_size)
+      return fdp__fail(FDP_INVALID, "reduce: input %d is %s but the output is %s", i,
+                       fdp_dtype_name(inputs[i].dtype), fdp_dtype_name(out->dtype));
+    if (!same_shape(&inputs[i], out)) {
+      char a[256], b[256];
+      shape_str(&inputs[i], a, sizeof a);
+      shape_str(out, b, sizeof b);
+      return fdp__fail(FDP_INVALID, "input %d has invalid size: got %s, but expected %s", i, a, b);
+    }
+    if (!fdp_tensor_is_contiguous(&inputs[i]))
+      return fdp__fail(FDP_INVALID, "reduce: input %d must be contiguous", i);
+    all[i] = &inputs[i];
+  }
+  if (out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
+    return fdp__fail(FDP_DTYPE, "reduce: dtype not supported (supported: bool, uint8, int8, int16, int32, "
+                                "int64, float16, bfloat16, float32, float64)");
+  all[n] = out;
+  int cuda = 0;
+  FDP_CHECK(check_kind(all, n + 1, "reduce", &cuda));
+  if (fdp_tensor_numel(out) == 0) return FDP_OK;
+  if (!cuda) return backends[FDP_BACKEND_HOST]->reduce(inputs, n, out, streams);
+
+  int local = 1;
+  for (int i = 0; i < n; i++) local &= inputs[i].device == out->device;
+  if (!local && nccl_ready() && distinct_devices(all, n)) {
+    fdp_result_t r = backends[FDP_BACKEND_NCCL]->reduce_collective(inputs, n, out, streams);
+    if (r != FDP_UNAVAILABLE) return r;
+    fdp__log("reduce: nccl declined (%s)", fdp_last_error());
+  }
+  if (!local)
+    return fdp__fail(FDP_UNAVAILABLE,
+                     "reduce: inputs on several CUDA devices need NCCL (or must first be copied to device %d)",
+                     out->device);
+  const fdp_backend_t *be;
+  FDP_CHECK(pick_copy_backend(1, &be));
+  return be->reduce(inputs, n, out, streams);
+}
+
+static fdp_result_t check_dim(const fdp_tensor_t *t, int dim, const char *op) {
+  if (dim < 0 || dim >= t->ndim)
+    return fdp__fail(FDP_INVALID, "%s: dim %d out of range for a %d-dimensional tensor", op, dim, t->ndim);
+  return FDP_OK;
+}
+
+fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chunk_sizes,
+                            const fdp_tensor_t *outs, int n, const fdp_streams_t *streams) {
+  if (!src || n <= 0 || !outs || !chunk_sizes)
+    return fdp__fail(FDP_INVALID, "Expected at least one device to scatter to");
+  FDP_CHECK(check_tensor(src, "source", 0));
+  FDP_CHECK(check_dim(src, dim, "scatter"));
+  fdp_tensor_t *views = malloc((size_t)n * sizeof *views);
+  if (!views) return fdp__fail(FDP_NOMEM, "scatter: cannot allocate %d descriptors", n);
+  int64_t start = 0;
+  fdp_result_t r = FDP_OK;
+  for (int i = 0; i < n; i++) {
+    if (chunk_sizes[i] < 0 || start + chunk_sizes[i] > src->sizes[dim]) {
+      r = fdp__fail(FDP_INVALID, "scatter: chunk %d (size %lld) runs past the source's %lld elements along dim %d",
+                    i, (long long)chunk_sizes[i], (long long)src->sizes[dim], dim);
+      goto done;
+    }
+    fdp_tensor_narrow(src, dim, start, chunk_sizes[i], &views[i]);
+    start += chunk_sizes[i];
+  }
+  if (start != src->sizes[dim]) {
+    r = fdp__fail(FDP_INVALID, "Total size for output tensors along scatter dim %lld does not match the source's %lld",
+                  (long long)start, (long long)src->sizes[dim]);
+    goto done;
+  }
+  r = fdp_op_copy(outs, views, n, streams);
+done:
+  free(views);
+  return r;
+}
+
+fdp_result_t fdp_op_gather(const fdp_tensor_t *inputs, int n, int dim, const fdp_tensor_t *out,
+                           const fdp_streams_t *streams) {
+  if (!inputs || n <= 0 || !out) return fdp__fail(FDP_INVALID, "Expected at least one tensor to gather from");
+  FDP_CHECK(check_tensor(out, "output", 0));
+  FDP_CHECK(check_dim(out, dim, "gather"));
+  fdp_tensor_t *views = malloc((size_t)n * sizeof *views);
+  if (!views) return fdp__fail(FDP_NOMEM, "gather: cannot allocate %d descriptors", n);
+  int64_t start = 0;
+  fdp_result_t r = FDP_OK;
+  for (int i = 0; i < n; i++) {
+    if (inputs[i].ndim != out->ndim) {
+      r = fdp__fail(FDP_INVALID, "Expected all input tensors to have the same number of dimensions as the output");
+      goto done;
+    }
+    if (inputs[i].sizes[dim] < 0 || start + inputs[i].sizes[dim] > out->sizes[dim]) {
+      r = fdp__fail(FDP_INVALID, "gather: input %d does not fit in the output along dim %d", i, dim);
+      goto done;
+    }
+    fdp_tensor_narrow(out, dim, start, inputs[i].sizes[dim], &views[i]);
+    start += inputs[i].sizes[dim];
+  }
+  if (start != out->sizes[dim]) {
+    r = fdp__fail(FDP_INVALID, "gather: inputs fill %lld of the output's %lld elements along dim %d",
+                  (long long)start, (long long)out->sizes[dim], dim);
+    goto done;
+  }
+  r = fdp_op_copy(views, inputs, n, streams);
+done:
+  free(views);
+  return r;
+}

@@ -1,0 +1,36 @@
+/* Every FASTDP_* environment knob, declared once with its default, read once per process. */
+#include "backend.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+
+static const struct {
+  const char *name;
+  int64_t def;
+} table[FDP_PARAM_COUNT] = {
+    [FDP_PARAM_DEBUG] = {"FASTDP_DEBUG", 0},
+    [FDP_PARAM_HOST_THREADS] = {"FASTDP_HOST_THREADS", 0},
+    [FDP_PARAM_HOST_PARALLEL_MIN] = {"FASTDP_HOST_PARALLEL_MIN", 1 << 20},
+    [FDP_PARAM_DISABLE_NCCL] = {"FASTDP_DISABLE_NCCL", 0},
+    [FDP_PARAM_DISABLE_CUDA] = {"FASTDP_DISABLE_CUDA", 0},
+};
+
+static int64_t values[FDP_PARAM_COUNT];
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+static void load(void) {
+  for (int i = 0; i < FDP_PARAM_COUNT; i++) {
+    const char *s = getenv(table[i].name);
+    char *end = NULL;
+    long long v = s && *s ? strtoll(s, &end, 0) : 0;
+    /* An unparsable value keeps the default rather than failing every call. */
+    values[i] = (s && *s && end && *end == '\0') ? (int64_t)v : table[i].def;
+  }
+}
+
+int64_t fdp__param(fdp_param_t p) {
+  pthread_once(&once, load);
+  return (unsigned)p < FDP_PARAM_COUNT ? values[p] : 0;
+}
+
+const char *fdp__param_name(fdp_param_t p) { return (unsigned)p < FDP_PARAM_COUNT ? table[p].name : "?"; }

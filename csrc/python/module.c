@@ -1,0 +1,680 @@
+/* fastdp._C: the only C that includes Python.h. Turns tensors into core descriptors through the tensor's public
+ * Python API (no PyTorch C++ ABI, so one build serves every torch 2.x), releases the GIL around the core, and
+ * turns result codes into exceptions in one place. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "core/fastdp.h"
+
+#include <string.h>
+
+typedef struct {
+  PyObject *dtypes;      /* dict: torch.dtype -> fdp_dtype_t */
+  PyObject *itemsizes;   /* dict: torch.dtype -> bytes per element, filled on first sight */
+  PyObject *tensor_type; /* torch.Tensor */
+  PyObject *FastDPError, *CudaError, *NcclError, *BackendUnavailableError;
+  /* Interned attribute names: describe() runs for every tensor of every call. */
+  PyObject *s_data_ptr, *s_shape, *s_stride, *s_dtype, *s_is_cuda, *s_get_device, *s_device, *s_type, *s_itemsize;
+} module_state;
+
+static module_state *get_state(PyObject *module) { return (module_state *)PyModule_GetState(module); }
+
+/* ---- errors ---- */
+
+static PyObject *raise_result(module_state *st, fdp_result_t r) {
+  PyObject *type;
+  switch (r) {
+  case FDP_INVALID: type = PyExc_ValueError; break;
+  case FDP_DTYPE: type = PyExc_TypeError; break;
+  case FDP_NOMEM: type = PyExc_MemoryError; break;
+  case FDP_UNAVAILABLE: type = st->BackendUnavailableError; break;
+  case FDP_CUDA: type = st->CudaError; break;
+  case FDP_NCCL: type = st->NcclError; break;
+  default: type = st->FastDPError; break;
+  }
+  PyObject *exc = PyObject_CallFunction(type, "s", fdp_last_error());
+  if (!exc) return NULL;
+  PyObject *code = PyUnicode_FromString(fdp_result_name(r));
+  if (!code || PyObject_SetAttrString(exc, "code", code) < 0) PyErr_Clear();
+  Py_XDECREF(code);
+  PyErr_SetObject(type, exc);
+  Py_DECREF(exc);
+  return NULL;
+}
+
+/* ---- tensors to descriptors ---- */
+
+static int int_tuple(PyObject *seq, int64_t *out, int *n, const char *what) {
+  if (PyTuple_Check(seq)) { /* torch.Size and stride() results: no copy */
+    Py_ssize_t len = PyTuple_GET_SIZE(seq);
+    if (len > FDP_MAX_DIMS) {
+      PyErr_Format(PyExc_ValueError, "tensors with more than %d dimensions are not supported", FDP_MAX_DIMS);
+      return -1;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+      out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i));
+      if (out[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    *n = (int)len;
+    return 0;
+  }
+  PyObject *fast = PySequence_Fast(seq, what);
+  if (!fast) return -1;
+  Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+  if (len > FDP_MAX_DIMS) {
+    Py_DECREF(fast);
+    PyErr_Format(PyExc_ValueError, "tensors with more than %d dimensions are not supported", FDP_MAX_DIMS);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < len; i++) {
+    out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+    if (out[i] == -1 && PyErr_Occurred()) {
+      Py_DECREF(fast);
+      return -1;
+    }
+  }
+  *n = (int)len;
+  Py_DECREF(fast);
+  return 0;
+}
+
+static int call_int(PyObject *obj, PyObject *name, long long *out) {
+  PyObject *v = PyObject_CallMethodNoArgs(obj, name);
+  if (!v) return -1;
+  *out = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* Bytes per element of a torch.dtype, cached per dtype. */
+static int itemsize_of(module_state *st, PyObject *dtype, int *out) {
+  PyObject *v = PyDict_GetItemWithError(st->itemsizes, dtype);
+  if (!v) {
+    if (PyErr_Occurred()) return -1;
+    v = PyObject_GetAttr(dtype, st->s_itemsize);
+    if (!v || PyDict_SetItem(st->itemsizes, dtype, v) < 0) {
+      Py_XDECREF(v);
+      return -1;
+    }
+    Py_DECREF(v);
+  }
+  *out = (int)PyLong_AsLong(v);
+  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* Fills `t` from a CPU or CUDA torch.Tensor. `what` names the argument in errors. */
+static int describe(module_state *st, PyObject *obj, fdp_tensor_t *t, const char *what, Py_ssize_t index) {
+  memset(t, 0, sizeof *t);
+  if (!st->tensor_type) {
+    PyErr_SetString(PyExc_RuntimeError, "fastdp._C.set_dtypes() must be called first (import fastdp)");
+    return -1;
+  }
+  int is_tensor = PyObject_IsInstance(obj, st->tensor_type);
+  if (is_tensor <= 0) {
+    if (is_tensor == 0)
+      PyErr_Format(PyExc_TypeError, "%s[%zd] must be a torch.Tensor, got %s", what, index, Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  PyObject *flag = PyObject_GetAttr(obj, st->s_is_cuda);
+  if (!flag) return -1;
+  int is_cuda = PyObject_IsTrue(flag);
+  Py_DECREF(flag);
+  long long dev = FDP_HOST;
+  if (is_cuda) {
+    if (call_int(obj, st->s_get_device, &dev) < 0) return -1;
+  } else {
+    PyObject *device = PyObject_GetAttr(obj, st->s_device);
+    PyObject *kind = device ? PyObject_GetAttr(device, st->s_type) : NULL;
+    Py_XDECREF(device);
+    if (!kind) return -1;
+    int is_cpu = PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "cpu") == 0;
+    if (!is_cpu) {
+      PyErr_Format(PyExc_ValueError, "%s[%zd] is on a %S device; fastdp moves CPU and CUDA tensors only", what,
+                   index, kind);
+      Py_DECREF(kind);
+      return -1;
+    }
+    Py_DECREF(kind);
+  }
+  long long ptr;
+  if (call_int(obj, st->s_data_ptr, &ptr) < 0) return -1;
+  PyObject *shape = PyObject_GetAttr(obj, st->s_shape);
+  PyObject *stride = shape ? PyObject_CallMethodNoArgs(obj, st->s_stride) : NULL;
+  int nd = 0, ns = 0;
+  int bad = !stride || int_tuple(shape, t->sizes, &nd, "shape") < 0 || int_tuple(stride, t->strides, &ns, "stride") < 0;
+  Py_XDECREF(shape);
+  Py_XDECREF(stride);
+  if (bad) return -1;
+  if (nd != ns) {
+    PyErr_Format(PyExc_ValueError, "%s[%zd] has %d sizes but %d strides", what, index, nd, ns);
+    return -1;
+  }
+  PyObject *dtype = PyObject_GetAttr(obj, st->s_dtype);
+  if (!dtype) return -1;
+  PyObject *code = PyDict_GetItemWithError(st->dtypes, dtype);
+  int esz = 0;
+  if ((!code && PyErr_Occurred()) || itemsize_of(st, dtype, &esz) < 0) {
+    Py_DECREF(dtype);
+    return -1;
+  }
+  Py_DECREF(dtype);
+  t->dtype = code ? (int)PyLong_AsLong(code) : FDP_DTYPE_OTHER;
+  t->data = (char *)(intptr_t)ptr;
+  t->device = (int)dev;
+  t->elem_size = esz;
+  t->ndim = nd;
+  return 0;
+}
+
+/* A list or tuple of tensors → a new array of descriptors (PyMem_Free it). */
+static fdp_tensor_t *describe_list(module_state *st, PyObject *seq, Py_ssize_t *n, const char *what) {
+  PyObject *fast = PySequence_Fast(seq, "expected a sequence of tensors");
+  if (!fast) return NULL;
+  Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+  fdp_tensor_t *ts = PyMem_Calloc((size_t)(len ? len : 1), sizeof *ts);
+  if (!ts) {
+    Py_DECREF(fast);
+    PyErr_NoMemory();
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < len; i++) {
+    if (describe(st, PySequence_Fast_GET_ITEM(fast, i), &ts[i], what, i) < 0) {
+      PyMem_Free(ts);
+      Py_DECREF(fast);
+      return NULL;
+    }
+  }
+  Py_DECREF(fast);
+  *n = len;
+  return ts;
+}
+
+/* None, or a sequence of (device, stream handle) pairs. */
+static int parse_streams(PyObject *obj, fdp_streams_t *s) {
+  memset(s, 0, sizeof *s);
+  if (!obj || obj == Py_None) return 0;
+  PyObject *fast = PySequence_Fast(obj, "streams must be a sequence of (device, handle) pairs");
+  if (!fast) return -1;
+  Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+  if (len > FDP_MAX_DEVICES) {
+    Py_DECREF(fast);
+    PyErr_Format(PyExc_ValueError, "at most %d streams", FDP_MAX_DEVICES);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < len; i++) {
+    int dev;
+    unsigned long long handle;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iK", &dev, &handle)) {
+      Py_DECREF(fast);
+      return -1;
+    }
+    s->device[i] = dev;
+    s->stream[i] = (void *)(uintptr_t)handle;
+  }
+  s->n = (int)len;
+  Py_DECREF(fast);
+  return 0;
+}
+
+static int check_count(Py_ssize_t n) {
+  if (n > INT32_MAX / 4) {
+    PyErr_SetString(PyExc_ValueError, "too many tensors in one call");
+    return -1;
+  }
+  return 0;
+}
+
+/* ---- entry points: parse, release the GIL, call the core ---- */
+
+static PyObject *py_copy(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  PyObject *dsts, *srcs, *streams_obj = Py_None;
+  if (!PyArg_ParseTuple(args, "OO|O:copy", &dsts, &srcs, &streams_obj)) return NULL;
+  fdp_streams_t streams;
+  Py_ssize_t nd = 0, ns = 0;
+  if (parse_streams(streams_obj, &streams) < 0) return NULL;
+  fdp_tensor_t *d = describe_list(st, dsts, &nd, "dst");
+  fdp_tensor_t *s = d ? describe_list(st, srcs, &ns, "src") : NULL;
+  PyObject *ret = NULL;
+  if (!s) goto done;
+  if (nd != ns || check_count(nd) < 0) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "copy: %zd destinations for %zd sources", nd, ns);
+    goto done;
+  }
+  fdp_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = fdp_op_copy(d, s, (int)nd, &streams);
+  Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
+  else ret = Py_NewRef(Py_None);
+done:
+  PyMem_Free(d);
+  PyMem_Free(s);
+  return ret;
+}
+
+static PyObject *py_broadcast(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  PyObject *src_obj, *dsts, *streams_obj = Py_None;
+  if (!PyArg_ParseTuple(args, "OO|O:broadcast", &src_obj, &dsts, &streams_obj)) return NULL;
+  fdp_streams_t streams;
+  fdp_tensor_t src;
+  Py_ssize_t nd = 0;
+  if (parse_streams(streams_obj, &streams) < 0 || describe(st, src_obj, &src, "tensor", 0) < 0) return NULL;
+  fdp_tensor_t *d = describe_list(st, dsts, &nd, "out");
+  if (!d) return NULL;
+  PyObject *ret = NULL;
+  if (check_count(nd) == 0) {
+    fdp_result_t r;
+    Py_BEGIN_ALLOW_THREADS r = fdp_op_broadcast(&src, d, (int)nd, &streams);
+    Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
+    else ret = Py_NewRef(Py_None);
+  }
+  PyMem_Free(d);
+  return ret;
+}
+
+static PyObject *py_reduce(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  PyObject *ins, *out_obj, *streams_obj = Py_None;
+  if (!PyArg_ParseTuple(args, "OO|O:reduce", &ins, &out_obj, &streams_obj)) return NULL;
+  fdp_streams_t streams;
+  fdp_tensor_t out;
+  Py_ssize_t n = 0;
+  if (parse_streams(streams_obj, &streams) < 0 || describe(st, out_obj, &out, "out", 0) < 0) return NULL;
+  fdp_tensor_t *in = describe_list(st, ins, &n, "inputs");
+  if (!in) return NULL;
+  PyObject *ret = NULL;
+  if (check_count(n) == 0) {
+    fdp_result_t r;
+    Py_BEGIN_ALLOW_THREADS r = fdp_op_reduce(in, (int)n, &out, &streams);
+    Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
+    else ret = Py_NewRef(Py_None);
+  }
+  PyMem_Free(in);
+  return ret;
+}
+
+static PyObject *py_scatter(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  PyObject *src_obj, *outs, *sizes_obj, *streams_obj = Py_None;
+  int dim;
+  if (!PyArg_ParseTuple(args, "OOiO|O:scatter", &src_obj, &outs, &dim, &sizes_obj, &streams_obj)) return NULL;
+  fdp_streams_t streams;
+  fdp_tensor_t src;
+  Py_ssize_t n = 0;
+  if (parse_streams(streams_obj, &streams) < 0 || describe(st, src_obj, &src, "tensor", 0) < 0) return NULL;
+  fdp_tensor_t *o = describe_list(st, outs, &n, "out");
+  if (!o) return NULL;
+  PyObject *ret = NULL;
+  int64_t *sizes = PyMem_Calloc((size_t)(n ? n : 1), sizeof *sizes);
+  PyObject *fast = sizes ? PySequence_Fast(sizes_obj, "chunk_sizes must be a sequence") : NULL;
+  if (!fast) goto done;
+  if (PySequence_Fast_GET_SIZE(fast) != n || check_count(n) < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Expected devices and chunk_sizes to be of same length");
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    sizes[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+    if (sizes[i] == -1 && PyErr_Occurred()) goto done;
+  }
+  fdp_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = fdp_op_scatter(&src, dim, sizes, o, (int)n, &streams);
+  Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
+  else ret = Py_NewRef(Py_None);
+done:
+  Py_XDECREF(fast);
+  PyMem_Free(sizes);
+  PyMem_Free(o);
+  return ret;
+}
+
+static PyObject *py_gather(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  PyObject *ins, *out_obj, *streams_obj = Py_None;
+  int dim;
+  if (!PyArg_ParseTuple(args, "OOi|O:gather", &ins, &out_obj, &dim, &streams_obj)) return NULL;
+  fdp_streams_t streams;
+  fdp_tensor_t out;
+  Py_ssize_t n = 0;
+  if (parse_streams(streams_obj, &streams) < 0 || describe(st, out_obj, &out, "out", 0) < 0) return NULL;
+  fdp_tensor_t *in = describe_list(st, ins, &n, "tensors");
+  if (!in) return NULL;
+  PyObject *ret = NULL;
+  if (check_count(n) == 0) {
+    fdp_result_t r;
+    Py_BEGIN_ALLOW_THREADS r = fdp_op_gather(in, (int)n, dim, &out, &streams);
+    Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
+    else ret = Py_NewRef(Py_None);
+  }
+  PyMem_Free(in);
+  return ret;
+}
+
+/* plan(tensors, type_keys, bucket_bytes) -> [(numel, [(index, offset, numel), ...]), ...] */
+static PyObject *py_plan(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  PyObject *tensors, *keys_obj;
+  unsigned long long bucket_bytes;
+  if (!PyArg_ParseTuple(args, "OOK:plan", &tensors, &keys_obj, &bucket_bytes)) return NULL;
+  Py_ssize_t n = 0;
+  fdp_tensor_t *ts = describe_list(st, tensors, &n, "tensors");
+  if (!ts) return NULL;
+  PyObject *ret = NULL, *fast = NULL;
+  fdp_plan_t *plan = NULL;
+  int *keys = PyMem_Calloc((size_t)(n ? n : 1), sizeof *keys);
+  if (!keys || check_count(n) < 0) goto done;
+  fast = PySequence_Fast(keys_obj, "type_keys must be a sequence");
+  if (!fast) goto done;
+  if (PySequence_Fast_GET_SIZE(fast) != n) {
+    PyErr_SetString(PyExc_ValueError, "plan: one type key per tensor");
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    keys[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+    if (keys[i] == -1 && PyErr_Occurred()) goto done;
+  }
+  fdp_result_t r = fdp_plan_build(ts, keys, (int)n, (size_t)bucket_bytes, &plan);
+  if (r != FDP_OK) {
+    raise_result(st, r);
+    goto done;
+  }
+  ret = PyList_New(plan->nbuckets);
+  for (int b = 0; ret && b < plan->nbuckets; b++) {
+    const fdp_bucket_t *bk = &plan->buckets[b];
+    PyObject *members = PyList_New(bk->count);
+    for (int m = 0; members && m < bk->count; m++) {
+      const fdp_member_t *mb = &plan->members[bk->first + m];
+      PyObject *item = Py_BuildValue("(iLL)", mb->tensor, (long long)mb->offset, (long long)mb->numel);
+      if (!item) Py_CLEAR(members);
+      else PyList_SET_ITEM(members, m, item);
+    }
+    PyObject *entry = members ? Py_BuildValue("(LN)", (long long)bk->numel, members) : NULL;
+    if (!entry) Py_CLEAR(ret);
+    else PyList_SET_ITEM(ret, b, entry);
+  }
+done:
+  fdp_plan_free(plan);
+  Py_XDECREF(fast);
+  PyMem_Free(keys);
+  PyMem_Free(ts);
+  return ret;
+}
+
+/* reduce_many(columns, outs, streams=None): outs[j] = sum of columns[j], one core reduce per column, with the GIL
+ * released once for the whole set (the per-bucket gradient reduction of DataParallel). */
+static PyObject *py_reduce_many(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  PyObject *cols_obj, *outs_obj, *streams_obj = Py_None;
+  if (!PyArg_ParseTuple(args, "OO|O:reduce_many", &cols_obj, &outs_obj, &streams_obj)) return NULL;
+  fdp_streams_t streams;
+  if (parse_streams(streams_obj, &streams) < 0) return NULL;
+  PyObject *cols = PySequence_Fast(cols_obj, "columns must be a sequence of sequences of tensors");
+  if (!cols) return NULL;
+  Py_ssize_t ncol = PySequence_Fast_GET_SIZE(cols), nout = 0;
+  PyObject *ret = NULL;
+  fdp_tensor_t *outs = describe_list(st, outs_obj, &nout, "outs");
+  fdp_tensor_t **ins = PyMem_Calloc((size_t)(ncol ? ncol : 1), sizeof *ins);
+  Py_ssize_t *counts = PyMem_Calloc((size_t)(ncol ? ncol : 1), sizeof *counts);
+  if (!outs || !ins || !counts) {
+    if (!PyErr_Occurred()) PyErr_NoMemory();
+    goto done;
+  }
+  if (nout != ncol || check_count(ncol) < 0) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "reduce_many: %zd outputs for %zd columns", nout, ncol);
+    goto done;
+  }
+  for (Py_ssize_t j = 0; j < ncol; j++) {
+    ins[j] = describe_list(st, PySequence_Fast_GET_ITEM(cols, j), &counts[j], "columns[j]");
+    if (!ins[j] || check_count(counts[j]) < 0) goto done;
+  }
+  fdp_result_t r = FDP_OK;
+  Py_BEGIN_ALLOW_THREADS for (Py_ssize_t j = 0; j < ncol && r == FDP_OK; j++) r =
+      fdp_op_reduce(ins[j], (int)counts[j], &outs[j], &streams);
+  Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
+  else ret = Py_NewRef(Py_None);
+done:
+  for (Py_ssize_t j = 0; ins && j < ncol; j++) PyMem_Free(ins[j]);
+  PyMem_Free(ins);
+  PyMem_Free(counts);
+  PyMem_Free(outs);
+  Py_DECREF(cols);
+  return ret;
+}
+
+/* refresh(pairs, owned): for each (master_dict, replica_dict), makes the replica's __dict__ a fresh shallow copy of
+ * the master's, as Module._replicate_for_data_parallel would, except for the keys in `owned`, which keep the
+ * replica's own values (its parameter, buffer and child dicts). Persistent replicas thus see every attribute,
+ * hook dict and training flag the master has now. */
+static PyObject *py_refresh(PyObject *module, PyObject *args) {
+  (void)module;
+  PyObject *pairs_obj, *owned_obj;
+  if (!PyArg_ParseTuple(args, "OO:refresh", &pairs_obj, &owned_obj)) return NULL;
+  PyObject *pairs = PySequence_Fast(pairs_obj, "pairs must be a sequence of (dict, dict)");
+  PyObject *owned = pairs ? PySequence_Fast(owned_obj, "owned must be a sequence of keys") : NULL;
+  if (!owned) {
+    Py_XDECREF(pairs);
+    return NULL;
+  }
+  Py_ssize_t nowned = PySequence_Fast_GET_SIZE(owned);
+  PyObject *saved[32];
+  PyObject *ret = NULL;
+  if (nowned > 32) {
+    PyErr_SetString(PyExc_ValueError, "refresh: at most 32 owned keys");
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(pairs); i++) {
+    PyObject *pair = PySequence_Fast_GET_ITEM(pairs, i);
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyDict_Check(PyTuple_GET_ITEM(pair, 0)) ||
+        !PyDict_Check(PyTuple_GET_ITEM(pair, 1))) {
+      PyErr_Format(PyExc_TypeError, "refresh: pairs[%zd] must be a (dict, dict) tuple", i);
+      goto done;
+    }
+    PyObject *master = PyTuple_GET_ITEM(pair, 0), *replica = PyTuple_GET_ITEM(pair, 1);
+    for (Py_ssize_t k = 0; k < nowned; k++) {
+      saved[k] = PyDict_GetItemWithError(replica, PySequence_Fast_GET_ITEM(owned, k));
+      if (!saved[k] && PyErr_Occurred()) {
+        for (Py_ssize_t q = 0; q < k; q++) Py_XDECREF(saved[q]);
+        goto done;
+      }
+      Py_XINCREF(saved[k]);
+    }
+    PyDict_Clear(replica);
+    int bad = PyDict_Update(replica, master) < 0;
+    for (Py_ssize_t k = 0; k < nowned; k++) {
+      if (saved[k] && !bad) bad = PyDict_SetItem(replica, PySequence_Fast_GET_ITEM(owned, k), saved[k]) < 0;
+      Py_XDECREF(saved[k]);
+    }
+    if (bad) goto done;
+  }
+  ret = Py_NewRef(Py_None);
+done:
+  Py_DECREF(pairs);
+  Py_DECREF(owned);
+  return ret;
+}
+
+/* rebind(containers, keys, values): containers[i][keys[i]] = values[i] for every i — the per-step installation
+ * of fresh parameter and buffer tensors into persistent replicas. */
+static PyObject *py_rebind(PyObject *module, PyObject *args) {
+  (void)module;
+  PyObject *c_obj, *k_obj, *v_obj;
+  if (!PyArg_ParseTuple(args, "OOO:rebind", &c_obj, &k_obj, &v_obj)) return NULL;
+  PyObject *c = PySequence_Fast(c_obj, "containers must be a sequence");
+  PyObject *k = c ? PySequence_Fast(k_obj, "keys must be a sequence") : NULL;
+  PyObject *v = k ? PySequence_Fast(v_obj, "values must be a sequence") : NULL;
+  PyObject *ret = NULL;
+  if (!v) goto done;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(c);
+  if (PySequence_Fast_GET_SIZE(k) != n || PySequence_Fast_GET_SIZE(v) != n) {
+    PyErr_SetString(PyExc_ValueError, "rebind: containers, keys and values must have one length");
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *target = PySequence_Fast_GET_ITEM(c, i), *key = PySequence_Fast_GET_ITEM(k, i);
+    PyObject *value = PySequence_Fast_GET_ITEM(v, i);
+    int rc = PyDict_CheckExact(target) ? PyDict_SetItem(target, key, value) : PyObject_SetItem(target, key, value);
+    if (rc < 0) goto done;
+  }
+  ret = Py_NewRef(Py_None);
+done:
+  Py_XDECREF(c);
+  Py_XDECREF(k);
+  Py_XDECREF(v);
+  return ret;
+}
+
+static PyObject *py_set_dtypes(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  PyObject *dtypes, *tensor_type;
+  if (!PyArg_ParseTuple(args, "O!O!:set_dtypes", &PyDict_Type, &dtypes, &PyType_Type, &tensor_type)) return NULL;
+  Py_XSETREF(st->dtypes, Py_NewRef(dtypes));
+  Py_XSETREF(st->tensor_type, Py_NewRef(tensor_type));
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_dtype_codes(PyObject *module, PyObject *unused) {
+  (void)module;
+  (void)unused;
+  PyObject *d = PyDict_New();
+  for (int i = 0; d && i < FDP_DTYPE_COUNT; i++) {
+    PyObject *v = PyLong_FromLong(i);
+    if (!v || PyDict_SetItemString(d, fdp_dtype_name(i), v) < 0) Py_CLEAR(d);
+    Py_XDECREF(v);
+  }
+  return d;
+}
+
+static PyObject *py_info(PyObject *module, PyObject *unused) {
+  (void)module;
+  (void)unused;
+  PyObject *backends = PyDict_New();
+  for (int i = 0; backends && i < FDP_BACKEND_COUNT; i++) {
+    const char *why = "";
+    int usable;
+    Py_BEGIN_ALLOW_THREADS usable = fdp_backend_usable((fdp_backend_id_t)i, &why);
+    Py_END_ALLOW_THREADS PyObject *v = Py_BuildValue("{s:O,s:O,s:s}", "compiled",
+                                                    fdp_backend_compiled((fdp_backend_id_t)i) ? Py_True : Py_False,
+                                                    "usable", usable ? Py_True : Py_False, "why", why);
+    if (!v || PyDict_SetItemString(backends, fdp_backend_name((fdp_backend_id_t)i), v) < 0) Py_CLEAR(backends);
+    Py_XDECREF(v);
+  }
+  if (!backends) return NULL;
+  int ndev;
+  Py_BEGIN_ALLOW_THREADS ndev = fdp_cuda_device_count();
+  Py_END_ALLOW_THREADS PyObject *devices = PyList_New(0);
+  for (int d = 0; devices && d < ndev; d++) {
+    char name[256] = "";
+    size_t total = 0, free_b = 0;
+    fdp_result_t r;
+    Py_BEGIN_ALLOW_THREADS r = fdp_cuda_device_info(d, name, sizeof name, &total, &free_b);
+    Py_END_ALLOW_THREADS PyObject *peers = PyList_New(ndev);
+    for (int p = 0; peers && p < ndev; p++) PyList_SET_ITEM(peers, p, PyBool_FromLong(p == d || fdp_cuda_can_access_peer(d, p)));
+    PyObject *v = peers ? Py_BuildValue("{s:i,s:s,s:K,s:K,s:N,s:s}", "index", d, "name", name, "total_bytes",
+                                        (unsigned long long)total, "free_bytes", (unsigned long long)free_b,
+                                        "peer_access", peers, "error", r == FDP_OK ? "" : fdp_last_error())
+                        : NULL;
+    if (!v || PyList_Append(devices, v) < 0) Py_CLEAR(devices);
+    Py_XDECREF(v);
+  }
+  if (!devices) {
+    Py_DECREF(backends);
+    return NULL;
+  }
+  return Py_BuildValue("{s:N,s:i,s:i,s:s,s:N}", "backends", backends, "cuda_driver_version",
+                       fdp_cuda_driver_version(), "nccl_version", fdp_nccl_version(), "nccl_library",
+                       fdp_nccl_library(), "devices", devices);
+}
+
+static PyObject *py_shutdown(PyObject *module, PyObject *unused) {
+  (void)module;
+  (void)unused;
+  Py_BEGIN_ALLOW_THREADS fdp_shutdown();
+  Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"copy", py_copy, METH_VARARGS, "copy(dsts, srcs, streams=None): dst[i] = src[i] element-wise"},
+    {"broadcast", py_broadcast, METH_VARARGS, "broadcast(src, dsts, streams=None)"},
+    {"reduce", py_reduce, METH_VARARGS, "reduce(inputs, out, streams=None): out = sum(inputs) in order"},
+    {"scatter", py_scatter, METH_VARARGS, "scatter(src, outs, dim, chunk_sizes, streams=None)"},
+    {"gather", py_gather, METH_VARARGS, "gather(inputs, out, dim, streams=None)"},
+    {"reduce_many", py_reduce_many, METH_VARARGS, "reduce_many(columns, outs, streams=None)"},
+    {"refresh", py_refresh, METH_VARARGS, "refresh(pairs, owned): replica __dict__ = master's, owned keys kept"},
+    {"rebind", py_rebind, METH_VARARGS, "rebind(containers, keys, values): containers[i][keys[i]] = values[i]"},
+    {"plan", py_plan, METH_VARARGS, "plan(tensors, type_keys, bucket_bytes) -> buckets"},
+    {"set_dtypes", py_set_dtypes, METH_VARARGS, "set_dtypes({torch.dtype: code}, torch.Tensor)"},
+    {"dtype_codes", py_dtype_codes, METH_NOARGS, "{name: code} of the dtypes the core reduces"},
+    {"info", py_info, METH_NOARGS, "backends, driver and NCCL versions, devices"},
+    {"shutdown", py_shutdown, METH_NOARGS, "release communicators and device state"},
+    {NULL, NULL, 0, NULL},
+};
+
+static int add_error(PyObject *m, PyObject **slot, const char *name, PyObject *base, const char *doc) {
+  char full[128];
+  snprintf(full, sizeof full, "fastdp.%s", name);
+  *slot = PyErr_NewExceptionWithDoc(full, doc, base, NULL);
+  if (!*slot) return -1;
+  return PyModule_AddObjectRef(m, name, *slot);
+}
+
+static int exec_module(PyObject *m) {
+  module_state *st = get_state(m);
+  st->itemsizes = PyDict_New();
+  if (!st->itemsizes) return -1;
+#define FDP_INTERN(name)                                                                                     \
+  if (!(st->s_##name = PyUnicode_InternFromString(#name))) return -1;
+  FDP_INTERN(data_ptr) FDP_INTERN(shape) FDP_INTERN(stride) FDP_INTERN(dtype) FDP_INTERN(is_cuda)
+  FDP_INTERN(get_device) FDP_INTERN(device) FDP_INTERN(type) FDP_INTERN(itemsize)
+#undef FDP_INTERN
+  if (add_error(m, &st->FastDPError, "FastDPError", PyExc_RuntimeError,
+                "A CUDA, NCCL or internal failure in fastdp's core; .code names the result.") < 0 ||
+      add_error(m, &st->CudaError, "CudaError", st->FastDPError, "A CUDA driver call failed.") < 0 ||
+      add_error(m, &st->NcclError, "NcclError", st->FastDPError, "An NCCL call failed.") < 0 ||
+      add_error(m, &st->BackendUnavailableError, "BackendUnavailableError", st->FastDPError,
+                "The backend an operation needs is not compiled or cannot run here.") < 0)
+    return -1;
+  return 0;
+}
+
+static int traverse(PyObject *m, visitproc visit, void *arg) {
+  module_state *st = get_state(m);
+  Py_VISIT(st->dtypes);
+  Py_VISIT(st->itemsizes);
+  Py_VISIT(st->tensor_type);
+  Py_VISIT(st->FastDPError);
+  Py_VISIT(st->CudaError);
+  Py_VISIT(st->NcclError);
+  Py_VISIT(st->BackendUnavailableError);
+  return 0;
+}
+
+static int clear(PyObject *m) {
+  module_state *st = get_state(m);
+  Py_CLEAR(st->dtypes);
+  Py_CLEAR(st->itemsizes);
+  Py_CLEAR(st->tensor_type);
+  Py_CLEAR(st->s_data_ptr);
+  Py_CLEAR(st->s_shape);
+  Py_CLEAR(st->s_stride);
+  Py_CLEAR(st->s_dtype);
+  Py_CLEAR(st->s_is_cuda);
+  Py_CLEAR(st->s_get_device);
+  Py_CLEAR(st->s_device);
+  Py_CLEAR(st->s_type);
+  Py_CLEAR(st->s_itemsize);
+  Py_CLEAR(st->FastDPError);
+  Py_CLEAR(st->CudaError);
+  Py_CLEAR(st->NcclError);
+  Py_CLEAR(st->BackendUnavailableError);
+  return 0;
+}
+
+static void free_module(void *m) { clear((PyObject *)m); }
+
+static PyModuleDef_Slot slots[] = {{Py_mod_exec, exec_module}, {0, NULL}};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "fastdp._C", "fastdp's C core binding", sizeof(module_state), methods, slots,
+    traverse, clear, free_module,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&moduledef); }

@@ -1,0 +1,33 @@
+"""Runs the C test program of the core (tests/c/test_core.c) under AddressSanitizer and UBSan via tests/c/build.py."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUILD_SCRIPT = os.path.join(HERE, "c", "build.py")
+_spec = importlib.util.spec_from_file_location("fastdp_c_tests_build", BUILD_SCRIPT)
+_build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_build)
+
+
+def test_c_core_under_sanitizers():
+    if _build.compiler() is None:
+        pytest.skip("no C compiler found (cc, gcc or clang; or set CC): the C core tests need one")
+    proc = subprocess.run(
+        [sys.executable, BUILD_SCRIPT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+    )
+    out = proc.stdout
+    closing = re.findall(r"^(\d+) passed, (\d+) failed$", out, re.MULTILINE)
+    assert proc.returncode == 0, f"tests/c/build.py exited {proc.returncode}:\n{out}"
+    assert closing, f"no closing 'N passed, M failed' line:\n{out}"
+    passed, failed = map(int, closing[-1])
+    assert failed == 0 and passed > 0, f"{failed} C checks failed:\n{out}"

@@ -1,0 +1,43 @@
+"""fastdp: a drop-in, faster ``torch.nn.DataParallel`` with a C core (host, CUDA and NCCL backends).
+
+``import fastdp; model = fastdp.DataParallel(model)``. ``fastdp.comm`` mirrors ``torch.nn.parallel.comm``.
+"""
+
+__version__ = "0.1.0"
+
+import torch  # noqa: F401  (loaded first: the GPU backends reuse the CUDA libraries torch brings)
+
+from . import _C
+from ._C import BackendUnavailableError, CudaError, FastDPError, NcclError
+from . import comm
+
+__all__ = [
+    "comm",
+    "FastDPError",
+    "CudaError",
+    "NcclError",
+    "BackendUnavailableError",
+    "info",
+]
+
+
+def info():
+    """A dict of what fastdp can do on this machine (see ``python -m fastdp info``)."""
+    from ._info import collect
+
+    return collect()
+
+
+# ---- DataParallel layer (issue 3): torch.nn.parallel's public names --------------------------------------------
+from .data_parallel import DataParallel, data_parallel  # noqa: E402
+from .parallel_apply import parallel_apply  # noqa: E402
+from .replicate import replicate  # noqa: E402
+from .scatter_gather import gather, scatter, scatter_kwargs  # noqa: E402
+
+__all__ += ["DataParallel", "data_parallel", "replicate", "scatter", "scatter_kwargs", "gather", "parallel_apply"]
+
+# ---- torch.distributed layer (issue 6): the wrapper under torchrun, and the helpers for one script everywhere ------
+from . import distributed  # noqa: E402
+from .distributed import DistributedDataParallel, RankZeroFilter, print0, save, shard  # noqa: E402
+
+__all__ += ["distributed", "DistributedDataParallel", "shard", "save", "print0", "RankZeroFilter"]

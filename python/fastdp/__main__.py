@@ -1,0 +1,27 @@
+"""python -m fastdp info | bench ... — machine facts and benchmarks."""
+
+import argparse
+import json
+import sys
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m fastdp")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="versions, backends, GPUs and peer access")
+    p_info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sub.add_parser("bench", help="benchmarks (same as python -m fastdp.bench)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "info":
+        from ._info import collect, render
+
+        info = collect()
+        print(json.dumps(info, indent=2) if args.json else render(info))
+        return 0
+    from .bench import main as bench_main
+
+    return bench_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Benchmarks: programs that print tables and write CSV files, never timed assertions.
+
+python -m fastdp.bench comm [--sizes-mb 1,4,16,64,256] [--replicas 4] [--out bench-out]
+python -m fastdp.bench train [--models mlp,cnn,transformer] [--replicas 4] [--rounds 5] [--split] [--out bench-out]
+"""
+
+import argparse
+import sys
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m fastdp.bench")
+    sub = parser.add_subparsers(dest="which", required=True)
+    p = sub.add_parser("comm", help="GB/s per operation and backend next to the copy limit of the same run")
+    p.add_argument("--sizes-mb", default="1,4,16,64,256", help="buffer sizes in MB (comma-separated)")
+    p.add_argument("--replicas", type=int, default=4, help="device entries per operation")
+    p.add_argument("--seconds", type=float, default=0.3, help="time budget per measurement")
+    p.add_argument("--out", default="bench-out", help="folder for the CSV")
+    p = sub.add_parser("train", help="training steps/s and per-step split: bare model, torch.nn.DataParallel, "
+                       "fastdp.DataParallel")
+    p.add_argument("--models", default="mlp,cnn,transformer", help="comma-separated: mlp, cnn, transformer")
+    p.add_argument("--replicas", type=int, default=4, help="repeated ids on one GPU / emulated 'cpu' replicas")
+    p.add_argument("--batch", type=int, default=0, help="batch size for every model (0: each model's default)")
+    p.add_argument("--steps", type=int, default=10, help="timed training steps per configuration and round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed run")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; medians over rounds are reported")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--out", default="bench-out", help="folder for train.csv and train.png")
+    p.add_argument("--split", action="store_true",
+                   help="synchronise the GPUs around each timed region of the instrumented pass")
+    p.add_argument("--per-device-batch", action="store_true",
+                   help="several GPUs: the DataParallel runs get --batch per GPU (weak scaling)")
+    args = parser.parse_args(argv)
+    if args.which == "comm":
+        from .comm import run
+
+        return run(args)
+    if args.which == "train":
+        from .train import run
+
+        return run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Device normalisation for the DataParallel layer: CUDA entries become int indices, CPU entries the string "cpu".
+
+Upstream keeps device ids as ints (``_get_device_index``); fastdp adds ``"cpu"`` entries, each an emulated
+replica device of its own, so a normalised device list is either all ints or all ``"cpu"``.
+"""
+
+import operator
+
+import torch
+
+CPU = "cpu"
+_CPU_DEVICE = torch.device("cpu")
+
+
+def _parse(d):
+    """int / str / torch.device → torch.device or int; unknown strings raise torch's own RuntimeError."""
+    if isinstance(d, torch.device):
+        return d
+    if isinstance(d, str):
+        return torch.device(d)
+    if isinstance(d, bool):
+        raise TypeError(f"expected a device (int, str or torch.device), got bool {d!r}")
+    try:
+        return operator.index(d)
+    except TypeError:
+        raise TypeError(f"expected a device (int, str or torch.device), got {type(d).__name__} {d!r}") from None
+
+
+def is_cpu(d):
+    """True for the entries that name the host: "cpu", "cpu:0", torch.device("cpu")."""
+    if isinstance(d, (str, torch.device)):
+        return _parse(d).type == "cpu"
+    return False
+
+
+def cuda_index(d, what="device"):
+    """A CUDA device entry → its int index (upstream's _get_device_index(d, True) for CUDA devices)."""
+    d = _parse(d)
+    if isinstance(d, int):
+        return d
+    if d.type == "cpu":
+        # Upstream's text, from torch._utils._get_device_index.
+        raise ValueError(f"Expected a non cpu device, but got: {d}")
+    if d.type != "cuda":
+        raise ValueError(
+            f"{what}: fastdp runs replicas on CUDA devices or on emulated 'cpu' devices, got a {d.type} device ({d})"
+        )
+    if d.index is None:
+        return torch.cuda.current_device()
+    return d.index
+
+
+def normalize(d, what="device"):
+    """Any accepted device entry → int (CUDA index) or "cpu"."""
+    if is_cpu(d):
+        return CPU
+    return cuda_index(d, what)
+
+
+def normalize_list(devices, what="device_ids"):
+    """A device list → list of ints or list of "cpu"; mixing the two raises ValueError naming the fix."""
+    out = [normalize(d, what) for d in devices]
+    kinds = {x == CPU for x in out}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"{what} mixes 'cpu' entries with CUDA devices ({list(devices)!r}). fastdp emulates replicas on the "
+            f"host only when every entry is 'cpu': pass {what}=['cpu'] * N for emulated replicas, or CUDA "
+            "device indices only (e.g. [0, 1])."
+        )
+    return out
+
+
+def torch_device(d):
+    """A normalised entry → torch.device ("cpu" stays the host; ints become cuda:k)."""
+    if d == CPU:
+        return _CPU_DEVICE
+    return torch.device("cuda", d)
+
+
+def of_tensor(t):
+    """The normalised device of a tensor."""
+    if t.device.type == "cpu":
+        return CPU
+    return t.device.index
+
+
+def cuda_available():
+    """Whether a CUDA device can run replicas (never initialises a CUDA context)."""
+    return torch.cuda.is_available()

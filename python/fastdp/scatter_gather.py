@@ -1,0 +1,122 @@
+"""``scatter``, ``scatter_kwargs`` and ``gather`` with torch.nn.parallel's recursion rules.
+
+Scatter splits every tensor leaf along ``dim`` and rebuilds tuples, lists, dicts and namedtuples per replica;
+any other value reaches every replica by reference. Gather concatenates the replicas' tensors and rebuilds the
+containers of replica 0's output. Differences: ``scatter_kwargs`` pads the shorter list correctly (current
+upstream compares against the wrong length), and outputs that cannot be gathered (strings, numbers, other
+objects, mismatched containers) raise a TypeError/ValueError naming where they are instead of producing garbage.
+The helpers take their state as arguments (no self-referencing closures), so no reference cycles are created.
+"""
+
+import torch
+
+from . import _devices
+from ._functions import Gather, Scatter
+
+__all__ = ["scatter", "scatter_kwargs", "gather"]
+
+
+def _is_namedtuple(obj):
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def _scatter_map(obj, devices, dim):
+    """One entry per replica; the replica count is the fewest chunks among the tensor leaves (zip)."""
+    if isinstance(obj, torch.Tensor):
+        return list(Scatter.apply(devices, None, dim, obj))
+    if _is_namedtuple(obj):
+        return [type(obj)(*fields) for fields in zip(*[_scatter_map(f, devices, dim) for f in obj])]
+    if isinstance(obj, tuple) and len(obj) > 0:
+        return [tuple(items) for items in zip(*[_scatter_map(x, devices, dim) for x in obj])]
+    if isinstance(obj, list) and len(obj) > 0:
+        return [list(items) for items in zip(*[_scatter_map(x, devices, dim) for x in obj])]
+    if isinstance(obj, dict) and len(obj) > 0:
+        # Items are (key, value) tuples, so keys follow the same rules as values (as upstream).
+        return [type(obj)(pairs) for pairs in zip(*[_scatter_map(kv, devices, dim) for kv in obj.items()])]
+    return [obj for _ in devices]
+
+
+def _target_list(target_gpus):
+    return _devices.normalize_list(list(target_gpus), "target_gpus")
+
+
+def scatter(inputs, target_gpus, dim=0):
+    """Slices tensors into approximately equal chunks and distributes them across the given devices."""
+    return _scatter_map(inputs, _target_list(target_gpus), dim)
+
+
+def scatter_kwargs(inputs, kwargs, target_gpus, dim=0):
+    """Scatters positional args and kwargs; the shorter per-replica list is padded with () or {}."""
+    devices = _target_list(target_gpus)
+    scattered_inputs = _scatter_map(inputs, devices, dim) if inputs else []
+    scattered_kwargs = _scatter_map(kwargs, devices, dim) if kwargs else []
+    if len(scattered_inputs) < len(scattered_kwargs):
+        scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
+    elif len(scattered_kwargs) < len(scattered_inputs):
+        scattered_kwargs.extend({} for _ in range(len(scattered_inputs) - len(scattered_kwargs)))
+    return tuple(scattered_inputs), tuple(scattered_kwargs)
+
+
+def _kind(obj):
+    return type(obj).__name__
+
+
+def _gather_map(outputs, target, dim, path):
+    out = outputs[0]
+    if isinstance(out, torch.Tensor):
+        for i, o in enumerate(outputs):
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(
+                    f"Cannot gather {path}: replica 0 returned a Tensor but replica {i} returned {_kind(o)}"
+                )
+        return Gather.apply(target, dim, *outputs)
+    if out is None:
+        return None
+    if isinstance(out, dict):
+        for i, d in enumerate(outputs):
+            if not isinstance(d, dict):
+                raise TypeError(f"Cannot gather {path}: replica 0 returned a dict but replica {i} returned {_kind(d)}")
+            if len(d) != len(out):
+                # Upstream's exception and text.
+                raise ValueError("All dicts must have the same number of keys")
+            if d.keys() != out.keys():
+                missing = [k for k in out if k not in d]
+                raise ValueError(
+                    f"All dicts must have the same keys: at {path}, replica {i} lacks {missing!r} "
+                    f"(replica 0 has {list(out)!r}, replica {i} has {list(d)!r})"
+                )
+        return type(out)((k, _gather_map([d[k] for d in outputs], target, dim, f"{path}[{k!r}]")) for k in out)
+    if isinstance(out, (tuple, list)):
+        for i, o in enumerate(outputs):
+            if not isinstance(o, (tuple, list)):
+                raise TypeError(
+                    f"Cannot gather {path}: replica 0 returned a {_kind(out)} but replica {i} returned {_kind(o)}"
+                )
+            if len(o) != len(out):
+                raise ValueError(
+                    f"Cannot gather {path}: replica 0 returned a {_kind(out)} of {len(out)} elements but replica "
+                    f"{i} returned {len(o)}"
+                )
+        gathered = [_gather_map([o[k] for o in outputs], target, dim, f"{path}[{k}]") for k in range(len(out))]
+        if _is_namedtuple(out):
+            return type(out)._make(gathered)
+        return type(out)(gathered)
+    raise TypeError(
+        f"Cannot gather {path} of type {_kind(out)}: DataParallel gathers tensors, None, and tuples, lists, dicts "
+        "and namedtuples of them. Return a tensor instead (e.g. torch.tensor(value)), or keep such values out of "
+        "forward's output."
+    )
+
+
+def gather(outputs, target_device, dim=0):
+    """Gathers tensors from the replicas' outputs onto ``target_device`` (-1 or "cpu" for the host)."""
+    outputs = list(outputs)
+    if not outputs:
+        raise ValueError("gather expects the output of at least one replica")
+    if target_device is None:
+        target = torch.cuda.current_device() if _devices.cuda_available() else _devices.CPU
+    elif isinstance(target_device, int) and not isinstance(target_device, bool) and target_device == -1:
+        target = -1  # comm.gather gives upstream's FutureWarning for -1.
+    else:
+        target = _devices.normalize(target_device, "target_device")
+    return _gather_map(outputs, target, dim, "output")

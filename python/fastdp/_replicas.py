@@ -1,0 +1,318 @@
+"""Persistent replicas and bucketed gradient reduction for ``fastdp.DataParallel``.
+
+Replica module skeletons are built once per (module structure, device list) and kept; every step only tensors
+move. Each step:
+
+1. the structure signature (modules, parameter/buffer/child identities, dtypes, shapes, devices, requires_grad)
+   is compared with the one the skeletons were built from; any difference rebuilds them;
+2. each replica's ``__dict__`` is refreshed from its master module in C (what ``_replicate_for_data_parallel``
+   would copy: attributes, hook dicts, the training flag), keeping the replica's own parameter/buffer/child dicts;
+3. parameters (and buffers that require grad) are broadcast bucket by bucket, each bucket one autograd node
+   (``_BucketBroadcast``) whose outputs are views into per-device flat buffers reused across steps; the other
+   buffers and frozen parameters are copied into reused flat buffers outside autograd;
+4. the fresh tensors are installed into the skeletons in C (``_C.rebind``).
+
+In backward, a bucket's node runs as soon as every replica has produced that bucket's gradients (buckets hold
+parameters in reverse registration order, so the last layers' reduction starts while earlier layers are still in
+backward); it sums the replicas' gradients onto ``device_ids[0]`` without packing them first and hands the master
+parameters views of one flat result. ``no_sync()`` keeps per-replica sums instead and reduces them at the first
+backward outside it.
+
+A flat buffer is reused only when none of the views it handed out is alive any more (a second forward before
+backward gets fresh buffers), so a graph still waiting for backward never sees its tensors overwritten.
+"""
+
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch.autograd import Function
+
+from . import _C, _devices, comm
+from ._core import streams_for, to_core_dtype
+from ._functions import ReduceAddCoalesced
+from .replicate import _check_initialized
+
+__all__ = ["ReplicaSet", "persistable", "reduce_bucket"]
+
+# Keys of a replica's __dict__ that belong to the replica (Module._replicate_for_data_parallel and RNNBase's
+# override give the replica its own copies of these); everything else mirrors the master every step.
+_OWNED = ("_parameters", "_buffers", "_modules", "_is_replica", "_former_parameters", "_flat_weights",
+          "_flat_weights_names")
+_POOL = 3  # flat buffers kept per bucket and device; beyond that (views held elsewhere) buffers are not kept
+
+
+def persistable(network):
+    """Whether every module replicates the standard way, so that a persistent skeleton equals a fresh one.
+
+    Modules with their own ``_replicate_for_data_parallel`` (other than torch's RNNs) and ScriptModules take the
+    rebuild-every-step path.
+    """
+    standard = (torch.nn.Module._replicate_for_data_parallel, torch.nn.RNNBase._replicate_for_data_parallel)
+    for m in network.modules():
+        if isinstance(m, torch.jit.ScriptModule) or type(m)._replicate_for_data_parallel not in standard:
+            return False
+    return True
+
+
+def check_replicatable(network):
+    """The checks fresh replication makes (uninitialised lazy parameters raise torch's ValueError)."""
+    _check_initialized(network.parameters())
+    _check_initialized(network.buffers())
+
+
+def _tensor_sig(t):
+    return None if t is None else (id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout)
+
+
+def signature(modules):
+    """Everything whose change makes kept skeletons or bucket layouts stale."""
+    sig = []
+    for m in modules:
+        sig.append((id(m), type(m)))
+        sig.extend((k, _tensor_sig(p)) for k, p in m._parameters.items())
+        sig.append(None)
+        sig.extend((k, _tensor_sig(b)) for k, b in m._buffers.items())
+        sig.append(None)
+        sig.extend((k, id(c)) for k, c in m._modules.items())
+    return sig
+
+
+class _FlatPool:
+    """Flat buffers of one bucket on one device, reused once no view handed out from them is alive."""
+
+    __slots__ = ("numel", "dtype", "device", "flats")
+
+    def __init__(self, numel, dtype, device):
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.flats = []  # [flat, [weakrefs of its views]]
+
+    def take(self, sizes, shapes):
+        """A free flat buffer and fresh views of it shaped like the bucket's members."""
+        entry = next((e for e in self.flats if all(r() is None for r in e[1])), None)
+        if entry is None:
+            entry = [torch.empty(self.numel, dtype=self.dtype, device=self.device), []]
+            if len(self.flats) < _POOL:
+                self.flats.append(entry)
+        # .data: each view gets a version counter of its own, as upstream's broadcast copies do.
+        views = [piece.view(shape).data for piece, shape in zip(entry[0].split(sizes), shapes)]
+        entry[1] = [weakref.ref(v) for v in views]
+        return entry[0], views
+
+
+class _State:
+    """What the wrapper and the bucket nodes share: devices, the reduction mode, no_sync bookkeeping."""
+
+    __slots__ = ("devices", "tdevs", "collective", "sync")
+
+    def __init__(self, devices):
+        self.devices = list(devices)
+        self.tdevs = [_devices.torch_device(d) for d in devices]
+        self.collective = comm._collective(self.tdevs)
+        self.sync = True
+
+
+class _Bucket:
+    """Tensors of one dtype broadcast and reduced together; `members` index the ReplicaSet's tensor list."""
+
+    __slots__ = ("state", "members", "shapes", "sizes", "numel", "dtype", "pools", "src_pool", "pending")
+
+    def __init__(self, state, members, tensors):
+        self.state = state
+        self.members = members
+        self.shapes = [tensors[i].shape for i in members]
+        self.sizes = [tensors[i].numel() for i in members]
+        self.numel = sum(self.sizes)
+        self.dtype = tensors[members[0]].dtype
+        self.pools = [_FlatPool(self.numel, self.dtype, d) for d in state.tdevs[1:]]
+        self.src_pool = _FlatPool(self.numel, self.dtype, state.tdevs[0]) if state.collective else None
+        self.pending = None  # no_sync: per replica, per member, the gradient sums kept so far
+
+    def fill(self, sources):
+        """Copies `sources` (the master tensors) into fresh views on every other device; returns the views."""
+        flats, views = [], []
+        for pool in self.pools:
+            flat, vs = pool.take(self.sizes, self.shapes)
+            flats.append(flat)
+            views.append(vs)
+        if self.state.collective:  # NCCL broadcasts one packed buffer from device_ids[0]
+            src_flat, src_views = self.src_pool.take(self.sizes, self.shapes)
+            _C.copy(src_views, sources, streams_for([src_flat]))
+            _C.broadcast(src_flat, flats, streams_for([src_flat, *flats]))
+        else:  # host entries or repeated CUDA ids: every member straight into every replica's buffer, one call
+            _C.copy([v for vs in views for v in vs], list(sources) * len(views), streams_for([*sources, *flats]))
+        return views
+
+
+class _BucketBroadcast(Function):
+    """One bucket's broadcast as one autograd node: outputs are replica 0's aliases of the master tensors
+    followed by the other replicas' views; its backward reduces that bucket's gradients."""
+
+    @staticmethod
+    def forward(ctx, bucket, *sources):
+        ctx.bucket = bucket
+        ctx.set_materialize_grads(False)
+        views = bucket.fill(sources)
+        return tuple(sources) + tuple(v for vs in views for v in vs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) + reduce_bucket(ctx.bucket, grads)
+
+
+def _dense(g):
+    return g if g.is_contiguous() else g.contiguous()
+
+
+def reduce_bucket(bucket, grads):
+    """Sums the replicas' gradients of one bucket onto device_ids[0]; one gradient (or None) per member.
+
+    `grads` is replica-major: the k gradients of replica 0, then replica 1's, ... (None where a replica did not
+    use a member). Under no_sync the sums stay per replica and None is returned.
+    """
+    state = bucket.state
+    k, nrep = len(bucket.members), len(state.tdevs)
+    rows = [list(grads[r * k : (r + 1) * k]) for r in range(nrep)]
+    if bucket.pending is not None:  # fold in what no_sync kept
+        for r in range(nrep):
+            for j, acc in enumerate(bucket.pending[r]):
+                if acc is not None:
+                    rows[r][j] = acc if rows[r][j] is None else acc + rows[r][j]
+        bucket.pending = None
+    if not state.sync:
+        bucket.pending = [[None if g is None else g.detach().clone() for g in row] for row in rows]
+        return (None,) * k
+    if torch.is_grad_enabled():
+        # create_graph=True: the differentiable reduction, whose backward broadcasts again (double backward).
+        return ReduceAddCoalesced.apply(state.devices[0], state.devices, k, *(g for row in rows for g in row))
+    dest = state.tdevs[0]
+    result = [None] * k
+    columns, outs = [], []
+    flat = None
+    for j in range(k):
+        column = [row[j] for row in rows if row[j] is not None]
+        if not column:
+            continue
+        if any(g.is_sparse for g in column):
+            result[j] = comm.reduce_add([g.to(dest) if g.device != dest else g for g in column], dest)
+            continue
+        if flat is None:
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=dest)
+            pieces = flat.split(bucket.sizes)
+        result[j] = pieces[j].view(bucket.shapes[j])
+        columns.append([to_core_dtype(_dense(g)) for g in column])
+        outs.append(to_core_dtype(result[j]))
+    if columns:
+        try:
+            _C.reduce_many(columns, outs, streams_for([*outs, *(g for c in columns for g in c)]))
+        except _C.BackendUnavailableError:
+            # CUDA devices without NCCL: stage every gradient on the destination, then sum there.
+            staged = [[g if g.device == dest else g.to(dest) for g in c] for c in columns]
+            _C.reduce_many(staged, outs, streams_for([*outs, *(g for c in staged for g in c)]))
+    return tuple(result)
+
+
+def _buckets(state, tensors, indices, bucket_bytes):
+    """Dtype-homogeneous buckets of about bucket_bytes over `indices`, in reverse registration order."""
+    order = list(reversed(indices))
+    if not order:
+        return []
+    plan = _C.plan([tensors[i].detach() for i in order], [0] * len(order), bucket_bytes)
+    return [_Bucket(state, [order[m[0]] for m in members], tensors) for _, members in plan]
+
+
+class ReplicaSet:
+    """Kept replicas of one master module on one device list."""
+
+    def __init__(self, network, devices, bucket_bytes):
+        self.network = network
+        self.state = _State(devices)
+        self.bucket_bytes = bucket_bytes
+        self.modules = list(network.modules())
+        self.signature = signature(self.modules)
+        nrep = len(devices)
+        index = {id(m): i for i, m in enumerate(self.modules)}
+        self.replicas = [[m._replicate_for_data_parallel() for m in self.modules] for _ in range(nrep)]
+        for row in self.replicas:
+            for i, m in enumerate(self.modules):
+                replica = row[i]
+                replica._former_parameters = OrderedDict()
+                for key, child in m._modules.items():
+                    replica._modules[key] = None if child is None else row[index[id(child)]]
+        # Every distinct parameter, then every distinct buffer: the tensors refreshed each step.
+        self.params = list(network.parameters())
+        self.buffers = list(network.buffers())
+        self.tensors = self.params + self.buffers
+        tindex = {id(t): i for i, t in enumerate(self.tensors)}
+        # Slots: where each replica keeps each tensor (its _parameters / _buffers dicts, RNN flat-weight lists).
+        containers, keys, refs = [], [], []
+        for r, row in enumerate(self.replicas):
+            for i, m in enumerate(self.modules):
+                replica = row[i]
+                names = replica.__dict__.get("_flat_weights_names")
+                for key, p in m._parameters.items():
+                    if p is None:
+                        replica._parameters[key] = None
+                        continue
+                    t = tindex[id(p)]
+                    containers += [replica._parameters, replica._former_parameters]
+                    keys += [key, key]
+                    refs += [(r, t), (r, t)]
+                    if names is not None and key in names:
+                        containers.append(replica._flat_weights)
+                        keys.append(names.index(key))
+                        refs.append((r, t))
+                for key, b in m._buffers.items():
+                    if b is not None:
+                        containers.append(replica._buffers)
+                        keys.append(key)
+                        refs.append((r, tindex[id(b)]))
+        self.containers, self.keys, self.refs = containers, keys, refs
+        self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)]
+        self.plans = {}  # grad_enabled -> (grad buckets, detached buckets)
+
+    def _plan(self, grad_enabled):
+        plan = self.plans.get(grad_enabled)
+        if plan is None:
+            n = len(self.params)
+            if grad_enabled:
+                diff = [i for i in range(n) if self.params[i].requires_grad]
+                diff += [n + i for i, b in enumerate(self.buffers) if b.requires_grad]
+            else:
+                diff = []
+            taken = set(diff)
+            rest = [i for i in range(len(self.tensors)) if i not in taken]
+            plan = (_buckets(self.state, self.tensors, diff, self.bucket_bytes),
+                    _buckets(self.state, self.tensors, rest, self.bucket_bytes))
+            self.plans[grad_enabled] = plan
+        return plan
+
+    def matches(self, network, devices):
+        return network is self.network and list(devices) == self.state.devices and signature(
+            list(network.modules())) == self.signature
+
+    def has_pending(self):
+        return any(b.pending is not None for plan in self.plans.values() for b in plan[0])
+
+    def step(self):
+        """Refreshes the kept replicas for one forward and returns their root modules."""
+        grad_buckets, rest_buckets = self._plan(torch.is_grad_enabled())
+        _C.refresh(self.pairs, _OWNED)
+        # Drop last step's tensors first, so that flat buffers nobody else holds can be reused.
+        _C.rebind(self.containers, self.keys, [None] * len(self.containers))
+        nrep = len(self.replicas)
+        values = [list(self.tensors)] + [[None] * len(self.tensors) for _ in range(nrep - 1)]
+        for bucket in grad_buckets:
+            outs = _BucketBroadcast.apply(bucket, *(self.tensors[i] for i in bucket.members))
+            k = len(bucket.members)
+            for r in range(nrep):
+                for j, i in enumerate(bucket.members):
+                    values[r][i] = outs[r * k + j]
+        with torch.no_grad():
+            for bucket in rest_buckets:
+                views = bucket.fill([self.tensors[i].detach() for i in bucket.members])
+                for r, vs in enumerate(views, start=1):
+                    for i, v in zip(bucket.members, vs):
+                        values[r][i] = v
+        _C.rebind(self.containers, self.keys, [values[r][t] for r, t in self.refs])
+        return [row[0] for row in self.replicas]

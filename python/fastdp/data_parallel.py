@@ -1,0 +1,303 @@
+"""``fastdp.DataParallel`` and ``fastdp.data_parallel``: drop-in replacements for torch.nn's, on fastdp.comm.
+
+Same constructor, attributes, overridable ``scatter``/``replicate``/``parallel_apply``/``gather`` (called through
+``self``) and errors as ``torch.nn.DataParallel`` (see docs/data_parallel.md). Additions: ``device_ids=["cpu"] * N``
+runs N emulated replicas on the host; ``state_dict()`` has no ``module.`` prefix and ``load_state_dict`` accepts
+both forms; attributes the wrapper lacks are read from the wrapped module.
+"""
+
+import contextlib
+import warnings
+from collections import OrderedDict
+from itertools import chain
+
+import torch
+from torch.nn.modules import Module
+
+from . import _devices, _replicas
+from .parallel_apply import parallel_apply
+from .replicate import replicate
+from .scatter_gather import gather, scatter_kwargs
+
+__all__ = ["DataParallel", "data_parallel"]
+
+_PREFIX = "module."
+
+_IMBALANCE_WARNING = (
+    "There is an imbalance between your GPUs. You may want to exclude GPU {} which has less than 75% of the "
+    "memory or cores of GPU {}. You can do so by setting the device_ids argument to DataParallel, or by setting "
+    "the CUDA_VISIBLE_DEVICES environment variable."
+)
+
+
+def _check_balance(device_ids):
+    """Upstream's constructor warning for GPUs with unequal memory (or, failing that, unequal core counts)."""
+    props = [torch.cuda.get_device_properties(i) for i in device_ids]
+    for get in (lambda p: p.total_memory, lambda p: p.multi_processor_count):
+        values = [get(p) for p in props]
+        lo = min(range(len(values)), key=values.__getitem__)
+        hi = max(range(len(values)), key=values.__getitem__)
+        if values[lo] / values[hi] < 0.75:
+            warnings.warn(_IMBALANCE_WARNING.format(device_ids[lo], device_ids[hi]), stacklevel=3)
+            return
+
+
+def _require_indexable(device_ids):
+    if not (hasattr(device_ids, "__getitem__") and hasattr(device_ids, "__len__")) or isinstance(
+        device_ids, (str, torch.device)
+    ):
+        raise TypeError(
+            f"device_ids must be a list or tuple of devices (DataParallel reads device_ids[0]), got "
+            f"{type(device_ids).__name__} {device_ids!r}"
+        )
+
+
+def _resolve(device_ids, output_device):
+    """(mode, device_ids, output_device) with mode "cpu", "cuda", or None for upstream's pass-through.
+
+    CPU entries select emulated replicas on any machine; otherwise, as upstream, no GPU means pass-through.
+    """
+    if device_ids is not None:
+        _require_indexable(device_ids)
+        if any(_devices.is_cpu(d) for d in device_ids):
+            ids = _devices.normalize_list(device_ids, "device_ids")
+            if output_device is None or _devices.is_cpu(output_device):
+                out = _devices.CPU
+            elif isinstance(output_device, int) and not isinstance(output_device, bool) and output_device == -1:
+                out = -1  # Gathers to the host with upstream's FutureWarning.
+            else:
+                raise ValueError(
+                    f"output_device={output_device!r} is a CUDA device but device_ids are emulated 'cpu' replicas; "
+                    "with 'cpu' device_ids leave output_device unset or pass 'cpu'"
+                )
+            return "cpu", ids, out
+    if not _devices.cuda_available():
+        return None, [], None
+    if device_ids is None:
+        device_ids = list(range(torch.cuda.device_count()))
+    if output_device is None:
+        output_device = device_ids[0]  # IndexError for device_ids=[], as upstream.
+    ids = [_devices.cuda_index(d, "device_ids") for d in device_ids]
+    if _devices.is_cpu(output_device):
+        out = _devices.CPU  # Deliberate: upstream raises here although -1 (deprecated) means the same.
+    else:
+        out = _devices.cuda_index(output_device, "output_device")
+    return "cuda", ids, out
+
+
+def _check_module_device(module, src_device_obj):
+    for t in chain(module.parameters(), module.buffers()):
+        if t.device != src_device_obj:
+            # Upstream's text.
+            raise RuntimeError(
+                "module must have its parameters and buffers "
+                f"on device {src_device_obj} (device_ids[0]) but found one of "
+                f"them on device: {t.device}"
+            )
+
+
+def _has_module_prefix(keys, expected):
+    """Whether checkpoint keys carry DataParallel's "module." prefix, judged against the module's own keys."""
+    keys = list(keys)
+    if not keys or not all(k.startswith(_PREFIX) for k in keys):
+        return False
+    # A module whose own child is named "module" has prefix-free keys that start with "module." too.
+    if all(k in expected for k in keys) and not all(k[len(_PREFIX) :] in expected for k in keys):
+        return False
+    return True
+
+
+def _strip_prefix(state_dict):
+    """A copy of a "module."-prefixed state dict without the prefix, metadata included."""
+    out = OrderedDict((k[len(_PREFIX) :], v) for k, v in state_dict.items())
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        stripped = OrderedDict()
+        for k, v in metadata.items():
+            if k == "module":
+                stripped[""] = v
+            elif k.startswith(_PREFIX):
+                stripped[k[len(_PREFIX) :]] = v
+        out._metadata = stripped
+    return out
+
+
+def _nested_load_pre_hook(wrapper, state_dict, prefix, *unused):
+    """When the wrapper is a submodule, adds "module." to prefix-free keys under it so nested loads match.
+
+    Registered with ``with_module=True``: torch holds the wrapper weakly (no reference cycle) and re-binds it
+    when the wrapper is pickled or deep-copied.
+    """
+    keys = [k for k in state_dict if k.startswith(prefix)]
+    relative = [k[len(prefix) :] for k in keys]
+    if not keys:
+        return
+    expected = set(wrapper.module.state_dict(keep_vars=True).keys())
+    if _has_module_prefix(relative, expected):
+        return
+    for key, rel in zip(keys, relative):
+        state_dict[prefix + _PREFIX + rel] = state_dict.pop(key)
+
+
+class DataParallel(Module):
+    """Implements data parallelism at the module level, like ``torch.nn.DataParallel``.
+
+    The batch is split along ``dim`` across ``device_ids``, the module is replicated on each device for every
+    forward, and the outputs are gathered on ``output_device``; gradients are summed onto the original module.
+    ``device_ids`` may be CUDA devices or ``["cpu"] * N`` (N emulated replicas on the host).
+    ``mode="auto"`` builds a ``fastdp.DistributedDataParallel`` instead when the script runs under torchrun with
+    WORLD_SIZE > 1 or a default process group exists; ``"single"`` and ``"distributed"`` force the choice.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        # Picks the class (docs/distributed.md); __init__ then runs on it with the same arguments. Unpickling and
+        # copy.deepcopy call cls.__new__(cls) without arguments: they keep cls and never look at the environment.
+        if args or kwargs:
+            from .distributed import _choose_class
+
+            cls = _choose_class(cls, kwargs.get("mode", "auto"))
+        return super().__new__(cls)
+
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="auto", bucket_cap_mb=25):
+        # mode: see __new__. bucket_cap_mb: size of the gradient buckets, each reduced as soon as it is ready.
+        super().__init__()
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+        self._bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
+        self._replica_set = None  # persistent replicas (fastdp._replicas), built on first use
+        self._sync_enabled = True
+        torch._C._log_api_usage_once("fastdp.DataParallel")
+        mode, ids, out = _resolve(device_ids, output_device)
+        self.module = module
+        self._register_load_state_dict_pre_hook(_nested_load_pre_hook, with_module=True)
+        if mode is None:
+            self.device_ids = []
+            return
+        self.dim = dim
+        self.device_ids = ids
+        self.output_device = out
+        self.src_device_obj = _devices.torch_device(ids[0])
+        if mode == "cuda":
+            _check_balance(self.device_ids)
+        if len(self.device_ids) == 1:
+            self.module.to(self.src_device_obj)
+
+    def forward(self, *inputs, **kwargs):
+        with torch.autograd.profiler.record_function("DataParallel.forward"):
+            if not self.device_ids:
+                return self.module(*inputs, **kwargs)
+            _check_module_device(self.module, self.src_device_obj)
+            inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+            # A forward without inputs still runs once, on device_ids[0].
+            if not inputs and not module_kwargs:
+                inputs = ((),)
+                module_kwargs = ({},)
+            if len(self.device_ids) == 1:
+                return self.module(*inputs[0], **module_kwargs[0])
+            replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+            return self.gather(outputs, self.output_device)
+
+    def replicate(self, module, device_ids):
+        if module is not self.module or not _replicas.persistable(module):
+            return replicate(module, device_ids, not torch.is_grad_enabled())
+        devices = _devices.normalize_list(device_ids, "device_ids")
+        kept = self._replica_set
+        if kept is None or not kept.matches(module, devices):
+            if kept is not None and kept.has_pending():
+                raise RuntimeError(
+                    "the module or device list changed while gradients accumulated under no_sync() were not yet "
+                    "reduced; run a backward outside no_sync() before changing them"
+                )
+            _replicas.check_replicatable(module)
+            kept = self._replica_set = _replicas.ReplicaSet(module, devices, self._bucket_bytes)
+        kept.state.sync = self._sync_enabled
+        return kept.step()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside accumulates gradients on the replicas; the first backward outside reduces them all.
+
+        Like DistributedDataParallel.no_sync: the master parameters' ``.grad`` is only updated by that backward,
+        and ends equal to accumulating without ``no_sync`` (up to the order of floating-point addition).
+        """
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+            if self._replica_set is not None:
+                self._replica_set.state.sync = previous
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_replica_set"] = None  # kept replicas are a cache: never pickled or deep-copied
+        return state
+
+    def scatter(self, inputs, kwargs, device_ids):
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        return parallel_apply(replicas, inputs, kwargs, self.device_ids[: len(replicas)])
+
+    def gather(self, outputs, output_device):
+        return gather(outputs, output_device, dim=self.dim)
+
+    # Checkpoints: the wrapper's state dict is the module's (no "module." prefix).
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's ``state_dict()``: keys carry no ``module.`` prefix."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Loads a plain or a ``module.``-prefixed state dict into the wrapped module (errors name plain keys)."""
+        expected = set(self.module.state_dict(keep_vars=True).keys())
+        if _has_module_prefix(state_dict.keys(), expected):
+            state_dict = _strip_prefix(state_dict)
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # Attribute forwarding: what the wrapper lacks is read from the wrapped module.
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") and name.endswith("__"):
+                raise
+            modules = self.__dict__.get("_modules")
+            if not modules or "module" not in modules:
+                raise
+            module = modules["module"]
+            try:
+                return getattr(module, name)
+            except AttributeError as inner:
+                raise AttributeError(
+                    f"'{type(self).__name__}' object has no attribute '{name}', nor has its wrapped module "
+                    f"('{type(module).__name__}')"
+                ) from inner
+
+
+def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):
+    """Evaluates ``module(input)`` in parallel across ``device_ids``; the functional form of DataParallel."""
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,) if inputs is not None else ()
+    if device_ids is not None:
+        _require_indexable(device_ids)
+    emulated = device_ids is not None and any(_devices.is_cpu(d) for d in device_ids)
+    if not emulated and not _devices.cuda_available():
+        raise RuntimeError("device type could not be determined")  # Upstream's text.
+    _, ids, out = _resolve(device_ids, output_device)
+    src_device_obj = _devices.torch_device(ids[0])
+    _check_module_device(module, src_device_obj)
+    inputs, module_kwargs = scatter_kwargs(inputs, module_kwargs, ids, dim)
+    if not inputs and not module_kwargs:
+        inputs = ((),)
+        module_kwargs = ({},)
+    if len(ids) == 1:
+        return module(*inputs[0], **module_kwargs[0])
+    used = ids[: len(inputs)]
+    replicas = replicate(module, used)
+    outputs = parallel_apply(replicas, inputs, module_kwargs, used)
+    return gather(outputs, out, dim)
+

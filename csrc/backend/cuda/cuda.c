@@ -1,0 +1,730 @@
+/* The cuda backend: strided copies between CUDA tensors on any devices (copy engines where the layout allows,
+ * the strided-copy kernel otherwise) and the in-order k-way sum kernel, all through the driver API, ordered on
+ * the streams the caller lists. Kernels come from the fatbin embedded at build time, loaded once per device. */
+#include "backend/cuda/kernels.h"
+#include "dl/cuda_driver.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <stdio.h>
+#include <string.h>
+
+#define THREADS 256
+/* Same-device 2D copies narrower than this per row, or with more outer rows than MEMCPY_MAX_LOOP, go to the
+ * kernel: the copy engines are slow on short rows, and each cuMemcpy call costs microseconds of CPU. */
+#define MEMCPY2D_MIN_ROW 512
+#define MEMCPY_MAX_LOOP 64
+/* Cross-device copies have no kernel alternative short of staging, so they loop longer before staging. */
+#define PEER_MAX_LOOP 1024
+/* CU_DEVICE_ATTRIBUTE_MAX_PITCH on every GPU PyTorch supports; larger pitches take the kernel path. */
+#define MAX_PITCH INT32_MAX
+
+_Static_assert(sizeof(fdp_copy_args_t) == 16 + 3 * 8 * FDP_COPY_MAX_DIMS, "kernel ABI: fdp_copy_args_t");
+_Static_assert(sizeof(fdp_sum_args_t) == 8 * FDP_SUM_MAX_INPUTS + 24, "kernel ABI: fdp_sum_args_t");
+
+/* ---- kernels module, one per device ---- */
+
+typedef struct module {
+  CUmodule mod;
+  CUfunction sum[FDP_DTYPE_COUNT];
+  CUfunction copy[5]; /* element sizes 1, 2, 4, 8, 16 */
+  unsigned int max_blocks;
+} module_t;
+
+/* Integer sums wrap, so signed types share the kernel of their unsigned twin (same bits). */
+static const char *const k_sum_names[FDP_DTYPE_COUNT] = {
+    [FDP_DTYPE_BOOL] = "fdp_sum_bool", [FDP_DTYPE_U8] = "fdp_sum_u8",     [FDP_DTYPE_I8] = "fdp_sum_u8",
+    [FDP_DTYPE_I16] = "fdp_sum_u16",   [FDP_DTYPE_I32] = "fdp_sum_u32",   [FDP_DTYPE_I64] = "fdp_sum_u64",
+    [FDP_DTYPE_F16] = "fdp_sum_f16",   [FDP_DTYPE_BF16] = "fdp_sum_bf16", [FDP_DTYPE_F32] = "fdp_sum_f32",
+    [FDP_DTYPE_F64] = "fdp_sum_f64",
+};
+static const char *const k_copy_names[5] = {"fdp_copy_1", "fdp_copy_2", "fdp_copy_4", "fdp_copy_8",
+                                            "fdp_copy_16"};
+
+static module_t g_mod[FDP_MAX_DEVICES];
+static atomic_int g_mod_state[FDP_MAX_DEVICES]; /* 0 not loaded, 1 loaded, -1 failed (g_mod_err says why) */
+static char g_mod_err[FDP_MAX_DEVICES][256];
+static pthread_mutex_t g_mod_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static const char *const k_no_kernels = "kernels were not compiled (nvcc missing at build time)";
+
+/* Pops the context pushed for `dev`, keeping the first failure's detail when there already is one. */
+static fdp_result_t pop_keep(const fdp_cu_t *cu, int dev, fdp_result_t r) {
+  CUcontext c;
+  CUresult e = cu->CtxPopCurrent(&c);
+  return r != FDP_OK ? r : fdp__cu_check(e, "cuCtxPopCurrent", dev);
+}
+
+static fdp_result_t load_module(const fdp_cu_t *cu, int dev, module_t *m) {
+  CUdevice d = 0;
+  int sms = 0;
+  fdp_result_t r = fdp__cu_check(cu->ModuleLoadData(&m->mod, fdp__kernels_fatbin),
+                                 "cuModuleLoadData (fastdp kernels; built for other GPUs? see FASTDP_CUDA_ARCHS)",
+                                 dev);
+  if (r != FDP_OK) return r;
+  for (int t = 0; t < FDP_DTYPE_COUNT && r == FDP_OK; t++)
+    if (k_sum_names[t]) r = fdp__cu_check(cu->ModuleGetFunction(&m->sum[t], m->mod, k_sum_names[t]), k_sum_names[t], dev);
+  for (int i = 0; i < 5 && r == FDP_OK; i++)
+    r = fdp__cu_check(cu->ModuleGetFunction(&m->copy[i], m->mod, k_copy_names[i]), k_copy_names[i], dev);
+  if (r == FDP_OK) r = fdp__cu_check(cu->DeviceGet(&d, dev), "cuDeviceGet", dev);
+  if (r == FDP_OK)
+    r = fdp__cu_check(cu->DeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, d),
+                      "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)", dev);
+  if (r != FDP_OK) {
+    cu->ModuleUnload(m->mod);
+    return r;
+  }
+  /* Grid-stride kernels: enough blocks to fill every SM several times over, no more. */
+  m->max_blocks = (unsigned int)(sms > 0 ? sms * 8 : 1024);
+  return FDP_OK;
+}
+
+/* The kernels module of `dev`, loaded into its primary context on first use (thread-safe; a failure is
+ * remembered and reported again without retrying until shutdown). */
+static fdp_result_t get_module(const fdp_cu_t *cu, int dev, const module_t **out) {
+  if (dev < 0 || dev >= FDP_MAX_DEVICES) return fdp__fail(FDP_INVALID, "CUDA device %d out of range", dev);
+  int st = atomic_load_explicit(&g_mod_state[dev], memory_order_acquire);
+  if (st == 0) {
+    if (fdp__kernels_fatbin_size == 0) return fdp__fail(FDP_UNAVAILABLE, "cuda backend: %s", k_no_kernels);
+    fdp_result_t r = FDP_OK;
+    pthread_mutex_lock(&g_mod_lock);
+    if (atomic_load_explicit(&g_mod_state[dev], memory_order_relaxed) == 0) {
+      module_t m;
+      memset(&m, 0, sizeof m);
+      r = fdp__cu_ctx_push(dev, NULL);
+      if (r == FDP_OK) r = pop_keep(cu, dev, load_module(cu, dev, &m));
+      if (r == FDP_OK) {
+        g_mod[dev] = m;
+        atomic_store_explicit(&g_mod_state[dev], 1, memory_order_release);
+      } else if (r == FDP_CUDA) {
+        snprintf(g_mod_err[dev], sizeof g_mod_err[dev], "%s", fdp_last_error());
+        atomic_store_explicit(&g_mod_state[dev], -1, memory_order_release);
+      }
+    }
+    pthread_mutex_unlock(&g_mod_lock);
+    if (r != FDP_OK) return r;
+    st = atomic_load_explicit(&g_mod_state[dev], memory_order_acquire);
+  }
+  if (st < 0) return fdp__fail(FDP_CUDA, "%s", g_mod_err[dev]);
+  *out = &g_mod[dev];
+  return FDP_OK;
+}
+
+static unsigned int grid_for(const module_t *m, int64_t n) {
+  int64_t blocks = (n + THREADS - 1) / THREADS;
+  return blocks < (int64_t)m->max_blocks ? (unsigned int)blocks : m->max_blocks;
+}
+
+/* ---- stream ordering ---- */
+
+/* Makes stream `to` (device to_dev) wait for everything enqueued so far on `from` (device from_dev). The event
+ * is destroyed right after the wait is enqueued: legal, the driver defers the release until it completes. */
+static fdp_result_t stream_wait(const fdp_cu_t *cu, int from_dev, CUstream from, int to_dev, CUstream to) {
+  CUevent ev = NULL;
+  FDP_CHECK(fdp__cu_ctx_push(from_dev, NULL));
+  fdp_result_t r = fdp__cu_check(cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate", from_dev);
+  if (r == FDP_OK) r = fdp__cu_check(cu->EventRecord(ev, from), "cuEventRecord", from_dev);
+  if (r == FDP_OK) {
+    /* A stream may wait on another device's event; its own context must be current (NULL = its default). */
+    r = fdp__cu_ctx_push(to_dev, NULL);
+    if (r == FDP_OK) r = pop_keep(cu, to_dev, fdp__cu_check(cu->StreamWaitEvent(to, ev, 0), "cuStreamWaitEvent", to_dev));
+  }
+  if (ev != NULL) {
+    CUresult e = cu->EventDestroy(ev);
+    if (r == FDP_OK) r = fdp__cu_check(e, "cuEventDestroy", from_dev);
+  }
+  return pop_keep(cu, from_dev, r);
+}
+
+/* ---- layouts ---- */
+
+/* One copy as two strided views over one index space; dims outermost first, strides in elements of es bytes.
+ * Dims may be permuted and merged freely because both views are permuted alike. */
+typedef struct pair {
+  int ndim;
+  int64_t es;
+  int64_t numel;
+  int64_t sizes[FDP_COPY_MAX_DIMS];
+  int64_t ss[FDP_COPY_MAX_DIMS];
+  int64_t ds[FDP_COPY_MAX_DIMS];
+  CUdeviceptr src, dst;
+} pair_t;
+
+/* Merges each dim into its outer neighbour where both views step over it contiguously. */
+static void pair_merge(pair_t *p) {
+  int n = 0;
+  for (int d = 0; d < p->ndim; d++) {
+    if (p->sizes[d] == 1) continue;
+    if (n > 0 && p->ss[n - 1] == p->ss[d] * p->sizes[d] && p->ds[n - 1] == p->ds[d] * p->sizes[d]) {
+      p->sizes[n - 1] *= p->sizes[d];
+      p->ss[n - 1] = p->ss[d];
+      p->ds[n - 1] = p->ds[d];
+      continue;
+    }
+    p->sizes[n] = p->sizes[d];
+    p->ss[n] = p->ss[d];
+    p->ds[n] = p->ds[d];
+    n++;
+  }
+  if (n == 0) { /* a single element */
+    p->sizes[0] = 1;
+    p->ss[0] = p->ds[0] = 1;
+    n = 1;
+  }
+  p->ndim = n;
+}
+
+/* Builds the pair of a copy: size-1 dims dropped, dims ordered by destination stride (then source stride),
+ * largest first, so that the destination is written in address order, then merged. */
+static void pair_build(const fdp_copy_t *c, pair_t *p) {
+  memset(p, 0, sizeof *p);
+  p->es = c->dst.elem_size;
+  p->src = (CUdeviceptr)(uintptr_t)c->src.data;
+  p->dst = (CUdeviceptr)(uintptr_t)c->dst.data;
+  p->numel = 1;
+  for (int d = 0; d < c->dst.ndim; d++) {
+    p->numel *= c->dst.sizes[d];
+    if (c->dst.sizes[d] == 1) continue;
+    int i = p->ndim++;
+    while (i > 0 && (p->ds[i - 1] < c->dst.strides[d] ||
+                     (p->ds[i - 1] == c->dst.strides[d] && p->ss[i - 1] < c->src.strides[d]))) {
+      p->sizes[i] = p->sizes[i - 1];
+      p->ss[i] = p->ss[i - 1];
+      p->ds[i] = p->ds[i - 1];
+      i--;
+    }
+    p->sizes[i] = c->dst.sizes[d];
+    p->ss[i] = c->src.strides[d];
+    p->ds[i] = c->dst.strides[d];
+  }
+  pair_merge(p);
+}
+
+static int inner_contiguous(const pair_t *p) { return p->ss[p->ndim - 1] == 1 && p->ds[p->ndim - 1] == 1; }
+static int src_flat(const pair_t *p) { return p->ndim == 1 && p->ss[0] == 1; }
+static int dst_flat(const pair_t *p) { return p->ndim == 1 && p->ds[0] == 1; }
+
+/* Rows for the copy engines: the innermost dim contiguous on both sides, the next one as the row pitch, and
+ * `outer` calls over the remaining dims. Pitches must hold a whole row (no zero or overlapping strides). */
+static int pair_rows(const pair_t *p, size_t *width, size_t *height, size_t *spitch, size_t *dpitch,
+                     int64_t *outer) {
+  if (p->ndim < 2 || !inner_contiguous(p)) return 0;
+  int64_t w = p->sizes[p->ndim - 1] * p->es;
+  int64_t sp = p->ss[p->ndim - 2] * p->es, dp = p->ds[p->ndim - 2] * p->es;
+  if (sp < w || dp < w || sp > MAX_PITCH || dp > MAX_PITCH) return 0;
+  int64_t o = 1;
+  for (int d = 0; d < p->ndim - 2; d++) o *= p->sizes[d];
+  *width = (size_t)w;
+  *height = (size_t)p->sizes[p->ndim - 2];
+  *spitch = (size_t)sp;
+  *dpitch = (size_t)dp;
+  *outer = o;
+  return 1;
+}
+
+/* Byte offsets of outer iteration `idx` (an odometer over dims [0, ndim - 2)), then advances it. */
+static void outer_next(const pair_t *p, int64_t *idx, int64_t *soff, int64_t *doff) {
+  int nouter = p->ndim - 2;
+  *soff = *doff = 0;
+  for (int d = 0; d < nouter; d++) {
+    *soff += idx[d] * p->ss[d] * p->es;
+    *doff += idx[d] * p->ds[d] * p->es;
+  }
+  for (int d = nouter - 1; d >= 0; d--) {
+    if (++idx[d] < p->sizes[d]) break;
+    idx[d] = 0;
+  }
+}
+
+/* Reshapes a pair for the kernel: wider elements where the rows allow (fewer, larger accesses), or single
+ * bytes where the element size is not 1/2/4/8/16 or a pointer is not aligned to it. */
+static void pair_for_kernel(pair_t *p) {
+  int last = p->ndim - 1;
+  if (inner_contiguous(p)) {
+    for (int64_t e = 16; e > p->es; e /= 2) {
+      int64_t k = e / p->es;
+      int ok = e % p->es == 0 && p->sizes[last] % k == 0 && p->src % (CUdeviceptr)e == 0 &&
+               p->dst % (CUdeviceptr)e == 0;
+      for (int d = 0; d < last && ok; d++) ok = p->ss[d] % k == 0 && p->ds[d] % k == 0;
+      if (!ok) continue;
+      p->sizes[last] /= k;
+      for (int d = 0; d < last; d++) {
+        p->ss[d] /= k;
+        p->ds[d] /= k;
+      }
+      p->numel /= k;
+      p->es = e;
+      break;
+    }
+  }
+  int es_ok = p->es == 1 || p->es == 2 || p->es == 4 || p->es == 8 || p->es == 16;
+  if (!es_ok || p->src % (CUdeviceptr)p->es != 0 || p->dst % (CUdeviceptr)p->es != 0) {
+    for (int d = 0; d < p->ndim; d++) {
+      p->ss[d] *= p->es;
+      p->ds[d] *= p->es;
+    }
+    p->sizes[p->ndim] = p->es;
+    p->ss[p->ndim] = p->ds[p->ndim] = 1;
+    p->ndim++;
+    p->numel *= p->es;
+    p->es = 1;
+    pair_merge(p);
+  }
+}
+
+static int es_index(int64_t es) { return es == 1 ? 0 : es == 2 ? 1 : es == 4 ? 2 : es == 8 ? 3 : 4; }
+
+/* Enqueues the strided-copy kernel on `stream`; the context of `dev` must be current. */
+static fdp_result_t kernel_copy(const fdp_cu_t *cu, int dev, CUstream stream, pair_t p) {
+  const module_t *m;
+  FDP_CHECK(get_module(cu, dev, &m));
+  pair_for_kernel(&p);
+  fdp_copy_args_t a;
+  memset(&a, 0, sizeof a);
+  a.numel = p.numel;
+  a.ndim = p.ndim;
+  for (int d = 0; d < p.ndim; d++) {
+    a.sizes[d] = p.sizes[d];
+    a.src_strides[d] = p.ss[d];
+    a.dst_strides[d] = p.ds[d];
+  }
+  void *params[] = {&p.src, &p.dst, &a};
+  return fdp__cu_check(cu->LaunchKernel(m->copy[es_index(p.es)], grid_for(m, p.numel), 1, 1, THREADS, 1, 1, 0,
+                                        stream, params, NULL),
+                       "cuLaunchKernel(strided copy)", dev);
+}
+
+/* Row-major contiguous strides for the pair's sizes: the layout of a staging buffer. */
+static void flat_strides(const pair_t *p, int64_t *strides) {
+  int64_t s = 1;
+  for (int d = p->ndim - 1; d >= 0; d--) {
+    strides[d] = s;
+    s *= p->sizes[d];
+  }
+}
+
+/* ---- copy ---- */
+
+static fdp_result_t copy_same_device(const fdp_cu_t *cu, int dev, CUstream stream, const pair_t *p) {
+  size_t width, height, spitch, dpitch;
+  int64_t outer;
+  if (src_flat(p) && dst_flat(p))
+    return fdp__cu_check(cu->MemcpyAsync(p->dst, p->src, (size_t)(p->numel * p->es), stream), "cuMemcpyAsync", dev);
+  if (pair_rows(p, &width, &height, &spitch, &dpitch, &outer) && width >= MEMCPY2D_MIN_ROW &&
+      outer <= MEMCPY_MAX_LOOP) {
+    int64_t idx[FDP_COPY_MAX_DIMS] = {0};
+    for (int64_t it = 0; it < outer; it++) {
+      int64_t so, dof;
+      outer_next(p, idx, &so, &dof);
+      CUDA_MEMCPY2D c;
+      memset(&c, 0, sizeof c);
+      c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+      c.srcDevice = p->src + (CUdeviceptr)so;
+      c.srcPitch = spitch;
+      c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+      c.dstDevice = p->dst + (CUdeviceptr)dof;
+      c.dstPitch = dpitch;
+      c.WidthInBytes = width;
+      c.Height = height;
+      FDP_CHECK(fdp__cu_check(cu->Memcpy2DAsync(&c, stream), "cuMemcpy2DAsync", dev));
+    }
+    return FDP_OK;
+  }
+  return kernel_copy(cu, dev, stream, *p);
+}
+
+/* The destination-side part of a cross-device copy, on the destination's stream with its context current.
+ * `src` is the source or its packed staging buffer (then flat). Peer copies name both contexts explicitly
+ * (cuMemcpyPeerAsync / cuMemcpy3DPeerAsync): that is the documented cross-context path, and the driver picks
+ * P2P or a host bounce itself, whether or not peer access was enabled. cuMemcpy2DAsync with unified addresses
+ * would usually work too, but its cross-context behaviour is not documented. */
+static fdp_result_t copy_peer_rows(const fdp_cu_t *cu, int ddev, CUstream stream, const pair_t *p, CUcontext sctx,
+                                   CUcontext dctx) {
+  size_t width, height, spitch, dpitch;
+  int64_t outer;
+  if (src_flat(p) && dst_flat(p))
+    return fdp__cu_check(cu->MemcpyPeerAsync(p->dst, dctx, p->src, sctx, (size_t)(p->numel * p->es), stream),
+                         "cuMemcpyPeerAsync", ddev);
+  if (!pair_rows(p, &width, &height, &spitch, &dpitch, &outer))
+    return fdp__fail(FDP_INTERNAL, "cuda backend: peer copy of a layout without rows");
+  int64_t idx[FDP_COPY_MAX_DIMS] = {0};
+  for (int64_t it = 0; it < outer; it++) {
+    int64_t so, dof;
+    outer_next(p, idx, &so, &dof);
+    CUDA_MEMCPY3D_PEER c;
+    memset(&c, 0, sizeof c);
+    c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+    c.srcDevice = p->src + (CUdeviceptr)so;
+    c.srcContext = sctx;
+    c.srcPitch = spitch;
+    c.srcHeight = height;
+    c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+    c.dstDevice = p->dst + (CUdeviceptr)dof;
+    c.dstContext = dctx;
+    c.dstPitch = dpitch;
+    c.dstHeight = height;
+    c.WidthInBytes = width;
+    c.Height = height;
+    c.Depth = 1;
+    FDP_CHECK(fdp__cu_check(cu->Memcpy3DPeerAsync(&c, stream), "cuMemcpy3DPeerAsync", ddev));
+  }
+  return FDP_OK;
+}
+
+/* A copy between two devices, on the destination's stream, fenced both ways against the source's stream:
+ * the copy starts after the work already queued there (which produced the source), and the source stream
+ * waits for the copy, so PyTorch's allocator cannot hand the source to new work while it is still read.
+ * Layouts the copy engines cannot do are staged: packed into a flat buffer on the source device (kernel on
+ * the source stream), copied flat, and unpacked on the destination device (kernel); the staging buffers come
+ * from the driver's stream-ordered pool, so no PyTorch allocation is involved. */
+static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, const fdp_streams_t *streams,
+                                      const pair_t *p) {
+  CUstream sstream = (CUstream)fdp__stream_for(streams, sdev);
+  CUstream dstream = (CUstream)fdp__stream_for(streams, ddev);
+  CUcontext sctx = NULL, dctx = NULL;
+  FDP_CHECK(fdp__cu_ctx_get(sdev, &sctx));
+  FDP_CHECK(fdp__cu_ctx_get(ddev, &dctx));
+  size_t width, height, spitch, dpitch;
+  int64_t outer = 0;
+  int rows = pair_rows(p, &width, &height, &spitch, &dpitch, &outer) && outer <= PEER_MAX_LOOP;
+  int staged = !(src_flat(p) && dst_flat(p)) && !rows;
+  size_t bytes = (size_t)(p->numel * p->es);
+  CUdeviceptr ta = 0, tb = 0;
+  pair_t flat = *p; /* the flat copy between the staging buffers (or the views themselves when flat) */
+  fdp_result_t r = FDP_OK;
+  int enqueued = 0, fenced = 0;
+
+  if (staged && (cu->MemAllocAsync == NULL || cu->MemFreeAsync == NULL))
+    return fdp__fail(FDP_UNAVAILABLE, "cuda backend: a strided copy from device %d to %d needs cuMemAllocAsync "
+                                      "(CUDA driver 11.2 or newer)", sdev, ddev);
+  if (staged && !src_flat(p)) {
+    pair_t pack = *p;
+    FDP_CHECK(fdp__cu_ctx_push(sdev, NULL));
+    r = fdp__cu_check(cu->MemAllocAsync(&ta, bytes, sstream), "cuMemAllocAsync (staging)", sdev);
+    if (r == FDP_OK) {
+      flat_strides(p, pack.ds);
+      pack.dst = ta;
+      pair_merge(&pack);
+      r = kernel_copy(cu, sdev, sstream, pack);
+    }
+    r = pop_keep(cu, sdev, r);
+    if (r != FDP_OK) goto fail;
+  }
+  if (staged) {
+    flat.ndim = 1;
+    flat.sizes[0] = p->numel;
+    flat.ss[0] = flat.ds[0] = 1;
+    flat.src = ta ? ta : p->src;
+  }
+
+  if ((r = stream_wait(cu, sdev, sstream, ddev, dstream)) != FDP_OK) goto fail;
+  if ((r = fdp__cu_ctx_push(ddev, NULL)) != FDP_OK) goto fail;
+  if (staged && !dst_flat(p)) {
+    r = fdp__cu_check(cu->MemAllocAsync(&tb, bytes, dstream), "cuMemAllocAsync (staging)", ddev);
+    flat.dst = tb;
+  }
+  if (r == FDP_OK) r = copy_peer_rows(cu, ddev, dstream, &flat, sctx, dctx);
+  enqueued = r == FDP_OK;
+  if (r == FDP_OK && tb) {
+    pair_t unpack = *p;
+    flat_strides(p, unpack.ss);
+    unpack.src = tb;
+    pair_merge(&unpack);
+    r = kernel_copy(cu, ddev, dstream, unpack);
+  }
+  if (tb) {
+    /* Stream-ordered: freed after the unpack (or whatever of it was enqueued) completes. */
+    CUresult e = cu->MemFreeAsync(tb, dstream);
+    if (r == FDP_OK) r = fdp__cu_check(e, "cuMemFreeAsync (staging)", ddev);
+  }
+  r = pop_keep(cu, ddev, r);
+  if (!enqueued) goto fail;
+  {
+    fdp_result_t rf = stream_wait(cu, ddev, dstream, sdev, sstream);
+    fenced = rf == FDP_OK;
+    if (r == FDP_OK) r = rf;
+  }
+
+fail:
+  if (ta) {
+    /* After the fence the source stream orders the free behind the peer copy; without a fence the copy was
+     * never enqueued, or may still be reading, and then the buffer is leaked rather than freed early. */
+    if (fenced || !enqueued) {
+      fdp_result_t rp = fdp__cu_ctx_push(sdev, NULL);
+      if (rp == FDP_OK) {
+        CUresult e = cu->MemFreeAsync(ta, sstream);
+        rp = pop_keep(cu, sdev, fdp__cu_check(e, "cuMemFreeAsync (staging)", sdev));
+      }
+      if (r == FDP_OK) r = rp;
+    } else {
+      fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d after a failed fence", bytes, sdev);
+    }
+  }
+  return r;
+}
+
+/* A host descriptor over a pair's index space (for the host backend's strided copy). */
+static void host_view(fdp_tensor_t *t, uintptr_t addr, const pair_t *p, const int64_t *strides) {
+  memset(t, 0, sizeof *t);
+  t->data = (char *)addr;
+  t->device = FDP_HOST;
+  t->dtype = FDP_DTYPE_OTHER;
+  t->elem_size = (int)p->es;
+  t->ndim = p->ndim;
+  for (int d = 0; d < p->ndim; d++) {
+    t->sizes[d] = p->sizes[d];
+    t->strides[d] = strides[d];
+  }
+}
+
+/* Between host memory and one device, on that device's stream. The transfer itself is one flat
+ * cuMemcpyHtoDAsync / cuMemcpyDtoHAsync; a strided host side is packed or unpacked on the host (a malloc'ed
+ * buffer), a strided device side through a stream-ordered staging buffer and the copy kernel. The stream is
+ * synchronised before returning: host memory is complete (and reusable) when the call returns, as with
+ * upstream's blocking copies to and from the CPU, whether or not the host memory is pinned. */
+static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, const fdp_streams_t *streams) {
+  pair_t p;
+  pair_build(c, &p);
+  if (p.numel == 0) return FDP_OK;
+  int h2d = c->src.device == FDP_HOST;
+  int dev = h2d ? c->dst.device : c->src.device;
+  CUstream stream = (CUstream)fdp__stream_for(streams, dev);
+  size_t bytes = (size_t)(p.numel * p.es);
+  int64_t fs[FDP_COPY_MAX_DIMS];
+  flat_strides(&p, fs);
+  int host_flat = h2d ? src_flat(&p) : dst_flat(&p);
+  int dev_flat = h2d ? dst_flat(&p) : src_flat(&p);
+  void *hbuf = host_flat ? (void *)(uintptr_t)(h2d ? p.src : p.dst) : malloc(bytes);
+  CUdeviceptr dbuf = dev_flat ? (h2d ? p.dst : p.src) : 0;
+  fdp_result_t r = FDP_OK;
+  if (!hbuf) return fdp__fail(FDP_NOMEM, "cuda backend: no host memory for a %zu-byte staging buffer", bytes);
+  if (h2d && !host_flat) {
+    fdp_copy_t pack;
+    host_view(&pack.dst, (uintptr_t)hbuf, &p, fs);
+    host_view(&pack.src, (uintptr_t)p.src, &p, p.ss);
+    r = fdp__backend_host.copy(&pack, 1, NULL);
+  }
+  if (r == FDP_OK) r = fdp__cu_ctx_push(dev, NULL);
+  if (r != FDP_OK) goto done;
+  if (!dev_flat) {
+    r = cu->MemAllocAsync && cu->MemFreeAsync
+            ? fdp__cu_check(cu->MemAllocAsync(&dbuf, bytes, stream), "cuMemAllocAsync (staging)", dev)
+            : fdp__fail(FDP_UNAVAILABLE, "cuda backend: a strided copy between host and device %d needs "
+                                         "cuMemAllocAsync (CUDA driver 11.2 or newer)", dev);
+  }
+  if (r == FDP_OK && !h2d && !dev_flat) {
+    pair_t pack = p;
+    pack.dst = dbuf;
+    memcpy(pack.ds, fs, sizeof fs);
+    pair_merge(&pack);
+    r = kernel_copy(cu, dev, stream, pack);
+  }
+  if (r == FDP_OK)
+    r = h2d ? fdp__cu_check(cu->MemcpyHtoDAsync(dbuf, hbuf, bytes, stream), "cuMemcpyHtoDAsync", dev)
+            : fdp__cu_check(cu->MemcpyDtoHAsync(hbuf, dbuf, bytes, stream), "cuMemcpyDtoHAsync", dev);
+  if (r == FDP_OK && h2d && !dev_flat) {
+    pair_t unpack = p;
+    unpack.src = dbuf;
+    memcpy(unpack.ss, fs, sizeof fs);
+    pair_merge(&unpack);
+    r = kernel_copy(cu, dev, stream, unpack);
+  }
+  if (!dev_flat && dbuf) {
+    CUresult e = cu->MemFreeAsync(dbuf, stream); /* stream-ordered: after the work above */
+    if (r == FDP_OK) r = fdp__cu_check(e, "cuMemFreeAsync (staging)", dev);
+  }
+  {
+    CUresult e = cu->StreamSynchronize(stream);
+    if (r == FDP_OK) r = fdp__cu_check(e, "cuStreamSynchronize", dev);
+  }
+  r = pop_keep(cu, dev, r);
+  if (r == FDP_OK && !h2d && !host_flat) {
+    fdp_copy_t unpack;
+    host_view(&unpack.dst, (uintptr_t)p.dst, &p, p.ds);
+    host_view(&unpack.src, (uintptr_t)hbuf, &p, fs);
+    r = fdp__backend_host.copy(&unpack, 1, NULL);
+  }
+done:
+  if (!host_flat) free(hbuf);
+  return r;
+}
+
+static fdp_result_t cuda_copy(const fdp_copy_t *copies, int n, const fdp_streams_t *streams) {
+  const fdp_cu_t *cu;
+  FDP_CHECK(fdp__cu_load(&cu, NULL));
+  for (int i = 0; i < n; i++) {
+    const fdp_copy_t *c = &copies[i];
+    int sdev = c->src.device, ddev = c->dst.device;
+    if (c->src.ndim != c->dst.ndim || c->src.elem_size != c->dst.elem_size || c->dst.elem_size <= 0)
+      return fdp__fail(FDP_INVALID, "cuda backend: copy %d has mismatched descriptors", i);
+    if (sdev == FDP_HOST && ddev == FDP_HOST)
+      return fdp__fail(FDP_INTERNAL, "cuda backend: copy %d is host to host", i);
+    if (sdev == FDP_HOST || ddev == FDP_HOST) {
+      FDP_CHECK(copy_host_device(cu, c, streams));
+      continue;
+    }
+    pair_t p;
+    pair_build(c, &p);
+    if (p.numel == 0) continue;
+    fdp_result_t r;
+    if (sdev == ddev) {
+      CUstream stream = (CUstream)fdp__stream_for(streams, ddev);
+      FDP_CHECK(fdp__cu_ctx_push(ddev, NULL));
+      r = pop_keep(cu, ddev, copy_same_device(cu, ddev, stream, &p));
+    } else {
+      r = copy_cross_device(cu, sdev, ddev, streams, &p);
+    }
+    if (r != FDP_OK) return r;
+  }
+  return FDP_OK;
+}
+
+/* ---- reduce ---- */
+
+static fdp_result_t launch_sum(const fdp_cu_t *cu, int dev, CUstream stream, const module_t *m, CUfunction fn,
+                               const CUdeviceptr *in, int k, CUdeviceptr out, int64_t n) {
+  fdp_sum_args_t a;
+  memset(&a, 0, sizeof a);
+  for (int j = 0; j < k; j++) a.in[j] = (const void *)(uintptr_t)in[j];
+  a.out = (void *)(uintptr_t)out;
+  a.n = n;
+  a.k = k;
+  void *params[] = {&a};
+  return fdp__cu_check(cu->LaunchKernel(fn, grid_for(m, n), 1, 1, THREADS, 1, 1, 0, stream, params, NULL),
+                       "cuLaunchKernel(k-way sum)", dev);
+}
+
+/* Passes of at most FDP_SUM_MAX_INPUTS inputs, each carrying the running sum as its first input, keep the
+ * order ((a + b) + c) + ... and so the rounding of every intermediate. */
+static fdp_result_t sum_passes(const fdp_cu_t *cu, int dev, CUstream stream, const module_t *m, CUfunction fn,
+                               const fdp_tensor_t *inputs, int n, CUdeviceptr out, CUdeviceptr acc, int64_t numel) {
+  CUdeviceptr in[FDP_SUM_MAX_INPUTS];
+  int k = n < FDP_SUM_MAX_INPUTS ? n : FDP_SUM_MAX_INPUTS;
+  for (int j = 0; j < k; j++) in[j] = (CUdeviceptr)(uintptr_t)inputs[j].data;
+  FDP_CHECK(launch_sum(cu, dev, stream, m, fn, in, k, k == n ? out : acc, numel));
+  for (int i = k; i < n;) {
+    int more = n - i < FDP_SUM_MAX_INPUTS - 1 ? n - i : FDP_SUM_MAX_INPUTS - 1;
+    in[0] = acc;
+    for (int j = 0; j < more; j++) in[1 + j] = (CUdeviceptr)(uintptr_t)inputs[i + j].data;
+    i += more;
+    FDP_CHECK(launch_sum(cu, dev, stream, m, fn, in, 1 + more, i == n ? out : acc, numel));
+  }
+  return FDP_OK;
+}
+
+static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
+                                const fdp_streams_t *streams) {
+  if (n < 1) return fdp__fail(FDP_INVALID, "cuda backend: reduce of no inputs");
+  int dev = out->device;
+  int64_t numel = fdp_tensor_numel(out);
+  for (int i = 0; i < n; i++) {
+    if (inputs[i].device != dev)
+      return fdp__fail(FDP_INVALID, "cuda backend: reduce input %d is on device %d, the output on device %d", i,
+                       inputs[i].device, dev);
+    if (inputs[i].dtype != out->dtype || fdp_tensor_numel(&inputs[i]) != numel || !fdp_tensor_is_contiguous(&inputs[i]))
+      return fdp__fail(FDP_INVALID, "cuda backend: reduce input %d differs from the output in dtype, size or "
+                                    "contiguity", i);
+  }
+  if (!fdp_tensor_is_contiguous(out)) return fdp__fail(FDP_INVALID, "cuda backend: reduce output not contiguous");
+  if (out->dtype < 0 || out->dtype >= FDP_DTYPE_COUNT || k_sum_names[out->dtype] == NULL)
+    return fdp__fail(FDP_DTYPE, "cuda backend: no sum kernel for dtype %s", fdp_dtype_name(out->dtype));
+  if (numel == 0) return FDP_OK;
+
+  const fdp_cu_t *cu;
+  FDP_CHECK(fdp__cu_load(&cu, NULL));
+  CUstream stream = (CUstream)fdp__stream_for(streams, dev);
+  CUdeviceptr o = (CUdeviceptr)(uintptr_t)out->data;
+  size_t bytes = (size_t)numel * (size_t)out->elem_size;
+  FDP_CHECK(fdp__cu_ctx_push(dev, NULL));
+  fdp_result_t r = FDP_OK;
+  if (n == 1) {
+    if (inputs[0].data != out->data)
+      r = fdp__cu_check(cu->MemcpyAsync(o, (CUdeviceptr)(uintptr_t)inputs[0].data, bytes, stream), "cuMemcpyAsync",
+                        dev);
+    return pop_keep(cu, dev, r);
+  }
+  const module_t *m;
+  r = get_module(cu, dev, &m);
+  if (r != FDP_OK) return pop_keep(cu, dev, r);
+  /* The running sum lives in out unless out is an input that a later pass still has to read. */
+  CUdeviceptr acc = o, tmp = 0;
+  for (int i = FDP_SUM_MAX_INPUTS; i < n; i++)
+    if (inputs[i].data == out->data) acc = 0;
+  if (acc == 0) {
+    if (cu->MemAllocAsync == NULL || cu->MemFreeAsync == NULL)
+      return pop_keep(cu, dev, fdp__fail(FDP_UNAVAILABLE, "cuda backend: a reduce of %d inputs into one of them "
+                                                          "needs cuMemAllocAsync (CUDA driver 11.2+)", n));
+    r = fdp__cu_check(cu->MemAllocAsync(&tmp, bytes, stream), "cuMemAllocAsync (partial sums)", dev);
+    acc = tmp;
+  }
+  if (r == FDP_OK) r = sum_passes(cu, dev, stream, m, m->sum[out->dtype], inputs, n, o, acc, numel);
+  if (tmp) {
+    CUresult e = cu->MemFreeAsync(tmp, stream);
+    if (r == FDP_OK) r = fdp__cu_check(e, "cuMemFreeAsync (partial sums)", dev);
+  }
+  return pop_keep(cu, dev, r);
+}
+
+/* ---- backend ---- */
+
+static int cuda_usable(const char **why) {
+  const fdp_cu_t *cu;
+  const char *w = NULL;
+  CUdevice d0;
+  unsigned int flags = 0;
+  int active = 0;
+  const module_t *m;
+  if (fdp__cu_load(&cu, &w) != FDP_OK) goto no;
+  if (fdp__cu_device_count() < 1) {
+    w = "no CUDA device is visible";
+    goto no;
+  }
+  if (fdp__kernels_fatbin_size == 0) {
+    w = k_no_kernels;
+    goto no;
+  }
+  /* Prove the kernels load, but only where PyTorch already made device 0's context: creating one here would
+   * cost memory on a GPU nobody asked for. Elsewhere a load failure surfaces at the first kernel. */
+  if (atomic_load_explicit(&g_mod_state[0], memory_order_acquire) == 1) return 1; /* the core asks every op */
+  if (cu->DeviceGet(&d0, 0) == CUDA_SUCCESS && cu->DevicePrimaryCtxGetState(d0, &flags, &active) == CUDA_SUCCESS &&
+      active && get_module(cu, 0, &m) == FDP_CUDA) {
+    w = "the kernels do not load on device 0 (compiled for other GPU architectures? see FASTDP_CUDA_ARCHS)";
+    goto no;
+  }
+  return 1;
+no:
+  if (why) *why = w;
+  return 0;
+}
+
+/* Unloads the kernel modules (after the device finishes what it was given; the caller promised no concurrent
+ * calls) and releases the primary contexts retained here. */
+static void cuda_shutdown(void) {
+  const fdp_cu_t *cu = NULL;
+  pthread_mutex_lock(&g_mod_lock);
+  for (int d = 0; d < FDP_MAX_DEVICES; d++) {
+    int st = atomic_load(&g_mod_state[d]);
+    if (st == 1 && (cu != NULL || fdp__cu_load(&cu, NULL) == FDP_OK) && fdp__cu_ctx_push(d, NULL) == FDP_OK) {
+      CUresult e = cu->CtxSynchronize();
+      if (e == CUDA_SUCCESS) e = cu->ModuleUnload(g_mod[d].mod);
+      if (e != CUDA_SUCCESS) fdp__log("cuda shutdown: unloading the kernels on device %d: CUresult %d", d, (int)e);
+      pop_keep(cu, d, FDP_OK);
+    }
+    memset(&g_mod[d], 0, sizeof g_mod[d]);
+    atomic_store(&g_mod_state[d], 0);
+  }
+  pthread_mutex_unlock(&g_mod_lock);
+  fdp__cu_ctx_release_all();
+}
+
+const fdp_backend_t fdp__backend_cuda = {
+    .name = "cuda",
+    .usable = cuda_usable,
+    .copy = cuda_copy,
+    .reduce = cuda_reduce,
+    .broadcast = NULL,
+    .reduce_collective = NULL,
+    .shutdown = cuda_shutdown,
+};

@@ -1,0 +1,316 @@
+/* The nccl backend: broadcast and sum-reduce across distinct CUDA devices of this process, one grouped NCCL
+ * launch per call from the calling thread, over communicators cached per ordered device list until shutdown.
+ * Anything NCCL cannot do exactly is declined with FDP_UNAVAILABLE so that the core falls back. */
+#include "dl/cuda_driver.h"
+#include "dl/nccl_api.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Communicators of one ordered device list: rank i runs on devs[i]; rank 0 is always the root. */
+typedef struct comm_set {
+  struct comm_set *next;
+  int n;
+  int devs[FDP_MAX_DEVICES];
+  ncclComm_t comms[FDP_MAX_DEVICES];
+} comm_set_t;
+
+/* One lock for the cache and for every launch. Launches must be serialised anyway: two threads interleaving
+ * grouped launches on shared devices can queue the kernels of two collectives in opposite orders on two
+ * streams, and each then waits forever for its peer; and one NCCL communicator is not thread-safe. */
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static comm_set_t *g_sets;
+
+static void devs_str(const int *devs, int n, char *buf, size_t len) {
+  size_t off = 0;
+  buf[0] = '\0';
+  for (int i = 0; i < n && off + 1 < len; i++) {
+    int w = snprintf(buf + off, len - off, "%s%d", i ? ", " : "", devs[i]);
+    if (w < 0) break;
+    off += (size_t)w;
+  }
+}
+
+/* NCCL switches the runtime's current device while it works (cudaSetDevice is a cuCtxSetCurrent underneath);
+ * the caller's thread, often PyTorch's, gets its own context back. */
+static CUcontext ctx_save(const fdp_cu_t *cu) {
+  CUcontext c = NULL;
+  if (cu->CtxGetCurrent(&c) != CUDA_SUCCESS) c = NULL;
+  return c;
+}
+
+static void ctx_restore(const fdp_cu_t *cu, CUcontext c) {
+  CUresult e = cu->CtxSetCurrent(c);
+  if (e != CUDA_SUCCESS) fdp__log("nccl: restoring the caller's CUDA context failed (CUresult %d)", (int)e);
+}
+
+static fdp_result_t nccl_fail(const fdp_nccl_api_t *api, ncclResult_t r, ncclComm_t comm, const char *op,
+                              const int *devs, int n) {
+  char d[FDP_MAX_DEVICES * 5 + 8];
+  devs_str(devs, n, d, sizeof d);
+  const char *last = (comm != NULL && api->GetLastError != NULL) ? api->GetLastError(comm) : NULL;
+  return fdp__fail(FDP_NCCL, "%s on devices [%s]: %s%s%s", op, d, api->GetErrorString(r),
+                   last && *last ? ": " : "", last && *last ? last : "");
+}
+
+/* Finds or builds the communicators of `devs`; called with g_lock held. */
+static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, const int *devs, int n,
+                              comm_set_t **out) {
+  for (comm_set_t *s = g_sets; s != NULL; s = s->next) {
+    if (s->n == n && memcmp(s->devs, devs, (size_t)n * sizeof *devs) == 0) {
+      *out = s;
+      return FDP_OK;
+    }
+  }
+  comm_set_t *s = calloc(1, sizeof *s);
+  if (s == NULL) return fdp__fail(FDP_NOMEM, "nccl: cannot allocate a communicator set");
+  s->n = n;
+  memcpy(s->devs, devs, (size_t)n * sizeof *devs);
+  CUcontext saved = ctx_save(cu);
+  ncclResult_t r = api->CommInitAll(s->comms, n, s->devs);
+  ctx_restore(cu, saved);
+  if (r != ncclSuccess) {
+    fdp_result_t res = nccl_fail(api, r, NULL, "ncclCommInitAll", devs, n);
+    free(s);
+    return res;
+  }
+  {
+    char d[FDP_MAX_DEVICES * 5 + 8];
+    devs_str(devs, n, d, sizeof d);
+    fdp__log("nccl: communicators built for devices [%s]", d);
+  }
+  s->next = g_sets;
+  g_sets = s;
+  *out = s;
+  return FDP_OK;
+}
+
+/* Drops a set whose communicators reported an asynchronous error; they cannot be trusted again. Called with
+ * g_lock held. Aborting (not destroying) does not wait for work that will never finish. */
+static void comms_evict(const fdp_nccl_api_t *api, const fdp_cu_t *cu, comm_set_t *set) {
+  for (comm_set_t **p = &g_sets; *p != NULL; p = &(*p)->next) {
+    if (*p != set) continue;
+    *p = set->next;
+    if (api->CommAbort != NULL) {
+      CUcontext saved = ctx_save(cu);
+      for (int i = 0; i < set->n; i++) api->CommAbort(set->comms[i]);
+      ctx_restore(cu, saved);
+    } else {
+      fdp__log("nccl: ncclCommAbort missing; leaking failed communicators");
+    }
+    free(set);
+    return;
+  }
+}
+
+/* One rank's part of a collective. */
+typedef struct rank_op {
+  const void *send;
+  void *recv;
+  void *stream;
+} rank_op_t;
+
+/* Launches one collective on every rank of `devs` inside one NCCL group, holding g_lock (and PyTorch's free
+ * mutex when several devices are involved). `reduce` selects ncclReduce(sum) over ncclBroadcast. */
+static fdp_result_t launch(const int *devs, int n, const rank_op_t *ops, size_t count, ncclDataType_t type,
+                           int reduce) {
+  const fdp_nccl_api_t *api;
+  const fdp_cu_t *cu;
+  comm_set_t *set = NULL;
+  const char *op = reduce ? "ncclReduce" : "ncclBroadcast";
+  FDP_CHECK(fdp__cu_load(&cu, NULL));
+  FDP_CHECK(fdp__nccl_load(&api, NULL));
+  pthread_mutex_lock(&g_lock);
+  fdp_result_t res = comms_get(api, cu, devs, n, &set);
+  if (res != FDP_OK) {
+    pthread_mutex_unlock(&g_lock);
+    return res;
+  }
+  pthread_mutex_t *free_mutex = n > 1 ? fdp__torch_free_mutex() : NULL;
+  if (free_mutex) pthread_mutex_lock(free_mutex);
+  CUcontext saved = ctx_save(cu);
+  ncclResult_t r = api->GroupStart();
+  if (r != ncclSuccess) {
+    res = nccl_fail(api, r, NULL, "ncclGroupStart", devs, n);
+  } else {
+    ncclResult_t first = ncclSuccess;
+    ncclComm_t bad = NULL;
+    for (int i = 0; i < n && first == ncclSuccess; i++) {
+      ncclResult_t e = reduce ? api->Reduce(ops[i].send, ops[i].recv, count, type, ncclSum, 0, set->comms[i],
+                                            ops[i].stream)
+                              : api->Broadcast(ops[i].send, ops[i].recv, count, type, 0, set->comms[i],
+                                               ops[i].stream);
+      if (e != ncclSuccess) {
+        first = e;
+        bad = set->comms[i];
+      }
+    }
+    /* The group must be closed even after a failed call inside it. */
+    r = api->GroupEnd();
+    if (first != ncclSuccess)
+      res = nccl_fail(api, first, bad, op, devs, n);
+    else if (r != ncclSuccess && r != ncclInProgress)
+      res = nccl_fail(api, r, set->comms[0], op, devs, n);
+  }
+  ctx_restore(cu, saved);
+  if (free_mutex) pthread_mutex_unlock(free_mutex);
+  if (res != FDP_OK && api->CommGetAsyncError != NULL) {
+    for (int i = 0; i < set->n; i++) {
+      ncclResult_t st = ncclSuccess;
+      if (api->CommGetAsyncError(set->comms[i], &st) != ncclSuccess || (st != ncclSuccess && st != ncclInProgress)) {
+        comms_evict(api, cu, set);
+        break;
+      }
+    }
+  }
+  pthread_mutex_unlock(&g_lock);
+  return res;
+}
+
+/* The NCCL type of a dtype, or 0 when NCCL has none (bfloat16 needs NCCL 2.10). */
+static int nccl_type(int dtype, int version, ncclDataType_t *t) {
+  switch (dtype) {
+    case FDP_DTYPE_U8: *t = ncclUint8; return 1;
+    case FDP_DTYPE_I8: *t = ncclInt8; return 1;
+    case FDP_DTYPE_I32: *t = ncclInt32; return 1;
+    case FDP_DTYPE_I64: *t = ncclInt64; return 1;
+    case FDP_DTYPE_F16: *t = ncclFloat16; return 1;
+    case FDP_DTYPE_BF16: *t = ncclBfloat16; return version >= 21000;
+    case FDP_DTYPE_F32: *t = ncclFloat32; return 1;
+    case FDP_DTYPE_F64: *t = ncclFloat64; return 1;
+    default: return 0;
+  }
+}
+
+static int listed(const int *devs, int n, int dev) {
+  for (int i = 0; i < n; i++)
+    if (devs[i] == dev) return 1;
+  return 0;
+}
+
+static fdp_result_t nccl_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst,
+                                   const fdp_streams_t *streams) {
+  const fdp_nccl_api_t *api;
+  FDP_CHECK(fdp__nccl_load(&api, NULL));
+  if (ndst + 1 > FDP_MAX_DEVICES) return fdp__fail(FDP_UNAVAILABLE, "nccl broadcast: too many destinations");
+  if (src->device < 0 || !fdp_tensor_is_dense(src))
+    return fdp__fail(FDP_UNAVAILABLE, "nccl broadcast: the source must be a dense CUDA tensor");
+  int devs[FDP_MAX_DEVICES];
+  rank_op_t ops[FDP_MAX_DEVICES];
+  int n = 0;
+  /* The root broadcasts in place: its buffer is the source, so no extra copy happens on its device. */
+  devs[n] = src->device;
+  ops[n++] = (rank_op_t){src->data, src->data, fdp__stream_for(streams, src->device)};
+  for (int i = 0; i < ndst; i++) {
+    if (dst[i].device < 0 || listed(devs, n, dst[i].device))
+      return fdp__fail(FDP_UNAVAILABLE, "nccl broadcast: destination %d is on device %d, which already has a "
+                                        "buffer in this call", i, dst[i].device);
+    devs[n] = dst[i].device;
+    ops[n++] = (rank_op_t){dst[i].data, dst[i].data, fdp__stream_for(streams, dst[i].device)};
+  }
+  /* A broadcast moves bytes, so types NCCL lacks (bool, int16, complex, ...) travel as uint8. Dense tensors
+   * with one set of strides have one byte image starting at element 0. */
+  ncclDataType_t type;
+  size_t count = (size_t)fdp_tensor_numel(src);
+  if (!nccl_type(src->dtype, api->version, &type)) {
+    type = ncclUint8;
+    count *= (size_t)src->elem_size;
+  }
+  return launch(devs, n, ops, count, type, 0);
+}
+
+static fdp_result_t nccl_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
+                                const fdp_streams_t *streams) {
+  const fdp_nccl_api_t *api;
+  FDP_CHECK(fdp__nccl_load(&api, NULL));
+  ncclDataType_t type;
+  if (out->dtype == FDP_DTYPE_BOOL)
+    return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: bool sums are a logical or, which ncclSum is not");
+  if (!nccl_type(out->dtype, api->version, &type))
+    return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: NCCL %d has no %s type", api->version,
+                     fdp_dtype_name(out->dtype));
+  if (n < 1 || n > FDP_MAX_DEVICES) return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: %d inputs", n);
+  if (out->device < 0 || !fdp_tensor_is_contiguous(out))
+    return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: the output must be a contiguous CUDA tensor");
+  int root = -1;
+  for (int i = 0; i < n; i++) {
+    if (inputs[i].device < 0 || !fdp_tensor_is_contiguous(&inputs[i]))
+      return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: input %d is not a contiguous CUDA tensor", i);
+    if (inputs[i].device == out->device && root < 0) root = i;
+  }
+  if (root < 0)
+    return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: no input is on the output's device %d", out->device);
+  int devs[FDP_MAX_DEVICES];
+  rank_op_t ops[FDP_MAX_DEVICES];
+  int k = 0;
+  /* Rank 0 (the root) is the output's device: its input is the send buffer there and out receives. */
+  devs[k] = out->device;
+  ops[k++] = (rank_op_t){inputs[root].data, out->data, fdp__stream_for(streams, out->device)};
+  for (int i = 0; i < n; i++) {
+    if (i == root) continue;
+    if (listed(devs, k, inputs[i].device))
+      return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: two inputs on device %d", inputs[i].device);
+    devs[k] = inputs[i].device;
+    ops[k++] = (rank_op_t){inputs[i].data, NULL, fdp__stream_for(streams, inputs[i].device)};
+  }
+  return launch(devs, k, ops, (size_t)fdp_tensor_numel(out), type, 1);
+}
+
+static int nccl_usable(const char **why) {
+  const char *w = NULL;
+  if (fdp__cu_load(NULL, &w) != FDP_OK || fdp__nccl_load(NULL, &w) != FDP_OK) goto no;
+  if (fdp__cu_device_count() < 1) {
+    w = "no CUDA device is visible";
+    goto no;
+  }
+  return 1;
+no:
+  if (why) *why = w;
+  return 0;
+}
+
+/* Destroys every cached communicator. Explicit only (fdp_shutdown), never from atexit or a destructor: at
+ * interpreter exit the CUDA runtime may already be torn down and ncclCommDestroy can hang. */
+static void nccl_shutdown(void) {
+  pthread_mutex_lock(&g_lock);
+  comm_set_t *s = g_sets;
+  g_sets = NULL;
+  const fdp_nccl_api_t *api = NULL;
+  const fdp_cu_t *cu = NULL;
+  if (s != NULL && (fdp__nccl_load(&api, NULL) != FDP_OK || fdp__cu_load(&cu, NULL) != FDP_OK)) api = NULL;
+  while (s != NULL) {
+    comm_set_t *next = s->next;
+    if (api != NULL) {
+      CUcontext saved = ctx_save(cu);
+      for (int i = 0; i < s->n; i++) {
+        ncclResult_t r = api->CommDestroy(s->comms[i]);
+        if (r != ncclSuccess) fdp__log("nccl shutdown: ncclCommDestroy: %s", api->GetErrorString(r));
+      }
+      ctx_restore(cu, saved);
+    }
+    free(s);
+    s = next;
+  }
+  pthread_mutex_unlock(&g_lock);
+}
+
+/* Plain copies and local sums are the cuda backend's; these keep the table complete for any caller. */
+static fdp_result_t nccl_copy(const fdp_copy_t *copies, int n, const fdp_streams_t *streams) {
+  return fdp__backend_cuda.copy(copies, n, streams);
+}
+
+static fdp_result_t nccl_local_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
+                                      const fdp_streams_t *streams) {
+  return fdp__backend_cuda.reduce(inputs, n, out, streams);
+}
+
+const fdp_backend_t fdp__backend_nccl = {
+    .name = "nccl",
+    .usable = nccl_usable,
+    .copy = nccl_copy,
+    .reduce = nccl_local_reduce,
+    .broadcast = nccl_broadcast,
+    .reduce_collective = nccl_reduce,
+    .shutdown = nccl_shutdown,
+};

@@ -1,0 +1,179 @@
+/* The only place that loads the CUDA driver: dlopen of the libcuda.so.1 PyTorch already mapped (or a plain
+ * dlopen), explicit versioned symbol names, one cuInit, and a per-device cache of retained primary contexts. */
+#include "dl/cuda_driver.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+
+static fdp_cu_t g_cu;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static fdp_result_t g_status = FDP_UNAVAILABLE;
+static char g_why[512] = "CUDA driver not loaded";
+static int g_count;
+
+static pthread_mutex_t g_ctx_lock = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic(CUcontext) g_ctx[FDP_MAX_DEVICES];
+
+/* Versioned names on purpose: cuda.h maps e.g. cuMemGetInfo to cuMemGetInfo_v2 by macro, and an unversioned
+ * dlsym would bind the legacy ABI (32-bit sizes) instead. */
+static const struct {
+  const char *name;
+  size_t offset;
+  int optional;
+} k_syms[] = {
+    {"cuInit", offsetof(fdp_cu_t, Init), 0},
+    {"cuDriverGetVersion", offsetof(fdp_cu_t, DriverGetVersion), 0},
+    {"cuGetErrorString", offsetof(fdp_cu_t, GetErrorString), 0},
+    {"cuGetErrorName", offsetof(fdp_cu_t, GetErrorName), 0},
+    {"cuDeviceGetCount", offsetof(fdp_cu_t, DeviceGetCount), 0},
+    {"cuDeviceGet", offsetof(fdp_cu_t, DeviceGet), 0},
+    {"cuDeviceGetName", offsetof(fdp_cu_t, DeviceGetName), 0},
+    {"cuDeviceTotalMem_v2", offsetof(fdp_cu_t, DeviceTotalMem), 0},
+    {"cuDeviceGetAttribute", offsetof(fdp_cu_t, DeviceGetAttribute), 0},
+    {"cuDeviceCanAccessPeer", offsetof(fdp_cu_t, DeviceCanAccessPeer), 0},
+    {"cuDevicePrimaryCtxRetain", offsetof(fdp_cu_t, DevicePrimaryCtxRetain), 0},
+    {"cuDevicePrimaryCtxRelease_v2", offsetof(fdp_cu_t, DevicePrimaryCtxRelease), 0},
+    {"cuDevicePrimaryCtxGetState", offsetof(fdp_cu_t, DevicePrimaryCtxGetState), 0},
+    {"cuCtxPushCurrent_v2", offsetof(fdp_cu_t, CtxPushCurrent), 0},
+    {"cuCtxPopCurrent_v2", offsetof(fdp_cu_t, CtxPopCurrent), 0},
+    {"cuCtxGetCurrent", offsetof(fdp_cu_t, CtxGetCurrent), 0},
+    {"cuCtxSetCurrent", offsetof(fdp_cu_t, CtxSetCurrent), 0},
+    {"cuCtxSynchronize", offsetof(fdp_cu_t, CtxSynchronize), 0},
+    {"cuMemGetInfo_v2", offsetof(fdp_cu_t, MemGetInfo), 0},
+    /* Stream-ordered allocation (driver >= 11.2) is only needed to stage strided cross-device copies. */
+    {"cuMemAllocAsync", offsetof(fdp_cu_t, MemAllocAsync), 1},
+    {"cuMemFreeAsync", offsetof(fdp_cu_t, MemFreeAsync), 1},
+    {"cuMemcpyAsync", offsetof(fdp_cu_t, MemcpyAsync), 0},
+    {"cuMemcpyHtoDAsync_v2", offsetof(fdp_cu_t, MemcpyHtoDAsync), 0},
+    {"cuMemcpyDtoHAsync_v2", offsetof(fdp_cu_t, MemcpyDtoHAsync), 0},
+    {"cuStreamSynchronize", offsetof(fdp_cu_t, StreamSynchronize), 0},
+    {"cuMemcpyPeerAsync", offsetof(fdp_cu_t, MemcpyPeerAsync), 0},
+    {"cuMemcpy2DAsync_v2", offsetof(fdp_cu_t, Memcpy2DAsync), 0},
+    {"cuMemcpy3DPeerAsync", offsetof(fdp_cu_t, Memcpy3DPeerAsync), 0},
+    {"cuEventCreate", offsetof(fdp_cu_t, EventCreate), 0},
+    {"cuEventRecord", offsetof(fdp_cu_t, EventRecord), 0},
+    {"cuEventDestroy_v2", offsetof(fdp_cu_t, EventDestroy), 0},
+    {"cuStreamWaitEvent", offsetof(fdp_cu_t, StreamWaitEvent), 0},
+    {"cuModuleLoadData", offsetof(fdp_cu_t, ModuleLoadData), 0},
+    {"cuModuleUnload", offsetof(fdp_cu_t, ModuleUnload), 0},
+    {"cuModuleGetFunction", offsetof(fdp_cu_t, ModuleGetFunction), 0},
+    {"cuLaunchKernel", offsetof(fdp_cu_t, LaunchKernel), 0},
+};
+
+static void load_once(void) {
+  /* RTLD_NOLOAD first: inside PyTorch the driver is already mapped and we must share that very copy. */
+  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (h == NULL) h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (h == NULL) {
+    const char *e = dlerror();
+    snprintf(g_why, sizeof g_why, "the CUDA driver (libcuda.so.1) cannot be loaded: %s", e ? e : "not found");
+    return;
+  }
+  for (size_t i = 0; i < sizeof k_syms / sizeof k_syms[0]; i++) {
+    void *sym = dlsym(h, k_syms[i].name);
+    if (sym == NULL && !k_syms[i].optional) {
+      snprintf(g_why, sizeof g_why, "the CUDA driver lacks %s (driver too old?)", k_syms[i].name);
+      return; /* the handle stays open: dlclose of a library PyTorch shares is never worth the risk */
+    }
+    memcpy((char *)&g_cu + k_syms[i].offset, &sym, sizeof sym);
+  }
+  CUresult r = g_cu.Init(0);
+  if (r != CUDA_SUCCESS) {
+    const char *s = NULL, *n = NULL;
+    if (g_cu.GetErrorString(r, &s) != CUDA_SUCCESS || s == NULL) s = "unknown error";
+    if (g_cu.GetErrorName(r, &n) != CUDA_SUCCESS || n == NULL) n = "?";
+    snprintf(g_why, sizeof g_why, "cuInit failed: %s (%s)", s, n);
+    return;
+  }
+  int count = 0;
+  r = g_cu.DeviceGetCount(&count);
+  if (r != CUDA_SUCCESS) {
+    snprintf(g_why, sizeof g_why, "cuDeviceGetCount failed (CUresult %d)", (int)r);
+    return;
+  }
+  g_count = count;
+  g_why[0] = '\0';
+  g_status = FDP_OK;
+}
+
+fdp_result_t fdp__cu_load(const fdp_cu_t **out, const char **why) {
+  if (fdp__param(FDP_PARAM_DISABLE_CUDA)) {
+    if (why) *why = "disabled by FASTDP_DISABLE_CUDA";
+    return fdp__fail(FDP_UNAVAILABLE, "CUDA is disabled by FASTDP_DISABLE_CUDA");
+  }
+  pthread_once(&g_once, load_once);
+  if (g_status != FDP_OK) {
+    if (why) *why = g_why; /* written once inside pthread_once, never again: effectively static */
+    return fdp__fail(FDP_UNAVAILABLE, "%s", g_why);
+  }
+  if (out) *out = &g_cu;
+  return FDP_OK;
+}
+
+fdp_result_t fdp__cu_check(CUresult r, const char *op, int device) {
+  if (r == CUDA_SUCCESS) return FDP_OK;
+  const char *s = NULL, *n = NULL;
+  if (g_cu.GetErrorString == NULL || g_cu.GetErrorString(r, &s) != CUDA_SUCCESS || s == NULL) s = "unknown error";
+  if (g_cu.GetErrorName == NULL || g_cu.GetErrorName(r, &n) != CUDA_SUCCESS || n == NULL) n = "?";
+  if (device >= 0) return fdp__fail(FDP_CUDA, "%s on device %d: %s (%s, CUresult %d)", op, device, s, n, (int)r);
+  return fdp__fail(FDP_CUDA, "%s: %s (%s, CUresult %d)", op, s, n, (int)r);
+}
+
+int fdp__cu_device_count(void) {
+  if (fdp__cu_load(NULL, NULL) != FDP_OK) return 0;
+  return g_count;
+}
+
+fdp_result_t fdp__cu_ctx_get(int device, CUcontext *ctx) {
+  FDP_CHECK(fdp__cu_load(NULL, NULL));
+  if (device < 0 || device >= g_count || device >= FDP_MAX_DEVICES)
+    return fdp__fail(FDP_INVALID, "CUDA device %d does not exist (%d visible)", device, g_count);
+  CUcontext c = atomic_load_explicit(&g_ctx[device], memory_order_acquire);
+  if (c != NULL) {
+    if (ctx) *ctx = c;
+    return FDP_OK;
+  }
+  fdp_result_t res = FDP_OK;
+  pthread_mutex_lock(&g_ctx_lock);
+  c = atomic_load_explicit(&g_ctx[device], memory_order_relaxed);
+  if (c == NULL) {
+    CUdevice dev;
+    res = fdp__cu_check(g_cu.DeviceGet(&dev, device), "cuDeviceGet", device);
+    if (res == FDP_OK) res = fdp__cu_check(g_cu.DevicePrimaryCtxRetain(&c, dev), "cuDevicePrimaryCtxRetain", device);
+    if (res == FDP_OK) atomic_store_explicit(&g_ctx[device], c, memory_order_release);
+  }
+  pthread_mutex_unlock(&g_ctx_lock);
+  if (res == FDP_OK && ctx) *ctx = c;
+  return res;
+}
+
+fdp_result_t fdp__cu_ctx_push(int device, CUcontext *ctx) {
+  CUcontext c = NULL;
+  FDP_CHECK(fdp__cu_ctx_get(device, &c));
+  FDP_CHECK(fdp__cu_check(g_cu.CtxPushCurrent(c), "cuCtxPushCurrent", device));
+  if (ctx) *ctx = c;
+  return FDP_OK;
+}
+
+fdp_result_t fdp__cu_ctx_pop(int device) {
+  CUcontext c;
+  return fdp__cu_check(g_cu.CtxPopCurrent(&c), "cuCtxPopCurrent", device);
+}
+
+void fdp__cu_ctx_release_all(void) {
+  if (g_status != FDP_OK) return;
+  pthread_mutex_lock(&g_ctx_lock);
+  for (int d = 0; d < FDP_MAX_DEVICES; d++) {
+    CUcontext c = atomic_exchange(&g_ctx[d], NULL);
+    if (c == NULL) continue;
+    CUdevice dev;
+    CUresult r = g_cu.DeviceGet(&dev, d);
+    if (r == CUDA_SUCCESS) r = g_cu.DevicePrimaryCtxRelease(dev);
+    if (r != CUDA_SUCCESS) fdp__log("releasing the primary context of device %d: CUresult %d", d, (int)r);
+  }
+  pthread_mutex_unlock(&g_ctx_lock);
+}

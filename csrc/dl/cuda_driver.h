@@ -1,0 +1,80 @@
+/* The CUDA driver API as fastdp uses it: one table of entry points resolved once from the libcuda.so.1 that
+ * PyTorch already loaded (or loaded here), CUresult → fdp_result_t conversion, and the primary context of each
+ * device. Only compiled with FDP_WITH_CUDA; nothing here links against CUDA. */
+#ifndef FASTDP_DL_CUDA_DRIVER_H
+#define FASTDP_DL_CUDA_DRIVER_H
+
+#include "core/backend.h"
+
+#include <cuda.h>
+
+/* Entry points, named without the "cu" prefix. Types come from cuda.h; the symbols are resolved by their
+ * explicit versioned names, so the header's per-thread-stream macros and API versions never apply. */
+typedef struct fdp_cu {
+  CUresult (*Init)(unsigned int flags);
+  CUresult (*DriverGetVersion)(int *version);
+  CUresult (*GetErrorString)(CUresult r, const char **str);
+  CUresult (*GetErrorName)(CUresult r, const char **str);
+  CUresult (*DeviceGetCount)(int *count);
+  CUresult (*DeviceGet)(CUdevice *dev, int ordinal);
+  CUresult (*DeviceGetName)(char *name, int len, CUdevice dev);
+  CUresult (*DeviceTotalMem)(size_t *bytes, CUdevice dev);
+  CUresult (*DeviceGetAttribute)(int *value, CUdevice_attribute attr, CUdevice dev);
+  CUresult (*DeviceCanAccessPeer)(int *can, CUdevice dev, CUdevice peer);
+  CUresult (*DevicePrimaryCtxRetain)(CUcontext *ctx, CUdevice dev);
+  CUresult (*DevicePrimaryCtxRelease)(CUdevice dev);
+  CUresult (*DevicePrimaryCtxGetState)(CUdevice dev, unsigned int *flags, int *active);
+  CUresult (*CtxPushCurrent)(CUcontext ctx);
+  CUresult (*CtxPopCurrent)(CUcontext *ctx);
+  CUresult (*CtxGetCurrent)(CUcontext *ctx);
+  CUresult (*CtxSetCurrent)(CUcontext ctx);
+  CUresult (*CtxSynchronize)(void);
+  CUresult (*MemGetInfo)(size_t *free_bytes, size_t *total_bytes);
+  CUresult (*MemAllocAsync)(CUdeviceptr *ptr, size_t bytes, CUstream stream);
+  CUresult (*MemFreeAsync)(CUdeviceptr ptr, CUstream stream);
+  CUresult (*MemcpyAsync)(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream);
+  CUresult (*MemcpyHtoDAsync)(CUdeviceptr dst, const void *src, size_t bytes, CUstream stream);
+  CUresult (*MemcpyDtoHAsync)(void *dst, CUdeviceptr src, size_t bytes, CUstream stream);
+  CUresult (*StreamSynchronize)(CUstream stream);
+  CUresult (*MemcpyPeerAsync)(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src, CUcontext src_ctx,
+                              size_t bytes, CUstream stream);
+  CUresult (*Memcpy2DAsync)(const CUDA_MEMCPY2D *p, CUstream stream);
+  CUresult (*Memcpy3DPeerAsync)(const CUDA_MEMCPY3D_PEER *p, CUstream stream);
+  CUresult (*EventCreate)(CUevent *ev, unsigned int flags);
+  CUresult (*EventRecord)(CUevent ev, CUstream stream);
+  CUresult (*EventDestroy)(CUevent ev);
+  CUresult (*StreamWaitEvent)(CUstream stream, CUevent ev, unsigned int flags);
+  CUresult (*ModuleLoadData)(CUmodule *mod, const void *image);
+  CUresult (*ModuleUnload)(CUmodule mod);
+  CUresult (*ModuleGetFunction)(CUfunction *fn, CUmodule mod, const char *name);
+  CUresult (*LaunchKernel)(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                           unsigned int by, unsigned int bz, unsigned int shmem, CUstream stream, void **params,
+                           void **extra);
+} fdp_cu_t;
+
+/* Loads the driver and calls cuInit(0) once per process (thread-safe). On success *out points to the static
+ * table (valid for the process lifetime). FDP_UNAVAILABLE when FASTDP_DISABLE_CUDA is set, the library or a
+ * symbol is missing, or cuInit fails; the detail, and *why if given (a static string), say which. */
+fdp_result_t fdp__cu_load(const fdp_cu_t **out, const char **why);
+
+/* Turns a failed CUresult into fdp__fail(FDP_CUDA, "<op> on device <device>: <string> (<name>)"); returns
+ * FDP_OK for CUDA_SUCCESS. `device` < 0 omits the device. */
+fdp_result_t fdp__cu_check(CUresult r, const char *op, int device);
+
+/* Number of devices the driver sees (0 when it cannot load). */
+int fdp__cu_device_count(void);
+
+/* Makes the primary context of `device` (retained once per process and cached; the one PyTorch uses) current
+ * on this thread by pushing it; *ctx (may be NULL) receives it. Every successful push must be matched by
+ * fdp__cu_ctx_pop on the same thread. Errors: FDP_INVALID (bad ordinal), FDP_UNAVAILABLE, FDP_CUDA. */
+fdp_result_t fdp__cu_ctx_push(int device, CUcontext *ctx);
+fdp_result_t fdp__cu_ctx_pop(int device);
+
+/* The cached primary context of `device`, retaining it on first use, without making it current. */
+fdp_result_t fdp__cu_ctx_get(int device, CUcontext *ctx);
+
+/* Releases the primary contexts retained by fdp__cu_ctx_push/get (PyTorch keeps its own references). Call
+ * only when no fastdp work is being enqueued; the next push retains again. */
+void fdp__cu_ctx_release_all(void);
+
+#endif

@@ -208,7 +208,15 @@ def test_changing_number_of_replicas_between_steps():
         assert_grads_equal(grads(model), ref)
 
 
-def test_two_forwards_before_backward():
+@pytest.fixture(params=["storage_use_count", "weak_references"])
+def liveness(request, monkeypatch):
+    """Both ways of deciding that a flat buffer is free: torch's storage use count, and the fallback."""
+    if request.param == "weak_references":
+        monkeypatch.setattr(_replicas, "_use_count", None)
+    return request.param
+
+
+def test_two_forwards_before_backward(liveness):
     """The second forward must not overwrite tensors the first graph still needs."""
     model = mlp()
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
@@ -229,7 +237,7 @@ def test_two_forwards_before_backward():
     assert_grads_equal(grads(model), grads(bare))
 
 
-def test_flat_buffers_are_reused_in_steady_state():
+def test_flat_buffers_are_reused_in_steady_state(liveness):
     model = mlp()
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
     x = torch.randn(9, 6, dtype=torch.float64)

@@ -78,24 +78,51 @@ def signature(modules):
     return sig
 
 
+def _unflatten(flat, like, sizes, shapes):
+    """Views of `flat` shaped like the tensors `like` (torch's C++ loop where it has one)."""
+    if _unflatten_dense is not None:
+        return _unflatten_dense(flat, like)
+    return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
+
+
+_unflatten_dense = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
+
+
+# The number of tensors using a storage: a flat buffer is free when only it (and the temporary wrapper the query
+# makes) uses its memory, whoever else held a view, a view of a view or a saved copy of one. Without this
+# private query, views carry their own version counter (.data, their own root) and weak references decide.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _free(entry):
+    if _use_count is not None:
+        return _use_count(entry[0].untyped_storage()._cdata) <= 2
+    return all(r() is None for r in entry[1])
+
+
 class _FlatPool:
     """Flat buffers of one bucket on one device, reused once no view handed out from them is alive."""
 
-    __slots__ = ("numel", "dtype", "device", "flats")
+    __slots__ = ("numel", "dtype", "device", "flats", "last")
 
     def __init__(self, numel, dtype, device):
         self.numel, self.dtype, self.device = numel, dtype, device
         self.flats = []  # [flat, [weakrefs of its views]]
+        self.last = None  # the entry handed out by the latest take()
 
-    def take(self, sizes, shapes):
-        """A free flat buffer and fresh views of it shaped like the bucket's members."""
-        entry = next((e for e in self.flats if all(r() is None for r in e[1])), None)
+    def take(self, like, sizes, shapes, own_versions):
+        """A free flat buffer and fresh views of it shaped like the bucket's members (`like`)."""
+        entry = next((e for e in self.flats if _free(e)), None)
         if entry is None:
             entry = [torch.empty(self.numel, dtype=self.dtype, device=self.device), []]
             if len(self.flats) < _POOL:
                 self.flats.append(entry)
-        # .data: each view gets a version counter of its own, as upstream's broadcast copies do.
-        views = [piece.view(shape).data for piece, shape in zip(entry[0].split(sizes), shapes)]
+        views = _unflatten(entry[0], like, sizes, shapes)
+        self.last = entry
+        if own_versions or _use_count is None:
+            # .data: each buffer copy gets a version counter of its own, as upstream's broadcast copies do, so an
+            # in-place update of one (BatchNorm statistics) never invalidates another saved for backward.
+            views = [v.data for v in views]
         entry[1] = [weakref.ref(v) for v in views]
         return entry[0], views
 
@@ -115,11 +142,15 @@ class _State:
 class _Bucket:
     """Tensors of one dtype broadcast and reduced together; `members` index the ReplicaSet's tensor list."""
 
-    __slots__ = ("state", "members", "shapes", "sizes", "numel", "dtype", "pools", "src_pool", "pending")
+    __slots__ = ("state", "members", "shapes", "sizes", "numel", "dtype", "pools", "src_pool", "pending", "like",
+                 "own_versions")
 
-    def __init__(self, state, members, tensors):
+    def __init__(self, state, members, tensors, own_versions):
         self.state = state
         self.members = members
+        self.own_versions = own_versions
+        # Shape-only stand-ins for unflattening (meta tensors hold no memory and no reference to the master).
+        self.like = [torch.empty(tensors[i].shape, device="meta") for i in members]
         self.shapes = [tensors[i].shape for i in members]
         self.sizes = [tensors[i].numel() for i in members]
         self.numel = sum(self.sizes)
@@ -132,11 +163,11 @@ class _Bucket:
         """Copies `sources` (the master tensors) into fresh views on every other device; returns the views."""
         flats, views = [], []
         for pool in self.pools:
-            flat, vs = pool.take(self.sizes, self.shapes)
+            flat, vs = pool.take(self.like, self.sizes, self.shapes, self.own_versions)
             flats.append(flat)
             views.append(vs)
         if self.state.collective:  # NCCL broadcasts one packed buffer from device_ids[0]
-            src_flat, src_views = self.src_pool.take(self.sizes, self.shapes)
+            src_flat, src_views = self.src_pool.take(self.like, self.sizes, self.shapes, False)
             _C.copy(src_views, sources, streams_for([src_flat]))
             _C.broadcast(src_flat, flats, streams_for([src_flat, *flats]))
         else:  # host entries or repeated CUDA ids: every member straight into every replica's buffer, one call
@@ -212,13 +243,13 @@ def reduce_bucket(bucket, grads):
     return tuple(result)
 
 
-def _buckets(state, tensors, indices, bucket_bytes):
+def _buckets(state, tensors, indices, bucket_bytes, own_versions):
     """Dtype-homogeneous buckets of about bucket_bytes over `indices`, in reverse registration order."""
     order = list(reversed(indices))
     if not order:
         return []
     plan = _C.plan([tensors[i].detach() for i in order], [0] * len(order), bucket_bytes)
-    return [_Bucket(state, [order[m[0]] for m in members], tensors) for _, members in plan]
+    return [_Bucket(state, [order[m[0]] for m in members], tensors, own_versions) for _, members in plan]
 
 
 class ReplicaSet:
@@ -282,8 +313,8 @@ class ReplicaSet:
                 diff = []
             taken = set(diff)
             rest = [i for i in range(len(self.tensors)) if i not in taken]
-            plan = (_buckets(self.state, self.tensors, diff, self.bucket_bytes),
-                    _buckets(self.state, self.tensors, rest, self.bucket_bytes))
+            plan = (_buckets(self.state, self.tensors, diff, self.bucket_bytes, False),
+                    _buckets(self.state, self.tensors, rest, self.bucket_bytes, True))
             self.plans[grad_enabled] = plan
         return plan
 
@@ -305,6 +336,9 @@ class ReplicaSet:
         for bucket in grad_buckets:
             outs = _BucketBroadcast.apply(bucket, *(self.tensors[i] for i in bucket.members))
             k = len(bucket.members)
+            # Autograd may return new tensor objects for views made in forward: liveness follows those.
+            for r, pool in enumerate(bucket.pools, start=1):
+                pool.last[1] = [weakref.ref(o) for o in outs[r * k : (r + 1) * k]]
             for r in range(nrep):
                 for j, i in enumerate(bucket.members):
                     values[r][i] = outs[r * k + j]

@@ -93,6 +93,24 @@ class ReduceAddCoalesced(Function):
         return (None, None, None) + grads
 
 
+_PIN_MIN_BYTES = 1 << 20
+
+
+def _scatter_host_to_cuda(input, target_devices, chunk_sizes, dim):
+    """A CPU batch straight to each GPU, every chunk its own host-to-device copy (nothing staged on device 0).
+
+    Batches of 1 MiB and more go through pinned memory so the copies run asynchronously on each device's current
+    stream; torch's own copy is used for that because only its pinned-memory allocator knows when a pinned block
+    may be reused.
+    """
+    sizes = chunk_sizes if chunk_sizes is not None else comm._chunk_sizes(input.size(dim), len(target_devices))
+    src = input
+    if not src.is_pinned() and src.numel() * src.element_size() >= _PIN_MIN_BYTES:
+        src = src.pin_memory()
+    chunks = src.split(list(sizes), dim)
+    return tuple(c.to(_devices.torch_device(d), non_blocking=src.is_pinned()) for c, d in zip(chunks, target_devices))
+
+
 class Scatter(Function):
     """Splits ``input`` along ``dim`` onto the target devices; backward gathers the gradient to its device."""
 
@@ -100,6 +118,8 @@ class Scatter(Function):
     def forward(ctx, target_devices, chunk_sizes, dim, input):
         ctx.dim = dim
         ctx.input_device = _devices.of_tensor(input)
+        if input.device.type == "cpu" and target_devices and target_devices[0] != _devices.CPU:
+            return _scatter_host_to_cuda(input, target_devices, chunk_sizes, dim)
         return tuple(comm.scatter(input, list(target_devices), chunk_sizes, dim))
 
     @staticmethod

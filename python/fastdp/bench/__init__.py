@@ -21,9 +21,9 @@ def main(argv=None):
     p.add_argument("--models", default="mlp,cnn,transformer", help="comma-separated: mlp, cnn, transformer")
     p.add_argument("--replicas", type=int, default=4, help="repeated ids on one GPU / emulated 'cpu' replicas")
     p.add_argument("--batch", type=int, default=0, help="batch size for every model (0: each model's default)")
-    p.add_argument("--steps", type=int, default=10, help="timed training steps per configuration and round")
+    p.add_argument("--steps", type=int, default=25, help="timed training steps per configuration and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed run")
-    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; medians over rounds are reported")
+    p.add_argument("--rounds", type=int, default=9, help="interleaved rounds; medians over rounds are reported")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--out", default="bench-out", help="folder for train.csv and train.png")
     p.add_argument("--split", action="store_true",

@@ -1,0 +1,470 @@
+"""fastdp on torch.distributed: the same ``fastdp.DataParallel(model)`` runs as one process per device under torchrun.
+
+``fastdp.DataParallel`` hands its construction here when the script was launched by ``torchrun`` with
+WORLD_SIZE > 1, or when a default process group already exists (see docs/distributed.md). The wrapper,
+``DistributedDataParallel``, is a ``fastdp.DataParallel`` whose forward is torch's DistributedDataParallel; the
+helpers ``shard``, ``save``, ``print0`` and ``RankZeroFilter`` make one script run unchanged in both modes.
+"""
+
+import atexit
+import inspect
+import itertools
+import logging
+import os
+import sys
+from collections import namedtuple
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules import Module
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from . import _devices
+from .data_parallel import DataParallel, _nested_load_pre_hook, _require_indexable
+
+__all__ = [
+    "DistributedDataParallel",
+    "shard",
+    "ShardedLoader",
+    "save",
+    "print0",
+    "RankZeroFilter",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+]
+
+MODES = ("auto", "single", "distributed")
+
+# The variables torchrun sets for every worker; init_process_group("env://") reads all but LOCAL_RANK.
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+_LAUNCH_HINT = (
+    "Launch the script with `torchrun --nproc_per_node N script.py` (add --nnodes/--node_rank/--master_addr or "
+    "--rdzv_endpoint across machines), which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; "
+    "or set the missing variables; or pass mode=\"single\" to run a single-process DataParallel."
+)
+
+LaunchEnv = namedtuple("LaunchEnv", "rank world_size local_rank master_addr master_port")
+
+
+# ---- Detection --------------------------------------------------------------------------------------------------
+
+
+def _group_initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def _int_var(env, name, lo=None, hi=None):
+    text = env[name]
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} is not an integer. {_LAUNCH_HINT}") from None
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"environment variable {name}={value} is out of range (expected {bounds}). {_LAUNCH_HINT}")
+    return value
+
+
+def launch_env(environ=None, require=False):
+    """The torchrun variables as a ``LaunchEnv``, or None when the process was not launched for several ranks.
+
+    None when none of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT is set (empty counts as unset), or
+    when WORLD_SIZE is 1 and ``require`` is false. Raises ValueError for a half-set environment: some of them set
+    without WORLD_SIZE, or WORLD_SIZE > 1 (or ``require``) with any of them missing, or values out of range.
+    """
+    env = os.environ if environ is None else environ
+    present = {name: env[name] for name in _LAUNCH_VARS if env.get(name, "") != ""}
+    if not present:
+        return None
+    if "WORLD_SIZE" not in present:
+        raise ValueError(
+            f"{', '.join(sorted(present))} {'is' if len(present) == 1 else 'are'} set but WORLD_SIZE is not: the "
+            f"environment is half a torch.distributed launch. {_LAUNCH_HINT}"
+        )
+    world_size = _int_var(present, "WORLD_SIZE", lo=1)
+    if world_size == 1 and not require:
+        return None
+    missing = [name for name in _LAUNCH_VARS if name not in present]
+    if missing:
+        raise ValueError(
+            f"WORLD_SIZE={world_size} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+            f"the environment is half a torch.distributed launch. {_LAUNCH_HINT}"
+        )
+    return LaunchEnv(
+        rank=_int_var(present, "RANK", lo=0, hi=world_size - 1),
+        world_size=world_size,
+        local_rank=_int_var(present, "LOCAL_RANK", lo=0),
+        master_addr=present["MASTER_ADDR"],
+        master_port=_int_var(present, "MASTER_PORT", lo=1, hi=65535),
+    )
+
+
+def is_distributed():
+    """Whether fastdp.DataParallel(mode="auto") would run on torch.distributed here (never initialises anything).
+
+    True when a default process group is initialised, or when the torchrun variables say WORLD_SIZE > 1.
+    Raises ValueError for a half-set environment.
+    """
+    if _group_initialized():
+        return True
+    return launch_env() is not None
+
+
+def _choose_class(cls, mode):
+    """The class ``fastdp.DataParallel(..., mode=mode)`` builds: ``cls`` or ``DistributedDataParallel``."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(repr(m) for m in MODES)}; got {mode!r}")
+    if issubclass(cls, DistributedDataParallel) or mode == "single":
+        return cls
+    if mode == "auto" and not is_distributed():
+        return cls
+    if cls is not DataParallel:
+        # A subclass overrides the single-process pipeline (scatter, gather…), which DDP does not run.
+        raise RuntimeError(
+            f"{cls.__name__} subclasses fastdp.DataParallel and cannot be switched to torch.distributed "
+            f"(mode={mode!r} in a distributed launch). Pass mode=\"single\" to run it as a single-process "
+            "DataParallel in each process, or wrap the model with fastdp.DataParallel itself."
+        )
+    return DistributedDataParallel
+
+
+# ---- Process group and device ------------------------------------------------------------------------------------
+
+_owned_group = False
+
+
+def _destroy_owned_group():
+    # An uncaught exception (a failing rank, Ctrl-C) leaves sys.last_value set before atexit runs: the peers may be
+    # gone or stuck, and tearing communicators down could then block the exit. Let such a process just end.
+    if _owned_group and getattr(sys, "last_value", None) is None and _group_initialized():
+        dist.destroy_process_group()
+
+
+def _local_rank():
+    text = os.environ.get("LOCAL_RANK", "")
+    if text != "":
+        return _int_var(os.environ, "LOCAL_RANK", lo=0)
+    if _group_initialized():
+        # Groups set up by hand (mp.spawn) may lack LOCAL_RANK: assume ranks are packed node by node.
+        return dist.get_rank() % max(torch.cuda.device_count(), 1)
+    return 0
+
+
+def _local_device(device_ids):
+    """This process's device: CPU for "cpu" device_ids or without a GPU, else cuda:LOCAL_RANK (or as device_ids says).
+
+    ``device_ids`` keeps both meanings it has in user code: one entry (DDP's ``[local_rank]``) is the device;
+    several entries (DataParallel's list of this machine's GPUs) are indexed by LOCAL_RANK.
+    """
+    if device_ids is not None:
+        _require_indexable(device_ids)
+        if any(_devices.is_cpu(d) for d in device_ids):
+            _devices.normalize_list(device_ids, "device_ids")  # Mixed lists raise, as in single-process mode.
+            return torch.device("cpu")
+    if not _devices.cuda_available():
+        return torch.device("cpu")  # CUDA device_ids without a GPU are ignored, as DataParallel does.
+    local = _local_rank()
+    count = torch.cuda.device_count()
+    if device_ids is None or len(device_ids) == 0:
+        if local >= count:
+            raise RuntimeError(
+                f"LOCAL_RANK={local} but only {count} CUDA device(s) are visible: each process needs its own GPU. "
+                f"Start at most {count} processes per machine (torchrun --nproc_per_node {count}), or pass "
+                "device_ids=['cpu'] to train on the CPU with gloo."
+            )
+        return torch.device("cuda", local)
+    ids = [_devices.cuda_index(d, "device_ids") for d in device_ids]
+    if len(ids) == 1:
+        index = ids[0]
+    elif local < len(ids):
+        index = ids[local]
+    else:
+        raise ValueError(
+            f"device_ids={list(device_ids)!r} lists {len(ids)} GPUs but this process has LOCAL_RANK={local}: start "
+            f"at most {len(ids)} processes per machine, or leave device_ids unset to use cuda:LOCAL_RANK."
+        )
+    if index >= count:
+        raise RuntimeError(f"device_ids selects cuda:{index} but only {count} CUDA device(s) are visible")
+    return torch.device("cuda", index)
+
+
+def _ensure_group(device):
+    """Initialises the default process group from the torchrun variables unless one exists (NCCL for CUDA, gloo
+    for the CPU); the group is destroyed at a clean exit."""
+    global _owned_group
+    if _group_initialized():
+        return
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed; use mode=\"single\"")
+    if launch_env(require=True) is None:
+        raise RuntimeError(
+            "mode=\"distributed\" needs a torch.distributed launch, but none of "
+            f"{', '.join(_LAUNCH_VARS)} is set and no default process group is initialised. {_LAUNCH_HINT} "
+            "Alternatively call torch.distributed.init_process_group() before wrapping the model."
+        )
+    if device.type == "cuda":
+        dist.init_process_group(backend="nccl", init_method="env://", device_id=device)
+    else:
+        dist.init_process_group(backend="gloo", init_method="env://")
+    if not _owned_group:
+        atexit.register(_destroy_owned_group)
+    _owned_group = True
+
+
+def get_rank():
+    """This process's global rank: the process group's, else RANK from the environment, else 0."""
+    if _group_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def get_world_size():
+    """The number of processes: the process group's size, else WORLD_SIZE from the environment, else 1."""
+    if _group_initialized():
+        return dist.get_world_size()
+    try:
+        return max(int(os.environ.get("WORLD_SIZE", "1") or 1), 1)
+    except ValueError:
+        return 1
+
+
+# ---- The wrapper -------------------------------------------------------------------------------------------------
+
+
+class DistributedDataParallel(DataParallel):
+    """``fastdp.DataParallel`` on torch.distributed: one process per device, torch's DDP underneath.
+
+    Built by ``fastdp.DataParallel(model)`` in a torchrun launch (WORLD_SIZE > 1) or when a default process group
+    exists, or directly. Initialises the default group if needed, moves ``module`` to this process's device
+    (cuda:LOCAL_RANK, or the CPU) and wraps it in ``torch.nn.parallel.DistributedDataParallel`` (``self.ddp``);
+    ``ddp_options`` (``find_unused_parameters``, ``bucket_cap_mb``, ``static_graph``…) go to it unchanged.
+    With ``criterion``, ``model(x, target=y)`` returns ``criterion(output, y)`` for this rank's shard (DataParallel's
+    per-replica loss); ``chunk_sizes`` is accepted and ignored, since every process has a single device.
+    Keeps DataParallel's conveniences: prefix-free ``state_dict()``, ``load_state_dict`` accepting both forms and
+    attribute forwarding to the wrapped module; adds DDP's ``no_sync()`` and ``join()``.
+    """
+
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="distributed", chunk_sizes=None,
+                 criterion=None, **ddp_options):
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(repr(m) for m in MODES)}; got {mode!r}")
+        if mode == "single":
+            raise ValueError(
+                "fastdp.DistributedDataParallel always runs on torch.distributed; use fastdp.DataParallel(..., "
+                "mode=\"single\") for a single-process DataParallel"
+            )
+        if criterion is not None and not callable(criterion):
+            raise TypeError(f"criterion must be callable (e.g. nn.CrossEntropyLoss()), got {type(criterion).__name__}")
+        # chunk_sizes splits a batch among one process's replicas; here every process has one device: ignored.
+        # DataParallel.__init__ resolves single-process devices; this wrapper needs only Module's set-up plus the
+        # conveniences DataParallel defines as methods and one load hook, which it inherits or reuses below.
+        Module.__init__(self)
+        torch._C._log_api_usage_once("fastdp.DistributedDataParallel")
+        device = _local_device(device_ids)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL, barriers and the user's own .cuda() calls then use this GPU.
+        _ensure_group(device)
+        module.to(device)
+        index = [device.index] if device.type == "cuda" else None
+        # output_device is ignored: each rank's outputs stay on its own device (one GPU per process).
+        ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=index, dim=dim, **ddp_options)
+        self.module = module
+        # Outside _modules: the wrapped module is reached once, through self.module, by parameters(), state_dict(),
+        # to(), apply()…; DDP's own forward is called explicitly.
+        self.__dict__["ddp"] = ddp
+        self.__dict__["_criterion"] = criterion  # not a submodule, as in DataParallel
+        self._register_load_state_dict_pre_hook(_nested_load_pre_hook, with_module=True)
+        self.dim = dim
+        self.device_ids = index if index is not None else []
+        self.output_device = ddp.output_device if index is not None else None
+        self.src_device_obj = device
+
+    def forward(self, *inputs, **kwargs):
+        criterion = self.__dict__.get("_criterion")
+        if criterion is not None and "target" in kwargs:  # DataParallel's per-replica loss: here, per process
+            target = kwargs.pop("target")
+            return criterion(self.ddp(*inputs, **kwargs), target)
+        return self.ddp(*inputs, **kwargs)
+
+    def no_sync(self):
+        """DDP's context manager: backward inside it accumulates gradients locally, without communication."""
+        return self.ddp.no_sync()
+
+    def join(self, *args, **kwargs):
+        """DDP's context manager for ranks with unequal numbers of batches (``torch.distributed.algorithms.Join``)."""
+        return self.ddp.join(*args, **kwargs)
+
+    def register_comm_hook(self, state, hook):
+        """DDP's gradient communication hook (compression, PowerSGD, …)."""
+        return self.ddp.register_comm_hook(state, hook)
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.ddp.training = mode
+        return self
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        # DDP's reducer is bound to the parameters' device: a move after wrapping would break gradient sync, and
+        # a hard-coded "cuda:0" would put every rank on one GPU. Refuse loudly instead.
+        ddp = self.__dict__.get("ddp")
+        if ddp is not None:
+            for t in itertools.chain(self.module.parameters(), self.module.buffers()):
+                if t.device != self.src_device_obj:
+                    raise RuntimeError(
+                        f"the module was moved to {t.device} after fastdp wrapped it for torch.distributed on "
+                        f"{self.src_device_obj}: each process owns one device (cuda:LOCAL_RANK). Move the model "
+                        "before wrapping it, or use torch.device('cuda') (this process's current device)."
+                    )
+        return result
+
+    def extra_repr(self):
+        backend = dist.get_backend() if _group_initialized() else "?"
+        return f"rank={get_rank()}, world_size={get_world_size()}, device={self.src_device_obj}, backend={backend}"
+
+
+# ---- Helpers: data sharding, saving, printing once -------------------------------------------------------------
+
+
+class ShardedLoader:
+    """A DataLoader over this rank's shard (a DistributedSampler) that calls ``set_epoch`` on every ``iter()``.
+
+    Iterating starts epoch ``self.epoch`` and then increments it, so each epoch is shuffled differently and the
+    same way on every rank. ``set_epoch(n)`` sets the next epoch (for resuming). Other attributes are the loader's.
+    """
+
+    def __init__(self, loader, sampler, epoch=0):
+        self.loader = loader
+        self.sampler = sampler
+        self.epoch = epoch
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return iter(self.loader)
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or "loader" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["loader"], name)
+
+
+_COPIED_LOADER_ARGS = (
+    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context", "generator",
+    "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
+)
+
+
+def shard(loader, *, split_batch=True, seed=0, num_replicas=None, rank=None):
+    """Returns ``loader`` sharded across the ranks: one call, for DataLoaders built with ``batch_size=`` and
+    ``shuffle=`` (or a default sampler).
+
+    Not distributed (and ``num_replicas`` unset, or 1): returns ``loader`` itself, so the script runs unchanged on
+    one machine. Otherwise returns a ``ShardedLoader`` with a ``DistributedSampler`` (``shuffle`` as the loader's,
+    ``seed``, ``drop_last`` as the loader's) and every other DataLoader argument copied; its ``__iter__`` calls
+    ``set_epoch``. With ``split_batch`` (default) ``batch_size`` stays the global batch, as with DataParallel:
+    each rank loads ``batch_size // world_size`` samples, so learning rates and results keep their meaning;
+    ``split_batch=False`` gives every rank ``batch_size`` samples (DDP's convention). ``num_replicas`` and
+    ``rank`` override the process group's.
+    """
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"shard() expects a torch.utils.data.DataLoader, got {type(loader).__name__}")
+    if num_replicas is None:
+        num_replicas = get_world_size() if _group_initialized() or is_distributed() else 1
+    if rank is None:
+        rank = get_rank() if num_replicas > 1 else 0
+    if num_replicas == 1:
+        return loader
+    if isinstance(loader.dataset, IterableDataset):
+        raise ValueError("shard() cannot shard an IterableDataset: split it by rank inside the dataset's __iter__")
+    if loader.batch_size is None:
+        raise ValueError(
+            "shard() needs a DataLoader built with batch_size= (and shuffle= or no sampler), not batch_sampler= "
+            "or batch_size=None; build a DistributedSampler yourself for custom batching"
+        )
+    if isinstance(loader.sampler, RandomSampler):
+        if loader.sampler.replacement or loader.sampler._num_samples is not None:
+            raise ValueError("shard() cannot shard a RandomSampler with replacement or num_samples")
+        shuffle = True
+    elif isinstance(loader.sampler, SequentialSampler):
+        shuffle = False
+    else:
+        raise ValueError(
+            f"shard() cannot shard a DataLoader with a custom sampler ({type(loader.sampler).__name__}); use "
+            "shuffle=True/False, or a torch.utils.data.DistributedSampler of your own"
+        )
+    batch_size = loader.batch_size
+    if split_batch:
+        if batch_size % num_replicas:
+            raise ValueError(
+                f"batch_size={batch_size} is the global batch (split_batch=True) and must be divisible by the "
+                f"world size {num_replicas}; pick a multiple of {num_replicas}, or pass split_batch=False to load "
+                f"batch_size samples on every rank"
+            )
+        batch_size //= num_replicas
+    sampler = DistributedSampler(
+        loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=loader.drop_last
+    )
+    accepted = inspect.signature(DataLoader.__init__).parameters
+    kwargs = {name: getattr(loader, name) for name in _COPIED_LOADER_ARGS if name in accepted and hasattr(loader, name)}
+    if not kwargs.get("num_workers"):
+        kwargs.pop("prefetch_factor", None)
+        kwargs.pop("persistent_workers", None)
+    inner = DataLoader(loader.dataset, batch_size=batch_size, sampler=sampler, drop_last=loader.drop_last, **kwargs)
+    return ShardedLoader(inner, sampler)
+
+
+def save(obj, f, *args, src=0, **kwargs):
+    """``torch.save(obj, f, ...)`` on rank ``src`` only; every rank must call it, and all return once it is written.
+
+    The other ranks can then ``torch.load`` the file (on a filesystem they share). If the save fails on ``src``,
+    it raises there and a RuntimeError naming the failure on the other ranks, instead of leaving them waiting.
+    Not distributed: plain ``torch.save``.
+    """
+    if not _group_initialized() or dist.get_world_size() == 1:
+        torch.save(obj, f, *args, **kwargs)
+        return
+    error = None
+    if dist.get_rank() == src:
+        try:
+            torch.save(obj, f, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001  (re-raised below, after the others were told)
+            error = exc
+    status = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(status, src=src)
+    if error is not None:
+        raise error
+    if status[0] is not None:
+        raise RuntimeError(f"fastdp.save: rank {src} failed to write {f!r}: {status[0]}")
+
+
+def print0(*args, **kwargs):
+    """``print`` on global rank 0 only (every process when not distributed)."""
+    if get_rank() == 0:
+        print(*args, **kwargs)
+
+
+class RankZeroFilter(logging.Filter):
+    """A logging filter that passes records on global rank ``rank`` (default 0) only.
+
+    Attach it to a handler (``handler.addFilter(fastdp.RankZeroFilter())``) so records from every logger are
+    filtered; a filter on a logger sees only that logger's own records.
+    """
+
+    def __init__(self, rank=0):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record):
+        return get_rank() == self.rank

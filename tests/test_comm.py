@@ -440,34 +440,39 @@ def test_threaded_host_paths_match_reference():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+GARBAGE_CODE = """
+import itertools, torch
+from fastdp import comm, _C
+junk = [None, 0, -1, 2**70, 1.5, "x", "cpu:banana", b"\\x00", [], [None], {}, object(), [[1]],
+        torch.empty(0), torch.ones(2, 2, device="meta"), torch.ones(3).to_sparse(),
+        [torch.ones(2), "a"], [torch.ones(2), torch.ones(3, dtype=torch.int8)], (torch.ones(2, 3),),
+        [torch.ones(2, 3), torch.ones(3, 2).t()], torch.ones(1, dtype=torch.complex64),
+        (torch.ones(3) * k for k in range(3)), iter([torch.ones(2)]), [[torch.ones(2)], [torch.ones(2)]],
+        [({}, {}), ({}, 5)], [torch.ones(2, 2).t().contiguous()]]
+fns = [comm.broadcast, comm.broadcast_coalesced, comm.reduce_add, comm.reduce_add_coalesced, comm.scatter,
+       comm.gather, _C.copy, _C.broadcast, _C.reduce, _C.scatter, _C.gather, _C.plan, _C.reduce_many,
+       _C.refresh, _C.rebind]
+raised = 0
+for fn in fns:
+    for args in itertools.chain(((a,) for a in junk), itertools.product(junk, repeat=2)):
+        try:
+            fn(*args)
+        except Exception:
+            raised += 1
+    for a in junk:
+        try:
+            fn(torch.ones(4), ["cpu"], a, a)
+        except Exception:
+            raised += 1
+x = torch.arange(12.0).view(4, 3)
+assert torch.equal(comm.gather(comm.scatter(x, ["cpu"] * 3), 0, "cpu"), x)
+print("survived", raised)
+"""
+
+
 def test_garbage_arguments_leave_the_process_usable():
     """Every function, fed garbage, raises a Python exception; the process survives and the next call works."""
-    code = """
-        import itertools, torch
-        from fastdp import comm, _C
-        junk = [None, 0, -1, 2**70, 1.5, "x", "cpu:banana", b"\\x00", [], [None], {}, object(), [[1]],
-                torch.empty(0), torch.ones(2, 2, device="meta"), torch.ones(3).to_sparse(),
-                [torch.ones(2), "a"], [torch.ones(2), torch.ones(3, dtype=torch.int8)], (torch.ones(2, 3),),
-                [torch.ones(2, 3), torch.ones(3, 2).t()], torch.ones(1, dtype=torch.complex64)]
-        fns = [comm.broadcast, comm.broadcast_coalesced, comm.reduce_add, comm.reduce_add_coalesced, comm.scatter,
-               comm.gather, _C.copy, _C.broadcast, _C.reduce, _C.scatter, _C.gather, _C.plan]
-        raised = 0
-        for fn in fns:
-            for args in itertools.chain(((a,) for a in junk), itertools.product(junk, repeat=2)):
-                try:
-                    fn(*args)
-                except Exception:
-                    raised += 1
-            for a in junk:
-                try:
-                    fn(torch.ones(4), ["cpu"], a, a)
-                except Exception:
-                    raised += 1
-        x = torch.arange(12.0).view(4, 3)
-        assert torch.equal(comm.gather(comm.scatter(x, ["cpu"] * 3), 0, "cpu"), x)
-        print("survived", raised)
-    """
-    r = run_python(code)
+    r = run_python(GARBAGE_CODE)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.startswith("survived"), r.stdout
     assert r.stderr == "" or "Traceback" not in r.stderr

@@ -166,26 +166,40 @@ static int describe(module_state *st, PyObject *obj, fdp_tensor_t *t, const char
   return 0;
 }
 
-/* A list or tuple of tensors → a new array of descriptors (PyMem_Free it). */
-static fdp_tensor_t *describe_list(module_state *st, PyObject *seq, Py_ssize_t *n, const char *what) {
-  PyObject *fast = PySequence_Fast(seq, "expected a sequence of tensors");
-  if (!fast) return NULL;
-  Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+/* A sequence of tensors → a new array of descriptors (PyMem_Free it). *keep receives a tuple holding every
+ * tensor described (Py_DECREF it after the operation): the memory the descriptors point to stays alive while
+ * the GIL is released, even if the caller's sequence was an iterator or is changed by another thread. */
+static fdp_tensor_t *describe_list(module_state *st, PyObject *seq, Py_ssize_t *n, const char *what,
+                                   PyObject **keep) {
+  *keep = NULL;
+  if (PyObject_IsInstance(seq, st->tensor_type) > 0 || PyUnicode_Check(seq) || PyBytes_Check(seq)) {
+    PyErr_Format(PyExc_TypeError, "%s must be a sequence of tensors, got %s", what, Py_TYPE(seq)->tp_name);
+    return NULL;
+  }
+  PyObject *items = PySequence_Tuple(seq);
+  if (!items) {
+    if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_TypeError, "%s must be a sequence of tensors, got %s", what, Py_TYPE(seq)->tp_name);
+    }
+    return NULL;
+  }
+  Py_ssize_t len = PyTuple_GET_SIZE(items);
   fdp_tensor_t *ts = PyMem_Calloc((size_t)(len ? len : 1), sizeof *ts);
   if (!ts) {
-    Py_DECREF(fast);
+    Py_DECREF(items);
     PyErr_NoMemory();
     return NULL;
   }
   for (Py_ssize_t i = 0; i < len; i++) {
-    if (describe(st, PySequence_Fast_GET_ITEM(fast, i), &ts[i], what, i) < 0) {
+    if (describe(st, PyTuple_GET_ITEM(items, i), &ts[i], what, i) < 0) {
       PyMem_Free(ts);
-      Py_DECREF(fast);
+      Py_DECREF(items);
       return NULL;
     }
   }
-  Py_DECREF(fast);
   *n = len;
+  *keep = items;
   return ts;
 }
 
@@ -233,8 +247,9 @@ static PyObject *py_copy(PyObject *module, PyObject *args) {
   fdp_streams_t streams;
   Py_ssize_t nd = 0, ns = 0;
   if (parse_streams(streams_obj, &streams) < 0) return NULL;
-  fdp_tensor_t *d = describe_list(st, dsts, &nd, "dst");
-  fdp_tensor_t *s = d ? describe_list(st, srcs, &ns, "src") : NULL;
+  PyObject *keep_d = NULL, *keep_s = NULL;
+  fdp_tensor_t *d = describe_list(st, dsts, &nd, "dst", &keep_d);
+  fdp_tensor_t *s = d ? describe_list(st, srcs, &ns, "src", &keep_s) : NULL;
   PyObject *ret = NULL;
   if (!s) goto done;
   if (nd != ns || check_count(nd) < 0) {
@@ -248,6 +263,8 @@ static PyObject *py_copy(PyObject *module, PyObject *args) {
 done:
   PyMem_Free(d);
   PyMem_Free(s);
+  Py_XDECREF(keep_d);
+  Py_XDECREF(keep_s);
   return ret;
 }
 
@@ -259,7 +276,8 @@ static PyObject *py_broadcast(PyObject *module, PyObject *args) {
   fdp_tensor_t src;
   Py_ssize_t nd = 0;
   if (parse_streams(streams_obj, &streams) < 0 || describe(st, src_obj, &src, "tensor", 0) < 0) return NULL;
-  fdp_tensor_t *d = describe_list(st, dsts, &nd, "out");
+  PyObject *keep;
+  fdp_tensor_t *d = describe_list(st, dsts, &nd, "out", &keep);
   if (!d) return NULL;
   PyObject *ret = NULL;
   if (check_count(nd) == 0) {
@@ -269,6 +287,7 @@ static PyObject *py_broadcast(PyObject *module, PyObject *args) {
     else ret = Py_NewRef(Py_None);
   }
   PyMem_Free(d);
+  Py_DECREF(keep);
   return ret;
 }
 
@@ -280,7 +299,8 @@ static PyObject *py_reduce(PyObject *module, PyObject *args) {
   fdp_tensor_t out;
   Py_ssize_t n = 0;
   if (parse_streams(streams_obj, &streams) < 0 || describe(st, out_obj, &out, "out", 0) < 0) return NULL;
-  fdp_tensor_t *in = describe_list(st, ins, &n, "inputs");
+  PyObject *keep;
+  fdp_tensor_t *in = describe_list(st, ins, &n, "inputs", &keep);
   if (!in) return NULL;
   PyObject *ret = NULL;
   if (check_count(n) == 0) {
@@ -290,6 +310,7 @@ static PyObject *py_reduce(PyObject *module, PyObject *args) {
     else ret = Py_NewRef(Py_None);
   }
   PyMem_Free(in);
+  Py_DECREF(keep);
   return ret;
 }
 
@@ -302,7 +323,8 @@ static PyObject *py_scatter(PyObject *module, PyObject *args) {
   fdp_tensor_t src;
   Py_ssize_t n = 0;
   if (parse_streams(streams_obj, &streams) < 0 || describe(st, src_obj, &src, "tensor", 0) < 0) return NULL;
-  fdp_tensor_t *o = describe_list(st, outs, &n, "out");
+  PyObject *keep;
+  fdp_tensor_t *o = describe_list(st, outs, &n, "out", &keep);
   if (!o) return NULL;
   PyObject *ret = NULL;
   int64_t *sizes = PyMem_Calloc((size_t)(n ? n : 1), sizeof *sizes);
@@ -324,6 +346,7 @@ done:
   Py_XDECREF(fast);
   PyMem_Free(sizes);
   PyMem_Free(o);
+  Py_DECREF(keep);
   return ret;
 }
 
@@ -336,7 +359,8 @@ static PyObject *py_gather(PyObject *module, PyObject *args) {
   fdp_tensor_t out;
   Py_ssize_t n = 0;
   if (parse_streams(streams_obj, &streams) < 0 || describe(st, out_obj, &out, "out", 0) < 0) return NULL;
-  fdp_tensor_t *in = describe_list(st, ins, &n, "tensors");
+  PyObject *keep;
+  fdp_tensor_t *in = describe_list(st, ins, &n, "tensors", &keep);
   if (!in) return NULL;
   PyObject *ret = NULL;
   if (check_count(n) == 0) {
@@ -346,6 +370,7 @@ static PyObject *py_gather(PyObject *module, PyObject *args) {
     else ret = Py_NewRef(Py_None);
   }
   PyMem_Free(in);
+  Py_DECREF(keep);
   return ret;
 }
 
@@ -356,7 +381,8 @@ static PyObject *py_plan(PyObject *module, PyObject *args) {
   unsigned long long bucket_bytes;
   if (!PyArg_ParseTuple(args, "OOK:plan", &tensors, &keys_obj, &bucket_bytes)) return NULL;
   Py_ssize_t n = 0;
-  fdp_tensor_t *ts = describe_list(st, tensors, &n, "tensors");
+  PyObject *keep;
+  fdp_tensor_t *ts = describe_list(st, tensors, &n, "tensors", &keep);
   if (!ts) return NULL;
   PyObject *ret = NULL, *fast = NULL;
   fdp_plan_t *plan = NULL;
@@ -396,6 +422,7 @@ done:
   Py_XDECREF(fast);
   PyMem_Free(keys);
   PyMem_Free(ts);
+  Py_DECREF(keep);
   return ret;
 }
 
@@ -411,10 +438,12 @@ static PyObject *py_reduce_many(PyObject *module, PyObject *args) {
   if (!cols) return NULL;
   Py_ssize_t ncol = PySequence_Fast_GET_SIZE(cols), nout = 0;
   PyObject *ret = NULL;
-  fdp_tensor_t *outs = describe_list(st, outs_obj, &nout, "outs");
+  PyObject *keep_outs = NULL;
+  fdp_tensor_t *outs = describe_list(st, outs_obj, &nout, "outs", &keep_outs);
   fdp_tensor_t **ins = PyMem_Calloc((size_t)(ncol ? ncol : 1), sizeof *ins);
+  PyObject **keeps = PyMem_Calloc((size_t)(ncol ? ncol : 1), sizeof *keeps);
   Py_ssize_t *counts = PyMem_Calloc((size_t)(ncol ? ncol : 1), sizeof *counts);
-  if (!outs || !ins || !counts) {
+  if (!outs || !ins || !counts || !keeps) {
     if (!PyErr_Occurred()) PyErr_NoMemory();
     goto done;
   }
@@ -423,7 +452,7 @@ static PyObject *py_reduce_many(PyObject *module, PyObject *args) {
     goto done;
   }
   for (Py_ssize_t j = 0; j < ncol; j++) {
-    ins[j] = describe_list(st, PySequence_Fast_GET_ITEM(cols, j), &counts[j], "columns[j]");
+    ins[j] = describe_list(st, PySequence_Fast_GET_ITEM(cols, j), &counts[j], "columns[j]", &keeps[j]);
     if (!ins[j] || check_count(counts[j]) < 0) goto done;
   }
   fdp_result_t r = FDP_OK;
@@ -433,7 +462,10 @@ static PyObject *py_reduce_many(PyObject *module, PyObject *args) {
   else ret = Py_NewRef(Py_None);
 done:
   for (Py_ssize_t j = 0; ins && j < ncol; j++) PyMem_Free(ins[j]);
+  for (Py_ssize_t j = 0; keeps && j < ncol; j++) Py_XDECREF(keeps[j]);
   PyMem_Free(ins);
+  PyMem_Free(keeps);
+  Py_XDECREF(keep_outs);
   PyMem_Free(counts);
   PyMem_Free(outs);
   Py_DECREF(cols);

@@ -41,3 +41,9 @@ from . import distributed  # noqa: E402
 from .distributed import DistributedDataParallel, RankZeroFilter, print0, save, shard  # noqa: E402
 
 __all__ += ["distributed", "DistributedDataParallel", "shard", "save", "print0", "RankZeroFilter"]
+
+# ---- Balancing device 0 (issue 5): batch split, per-replica loss, memory report ------------------------------------
+from . import balance  # noqa: E402
+from .balance import AutoSplit, MemoryReport, memory_report  # noqa: E402
+
+__all__ += ["balance", "AutoSplit", "MemoryReport", "memory_report"]

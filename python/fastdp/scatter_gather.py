@@ -20,19 +20,22 @@ def _is_namedtuple(obj):
     return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
 
 
-def _scatter_map(obj, devices, dim):
-    """One entry per replica; the replica count is the fewest chunks among the tensor leaves (zip)."""
+def _scatter_map(obj, devices, dim, sizes=None):
+    """One entry per replica; the replica count is the fewest chunks among the tensor leaves (zip).
+
+    With explicit ``sizes`` (one per device) every tensor is split by them, and every device gets an entry.
+    """
     if isinstance(obj, torch.Tensor):
-        return list(Scatter.apply(devices, None, dim, obj))
+        return list(Scatter.apply(devices, sizes, dim, obj))
     if _is_namedtuple(obj):
-        return [type(obj)(*fields) for fields in zip(*[_scatter_map(f, devices, dim) for f in obj])]
+        return [type(obj)(*fields) for fields in zip(*[_scatter_map(f, devices, dim, sizes) for f in obj])]
     if isinstance(obj, tuple) and len(obj) > 0:
-        return [tuple(items) for items in zip(*[_scatter_map(x, devices, dim) for x in obj])]
+        return [tuple(items) for items in zip(*[_scatter_map(x, devices, dim, sizes) for x in obj])]
     if isinstance(obj, list) and len(obj) > 0:
-        return [list(items) for items in zip(*[_scatter_map(x, devices, dim) for x in obj])]
+        return [list(items) for items in zip(*[_scatter_map(x, devices, dim, sizes) for x in obj])]
     if isinstance(obj, dict) and len(obj) > 0:
         # Items are (key, value) tuples, so keys follow the same rules as values (as upstream).
-        return [type(obj)(pairs) for pairs in zip(*[_scatter_map(kv, devices, dim) for kv in obj.items()])]
+        return [type(obj)(pairs) for pairs in zip(*[_scatter_map(kv, devices, dim, sizes) for kv in obj.items()])]
     return [obj for _ in devices]
 
 
@@ -40,16 +43,34 @@ def _target_list(target_gpus):
     return _devices.normalize_list(list(target_gpus), "target_gpus")
 
 
-def scatter(inputs, target_gpus, dim=0):
-    """Slices tensors into approximately equal chunks and distributes them across the given devices."""
-    return _scatter_map(inputs, _target_list(target_gpus), dim)
+def _sizes_for(chunk_sizes, devices):
+    if chunk_sizes is None:
+        return None
+    sizes = list(chunk_sizes)
+    if len(sizes) != len(devices):
+        raise ValueError(
+            f"chunk_sizes has {len(sizes)} entries for {len(devices)} devices; expected one size per device"
+        )
+    return sizes
 
 
-def scatter_kwargs(inputs, kwargs, target_gpus, dim=0):
-    """Scatters positional args and kwargs; the shorter per-replica list is padded with () or {}."""
+def scatter(inputs, target_gpus, dim=0, *, chunk_sizes=None):
+    """Slices tensors into approximately equal chunks (or ``chunk_sizes``, one int per device, adding up to every
+    tensor's size along ``dim``) and distributes them across the given devices."""
     devices = _target_list(target_gpus)
-    scattered_inputs = _scatter_map(inputs, devices, dim) if inputs else []
-    scattered_kwargs = _scatter_map(kwargs, devices, dim) if kwargs else []
+    return _scatter_map(inputs, devices, dim, _sizes_for(chunk_sizes, devices))
+
+
+def scatter_kwargs(inputs, kwargs, target_gpus, dim=0, *, chunk_sizes=None):
+    """Scatters positional args and kwargs; the shorter per-replica list is padded with () or {}.
+
+    ``chunk_sizes`` (one int per device) splits every tensor by those sizes instead of torch.chunk's rule; every
+    device then gets an entry, empty tensors where its size is 0.
+    """
+    devices = _target_list(target_gpus)
+    sizes = _sizes_for(chunk_sizes, devices)
+    scattered_inputs = _scatter_map(inputs, devices, dim, sizes) if inputs else []
+    scattered_kwargs = _scatter_map(kwargs, devices, dim, sizes) if kwargs else []
     if len(scattered_inputs) < len(scattered_kwargs):
         scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
     elif len(scattered_kwargs) < len(scattered_inputs):

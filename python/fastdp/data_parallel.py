@@ -14,7 +14,7 @@ from itertools import chain
 import torch
 from torch.nn.modules import Module
 
-from . import _devices, _replicas
+from . import _devices, _replicas, balance
 from .parallel_apply import parallel_apply
 from .replicate import replicate
 from .scatter_gather import gather, scatter_kwargs
@@ -85,6 +85,17 @@ def _resolve(device_ids, output_device):
     return "cuda", ids, out
 
 
+def _on_device(obj, device):
+    """Whether every tensor in a (nested) input is on `device`; other values count as there."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device == device
+    if isinstance(obj, (list, tuple)):
+        return all(_on_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return all(_on_device(o, device) for o in obj.values())
+    return True
+
+
 def _check_module_device(module, src_device_obj):
     for t in chain(module.parameters(), module.buffers()):
         if t.device != src_device_obj:
@@ -147,6 +158,9 @@ class DataParallel(Module):
     ``device_ids`` may be CUDA devices or ``["cpu"] * N`` (N emulated replicas on the host).
     ``mode="auto"`` builds a ``fastdp.DistributedDataParallel`` instead when the script runs under torchrun with
     WORLD_SIZE > 1 or a default process group exists; ``"single"`` and ``"distributed"`` force the choice.
+    ``chunk_sizes`` sets the batch split (sizes, weights, device 0's share or ``"auto"``); with ``criterion``,
+    ``dp(x, target=y)`` returns the loss computed on each replica, without gathering the outputs
+    (docs/balance.md).
     """
 
     def __new__(cls, *args, **kwargs):
@@ -158,9 +172,21 @@ class DataParallel(Module):
             cls = _choose_class(cls, kwargs.get("mode", "auto"))
         return super().__new__(cls)
 
-    def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="auto", bucket_cap_mb=25):
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="auto", bucket_cap_mb=25,
+                 chunk_sizes=None, criterion=None):
         # mode: see __new__. bucket_cap_mb: size of the gradient buckets, each reduced as soon as it is ready.
+        # chunk_sizes: how the batch is split (docs/balance.md); None is upstream's torch.chunk rule.
+        # criterion: with it, dp(x, target=y) returns the loss, computed on each replica (docs/balance.md).
         super().__init__()
+        if criterion is not None and not callable(criterion):
+            raise TypeError(f"criterion must be callable (e.g. nn.CrossEntropyLoss()), got {type(criterion).__name__}")
+        # Kept out of the module tree (not a submodule): the wrapper's state_dict and parameters stay the model's.
+        self.__dict__["_criterion"] = criterion
+        self._split = None  # the chunk_sizes rule (fastdp.balance), None for torch.chunk's
+        self._last_chunk_sizes = None  # per-device sizes of the last forward's split (None: torch.chunk's rule)
+        self._replica_positions = None  # device_ids positions of the devices last replicated to
+        self._apply_devices = None  # devices of the replicas handed to parallel_apply in this forward
+        self._avoided_gather_bytes = None  # outputs the last per-replica loss forward did not gather
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
         self._bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
@@ -172,31 +198,88 @@ class DataParallel(Module):
         self._register_load_state_dict_pre_hook(_nested_load_pre_hook, with_module=True)
         if mode is None:
             self.device_ids = []
+            balance.parse_chunk_sizes(chunk_sizes, None)  # form checked; a pass-through has nothing to split
             return
         self.dim = dim
         self.device_ids = ids
         self.output_device = out
         self.src_device_obj = _devices.torch_device(ids[0])
+        split = balance.parse_chunk_sizes(chunk_sizes, len(ids))
+        self._split = split.bind(ids) if isinstance(split, balance.AutoSplit) else split
+        if isinstance(criterion, Module):
+            criterion.to(self.src_device_obj)  # its tensors (class weights…) are replicated from device_ids[0]
         if mode == "cuda":
             _check_balance(self.device_ids)
         if len(self.device_ids) == 1:
             self.module.to(self.src_device_obj)
 
+    __new__.__wrapped__ = __init__  # inspect.signature(DataParallel) shows __init__'s parameters, not __new__'s
+
     def forward(self, *inputs, **kwargs):
         with torch.autograd.profiler.record_function("DataParallel.forward"):
+            criterion = self.__dict__.get("_criterion")
+            with_loss = criterion is not None and "target" in kwargs
+            if with_loss:  # the criterion's target, split like the inputs; the model never sees it
+                kwargs = dict(kwargs)
+                target = kwargs.pop("target")
             if not self.device_ids:
-                return self.module(*inputs, **kwargs)
+                out = self.module(*inputs, **kwargs)
+                return criterion(out, target) if with_loss else out
             _check_module_device(self.module, self.src_device_obj)
+            if (len(self.device_ids) == 1 and not with_loss and type(self).scatter is DataParallel.scatter
+                    and _on_device((inputs, kwargs), self.src_device_obj)):
+                # The short path: one device and every input already there. Scattering would only wrap each
+                # tensor in a view (and an autograd node): the module gets them as they are.
+                return self.module(*inputs, **kwargs)
+            split = self.__dict__.get("_split")
+            if isinstance(split, balance.AutoSplit) and torch.is_grad_enabled() and self.module.training:
+                split.observe()
+            if with_loss:
+                balance.check_target(inputs, kwargs, target, self.dim)
+                inputs = inputs + (target,)
+            self._last_chunk_sizes = None
             inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+            sizes = self._last_chunk_sizes
             # A forward without inputs still runs once, on device_ids[0].
             if not inputs and not module_kwargs:
                 inputs = ((),)
                 module_kwargs = ({},)
             if len(self.device_ids) == 1:
+                if with_loss:
+                    *args, chunk = inputs[0]
+                    return criterion(self.module(*args, **module_kwargs[0]), chunk)
                 return self.module(*inputs[0], **module_kwargs[0])
-            replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
-            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
-            return self.gather(outputs, self.output_device)
+            # Devices with an empty chunk run no replica. Replication always starts from device_ids[0], which holds
+            # the master: when device 0 has no chunk, its replica (the master itself, nothing copied) is not run.
+            run = list(range(len(inputs)))
+            if sizes is not None and 0 in sizes:
+                run = [i for i in run if sizes[i] > 0]
+                inputs = tuple(inputs[i] for i in run)
+                module_kwargs = tuple(module_kwargs[i] for i in run)
+            positions = run if run[0] == 0 else [0] + run
+            devices = [self.device_ids[i] for i in positions]
+            self._replica_positions = positions
+            replicas = self.replicate(self.module, devices)
+            skip = len(positions) - len(run)
+            replicas, devices = replicas[skip:], devices[skip:]
+            watch = balance.BufferWatch(self.module, replicas[0]) if skip else None
+            if with_loss:
+                rule = balance.loss_rule(criterion, inputs[0][-1], self.dim)
+                losses = balance.criterion_replicas(criterion, [self.device_ids[i] for i in positions], rule)[skip:]
+                replicas = [balance.ReplicaLoss(r, c, rule) for r, c in zip(replicas, losses)]
+            self._apply_devices = devices
+            try:
+                outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+            finally:
+                self._apply_devices = None
+            if watch is not None:
+                watch.copy_back()
+            if not with_loss:
+                return self.gather(outputs, self.output_device)
+            self._avoided_gather_bytes = sum(o[2] for o in outputs)
+            device = _devices.CPU if self.output_device == -1 else self.output_device
+            return balance.combine(outputs, [i[-1] for i in inputs], rule, self.dim, device,
+                                   lambda losses: self.gather(losses, self.output_device))
 
     def replicate(self, module, device_ids):
         if module is not self.module or not _replicas.persistable(module):
@@ -236,10 +319,18 @@ class DataParallel(Module):
         return state
 
     def scatter(self, inputs, kwargs, device_ids):
-        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+        split = self.__dict__.get("_split")
+        if split is None:
+            return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+        sizes = balance.split_for(split, inputs, kwargs, self.dim, len(device_ids))
+        self._last_chunk_sizes = sizes
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim, chunk_sizes=sizes)
 
     def parallel_apply(self, replicas, inputs, kwargs):
-        return parallel_apply(replicas, inputs, kwargs, self.device_ids[: len(replicas)])
+        devices = self.__dict__.get("_apply_devices")  # set by forward: replicas may skip devices with no chunk
+        if devices is None or len(devices) != len(replicas):
+            devices = self.device_ids[: len(replicas)]
+        return parallel_apply(replicas, inputs, kwargs, devices)
 
     def gather(self, outputs, output_device):
         return gather(outputs, output_device, dim=self.dim)

@@ -591,6 +591,49 @@ def _command_line(args):
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def _memory_section(models, kind, configs, args):
+    """Device 0's peak over the median of the others (upstream and fastdp, same run), what fastdp holds per
+    device, and the gathered outputs that per-replica loss avoids: a few steps per model with the multi-replica
+    configuration's devices."""
+    multi = [c for c in configs if c.wrapper == "fastdp" and c.device_ids and len(c.device_ids) > 1]
+    if not multi:
+        return
+    ids = multi[-1].device_ids
+    print(f"memory (device ids {ids}; the GPU 0 ratio needs distinct GPUs, so it reads n/a on one GPU or the CPU)")
+    fmt = lambda r: "n/a" if r is None else f"{r:.2f}"  # noqa: E731
+    for name in models:
+        module, x, y, _ = _build(name, kind, args.batch)
+        dev0 = torch.device("cuda:0") if kind == "cuda" else torch.device("cpu")
+        module.to(dev0)
+        x, y = x.to(dev0), y.to(dev0)
+        reports = {}
+        wrappers = [("fastdp", lambda: fastdp.DataParallel(module, device_ids=ids)),
+                    ("fastdp, per-replica loss", lambda: fastdp.DataParallel(module, device_ids=ids,
+                                                                             criterion=nn.CrossEntropyLoss()))]
+        if kind == "cuda":
+            wrappers.insert(0, ("upstream", lambda: nn.DataParallel(module, device_ids=ids)))
+        for label, make in wrappers:
+            model = make()
+            opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+            if kind == "cuda":
+                for d in sorted(set(ids)):
+                    torch.cuda.reset_peak_memory_stats(d)
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                loss = model(x, target=y) if "per-replica" in label else nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+            reports[label] = fastdp.memory_report(model, reset_peak=True)
+        held = reports["fastdp"]
+        ratios = ", ".join(f"{label} {fmt(r.peak_ratio())}" for label, r in reports.items())
+        size = lambda n: f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"  # noqa: E731
+        per_device = " ".join(f"{d.device}={size(d.fastdp_bytes)}" for d in held.devices)
+        avoided = reports["fastdp, per-replica loss"].avoided_gather_bytes or 0
+        print(f"  {name:<12} GPU0 peak / median of others: {ratios}")
+        print(f"  {'':<12} fastdp holds per device: {per_device}; per-replica loss avoids gathering "
+              f"{size(avoided)} of outputs per step (and as much again for their gradient)")
+
+
 def run(args):
     started = time.perf_counter()
     print(f"command: {_command_line(args)}")
@@ -642,6 +685,8 @@ def run(args):
     print(f"{'target':<{w}}  {'goal':<26}{'measured':<30}verdict")
     for target, goal, measured, verdict in lines:
         print(f"{target:<{w}}  {goal:<26}{measured:<30}{verdict}")
+    print()
+    _memory_section(models, kind, configs, args)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "train.csv")
     with open(path, "w", newline="") as f:

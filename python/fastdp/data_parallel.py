@@ -97,6 +97,26 @@ def _on_device(obj, device):
 
 
 def _check_module_device(module, src_device_obj):
+    """Upstream's per-forward check that every parameter and buffer is on device_ids[0].
+
+    One walk over the modules' own dicts (no generator chain, no names); only when something is off does the
+    upstream-ordered walk run, so the error names the same tensor's device as upstream's would.
+    """
+    todo, seen = [module], {id(module)}
+    for m in todo:  # grows while walked: breadth-first over every distinct module
+        for t in m._parameters.values():
+            if t is not None and t.device != src_device_obj:
+                return _raise_module_device(module, src_device_obj)
+        for t in m._buffers.values():
+            if t is not None and t.device != src_device_obj:
+                return _raise_module_device(module, src_device_obj)
+        for c in m._modules.values():
+            if c is not None and id(c) not in seen:
+                seen.add(id(c))
+                todo.append(c)
+
+
+def _raise_module_device(module, src_device_obj):
     for t in chain(module.parameters(), module.buffers()):
         if t.device != src_device_obj:
             # Upstream's text.

@@ -19,21 +19,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import fastdp
 
-FEATURES, HIDDEN, CLASSES = 64, 256, 10
-
-
-def make_model():
-    return nn.Sequential(
-        nn.Linear(FEATURES, HIDDEN), nn.ReLU(),
-        nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
-        nn.Linear(HIDDEN, CLASSES),
-    )
+# The model of examples/train.py (this script's folder is on sys.path, also under torchrun).
+from train import CLASSES, FEATURES, make_model  # noqa: E402
 
 
 def make_data(n, seed):

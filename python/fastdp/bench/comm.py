@@ -72,7 +72,7 @@ def run(args):
             b = torch.empty_like(a)
             return lambda: b.copy_(a)
 
-        targets.append(("cuda", [f"cuda:0"] * replicas, torch.cuda.synchronize, d2d))
+        targets.append(("cuda", ["cuda:0"] * replicas, torch.cuda.synchronize, d2d))
         if torch.cuda.device_count() >= replicas:
             targets.append(("nccl", [f"cuda:{i}" for i in range(replicas)], torch.cuda.synchronize, d2d))
     print(f"fastdp comm benchmark: {replicas} device entries per call; GB/s = bytes written (reduce: bytes summed)"

@@ -29,6 +29,8 @@ import fastdp
 from fastdp import distributed as fdist
 
 HERE = os.path.abspath(__file__)
+# The folder holding the fastdp these tests import (the installed package), for child processes.
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(fastdp.__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCH_TIMEOUT = 90  # seconds for one multi-process launch, start-up included; then every child is killed
@@ -223,7 +225,7 @@ def _launch(scenario, out, world=2, gpus=False):
         env.update(
             RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")]),
+            PYTHONPATH=os.pathsep.join([_PACKAGE_PARENT, env.get("PYTHONPATH", "")]),
         )
         if not gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -355,7 +357,7 @@ def test_example_runs_single_and_under_torchrun(tmp_path):
     """examples/train_ddp.py: one process (emulated replicas), then two ranks through torchrun."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([_PACKAGE_PARENT, env.get("PYTHONPATH", "")]))
     script = os.path.join(ROOT, "examples", "train_ddp.py")
     args = ["--epochs", "2", "--checkpoint", str(tmp_path / "ckpt.pt")]
     single = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True,

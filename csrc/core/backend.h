@@ -22,12 +22,10 @@ typedef struct fdp_backend {
   /* Performs all copies (in any order; destinations never overlap). */
   fdp_result_t (*copy)(const fdp_copy_t *copies, int n, const fdp_streams_t *streams);
   /* out = sum of inputs (contiguous, same dtype and numel), accumulated in input order. */
-  fdp_result_t (*reduce)(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
-                         const fdp_streams_t *streams);
+  fdp_result_t (*reduce)(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out, const fdp_streams_t *streams);
   /* Optional collective broadcast of one dense source to dense, same-strided destinations on distinct
    * devices; NULL or FDP_UNAVAILABLE means the core falls back to copy. */
-  fdp_result_t (*broadcast)(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst,
-                            const fdp_streams_t *streams);
+  fdp_result_t (*broadcast)(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst, const fdp_streams_t *streams);
   /* Optional collective reduce (same conditions as broadcast); NULL or FDP_UNAVAILABLE → reduce. */
   fdp_result_t (*reduce_collective)(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
                                     const fdp_streams_t *streams);
@@ -71,10 +69,10 @@ const char *fdp__param_name(fdp_param_t p);
 /* The stream listed for `device`, or NULL (the legacy default stream). */
 void *fdp__stream_for(const fdp_streams_t *streams, int device);
 
-#define FDP_CHECK(expr)                                                                          \
-  do {                                                                                           \
-    fdp_result_t fdp__r = (expr);                                                                \
-    if (fdp__r != FDP_OK) return fdp__r;                                                         \
+#define FDP_CHECK(expr)                                                                                                \
+  do {                                                                                                                 \
+    fdp_result_t fdp__r = (expr);                                                                                      \
+    if (fdp__r != FDP_OK) return fdp__r;                                                                               \
   } while (0)
 
 #endif

@@ -27,7 +27,9 @@ const char *fdp_result_message(fdp_result_t r) {
   return (unsigned)r < FDP_RESULT_COUNT ? messages[r] : "unknown result";
 }
 
-const char *fdp_last_error(void) { return last_error; }
+const char *fdp_last_error(void) {
+  return last_error;
+}
 
 fdp_result_t fdp__fail(fdp_result_t r, const char *fmt, ...) {
   va_list ap;

@@ -16,14 +16,14 @@ extern "C" {
 #define FDP_HOST (-1) /* device ordinal of host memory */
 
 /* One table gives the result enum, its names and its messages. */
-#define FDP_RESULT_MAP(X)                                                                        \
-  X(OK, "success")                                                                               \
-  X(INVALID, "invalid argument")                                                                 \
-  X(DTYPE, "unsupported dtype")                                                                  \
-  X(NOMEM, "out of host memory")                                                                 \
-  X(UNAVAILABLE, "backend not available")                                                        \
-  X(CUDA, "CUDA error")                                                                          \
-  X(NCCL, "NCCL error")                                                                          \
+#define FDP_RESULT_MAP(X)                                                                                              \
+  X(OK, "success")                                                                                                     \
+  X(INVALID, "invalid argument")                                                                                       \
+  X(DTYPE, "unsupported dtype")                                                                                        \
+  X(NOMEM, "out of host memory")                                                                                       \
+  X(UNAVAILABLE, "backend not available")                                                                              \
+  X(CUDA, "CUDA error")                                                                                                \
+  X(NCCL, "NCCL error")                                                                                                \
   X(INTERNAL, "internal error")
 
 typedef enum {
@@ -34,17 +34,17 @@ typedef enum {
 } fdp_result_t;
 
 /* Element types the reductions know. Copies only need the element size, so any dtype can be moved. */
-#define FDP_DTYPE_MAP(X)                                                                         \
-  X(OTHER, "other", 0)                                                                           \
-  X(BOOL, "bool", 1)                                                                             \
-  X(U8, "uint8", 1)                                                                              \
-  X(I8, "int8", 1)                                                                               \
-  X(I16, "int16", 2)                                                                             \
-  X(I32, "int32", 4)                                                                             \
-  X(I64, "int64", 8)                                                                             \
-  X(F16, "float16", 2)                                                                           \
-  X(BF16, "bfloat16", 2)                                                                         \
-  X(F32, "float32", 4)                                                                           \
+#define FDP_DTYPE_MAP(X)                                                                                               \
+  X(OTHER, "other", 0)                                                                                                 \
+  X(BOOL, "bool", 1)                                                                                                   \
+  X(U8, "uint8", 1)                                                                                                    \
+  X(I8, "int8", 1)                                                                                                     \
+  X(I16, "int16", 2)                                                                                                   \
+  X(I32, "int32", 4)                                                                                                   \
+  X(I64, "int64", 8)                                                                                                   \
+  X(F16, "float16", 2)                                                                                                 \
+  X(BF16, "bfloat16", 2)                                                                                               \
+  X(F32, "float32", 4)                                                                                                 \
   X(F64, "float64", 8)
 
 typedef enum {
@@ -107,16 +107,16 @@ const char *fdp_backend_name(fdp_backend_id_t id);
 /* ---- bucket plans (coalesced operations) ---- */
 
 typedef struct fdp_bucket {
-  int dtype;       /* fdp_dtype_t of every member (or OTHER, grouped by elem_size) */
+  int dtype; /* fdp_dtype_t of every member (or OTHER, grouped by elem_size) */
   int elem_size;
-  int64_t numel;   /* elements in the flat buffer */
-  int first;       /* index into fdp_plan_t.members */
+  int64_t numel; /* elements in the flat buffer */
+  int first;     /* index into fdp_plan_t.members */
   int count;
 } fdp_bucket_t;
 
 typedef struct fdp_member {
-  int tensor;      /* index in the input list */
-  int64_t offset;  /* element offset inside the bucket's flat buffer */
+  int tensor;     /* index in the input list */
+  int64_t offset; /* element offset inside the bucket's flat buffer */
   int64_t numel;
 } fdp_member_t;
 
@@ -138,25 +138,23 @@ void fdp_plan_free(fdp_plan_t *plan);
 /* ---- operations ----
  * Copies (copy, broadcast, scatter, gather) may cross between host and CUDA memory; they are then the cuda
  * backend's work, and FDP_UNAVAILABLE where it cannot run. A reduce takes all-host or all-CUDA tensors only
- * (FDP_INVALID otherwise). Host work is complete when the call returns. CUDA and NCCL work is enqueued on the listed streams and
- * ordered after the work already there; memory may be reused once those streams pass the call's point.
+ * (FDP_INVALID otherwise). Host work is complete when the call returns. CUDA and NCCL work is enqueued on the listed
+ * streams and ordered after the work already there; memory may be reused once those streams pass the call's point.
  * Functions are thread-safe; the caller must not write the destinations concurrently. */
 
 /* dst[i] = src for every i. Shapes must match; strides may differ. A destination with the very address and
  * strides of src is skipped (the source entry of a broadcast). NCCL when every tensor is dense, same-strided,
  * on distinct devices and of an NCCL dtype (bytes otherwise); device copies or host memcpy otherwise. */
-fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst,
-                              const fdp_streams_t *streams);
+fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst, const fdp_streams_t *streams);
 
 /* out = inputs[0] + inputs[1] + ... in that order, per element. Inputs and out must be contiguous, of one
  * shape and dtype; out may alias no input except by being one of them exactly. */
-fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
-                           const fdp_streams_t *streams);
+fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out, const fdp_streams_t *streams);
 
 /* outs[i] = src narrowed along dim to the i-th chunk, chunk i holding sizes[i] elements along dim. An output
  * that already is that view (same address and strides) is skipped. */
-fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chunk_sizes,
-                            const fdp_tensor_t *outs, int n, const fdp_streams_t *streams);
+fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chunk_sizes, const fdp_tensor_t *outs,
+                            int n, const fdp_streams_t *streams);
 
 /* out narrowed along dim to the i-th slice = inputs[i], slices in order. */
 fdp_result_t fdp_op_gather(const fdp_tensor_t *inputs, int n, int dim, const fdp_tensor_t *out,
@@ -172,8 +170,7 @@ int fdp_nccl_version(void);         /* e.g. 22703; 0 when NCCL cannot be loaded 
 const char *fdp_nccl_library(void); /* path or soname of the NCCL library in use, "" when none */
 int fdp_cuda_device_count(void);
 /* name: NUL-terminated into a buffer of name_len bytes; bytes: total and free device memory. */
-fdp_result_t fdp_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes,
-                                  size_t *free_bytes);
+fdp_result_t fdp_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes, size_t *free_bytes);
 int fdp_cuda_can_access_peer(int device, int peer);
 
 /* Releases cached communicators and device state. Not safe concurrently with other calls; the next call

@@ -27,7 +27,9 @@ const char *fdp_nccl_library(void) {
   return fdp__nccl_load(&api, NULL) == FDP_OK ? api->path : "";
 }
 
-int fdp_cuda_device_count(void) { return fdp__cu_device_count(); }
+int fdp_cuda_device_count(void) {
+  return fdp__cu_device_count();
+}
 
 /* Free memory needs a context. One PyTorch (or fastdp) already made is used as it is; otherwise the primary
  * context is retained just for the query and released again, so that asking costs no lasting GPU memory. */
@@ -47,8 +49,7 @@ static fdp_result_t mem_info(const fdp_cu_t *cu, int device, CUdevice dev, size_
   return r;
 }
 
-fdp_result_t fdp_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes,
-                                  size_t *free_bytes) {
+fdp_result_t fdp_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes, size_t *free_bytes) {
   const fdp_cu_t *cu;
   CUdevice dev;
   size_t total = 0, avail = 0;
@@ -83,18 +84,24 @@ int fdp_cuda_can_access_peer(int device, int peer) {
 
 #else /* !FDP_WITH_CUDA */
 
-int fdp_cuda_driver_version(void) { return 0; }
-int fdp_nccl_version(void) { return 0; }
-const char *fdp_nccl_library(void) { return ""; }
-int fdp_cuda_device_count(void) { return 0; }
+int fdp_cuda_driver_version(void) {
+  return 0;
+}
+int fdp_nccl_version(void) {
+  return 0;
+}
+const char *fdp_nccl_library(void) {
+  return "";
+}
+int fdp_cuda_device_count(void) {
+  return 0;
+}
 
-fdp_result_t fdp_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes,
-                                  size_t *free_bytes) {
+fdp_result_t fdp_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes, size_t *free_bytes) {
   if (name != NULL && name_len > 0) name[0] = '\0';
   if (total_bytes) *total_bytes = 0;
   if (free_bytes) *free_bytes = 0;
-  return fdp__fail(FDP_UNAVAILABLE, "CUDA device %d: fastdp was built without CUDA support (cuda.h not found)",
-                   device);
+  return fdp__fail(FDP_UNAVAILABLE, "CUDA device %d: fastdp was built without CUDA support (cuda.h not found)", device);
 }
 
 int fdp_cuda_can_access_peer(int device, int peer) {

@@ -20,7 +20,9 @@ const char *fdp_backend_name(fdp_backend_id_t id) {
   return (unsigned)id < FDP_BACKEND_COUNT ? backend_names[id] : "unknown";
 }
 
-int fdp_backend_compiled(fdp_backend_id_t id) { return (unsigned)id < FDP_BACKEND_COUNT && backends[id]; }
+int fdp_backend_compiled(fdp_backend_id_t id) {
+  return (unsigned)id < FDP_BACKEND_COUNT && backends[id];
+}
 
 int fdp_backend_usable(fdp_backend_id_t id, const char **why) {
   const char *dummy;
@@ -62,13 +64,11 @@ static fdp_result_t check_tensor(const fdp_tensor_t *t, const char *what, int in
   if (t->elem_size <= 0 || t->elem_size > 16)
     return fdp__fail(FDP_INVALID, "%s %d has element size %d", what, index, t->elem_size);
   if (t->device < FDP_HOST || t->device >= FDP_MAX_DEVICES)
-    return fdp__fail(FDP_INVALID, "%s %d is on device %d, outside [-1, %d)", what, index, t->device,
-                     FDP_MAX_DEVICES);
+    return fdp__fail(FDP_INVALID, "%s %d is on device %d, outside [-1, %d)", what, index, t->device, FDP_MAX_DEVICES);
   int64_t numel = 1;
   for (int i = 0; i < t->ndim; i++) {
     if (t->sizes[i] < 0) return fdp__fail(FDP_INVALID, "%s %d has a negative size", what, index);
-    if (t->strides[i] < 0)
-      return fdp__fail(FDP_INVALID, "%s %d has a negative stride along dim %d", what, index, i);
+    if (t->strides[i] < 0) return fdp__fail(FDP_INVALID, "%s %d has a negative stride along dim %d", what, index, i);
     numel *= t->sizes[i];
   }
   if (numel > 0 && !t->data) return fdp__fail(FDP_INVALID, "%s %d has no data pointer", what, index);
@@ -153,12 +153,12 @@ fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n
     }
     all[2 * i] = &dst[i];
     all[2 * i + 1] = &src[i];
-    if (!same_view(&dst[i], &src[i]) && fdp_tensor_numel(&src[i]) > 0)
-      copies[k++] = (fdp_copy_t){dst[i], src[i]};
+    if (!same_view(&dst[i], &src[i]) && fdp_tensor_numel(&src[i]) > 0) copies[k++] = (fdp_copy_t){dst[i], src[i]};
   }
   /* Copies may cross between host and CUDA memory (a CPU batch scattered to GPUs, outputs gathered to the
    * CPU): any CUDA side makes it the cuda backend's work, which handles host pointers too. */
-  for (int i = 0; i < 2 * n; i++) cuda |= all[i]->device != FDP_HOST;
+  for (int i = 0; i < 2 * n; i++)
+    cuda |= all[i]->device != FDP_HOST;
   if ((r = pick_copy_backend(cuda, &be))) goto done;
   if (k) r = be->copy(copies, k, streams);
 done:
@@ -180,7 +180,8 @@ fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, 
     for (int i = 0; i < ndst && ok; i++) {
       FDP_CHECK(check_tensor(&dst[i], "destination", i));
       ok = dst[i].device != FDP_HOST && same_shape(&dst[i], src) && dst[i].elem_size == src->elem_size;
-      for (int d = 0; d < src->ndim && ok; d++) ok = src->sizes[d] <= 1 || dst[i].strides[d] == src->strides[d];
+      for (int d = 0; d < src->ndim && ok; d++)
+        ok = src->sizes[d] <= 1 || dst[i].strides[d] == src->strides[d];
       all[n++] = &dst[i];
     }
     if (ok && distinct_devices(all, n) && fdp_tensor_numel(src) > 0) {
@@ -191,14 +192,14 @@ fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, 
   }
   fdp_tensor_t *srcs = malloc((size_t)ndst * sizeof *srcs);
   if (!srcs) return fdp__fail(FDP_NOMEM, "broadcast: cannot allocate %d descriptors", ndst);
-  for (int i = 0; i < ndst; i++) srcs[i] = *src;
+  for (int i = 0; i < ndst; i++)
+    srcs[i] = *src;
   fdp_result_t r = fdp_op_copy(dst, srcs, ndst, streams);
   free(srcs);
   return r;
 }
 
-fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
-                           const fdp_streams_t *streams) {
+fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out, const fdp_streams_t *streams) {
   if (n <= 0 || !inputs || !out) return fdp__fail(FDP_INVALID, "reduce: expected at least one input");
   if (n > FDP_MAX_DEVICES * 16) return fdp__fail(FDP_INVALID, "reduce: too many inputs (%d)", n);
   const fdp_tensor_t *all[FDP_MAX_DEVICES * 16 + 1];
@@ -207,16 +208,15 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
   for (int i = 0; i < n; i++) {
     FDP_CHECK(check_tensor(&inputs[i], "input", i));
     if (inputs[i].dtype != out->dtype || inputs[i].elem_size != out->elem_size)
-      return fdp__fail(FDP_INVALID, "reduce: input %d is %s but the output is %s", i,
-                       fdp_dtype_name(inputs[i].dtype), fdp_dtype_name(out->dtype));
+      return fdp__fail(FDP_INVALID, "reduce: input %d is %s but the output is %s", i, fdp_dtype_name(inputs[i].dtype),
+                       fdp_dtype_name(out->dtype));
     if (!same_shape(&inputs[i], out)) {
       char a[256], b[256];
       shape_str(&inputs[i], a, sizeof a);
       shape_str(out, b, sizeof b);
       return fdp__fail(FDP_INVALID, "input %d has invalid size: got %s, but expected %s", i, a, b);
     }
-    if (!fdp_tensor_is_contiguous(&inputs[i]))
-      return fdp__fail(FDP_INVALID, "reduce: input %d must be contiguous", i);
+    if (!fdp_tensor_is_contiguous(&inputs[i])) return fdp__fail(FDP_INVALID, "reduce: input %d must be contiguous", i);
     all[i] = &inputs[i];
   }
   if (out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
@@ -229,7 +229,8 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
   if (!cuda) return backends[FDP_BACKEND_HOST]->reduce(inputs, n, out, streams);
 
   int local = 1;
-  for (int i = 0; i < n; i++) local &= inputs[i].device == out->device;
+  for (int i = 0; i < n; i++)
+    local &= inputs[i].device == out->device;
   if (!local && nccl_ready() && distinct_devices(all, n)) {
     fdp_result_t r = backends[FDP_BACKEND_NCCL]->reduce_collective(inputs, n, out, streams);
     if (r != FDP_UNAVAILABLE) return r;
@@ -250,8 +251,8 @@ static fdp_result_t check_dim(const fdp_tensor_t *t, int dim, const char *op) {
   return FDP_OK;
 }
 
-fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chunk_sizes,
-                            const fdp_tensor_t *outs, int n, const fdp_streams_t *streams) {
+fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chunk_sizes, const fdp_tensor_t *outs,
+                            int n, const fdp_streams_t *streams) {
   if (!src || n <= 0 || !outs || !chunk_sizes)
     return fdp__fail(FDP_INVALID, "Expected at least one device to scatter to");
   FDP_CHECK(check_tensor(src, "source", 0));
@@ -262,8 +263,8 @@ fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chu
   fdp_result_t r = FDP_OK;
   for (int i = 0; i < n; i++) {
     if (chunk_sizes[i] < 0 || start + chunk_sizes[i] > src->sizes[dim]) {
-      r = fdp__fail(FDP_INVALID, "scatter: chunk %d (size %lld) runs past the source's %lld elements along dim %d",
-                    i, (long long)chunk_sizes[i], (long long)src->sizes[dim], dim);
+      r = fdp__fail(FDP_INVALID, "scatter: chunk %d (size %lld) runs past the source's %lld elements along dim %d", i,
+                    (long long)chunk_sizes[i], (long long)src->sizes[dim], dim);
       goto done;
     }
     fdp_tensor_narrow(src, dim, start, chunk_sizes[i], &views[i]);
@@ -302,8 +303,8 @@ fdp_result_t fdp_op_gather(const fdp_tensor_t *inputs, int n, int dim, const fdp
     start += inputs[i].sizes[dim];
   }
   if (start != out->sizes[dim]) {
-    r = fdp__fail(FDP_INVALID, "gather: inputs fill %lld of the output's %lld elements along dim %d",
-                  (long long)start, (long long)out->sizes[dim], dim);
+    r = fdp__fail(FDP_INVALID, "gather: inputs fill %lld of the output's %lld elements along dim %d", (long long)start,
+                  (long long)out->sizes[dim], dim);
     goto done;
   }
   r = fdp_op_copy(views, inputs, n, streams);

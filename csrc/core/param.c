@@ -33,4 +33,6 @@ int64_t fdp__param(fdp_param_t p) {
   return (unsigned)p < FDP_PARAM_COUNT ? values[p] : 0;
 }
 
-const char *fdp__param_name(fdp_param_t p) { return (unsigned)p < FDP_PARAM_COUNT ? table[p].name : "?"; }
+const char *fdp__param_name(fdp_param_t p) {
+  return (unsigned)p < FDP_PARAM_COUNT ? table[p].name : "?";
+}

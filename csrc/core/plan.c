@@ -34,8 +34,7 @@ fdp_result_t fdp_plan_build(const fdp_tensor_t *tensors, const int *type_key, in
     const fdp_tensor_t *t = &tensors[i];
     int key = type_key ? type_key[i] : t->dtype;
     int g = 0;
-    while (g < ngroups &&
-           !(groups[g].key == key && groups[g].dtype == t->dtype && groups[g].elem_size == t->elem_size))
+    while (g < ngroups && !(groups[g].key == key && groups[g].dtype == t->dtype && groups[g].elem_size == t->elem_size))
       g++;
     if (g == ngroups) groups[ngroups++] = (group_t){key, t->elem_size, t->dtype, -1};
     if (groups[g].bucket < 0) {

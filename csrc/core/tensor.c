@@ -15,7 +15,8 @@ const char *fdp_dtype_name(int dtype) {
 
 int64_t fdp_tensor_numel(const fdp_tensor_t *t) {
   int64_t n = 1;
-  for (int i = 0; i < t->ndim; i++) n *= t->sizes[i];
+  for (int i = 0; i < t->ndim; i++)
+    n *= t->sizes[i];
   return n;
 }
 

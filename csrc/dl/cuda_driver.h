@@ -36,8 +36,8 @@ typedef struct fdp_cu {
   CUresult (*MemcpyHtoDAsync)(CUdeviceptr dst, const void *src, size_t bytes, CUstream stream);
   CUresult (*MemcpyDtoHAsync)(void *dst, CUdeviceptr src, size_t bytes, CUstream stream);
   CUresult (*StreamSynchronize)(CUstream stream);
-  CUresult (*MemcpyPeerAsync)(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src, CUcontext src_ctx,
-                              size_t bytes, CUstream stream);
+  CUresult (*MemcpyPeerAsync)(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src, CUcontext src_ctx, size_t bytes,
+                              CUstream stream);
   CUresult (*Memcpy2DAsync)(const CUDA_MEMCPY2D *p, CUstream stream);
   CUresult (*Memcpy3DPeerAsync)(const CUDA_MEMCPY3D_PEER *p, CUstream stream);
   CUresult (*EventCreate)(CUevent *ev, unsigned int flags);

@@ -44,13 +44,13 @@ typedef struct fdp_nccl_api {
   ncclResult_t (*CommDestroy)(ncclComm_t comm);
   ncclResult_t (*CommAbort)(ncclComm_t comm);                              /* optional */
   ncclResult_t (*CommGetAsyncError)(ncclComm_t comm, ncclResult_t *state); /* optional */
-  const char *(*GetLastError)(ncclComm_t comm);                             /* optional (2.13) */
+  const char *(*GetLastError)(ncclComm_t comm);                            /* optional (2.13) */
   ncclResult_t (*GroupStart)(void);
   ncclResult_t (*GroupEnd)(void);
-  ncclResult_t (*Broadcast)(const void *send, void *recv, size_t count, ncclDataType_t type, int root,
-                            ncclComm_t comm, void *stream);
-  ncclResult_t (*Reduce)(const void *send, void *recv, size_t count, ncclDataType_t type, ncclRedOp_t op,
-                         int root, ncclComm_t comm, void *stream);
+  ncclResult_t (*Broadcast)(const void *send, void *recv, size_t count, ncclDataType_t type, int root, ncclComm_t comm,
+                            void *stream);
+  ncclResult_t (*Reduce)(const void *send, void *recv, size_t count, ncclDataType_t type, ncclRedOp_t op, int root,
+                         ncclComm_t comm, void *stream);
   const char *(*GetErrorString)(ncclResult_t r);
   int version;    /* e.g. 22703 (major*10000 + minor*100 + patch from 2.9 on; major*1000 + ... before) */
   char path[512]; /* file the symbols came from, for `python -m fastdp info` */

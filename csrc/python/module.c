@@ -17,7 +17,9 @@ typedef struct {
   PyObject *s_data_ptr, *s_shape, *s_stride, *s_dtype, *s_is_cuda, *s_get_device, *s_device, *s_type, *s_itemsize;
 } module_state;
 
-static module_state *get_state(PyObject *module) { return (module_state *)PyModule_GetState(module); }
+static module_state *get_state(PyObject *module) {
+  return (module_state *)PyModule_GetState(module);
+}
 
 /* ---- errors ---- */
 
@@ -129,8 +131,8 @@ static int describe(module_state *st, PyObject *obj, fdp_tensor_t *t, const char
     if (!kind) return -1;
     int is_cpu = PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "cpu") == 0;
     if (!is_cpu) {
-      PyErr_Format(PyExc_ValueError, "%s[%zd] is on a %S device; fastdp moves CPU and CUDA tensors only", what,
-                   index, kind);
+      PyErr_Format(PyExc_ValueError, "%s[%zd] is on a %S device; fastdp moves CPU and CUDA tensors only", what, index,
+                   kind);
       Py_DECREF(kind);
       return -1;
     }
@@ -169,8 +171,7 @@ static int describe(module_state *st, PyObject *obj, fdp_tensor_t *t, const char
 /* A sequence of tensors → a new array of descriptors (PyMem_Free it). *keep receives a tuple holding every
  * tensor described (Py_DECREF it after the operation): the memory the descriptors point to stays alive while
  * the GIL is released, even if the caller's sequence was an iterator or is changed by another thread. */
-static fdp_tensor_t *describe_list(module_state *st, PyObject *seq, Py_ssize_t *n, const char *what,
-                                   PyObject **keep) {
+static fdp_tensor_t *describe_list(module_state *st, PyObject *seq, Py_ssize_t *n, const char *what, PyObject **keep) {
   *keep = NULL;
   if (PyObject_IsInstance(seq, st->tensor_type) > 0 || PyUnicode_Check(seq) || PyBytes_Check(seq)) {
     PyErr_Format(PyExc_TypeError, "%s must be a sequence of tensors, got %s", what, Py_TYPE(seq)->tp_name);
@@ -410,12 +411,16 @@ static PyObject *py_plan(PyObject *module, PyObject *args) {
     for (int m = 0; members && m < bk->count; m++) {
       const fdp_member_t *mb = &plan->members[bk->first + m];
       PyObject *item = Py_BuildValue("(iLL)", mb->tensor, (long long)mb->offset, (long long)mb->numel);
-      if (!item) Py_CLEAR(members);
-      else PyList_SET_ITEM(members, m, item);
+      if (!item)
+        Py_CLEAR(members);
+      else
+        PyList_SET_ITEM(members, m, item);
     }
     PyObject *entry = members ? Py_BuildValue("(LN)", (long long)bk->numel, members) : NULL;
-    if (!entry) Py_CLEAR(ret);
-    else PyList_SET_ITEM(ret, b, entry);
+    if (!entry)
+      Py_CLEAR(ret);
+    else
+      PyList_SET_ITEM(ret, b, entry);
   }
 done:
   fdp_plan_free(plan);
@@ -461,8 +466,10 @@ static PyObject *py_reduce_many(PyObject *module, PyObject *args) {
   Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
   else ret = Py_NewRef(Py_None);
 done:
-  for (Py_ssize_t j = 0; ins && j < ncol; j++) PyMem_Free(ins[j]);
-  for (Py_ssize_t j = 0; keeps && j < ncol; j++) Py_XDECREF(keeps[j]);
+  for (Py_ssize_t j = 0; ins && j < ncol; j++)
+    PyMem_Free(ins[j]);
+  for (Py_ssize_t j = 0; keeps && j < ncol; j++)
+    Py_XDECREF(keeps[j]);
   PyMem_Free(ins);
   PyMem_Free(keeps);
   Py_XDECREF(keep_outs);
@@ -504,7 +511,8 @@ static PyObject *py_refresh(PyObject *module, PyObject *args) {
     for (Py_ssize_t k = 0; k < nowned; k++) {
       saved[k] = PyDict_GetItemWithError(replica, PySequence_Fast_GET_ITEM(owned, k));
       if (!saved[k] && PyErr_Occurred()) {
-        for (Py_ssize_t q = 0; q < k; q++) Py_XDECREF(saved[q]);
+        for (Py_ssize_t q = 0; q < k; q++)
+          Py_XDECREF(saved[q]);
         goto done;
       }
       Py_XINCREF(saved[k]);
@@ -583,9 +591,9 @@ static PyObject *py_info(PyObject *module, PyObject *unused) {
     const char *why = "";
     int usable;
     Py_BEGIN_ALLOW_THREADS usable = fdp_backend_usable((fdp_backend_id_t)i, &why);
-    Py_END_ALLOW_THREADS PyObject *v = Py_BuildValue("{s:O,s:O,s:s}", "compiled",
-                                                    fdp_backend_compiled((fdp_backend_id_t)i) ? Py_True : Py_False,
-                                                    "usable", usable ? Py_True : Py_False, "why", why);
+    Py_END_ALLOW_THREADS PyObject *v =
+        Py_BuildValue("{s:O,s:O,s:s}", "compiled", fdp_backend_compiled((fdp_backend_id_t)i) ? Py_True : Py_False,
+                      "usable", usable ? Py_True : Py_False, "why", why);
     if (!v || PyDict_SetItemString(backends, fdp_backend_name((fdp_backend_id_t)i), v) < 0) Py_CLEAR(backends);
     Py_XDECREF(v);
   }
@@ -599,7 +607,8 @@ static PyObject *py_info(PyObject *module, PyObject *unused) {
     fdp_result_t r;
     Py_BEGIN_ALLOW_THREADS r = fdp_cuda_device_info(d, name, sizeof name, &total, &free_b);
     Py_END_ALLOW_THREADS PyObject *peers = PyList_New(ndev);
-    for (int p = 0; peers && p < ndev; p++) PyList_SET_ITEM(peers, p, PyBool_FromLong(p == d || fdp_cuda_can_access_peer(d, p)));
+    for (int p = 0; peers && p < ndev; p++)
+      PyList_SET_ITEM(peers, p, PyBool_FromLong(p == d || fdp_cuda_can_access_peer(d, p)));
     PyObject *v = peers ? Py_BuildValue("{s:i,s:s,s:K,s:K,s:N,s:s}", "index", d, "name", name, "total_bytes",
                                         (unsigned long long)total, "free_bytes", (unsigned long long)free_b,
                                         "peer_access", peers, "error", r == FDP_OK ? "" : fdp_last_error())
@@ -611,9 +620,8 @@ static PyObject *py_info(PyObject *module, PyObject *unused) {
     Py_DECREF(backends);
     return NULL;
   }
-  return Py_BuildValue("{s:N,s:i,s:i,s:s,s:N}", "backends", backends, "cuda_driver_version",
-                       fdp_cuda_driver_version(), "nccl_version", fdp_nccl_version(), "nccl_library",
-                       fdp_nccl_library(), "devices", devices);
+  return Py_BuildValue("{s:N,s:i,s:i,s:s,s:N}", "backends", backends, "cuda_driver_version", fdp_cuda_driver_version(),
+                       "nccl_version", fdp_nccl_version(), "nccl_library", fdp_nccl_library(), "devices", devices);
 }
 
 static PyObject *py_shutdown(PyObject *module, PyObject *unused) {
@@ -652,18 +660,18 @@ static int exec_module(PyObject *m) {
   module_state *st = get_state(m);
   st->itemsizes = PyDict_New();
   if (!st->itemsizes) return -1;
-#define FDP_INTERN(name)                                                                                     \
+#define FDP_INTERN(name)                                                                                               \
   if (!(st->s_##name = PyUnicode_InternFromString(#name))) return -1;
-  FDP_INTERN(data_ptr) FDP_INTERN(shape) FDP_INTERN(stride) FDP_INTERN(dtype) FDP_INTERN(is_cuda)
-  FDP_INTERN(get_device) FDP_INTERN(device) FDP_INTERN(type) FDP_INTERN(itemsize)
+  FDP_INTERN(data_ptr)
+  FDP_INTERN(shape) FDP_INTERN(stride) FDP_INTERN(dtype) FDP_INTERN(is_cuda) FDP_INTERN(get_device) FDP_INTERN(device)
+      FDP_INTERN(type) FDP_INTERN(itemsize)
 #undef FDP_INTERN
-  if (add_error(m, &st->FastDPError, "FastDPError", PyExc_RuntimeError,
-                "A CUDA, NCCL or internal failure in fastdp's core; .code names the result.") < 0 ||
-      add_error(m, &st->CudaError, "CudaError", st->FastDPError, "A CUDA driver call failed.") < 0 ||
-      add_error(m, &st->NcclError, "NcclError", st->FastDPError, "An NCCL call failed.") < 0 ||
-      add_error(m, &st->BackendUnavailableError, "BackendUnavailableError", st->FastDPError,
-                "The backend an operation needs is not compiled or cannot run here.") < 0)
-    return -1;
+          if (add_error(m, &st->FastDPError, "FastDPError", PyExc_RuntimeError,
+                        "A CUDA, NCCL or internal failure in fastdp's core; .code names the result.") < 0 ||
+              add_error(m, &st->CudaError, "CudaError", st->FastDPError, "A CUDA driver call failed.") < 0 ||
+              add_error(m, &st->NcclError, "NcclError", st->FastDPError, "An NCCL call failed.") < 0 ||
+              add_error(m, &st->BackendUnavailableError, "BackendUnavailableError", st->FastDPError,
+                        "The backend an operation needs is not compiled or cannot run here.") < 0) return -1;
   return 0;
 }
 
@@ -700,13 +708,24 @@ static int clear(PyObject *m) {
   return 0;
 }
 
-static void free_module(void *m) { clear((PyObject *)m); }
+static void free_module(void *m) {
+  clear((PyObject *)m);
+}
 
 static PyModuleDef_Slot slots[] = {{Py_mod_exec, exec_module}, {0, NULL}};
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "fastdp._C", "fastdp's C core binding", sizeof(module_state), methods, slots,
-    traverse, clear, free_module,
+    PyModuleDef_HEAD_INIT,
+    "fastdp._C",
+    "fastdp's C core binding",
+    sizeof(module_state),
+    methods,
+    slots,
+    traverse,
+    clear,
+    free_module,
 };
 
-PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&moduledef); }
+PyMODINIT_FUNC PyInit__C(void) {
+  return PyModuleDef_Init(&moduledef);
+}

@@ -40,8 +40,7 @@ static const char *const k_sum_names[FDP_DTYPE_COUNT] = {
     [FDP_DTYPE_F16] = "fdp_sum_f16",   [FDP_DTYPE_BF16] = "fdp_sum_bf16", [FDP_DTYPE_F32] = "fdp_sum_f32",
     [FDP_DTYPE_F64] = "fdp_sum_f64",
 };
-static const char *const k_copy_names[5] = {"fdp_copy_1", "fdp_copy_2", "fdp_copy_4", "fdp_copy_8",
-                                            "fdp_copy_16"};
+static const char *const k_copy_names[5] = {"fdp_copy_1", "fdp_copy_2", "fdp_copy_4", "fdp_copy_8", "fdp_copy_16"};
 
 static module_t g_mod[FDP_MAX_DEVICES];
 static atomic_int g_mod_state[FDP_MAX_DEVICES]; /* 0 not loaded, 1 loaded, -1 failed (g_mod_err says why) */
@@ -61,11 +60,11 @@ static fdp_result_t load_module(const fdp_cu_t *cu, int dev, module_t *m) {
   CUdevice d = 0;
   int sms = 0;
   fdp_result_t r = fdp__cu_check(cu->ModuleLoadData(&m->mod, fdp__kernels_fatbin),
-                                 "cuModuleLoadData (fastdp kernels; built for other GPUs? see FASTDP_CUDA_ARCHS)",
-                                 dev);
+                                 "cuModuleLoadData (fastdp kernels; built for other GPUs? see FASTDP_CUDA_ARCHS)", dev);
   if (r != FDP_OK) return r;
   for (int t = 0; t < FDP_DTYPE_COUNT && r == FDP_OK; t++)
-    if (k_sum_names[t]) r = fdp__cu_check(cu->ModuleGetFunction(&m->sum[t], m->mod, k_sum_names[t]), k_sum_names[t], dev);
+    if (k_sum_names[t])
+      r = fdp__cu_check(cu->ModuleGetFunction(&m->sum[t], m->mod, k_sum_names[t]), k_sum_names[t], dev);
   for (int i = 0; i < 5 && r == FDP_OK; i++)
     r = fdp__cu_check(cu->ModuleGetFunction(&m->copy[i], m->mod, k_copy_names[i]), k_copy_names[i], dev);
   if (r == FDP_OK) r = fdp__cu_check(cu->DeviceGet(&d, dev), "cuDeviceGet", dev);
@@ -129,7 +128,8 @@ static fdp_result_t stream_wait(const fdp_cu_t *cu, int from_dev, CUstream from,
   if (r == FDP_OK) {
     /* A stream may wait on another device's event; its own context must be current (NULL = its default). */
     r = fdp__cu_ctx_push(to_dev, NULL);
-    if (r == FDP_OK) r = pop_keep(cu, to_dev, fdp__cu_check(cu->StreamWaitEvent(to, ev, 0), "cuStreamWaitEvent", to_dev));
+    if (r == FDP_OK)
+      r = pop_keep(cu, to_dev, fdp__cu_check(cu->StreamWaitEvent(to, ev, 0), "cuStreamWaitEvent", to_dev));
   }
   if (ev != NULL) {
     CUresult e = cu->EventDestroy(ev);
@@ -202,20 +202,26 @@ static void pair_build(const fdp_copy_t *c, pair_t *p) {
   pair_merge(p);
 }
 
-static int inner_contiguous(const pair_t *p) { return p->ss[p->ndim - 1] == 1 && p->ds[p->ndim - 1] == 1; }
-static int src_flat(const pair_t *p) { return p->ndim == 1 && p->ss[0] == 1; }
-static int dst_flat(const pair_t *p) { return p->ndim == 1 && p->ds[0] == 1; }
+static int inner_contiguous(const pair_t *p) {
+  return p->ss[p->ndim - 1] == 1 && p->ds[p->ndim - 1] == 1;
+}
+static int src_flat(const pair_t *p) {
+  return p->ndim == 1 && p->ss[0] == 1;
+}
+static int dst_flat(const pair_t *p) {
+  return p->ndim == 1 && p->ds[0] == 1;
+}
 
 /* Rows for the copy engines: the innermost dim contiguous on both sides, the next one as the row pitch, and
  * `outer` calls over the remaining dims. Pitches must hold a whole row (no zero or overlapping strides). */
-static int pair_rows(const pair_t *p, size_t *width, size_t *height, size_t *spitch, size_t *dpitch,
-                     int64_t *outer) {
+static int pair_rows(const pair_t *p, size_t *width, size_t *height, size_t *spitch, size_t *dpitch, int64_t *outer) {
   if (p->ndim < 2 || !inner_contiguous(p)) return 0;
   int64_t w = p->sizes[p->ndim - 1] * p->es;
   int64_t sp = p->ss[p->ndim - 2] * p->es, dp = p->ds[p->ndim - 2] * p->es;
   if (sp < w || dp < w || sp > MAX_PITCH || dp > MAX_PITCH) return 0;
   int64_t o = 1;
-  for (int d = 0; d < p->ndim - 2; d++) o *= p->sizes[d];
+  for (int d = 0; d < p->ndim - 2; d++)
+    o *= p->sizes[d];
   *width = (size_t)w;
   *height = (size_t)p->sizes[p->ndim - 2];
   *spitch = (size_t)sp;
@@ -245,9 +251,10 @@ static void pair_for_kernel(pair_t *p) {
   if (inner_contiguous(p)) {
     for (int64_t e = 16; e > p->es; e /= 2) {
       int64_t k = e / p->es;
-      int ok = e % p->es == 0 && p->sizes[last] % k == 0 && p->src % (CUdeviceptr)e == 0 &&
-               p->dst % (CUdeviceptr)e == 0;
-      for (int d = 0; d < last && ok; d++) ok = p->ss[d] % k == 0 && p->ds[d] % k == 0;
+      int ok =
+          e % p->es == 0 && p->sizes[last] % k == 0 && p->src % (CUdeviceptr)e == 0 && p->dst % (CUdeviceptr)e == 0;
+      for (int d = 0; d < last && ok; d++)
+        ok = p->ss[d] % k == 0 && p->ds[d] % k == 0;
       if (!ok) continue;
       p->sizes[last] /= k;
       for (int d = 0; d < last; d++) {
@@ -274,7 +281,9 @@ static void pair_for_kernel(pair_t *p) {
   }
 }
 
-static int es_index(int64_t es) { return es == 1 ? 0 : es == 2 ? 1 : es == 4 ? 2 : es == 8 ? 3 : 4; }
+static int es_index(int64_t es) {
+  return es == 1 ? 0 : es == 2 ? 1 : es == 4 ? 2 : es == 8 ? 3 : 4;
+}
 
 /* Enqueues the strided-copy kernel on `stream`; the context of `dev` must be current. */
 static fdp_result_t kernel_copy(const fdp_cu_t *cu, int dev, CUstream stream, pair_t p) {
@@ -291,9 +300,9 @@ static fdp_result_t kernel_copy(const fdp_cu_t *cu, int dev, CUstream stream, pa
     a.dst_strides[d] = p.ds[d];
   }
   void *params[] = {&p.src, &p.dst, &a};
-  return fdp__cu_check(cu->LaunchKernel(m->copy[es_index(p.es)], grid_for(m, p.numel), 1, 1, THREADS, 1, 1, 0,
-                                        stream, params, NULL),
-                       "cuLaunchKernel(strided copy)", dev);
+  return fdp__cu_check(
+      cu->LaunchKernel(m->copy[es_index(p.es)], grid_for(m, p.numel), 1, 1, THREADS, 1, 1, 0, stream, params, NULL),
+      "cuLaunchKernel(strided copy)", dev);
 }
 
 /* Row-major contiguous strides for the pair's sizes: the layout of a staging buffer. */
@@ -397,8 +406,10 @@ static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, co
   int enqueued = 0, fenced = 0;
 
   if (staged && (cu->MemAllocAsync == NULL || cu->MemFreeAsync == NULL))
-    return fdp__fail(FDP_UNAVAILABLE, "cuda backend: a strided copy from device %d to %d needs cuMemAllocAsync "
-                                      "(CUDA driver 11.2 or newer)", sdev, ddev);
+    return fdp__fail(FDP_UNAVAILABLE,
+                     "cuda backend: a strided copy from device %d to %d needs cuMemAllocAsync "
+                     "(CUDA driver 11.2 or newer)",
+                     sdev, ddev);
   if (staged && !src_flat(p)) {
     pair_t pack = *p;
     FDP_CHECK(fdp__cu_ctx_push(sdev, NULL));
@@ -511,8 +522,10 @@ static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, co
   if (!dev_flat) {
     r = cu->MemAllocAsync && cu->MemFreeAsync
             ? fdp__cu_check(cu->MemAllocAsync(&dbuf, bytes, stream), "cuMemAllocAsync (staging)", dev)
-            : fdp__fail(FDP_UNAVAILABLE, "cuda backend: a strided copy between host and device %d needs "
-                                         "cuMemAllocAsync (CUDA driver 11.2 or newer)", dev);
+            : fdp__fail(FDP_UNAVAILABLE,
+                        "cuda backend: a strided copy between host and device %d needs "
+                        "cuMemAllocAsync (CUDA driver 11.2 or newer)",
+                        dev);
   }
   if (r == FDP_OK && !h2d && !dev_flat) {
     pair_t pack = p;
@@ -587,7 +600,8 @@ static fdp_result_t launch_sum(const fdp_cu_t *cu, int dev, CUstream stream, con
                                const CUdeviceptr *in, int k, CUdeviceptr out, int64_t n) {
   fdp_sum_args_t a;
   memset(&a, 0, sizeof a);
-  for (int j = 0; j < k; j++) a.in[j] = (const void *)(uintptr_t)in[j];
+  for (int j = 0; j < k; j++)
+    a.in[j] = (const void *)(uintptr_t)in[j];
   a.out = (void *)(uintptr_t)out;
   a.n = n;
   a.k = k;
@@ -602,12 +616,14 @@ static fdp_result_t sum_passes(const fdp_cu_t *cu, int dev, CUstream stream, con
                                const fdp_tensor_t *inputs, int n, CUdeviceptr out, CUdeviceptr acc, int64_t numel) {
   CUdeviceptr in[FDP_SUM_MAX_INPUTS];
   int k = n < FDP_SUM_MAX_INPUTS ? n : FDP_SUM_MAX_INPUTS;
-  for (int j = 0; j < k; j++) in[j] = (CUdeviceptr)(uintptr_t)inputs[j].data;
+  for (int j = 0; j < k; j++)
+    in[j] = (CUdeviceptr)(uintptr_t)inputs[j].data;
   FDP_CHECK(launch_sum(cu, dev, stream, m, fn, in, k, k == n ? out : acc, numel));
   for (int i = k; i < n;) {
     int more = n - i < FDP_SUM_MAX_INPUTS - 1 ? n - i : FDP_SUM_MAX_INPUTS - 1;
     in[0] = acc;
-    for (int j = 0; j < more; j++) in[1 + j] = (CUdeviceptr)(uintptr_t)inputs[i + j].data;
+    for (int j = 0; j < more; j++)
+      in[1 + j] = (CUdeviceptr)(uintptr_t)inputs[i + j].data;
     i += more;
     FDP_CHECK(launch_sum(cu, dev, stream, m, fn, in, 1 + more, i == n ? out : acc, numel));
   }
@@ -624,8 +640,10 @@ static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
       return fdp__fail(FDP_INVALID, "cuda backend: reduce input %d is on device %d, the output on device %d", i,
                        inputs[i].device, dev);
     if (inputs[i].dtype != out->dtype || fdp_tensor_numel(&inputs[i]) != numel || !fdp_tensor_is_contiguous(&inputs[i]))
-      return fdp__fail(FDP_INVALID, "cuda backend: reduce input %d differs from the output in dtype, size or "
-                                    "contiguity", i);
+      return fdp__fail(FDP_INVALID,
+                       "cuda backend: reduce input %d differs from the output in dtype, size or "
+                       "contiguity",
+                       i);
   }
   if (!fdp_tensor_is_contiguous(out)) return fdp__fail(FDP_INVALID, "cuda backend: reduce output not contiguous");
   if (out->dtype < 0 || out->dtype >= FDP_DTYPE_COUNT || k_sum_names[out->dtype] == NULL)
@@ -654,8 +672,11 @@ static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
     if (inputs[i].data == out->data) acc = 0;
   if (acc == 0) {
     if (cu->MemAllocAsync == NULL || cu->MemFreeAsync == NULL)
-      return pop_keep(cu, dev, fdp__fail(FDP_UNAVAILABLE, "cuda backend: a reduce of %d inputs into one of them "
-                                                          "needs cuMemAllocAsync (CUDA driver 11.2+)", n));
+      return pop_keep(cu, dev,
+                      fdp__fail(FDP_UNAVAILABLE,
+                                "cuda backend: a reduce of %d inputs into one of them "
+                                "needs cuMemAllocAsync (CUDA driver 11.2+)",
+                                n));
     r = fdp__cu_check(cu->MemAllocAsync(&tmp, bytes, stream), "cuMemAllocAsync (partial sums)", dev);
     acc = tmp;
   }

@@ -50,13 +50,12 @@ static fdp_result_t nccl_fail(const fdp_nccl_api_t *api, ncclResult_t r, ncclCom
   char d[FDP_MAX_DEVICES * 5 + 8];
   devs_str(devs, n, d, sizeof d);
   const char *last = (comm != NULL && api->GetLastError != NULL) ? api->GetLastError(comm) : NULL;
-  return fdp__fail(FDP_NCCL, "%s on devices [%s]: %s%s%s", op, d, api->GetErrorString(r),
-                   last && *last ? ": " : "", last && *last ? last : "");
+  return fdp__fail(FDP_NCCL, "%s on devices [%s]: %s%s%s", op, d, api->GetErrorString(r), last && *last ? ": " : "",
+                   last && *last ? last : "");
 }
 
 /* Finds or builds the communicators of `devs`; called with g_lock held. */
-static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, const int *devs, int n,
-                              comm_set_t **out) {
+static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, const int *devs, int n, comm_set_t **out) {
   for (comm_set_t *s = g_sets; s != NULL; s = s->next) {
     if (s->n == n && memcmp(s->devs, devs, (size_t)n * sizeof *devs) == 0) {
       *out = s;
@@ -94,7 +93,8 @@ static void comms_evict(const fdp_nccl_api_t *api, const fdp_cu_t *cu, comm_set_
     *p = set->next;
     if (api->CommAbort != NULL) {
       CUcontext saved = ctx_save(cu);
-      for (int i = 0; i < set->n; i++) api->CommAbort(set->comms[i]);
+      for (int i = 0; i < set->n; i++)
+        api->CommAbort(set->comms[i]);
       ctx_restore(cu, saved);
     } else {
       fdp__log("nccl: ncclCommAbort missing; leaking failed communicators");
@@ -137,10 +137,9 @@ static fdp_result_t launch(const int *devs, int n, const rank_op_t *ops, size_t 
     ncclResult_t first = ncclSuccess;
     ncclComm_t bad = NULL;
     for (int i = 0; i < n && first == ncclSuccess; i++) {
-      ncclResult_t e = reduce ? api->Reduce(ops[i].send, ops[i].recv, count, type, ncclSum, 0, set->comms[i],
-                                            ops[i].stream)
-                              : api->Broadcast(ops[i].send, ops[i].recv, count, type, 0, set->comms[i],
-                                               ops[i].stream);
+      ncclResult_t e =
+          reduce ? api->Reduce(ops[i].send, ops[i].recv, count, type, ncclSum, 0, set->comms[i], ops[i].stream)
+                 : api->Broadcast(ops[i].send, ops[i].recv, count, type, 0, set->comms[i], ops[i].stream);
       if (e != ncclSuccess) {
         first = e;
         bad = set->comms[i];
@@ -171,15 +170,15 @@ static fdp_result_t launch(const int *devs, int n, const rank_op_t *ops, size_t 
 /* The NCCL type of a dtype, or 0 when NCCL has none (bfloat16 needs NCCL 2.10). */
 static int nccl_type(int dtype, int version, ncclDataType_t *t) {
   switch (dtype) {
-    case FDP_DTYPE_U8: *t = ncclUint8; return 1;
-    case FDP_DTYPE_I8: *t = ncclInt8; return 1;
-    case FDP_DTYPE_I32: *t = ncclInt32; return 1;
-    case FDP_DTYPE_I64: *t = ncclInt64; return 1;
-    case FDP_DTYPE_F16: *t = ncclFloat16; return 1;
-    case FDP_DTYPE_BF16: *t = ncclBfloat16; return version >= 21000;
-    case FDP_DTYPE_F32: *t = ncclFloat32; return 1;
-    case FDP_DTYPE_F64: *t = ncclFloat64; return 1;
-    default: return 0;
+  case FDP_DTYPE_U8: *t = ncclUint8; return 1;
+  case FDP_DTYPE_I8: *t = ncclInt8; return 1;
+  case FDP_DTYPE_I32: *t = ncclInt32; return 1;
+  case FDP_DTYPE_I64: *t = ncclInt64; return 1;
+  case FDP_DTYPE_F16: *t = ncclFloat16; return 1;
+  case FDP_DTYPE_BF16: *t = ncclBfloat16; return version >= 21000;
+  case FDP_DTYPE_F32: *t = ncclFloat32; return 1;
+  case FDP_DTYPE_F64: *t = ncclFloat64; return 1;
+  default: return 0;
   }
 }
 
@@ -204,8 +203,10 @@ static fdp_result_t nccl_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *
   ops[n++] = (rank_op_t){src->data, src->data, fdp__stream_for(streams, src->device)};
   for (int i = 0; i < ndst; i++) {
     if (dst[i].device < 0 || listed(devs, n, dst[i].device))
-      return fdp__fail(FDP_UNAVAILABLE, "nccl broadcast: destination %d is on device %d, which already has a "
-                                        "buffer in this call", i, dst[i].device);
+      return fdp__fail(FDP_UNAVAILABLE,
+                       "nccl broadcast: destination %d is on device %d, which already has a "
+                       "buffer in this call",
+                       i, dst[i].device);
     devs[n] = dst[i].device;
     ops[n++] = (rank_op_t){dst[i].data, dst[i].data, fdp__stream_for(streams, dst[i].device)};
   }
@@ -228,8 +229,7 @@ static fdp_result_t nccl_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
   if (out->dtype == FDP_DTYPE_BOOL)
     return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: bool sums are a logical or, which ncclSum is not");
   if (!nccl_type(out->dtype, api->version, &type))
-    return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: NCCL %d has no %s type", api->version,
-                     fdp_dtype_name(out->dtype));
+    return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: NCCL %d has no %s type", api->version, fdp_dtype_name(out->dtype));
   if (n < 1 || n > FDP_MAX_DEVICES) return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: %d inputs", n);
   if (out->device < 0 || !fdp_tensor_is_contiguous(out))
     return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: the output must be a contiguous CUDA tensor");
@@ -239,8 +239,7 @@ static fdp_result_t nccl_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
       return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: input %d is not a contiguous CUDA tensor", i);
     if (inputs[i].device == out->device && root < 0) root = i;
   }
-  if (root < 0)
-    return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: no input is on the output's device %d", out->device);
+  if (root < 0) return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: no input is on the output's device %d", out->device);
   int devs[FDP_MAX_DEVICES];
   rank_op_t ops[FDP_MAX_DEVICES];
   int k = 0;

@@ -58,8 +58,10 @@ static void parallel_for(int64_t n, int64_t grain, range_fn fn, void *ctx) {
   range_job_t jobs[MAX_THREADS];
   pthread_t tids[MAX_THREADS];
   int started[MAX_THREADS];
-  for (int64_t i = 0; i < nt; i++) jobs[i] = (range_job_t){fn, ctx, n * i / nt, n * (i + 1) / nt};
-  for (int64_t i = 1; i < nt; i++) started[i] = pthread_create(&tids[i], NULL, run_range, &jobs[i]) == 0;
+  for (int64_t i = 0; i < nt; i++)
+    jobs[i] = (range_job_t){fn, ctx, n * i / nt, n * (i + 1) / nt};
+  for (int64_t i = 1; i < nt; i++)
+    started[i] = pthread_create(&tids[i], NULL, run_range, &jobs[i]) == 0;
   run_range(&jobs[0]);
   for (int64_t i = 1; i < nt; i++) {
     if (started[i])
@@ -80,9 +82,9 @@ typedef struct {
   int64_t sizes[FDP_MAX_DIMS];
   int64_t dstride[FDP_MAX_DIMS]; /* bytes */
   int64_t sstride[FDP_MAX_DIMS];
-  int64_t rows;       /* product of outer sizes */
-  int64_t row_len;    /* elements per row */
-  int64_t row_dstep;  /* bytes between elements of a row */
+  int64_t rows;      /* product of outer sizes */
+  int64_t row_len;   /* elements per row */
+  int64_t row_dstep; /* bytes between elements of a row */
   int64_t row_sstep;
   int elem_size;
 } plan_copy_t;
@@ -141,7 +143,8 @@ static void copy_row(const plan_copy_t *p, char *d, const char *s, int64_t first
   }
   d += first * p->row_dstep;
   s += first * p->row_sstep;
-  for (int64_t k = 0; k < count; k++, d += p->row_dstep, s += p->row_sstep) memcpy(d, s, (size_t)es);
+  for (int64_t k = 0; k < count; k++, d += p->row_dstep, s += p->row_sstep)
+    memcpy(d, s, (size_t)es);
 }
 
 /* Items are rows, except for a single long row, which is split into element ranges. */
@@ -230,8 +233,8 @@ static inline uint16_t f2h(float f) {
   uint32_t ax = x & 0x7fffffffu;
   if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 | ((ax >> 13) & 0x3ff) : 0));
   if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* rounds to or above 65520: inf */
-  if (ax < 0x38800000u) { /* result is subnormal or zero */
-    if (ax < 0x33000000u) return (uint16_t)sign; /* below half the smallest subnormal */
+  if (ax < 0x38800000u) {                                  /* result is subnormal or zero */
+    if (ax < 0x33000000u) return (uint16_t)sign;           /* below half the smallest subnormal */
     uint32_t e = ax >> 23, man = (ax & 0x7fffff) | 0x800000;
     uint32_t shift = 126 - e; /* 14..24 */
     uint32_t hman = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
@@ -259,18 +262,19 @@ static inline uint16_t f2bf(float f) {
   return (uint16_t)(x >> 16);
 }
 
-#define SUM_LOOP(T, OP)                                                                                      \
-  do {                                                                                                       \
-    T *o = (T *)c->out->data;                                                                                \
-    for (int64_t b0 = begin; b0 < end; b0 += BLOCK) {                                                        \
-      int64_t b1 = b0 + BLOCK < end ? b0 + BLOCK : end;                                                      \
-      const T *a = (const T *)c->inputs[0].data;                                                             \
-      if (o != a) memcpy(o + b0, a + b0, (size_t)(b1 - b0) * sizeof(T));                                     \
-      for (int k = 1; k < c->n; k++) {                                                                       \
-        const T *x = (const T *)c->inputs[k].data;                                                           \
-        for (int64_t i = b0; i < b1; i++) OP;                                                                \
-      }                                                                                                      \
-    }                                                                                                        \
+#define SUM_LOOP(T, OP)                                                                                                \
+  do {                                                                                                                 \
+    T *o = (T *)c->out->data;                                                                                          \
+    for (int64_t b0 = begin; b0 < end; b0 += BLOCK) {                                                                  \
+      int64_t b1 = b0 + BLOCK < end ? b0 + BLOCK : end;                                                                \
+      const T *a = (const T *)c->inputs[0].data;                                                                       \
+      if (o != a) memcpy(o + b0, a + b0, (size_t)(b1 - b0) * sizeof(T));                                               \
+      for (int k = 1; k < c->n; k++) {                                                                                 \
+        const T *x = (const T *)c->inputs[k].data;                                                                     \
+        for (int64_t i = b0; i < b1; i++)                                                                              \
+          OP;                                                                                                          \
+      }                                                                                                                \
+    }                                                                                                                  \
   } while (0)
 
 static void sum_range(void *ctx, int64_t begin, int64_t end) {
@@ -296,8 +300,16 @@ static fdp_result_t host_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
                                 const fdp_streams_t *streams) {
   (void)streams;
   switch (out->dtype) {
-  case FDP_DTYPE_F32: case FDP_DTYPE_F64: case FDP_DTYPE_I64: case FDP_DTYPE_I32: case FDP_DTYPE_I16:
-  case FDP_DTYPE_I8: case FDP_DTYPE_U8: case FDP_DTYPE_BOOL: case FDP_DTYPE_F16: case FDP_DTYPE_BF16: break;
+  case FDP_DTYPE_F32:
+  case FDP_DTYPE_F64:
+  case FDP_DTYPE_I64:
+  case FDP_DTYPE_I32:
+  case FDP_DTYPE_I16:
+  case FDP_DTYPE_I8:
+  case FDP_DTYPE_U8:
+  case FDP_DTYPE_BOOL:
+  case FDP_DTYPE_F16:
+  case FDP_DTYPE_BF16: break;
   default: return fdp__fail(FDP_DTYPE, "host reduce: dtype %s not supported", fdp_dtype_name(out->dtype));
   }
   /* The output may be one of the inputs only as inputs[0] (summed in place); anywhere else it would be

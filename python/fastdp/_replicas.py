@@ -42,6 +42,18 @@ _OWNED = ("_parameters", "_buffers", "_modules", "_is_replica", "_former_paramet
 _POOL = 3  # flat buffers kept per bucket and device; beyond that (views held elsewhere) buffers are not kept
 
 
+def modules_of(root):
+    """Every distinct module under root, root first (breadth-first over the modules' own dicts: no names built,
+    about four times cheaper than ``root.modules()``, which matters on every step)."""
+    todo, seen = [root], {id(root)}
+    for m in todo:
+        for c in m._modules.values():
+            if c is not None and id(c) not in seen:
+                seen.add(id(c))
+                todo.append(c)
+    return todo
+
+
 def persistable(network):
     """Whether every module replicates the standard way, so that a persistent skeleton equals a fresh one.
 
@@ -259,7 +271,7 @@ class ReplicaSet:
         self.network = network
         self.state = _State(devices)
         self.bucket_bytes = bucket_bytes
-        self.modules = list(network.modules())
+        self.modules = modules_of(network)
         self.signature = signature(self.modules)
         nrep = len(devices)
         index = {id(m): i for i, m in enumerate(self.modules)}
@@ -320,7 +332,7 @@ class ReplicaSet:
 
     def matches(self, network, devices):
         return network is self.network and list(devices) == self.state.devices and signature(
-            list(network.modules())) == self.signature
+            modules_of(network)) == self.signature
 
     def has_pending(self):
         return any(b.pending is not None for plan in self.plans.values() for b in plan[0])

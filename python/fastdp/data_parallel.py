@@ -302,7 +302,7 @@ class DataParallel(Module):
                                    lambda losses: self.gather(losses, self.output_device))
 
     def replicate(self, module, device_ids):
-        if module is not self.module or not _replicas.persistable(module):
+        if module is not self.module:
             return replicate(module, device_ids, not torch.is_grad_enabled())
         devices = _devices.normalize_list(device_ids, "device_ids")
         kept = self._replica_set
@@ -312,6 +312,10 @@ class DataParallel(Module):
                     "the module or device list changed while gradients accumulated under no_sync() were not yet "
                     "reduced; run a backward outside no_sync() before changing them"
                 )
+            self._replica_set = None
+            if not _replicas.persistable(module):  # checked on (re)build only: module types are in the signature
+                # Rebuilt every step; under no_sync() each backward then reduces at once (same .grad in the end).
+                return replicate(module, device_ids, not torch.is_grad_enabled())
             _replicas.check_replicatable(module)
             kept = self._replica_set = _replicas.ReplicaSet(module, devices, self._bucket_bytes)
         kept.state.sync = self._sync_enabled

@@ -56,3 +56,13 @@ def streams_for(tensors):
             if index not in seen:
                 seen[index] = torch.cuda.current_stream(index).cuda_stream
     return None if seen is None else list(seen.items())
+
+
+def reduce_columns(columns, outs):
+    """outs[j] = sum of columns[j] in order, in one core call (dense, core dtypes). CUDA inputs spread over several
+    devices with no NCCL to sum them are first staged on each output's device, then summed there."""
+    try:
+        _C.reduce_many(columns, outs, streams_for([*outs, *(t for c in columns for t in c)]))
+    except _C.BackendUnavailableError:
+        staged = [[t if t.device == o.device else t.to(o.device) for t in c] for c, o in zip(columns, outs)]
+        _C.reduce_many(staged, outs, streams_for([*outs, *(t for c in staged for t in c)]))

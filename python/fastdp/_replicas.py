@@ -29,7 +29,7 @@ import torch
 from torch.autograd import Function
 
 from . import _C, _devices, comm
-from ._core import streams_for, to_core_dtype
+from ._core import reduce_columns, streams_for, to_core_dtype
 from ._functions import ReduceAddCoalesced
 from .replicate import _check_initialized
 
@@ -246,12 +246,7 @@ def reduce_bucket(bucket, grads):
         columns.append([to_core_dtype(_dense(g)) for g in column])
         outs.append(to_core_dtype(result[j]))
     if columns:
-        try:
-            _C.reduce_many(columns, outs, streams_for([*outs, *(g for c in columns for g in c)]))
-        except _C.BackendUnavailableError:
-            # CUDA devices without NCCL: stage every gradient on the destination, then sum there.
-            staged = [[g if g.device == dest else g.to(dest) for g in c] for c in columns]
-            _C.reduce_many(staged, outs, streams_for([*outs, *(g for c in staged for g in c)]))
+        reduce_columns(columns, outs)
     return tuple(result)
 
 

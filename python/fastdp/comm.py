@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from . import _C
-from ._core import dtype_key, prepare, streams_for, to_core_dtype
+from ._core import dtype_key, prepare, reduce_columns, streams_for, to_core_dtype
 
 __all__ = [
     "broadcast",
@@ -221,14 +221,7 @@ def _sum(inputs, destination):
     """A new tensor on destination holding inputs[0] + inputs[1] + ... (dense, same shape and dtype)."""
     dense = [prepare(t).contiguous() for t in inputs]
     result = torch.empty(dense[0].shape, dtype=dense[0].dtype, device=destination)
-    core_in = [to_core_dtype(t) for t in dense]
-    core_out = to_core_dtype(result)
-    try:
-        _C.reduce(core_in, core_out, streams_for([*core_in, core_out]))
-    except _C.BackendUnavailableError:
-        # Several CUDA devices without NCCL: stage every input on the destination and sum there.
-        staged = [t if t.device == destination else t.to(destination) for t in core_in]
-        _C.reduce(staged, core_out, streams_for([*staged, core_out]))
+    reduce_columns([[to_core_dtype(t) for t in dense]], [to_core_dtype(result)])
     return result
 
 

@@ -1,12 +1,12 @@
 """Builds fastdp._C from C sources with a C compiler and the Python headers only.
 
-The CUDA and NCCL backends are compiled when the CUDA toolkit's headers are found (CUDA_HOME, /usr/local/cuda);
-their kernels are compiled by nvcc into a fatbin that is embedded in the extension and loaded through the
-driver API at run time, so the built extension never links against CUDA and imports on any machine.
+All three backends (host, cuda, nccl) are always compiled: the driver API and NCCL declarations fastdp uses live in
+csrc/dl/, and both libraries are loaded at run time, so the extension never links against CUDA and imports on any
+machine. When nvcc happens to be found (CUDA_HOME, /usr/local/cuda, PATH), it also compiles the kernels in cuda/
+into a fatbin embedded in the extension; without it the blob is empty and the kernels are compiled at run time.
 """
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,15 +17,12 @@ ROOT = Path(__file__).resolve().parent
 
 
 def cuda_home():
+    """The CUDA toolkit that holds nvcc, or None; only the optional fatbin uses it."""
     for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if cand and (Path(cand) / "include" / "cuda.h").is_file():
+        if cand and (Path(cand) / "bin" / "nvcc").is_file():
             return Path(cand)
     nvcc = shutil.which("nvcc")
-    if nvcc:
-        home = Path(nvcc).resolve().parent.parent
-        if (home / "include" / "cuda.h").is_file():
-            return home
-    return None
+    return Path(nvcc).resolve().parent.parent if nvcc else None
 
 
 def sources(*dirs):
@@ -35,14 +32,11 @@ def sources(*dirs):
     return out
 
 
-CUDA = None if os.environ.get("FASTDP_NO_CUDA") else cuda_home()
-SRC = sources("csrc/core", "csrc/backend/host", "csrc/python")
+# FASTDP_NO_NVCC=1 skips the fatbin even where nvcc exists (the build a machine without a toolkit makes).
+CUDA = None if os.environ.get("FASTDP_NO_NVCC") else cuda_home()
+SRC = sources("csrc/core", "csrc/backend/host", "csrc/backend/cuda", "csrc/dl", "csrc/python")
 MACROS = []
 INCLUDES = ["csrc"]
-if CUDA is not None:
-    SRC += sources("csrc/backend/cuda", "csrc/dl")
-    MACROS.append(("FDP_WITH_CUDA", "1"))
-    INCLUDES.append(str(CUDA / "include"))
 
 CFLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-D_GNU_SOURCE"]
 if os.environ.get("FASTDP_WERROR"):
@@ -50,18 +44,17 @@ if os.environ.get("FASTDP_WERROR"):
 
 
 class BuildExt(build_ext):
-    """Adds the nvcc step: cuda/*.cu → one fatbin → a generated C array compiled into the extension."""
+    """Adds the generated kernel blob: cuda/*.cu → one fatbin (when nvcc exists) → a C array in the extension."""
 
     def build_extensions(self):
-        if CUDA is not None:
-            sys.path.insert(0, str(ROOT / "cuda"))
-            from build_kernels import build_blob  # noqa: E402  (cuda/build_kernels.py)
+        sys.path.insert(0, str(ROOT / "cuda"))
+        from build_kernels import build_blob  # noqa: E402  (cuda/build_kernels.py)
 
-            blob_c = Path(self.build_temp) / "fdp_kernels_blob.c"
-            blob_c.parent.mkdir(parents=True, exist_ok=True)
-            build_blob(ROOT / "cuda", CUDA, blob_c)
-            for ext in self.extensions:
-                ext.sources.append(str(blob_c))
+        blob_c = Path(self.build_temp) / "fdp_kernels_blob.c"
+        blob_c.parent.mkdir(parents=True, exist_ok=True)
+        build_blob(ROOT / "cuda", CUDA, blob_c)
+        for ext in self.extensions:
+            ext.sources.append(str(blob_c))
         super().build_extensions()
 
 

@@ -2,7 +2,7 @@
 
 Called by setup.py as build_blob(cuda_dir, cuda_home, out_c). The result defines fdp__kernels_fatbin and
 fdp__kernels_fatbin_size (declared in csrc/backend/cuda/kernels.h). When nvcc is missing or fails, the blob is
-empty and the cuda backend reports that its kernels were not compiled; the build itself never fails here.
+empty (the kernels are then compiled at run time); the build itself never fails here.
 
 FASTDP_CUDA_ARCHS overrides the architectures, e.g. "80;90;100", "8.0 9.0+PTX" or "sm_90,compute_90"; a
 bare number means SASS for that architecture, "+PTX" or "compute_XX" adds PTX. Architectures this nvcc does
@@ -27,10 +27,12 @@ def _log(msg):
 
 
 def _find_nvcc(cuda_home):
-    if cuda_home is not None:
-        cand = Path(cuda_home) / "bin" / "nvcc"
-        if cand.is_file() and os.access(cand, os.X_OK):
-            return str(cand)
+    """nvcc of the given toolkit; None when there is none (setup.py already searched PATH for one)."""
+    if cuda_home is None:
+        return None
+    cand = Path(cuda_home) / "bin" / "nvcc"
+    if cand.is_file() and os.access(cand, os.X_OK):
+        return str(cand)
     return shutil.which("nvcc")
 
 

@@ -1,5 +1,5 @@
 """The binding and the core under AddressSanitizer/UBSan inside a real Python process: fastdp._C is rebuilt with
-sanitizers (host backend) and the garbage-argument run and a few training steps on emulated replicas are repeated
+sanitizers (every backend; the GPU ones find no driver here) and the garbage-argument run and a few training steps on emulated replicas are repeated
 with it. A use-after-free or overflow anywhere in the C code fails this test."""
 
 import os
@@ -49,7 +49,15 @@ def test_binding_under_sanitizers(tmp_path):
     pkg = tmp_path / "fastdp"
     shutil.copytree(Path(fastdp.__file__).parent, pkg, ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
     ext = pkg / ("_C" + sysconfig.get_config_var("EXT_SUFFIX"))
-    sources = [str(p) for d in ("csrc/core", "csrc/backend/host", "csrc/python") for p in sorted((ROOT / d).glob("*.c"))]
+    dirs = ("csrc/core", "csrc/backend/host", "csrc/backend/cuda", "csrc/dl", "csrc/python")
+    sources = [str(p) for d in dirs for p in sorted((ROOT / d).glob("*.c"))]
+    sys.path.insert(0, str(ROOT / "cuda"))
+    try:
+        from build_kernels import build_blob  # the blob a build without nvcc gets
+    finally:
+        sys.path.pop(0)
+    build_blob(ROOT / "cuda", None, tmp_path / "fdp_kernels_blob.c")
+    sources.append(str(tmp_path / "fdp_kernels_blob.c"))
     build = subprocess.run(
         [cc, "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE", "-O1", "-g", "-fsanitize=address,undefined",
          "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", f"-I{ROOT / 'csrc'}",

@@ -34,10 +34,8 @@ typedef struct fdp_backend {
 } fdp_backend_t;
 
 extern const fdp_backend_t fdp__backend_host;
-#ifdef FDP_WITH_CUDA
 extern const fdp_backend_t fdp__backend_cuda;
 extern const fdp_backend_t fdp__backend_nccl;
-#endif
 
 /* Sets the thread's error detail (printf format) and returns `r`, so that `return fdp__fail(...)` reads well. */
 fdp_result_t fdp__fail(fdp_result_t r, const char *fmt, ...)

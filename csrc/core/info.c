@@ -1,11 +1,9 @@
-/* Machine facts for `python -m fastdp info`: driver and NCCL versions, devices, memory, peer access. Built in
- * every configuration; without the GPU backends (no FDP_WITH_CUDA) every fact reads as absent. */
+/* Machine facts for `python -m fastdp info`: driver and NCCL versions, devices, memory, peer access. Every
+ * fact reads as absent where the driver or NCCL cannot be loaded. */
 #include "fastdp.h"
 #include "backend.h"
 
 #include <stdio.h>
-
-#ifdef FDP_WITH_CUDA
 
 #include "dl/cuda_driver.h"
 #include "dl/nccl_api.h"
@@ -53,6 +51,9 @@ fdp_result_t fdp_cuda_device_info(int device, char *name, size_t name_len, size_
   const fdp_cu_t *cu;
   CUdevice dev;
   size_t total = 0, avail = 0;
+  if (name != NULL && name_len > 0) name[0] = '\0';
+  if (total_bytes) *total_bytes = 0;
+  if (free_bytes) *free_bytes = 0;
   FDP_CHECK(fdp__cu_load(&cu, NULL));
   int count = fdp__cu_device_count();
   if (device < 0 || device >= count)
@@ -81,33 +82,3 @@ int fdp_cuda_can_access_peer(int device, int peer) {
   if (cu->DeviceCanAccessPeer(&can, a, b) != CUDA_SUCCESS) return 0;
   return can;
 }
-
-#else /* !FDP_WITH_CUDA */
-
-int fdp_cuda_driver_version(void) {
-  return 0;
-}
-int fdp_nccl_version(void) {
-  return 0;
-}
-const char *fdp_nccl_library(void) {
-  return "";
-}
-int fdp_cuda_device_count(void) {
-  return 0;
-}
-
-fdp_result_t fdp_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes, size_t *free_bytes) {
-  if (name != NULL && name_len > 0) name[0] = '\0';
-  if (total_bytes) *total_bytes = 0;
-  if (free_bytes) *free_bytes = 0;
-  return fdp__fail(FDP_UNAVAILABLE, "CUDA device %d: fastdp was built without CUDA support (cuda.h not found)", device);
-}
-
-int fdp_cuda_can_access_peer(int device, int peer) {
-  (void)device;
-  (void)peer;
-  return 0;
-}
-
-#endif

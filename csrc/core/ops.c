@@ -8,10 +8,8 @@
 
 static const fdp_backend_t *const backends[FDP_BACKEND_COUNT] = {
     [FDP_BACKEND_HOST] = &fdp__backend_host,
-#ifdef FDP_WITH_CUDA
     [FDP_BACKEND_CUDA] = &fdp__backend_cuda,
     [FDP_BACKEND_NCCL] = &fdp__backend_nccl,
-#endif
 };
 
 static const char *const backend_names[FDP_BACKEND_COUNT] = {"host", "cuda", "nccl"};

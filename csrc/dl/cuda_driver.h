@@ -1,14 +1,14 @@
 /* The CUDA driver API as fastdp uses it: one table of entry points resolved once from the libcuda.so.1 that
  * PyTorch already loaded (or loaded here), CUresult → fdp_result_t conversion, and the primary context of each
- * device. Only compiled with FDP_WITH_CUDA; nothing here links against CUDA. */
+ * device. Nothing here links against CUDA or needs its headers. */
 #ifndef FASTDP_DL_CUDA_DRIVER_H
 #define FASTDP_DL_CUDA_DRIVER_H
 
 #include "core/backend.h"
 
-#include <cuda.h>
+#include "dl/cuda_api.h"
 
-/* Entry points, named without the "cu" prefix. Types come from cuda.h; the symbols are resolved by their
+/* Entry points, named without the "cu" prefix. Types come from dl/cuda_api.h; the symbols are resolved by their
  * explicit versioned names, so the header's per-thread-stream macros and API versions never apply. */
 typedef struct fdp_cu {
   CUresult (*Init)(unsigned int flags);
@@ -29,13 +29,17 @@ typedef struct fdp_cu {
   CUresult (*CtxGetCurrent)(CUcontext *ctx);
   CUresult (*CtxSetCurrent)(CUcontext ctx);
   CUresult (*CtxSynchronize)(void);
+  CUresult (*CtxEnablePeerAccess)(CUcontext peer, unsigned int flags);
   CUresult (*MemGetInfo)(size_t *free_bytes, size_t *total_bytes);
+  CUresult (*MemAlloc)(CUdeviceptr *ptr, size_t bytes);
+  CUresult (*MemFree)(CUdeviceptr ptr);
   CUresult (*MemAllocAsync)(CUdeviceptr *ptr, size_t bytes, CUstream stream);
   CUresult (*MemFreeAsync)(CUdeviceptr ptr, CUstream stream);
   CUresult (*MemcpyAsync)(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream);
   CUresult (*MemcpyHtoDAsync)(CUdeviceptr dst, const void *src, size_t bytes, CUstream stream);
   CUresult (*MemcpyDtoHAsync)(void *dst, CUdeviceptr src, size_t bytes, CUstream stream);
   CUresult (*StreamSynchronize)(CUstream stream);
+  CUresult (*StreamQuery)(CUstream stream);
   CUresult (*MemcpyPeerAsync)(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src, CUcontext src_ctx, size_t bytes,
                               CUstream stream);
   CUresult (*Memcpy2DAsync)(const CUDA_MEMCPY2D *p, CUstream stream);
@@ -43,6 +47,8 @@ typedef struct fdp_cu {
   CUresult (*EventCreate)(CUevent *ev, unsigned int flags);
   CUresult (*EventRecord)(CUevent ev, CUstream stream);
   CUresult (*EventDestroy)(CUevent ev);
+  CUresult (*EventSynchronize)(CUevent ev);
+  CUresult (*EventQuery)(CUevent ev);
   CUresult (*StreamWaitEvent)(CUstream stream, CUevent ev, unsigned int flags);
   CUresult (*ModuleLoadData)(CUmodule *mod, const void *image);
   CUresult (*ModuleUnload)(CUmodule mod);

@@ -1,7 +1,9 @@
-"""Builds tests/c/test_core.c with the core and the host backend (no CUDA) under AddressSanitizer and
-UndefinedBehaviorSanitizer, runs it, and exits with its status. Usage: python tests/c/build.py [--build-only]."""
+"""Builds tests/c/test_core.c with the core and every backend (no CUDA toolkit needed; an empty kernel blob) under
+AddressSanitizer and UndefinedBehaviorSanitizer, runs it, and exits with its status.
+Usage: python tests/c/build.py [--build-only]."""
 
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -30,15 +32,26 @@ def compiler():
     return None
 
 
+def empty_blob():
+    """A kernel blob with no fatbin, as a build without nvcc has (cuda/build_kernels.py writes it)."""
+    path = os.path.join(BUILD, "fdp_kernels_blob.c")
+    spec = importlib.util.spec_from_file_location("fastdp_build_kernels", os.path.join(ROOT, "cuda", "build_kernels.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.build_blob(os.path.join(ROOT, "cuda"), None, path)
+    return path
+
+
 def sources():
-    return (sorted(glob.glob(os.path.join(ROOT, "csrc", "core", "*.c")))
-            + sorted(glob.glob(os.path.join(ROOT, "csrc", "backend", "host", "*.c")))
-            + [os.path.join(HERE, "test_core.c")])
+    files = []
+    for sub in (("core",), ("backend", "host"), ("backend", "cuda"), ("dl",)):
+        files += sorted(glob.glob(os.path.join(ROOT, "csrc", *sub, "*.c")))
+    return files + [empty_blob(), os.path.join(HERE, "test_core.c")]
 
 
 def build(cc):
     os.makedirs(BUILD, exist_ok=True)
-    cmd = [cc, *CFLAGS, "-I" + os.path.join(ROOT, "csrc"), *sources(), "-o", EXE, "-lm", "-pthread"]
+    cmd = [cc, *CFLAGS, "-I" + os.path.join(ROOT, "csrc"), *sources(), "-o", EXE, "-lm", "-pthread", "-ldl"]
     print("+ " + " ".join(os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in cmd), flush=True)
     return subprocess.call(cmd, cwd=ROOT)
 

@@ -760,6 +760,7 @@ static void test_shutdown_reuse(void) {
 typedef struct sweep_op {
   const char *name;
   void (*setup)(void);
+  void (*prepare)(void); /* before each run, before a failure is armed (may be NULL) */
   fdp_result_t (*run)(void);
   void (*verify)(void);
   void (*teardown)(void);
@@ -852,15 +853,16 @@ static void sw_setup_local(void) {
 }
 /* Out aliases input 35, which the second pass reads: the partial sums go through a stream-ordered buffer. The
  * inputs are rewritten first, since a successful run changes input 35. */
-static fdp_result_t sw_local(void) {
-  static unsigned char orig[300 * 2];
-  static int saved;
-  if (!saved) {
-    memcpy(orig, g_b[35].ref, sizeof orig);
-    saved = 1;
-  }
-  memcpy(g_b[35].ref, orig, sizeof orig);
+static unsigned char g_orig35[300 * 2];
+static void sw_setup_local_save(void) {
+  sw_setup_local();
+  memcpy(g_orig35, g_b[35].ref, sizeof g_orig35);
+}
+static void sw_prepare_local(void) {
+  memcpy(g_b[35].ref, g_orig35, sizeof g_orig35);
   buf_upload(&g_b[35]);
+}
+static fdp_result_t sw_local(void) {
   fdp_tensor_t in[40];
   unsigned char acc[300 * 2];
   memcpy(acc, g_b[0].ref, sizeof acc);
@@ -932,16 +934,16 @@ static void sw_setup_k3(void) { g_kind = 3; sw_setup(); }
 static void sw_setup_k4(void) { g_kind = 4; sw_setup(); }
 
 static const sweep_op_t k_sweep[] = {
-    {"copy (kernel, same device)", sw_setup_k0, sw_copy, sw_verify_last, sw_free},
-    {"copy (rows, peer)", sw_setup_k1, sw_copy, sw_verify_last, sw_free},
-    {"copy (staged, peer)", sw_setup_k2, sw_copy, sw_verify_last, sw_free},
-    {"copy (host -> strided device)", sw_setup_k3, sw_copy, sw_verify_last, sw_free},
-    {"copy (strided device -> host)", sw_setup_k4, sw_copy, sw_verify_last, sw_free},
-    {"broadcast (nccl)", sw_setup_dense, sw_broadcast, sw_verify_bcast, sw_free},
-    {"reduce (nccl)", sw_setup_dense, sw_reduce, sw_verify_last, sw_free},
-    {"reduce (local, 40 inputs, out aliases one)", sw_setup_local, sw_local, sw_verify_local, sw_free},
-    {"scatter", sw_setup_scatter, sw_scatter, sw_verify_scatter, sw_free},
-    {"gather", sw_setup_scatter, sw_gather, sw_verify_gather, sw_free},
+    {"copy (kernel, same device)", sw_setup_k0, NULL, sw_copy, sw_verify_last, sw_free},
+    {"copy (rows, peer)", sw_setup_k1, NULL, sw_copy, sw_verify_last, sw_free},
+    {"copy (staged, peer)", sw_setup_k2, NULL, sw_copy, sw_verify_last, sw_free},
+    {"copy (host -> strided device)", sw_setup_k3, NULL, sw_copy, sw_verify_last, sw_free},
+    {"copy (strided device -> host)", sw_setup_k4, NULL, sw_copy, sw_verify_last, sw_free},
+    {"broadcast (nccl)", sw_setup_dense, NULL, sw_broadcast, sw_verify_bcast, sw_free},
+    {"reduce (nccl)", sw_setup_dense, NULL, sw_reduce, sw_verify_last, sw_free},
+    {"reduce (local, 40 inputs, out aliases one)", sw_setup_local_save, sw_prepare_local, sw_local, sw_verify_local, sw_free},
+    {"scatter", sw_setup_scatter, NULL, sw_scatter, sw_verify_scatter, sw_free},
+    {"gather", sw_setup_scatter, NULL, sw_gather, sw_verify_gather, sw_free},
 };
 
 static int fault_code(const char *entry) {
@@ -951,8 +953,20 @@ static int fault_code(const char *entry) {
   return CUDA_ERROR_UNKNOWN;
 }
 
-static const char *const k_counted[] = {"allocations", "streams", "events", "modules", "pushes", "groups"};
+/* 1 when a failure of `entry` may leave one object of kind `stat` alive (the one it was destroying). */
+static int destroys(const char *entry, const char *stat) {
+  return (strcmp(stat, "events") == 0 && strcmp(entry, "cuEventDestroy_v2") == 0) ||
+         (strcmp(stat, "allocations") == 0 && strncmp(entry, "cuMemFree", 9) == 0) ||
+         (strcmp(stat, "modules") == 0 && strcmp(entry, "cuModuleUnload") == 0) ||
+         (strcmp(stat, "comms") == 0 && strncmp(entry, "ncclComm", 8) == 0) ||
+         (strcmp(stat, "pushes") == 0 && strcmp(entry, "cuCtxPopCurrent_v2") == 0);
+}
+
+/* Live after a failed call: nothing more than before it. Cached until shutdown: nothing more after it. */
+static const char *const k_counted[] = {"allocations", "streams", "events", "pushes", "groups"};
 #define NCOUNTED (sizeof k_counted / sizeof k_counted[0])
+static const char *const k_cached[] = {"modules", "comms"};
+#define NCACHED (sizeof k_cached / sizeof k_cached[0])
 
 /* Every operation, with every driver/NCCL call it makes failing in turn (from a cold start: fdp_shutdown
  * first, so context retains, module loads and communicator set-up are part of it): a CUDA/NCCL error with a
@@ -963,23 +977,27 @@ static void sweep(const char *only) {
     const sweep_op_t *op = &k_sweep[o];
     op->setup();
     fdp_shutdown();
+    if (op->prepare) op->prepare();
     S.reset();
     OK(op->run());
-    op->verify();
-    sim_clean(op->name);
     long long calls[128] = {0};
     int nentries = 0;
     for (int e = 0; S.entry(e); e++, nentries++)
       calls[e] = S.calls(S.entry(e));
+    op->verify();
+    sim_clean(op->name);
     int trials = 0, failed_before = n_fail;
     for (int e = 0; e < nentries; e++) {
       const char *name = S.entry(e);
       if (only && strcmp(only, name) != 0) continue;
       for (long long k = 1; k <= calls[e]; k++) {
         fdp_shutdown();
-        long long base[NCOUNTED];
+        if (op->prepare) op->prepare();
+        long long base[NCOUNTED], cbase[NCACHED];
         for (size_t c = 0; c < NCOUNTED; c++)
           base[c] = S.stat(k_counted[c]);
+        for (size_t c = 0; c < NCACHED; c++)
+          cbase[c] = S.stat(k_cached[c]);
         S.reset();
         S.fail_at(name, k, fault_code(name));
         fdp_result_t r = op->run();
@@ -994,9 +1012,12 @@ static void sweep(const char *only) {
         CHECKF(nerr == 0, "%s, call %lld of %s failing: %lld misuse(s):\n%s", op->name, k, name, nerr, buf);
         for (size_t c = 0; c < NCOUNTED; c++) {
           long long now = S.stat(k_counted[c]);
+          /* a failed destroy may leave that very object behind */
+          if (destroys(name, k_counted[c]) && now == base[c] + 1) now = base[c];
           CHECKF(now == base[c], "%s, call %lld of %s failing (%s): %lld %s live before, %lld after", op->name, k,
                  name, fired ? "fired" : "never reached", base[c], k_counted[c], now);
         }
+        if (op->prepare) op->prepare();
         S.reset();
         fdp_result_t r2 = op->run();
         CHECKF(r2 == FDP_OK, "%s: the call after call %lld of %s failed also fails: %s (%s)", op->name, k, name,
@@ -1005,6 +1026,14 @@ static void sweep(const char *only) {
         nerr = S.errors(buf, sizeof buf);
         CHECKF(nerr == 0, "%s: the call after call %lld of %s failed: %lld misuse(s):\n%s", op->name, k, name, nerr,
                buf);
+        /* What fastdp caches (kernel modules, communicators) goes at shutdown. */
+        fdp_shutdown();
+        for (size_t c = 0; c < NCACHED; c++) {
+          long long now = S.stat(k_cached[c]);
+          if (destroys(name, k_cached[c]) && now == cbase[c] + 1) now = cbase[c];
+          CHECKF(now == cbase[c], "%s, call %lld of %s failing: %lld %s live after shutdown before, %lld after",
+                 op->name, k, name, cbase[c], k_cached[c], now);
+        }
         S.reset();
         if (n_fail - failed_before > 20) break; /* enough said about this operation */
       }

@@ -302,20 +302,34 @@ static ncclResult_t flush(void) {
   return res;
 }
 
+/* An injected failure of ncclGroupEnd still closes the group and drops its calls, as NCCL's does. */
 ncclResult_t ncclGroupEnd(void) {
-  ENTER(ncclGroupEnd);
+  sim_lock();
+  int inj = sim_enter(SIM_E_ncclGroupEnd);
   if (t_group_depth == 0) {
-    sim_misuse("ncclGroupEnd without ncclGroupStart");
-    RETURN(ncclInvalidUsage);
+    if (!inj) sim_misuse("ncclGroupEnd without ncclGroupStart");
+    RETURN(inj ? (ncclResult_t)inj : ncclInvalidUsage);
   }
-  if (--t_group_depth > 0) RETURN(ncclSuccess);
+  if (--t_group_depth > 0) RETURN(inj ? (ncclResult_t)inj : ncclSuccess);
   sim_group_count(-1);
-  if (t_group_error != ncclSuccess) { /* a call inside failed: the whole group is dropped */
+  if (inj || t_group_error != ncclSuccess) { /* a call inside failed: the whole group is dropped */
     t_npending = 0;
-    RETURN((ncclResult_t)t_group_error);
+    RETURN(inj ? (ncclResult_t)inj : (ncclResult_t)t_group_error);
   }
   RETURN(flush());
 }
+
+/* An injected failure of a collective inside a group fails the group too, as a real failed call would. */
+#define ENTER_COLLECTIVE(name)                                                                                         \
+  sim_lock();                                                                                                          \
+  do {                                                                                                                 \
+    int inj_ = sim_enter(SIM_E_##name);                                                                                \
+    if (inj_) {                                                                                                        \
+      if (t_group_depth > 0) t_group_error = inj_;                                                                     \
+      sim_unlock();                                                                                                    \
+      return (ncclResult_t)inj_;                                                                                       \
+    }                                                                                                                  \
+  } while (0)
 
 static ncclResult_t post(pending_t p, const char *op) {
   struct ncclComm *c = live_comm(p.comm, op);
@@ -343,13 +357,13 @@ static ncclResult_t post(pending_t p, const char *op) {
 
 ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t type, int root, ncclComm_t comm,
                            void *stream) {
-  ENTER(ncclBroadcast);
+  ENTER_COLLECTIVE(ncclBroadcast);
   RETURN(post((pending_t){comm, 0, send, recv, count, type, root, stream}, "ncclBroadcast"));
 }
 
 ncclResult_t ncclReduce(const void *send, void *recv, size_t count, ncclDataType_t type, ncclRedOp_t op, int root,
                         ncclComm_t comm, void *stream) {
-  ENTER(ncclReduce);
+  ENTER_COLLECTIVE(ncclReduce);
   if (op != ncclSum) {
     sim_misuse("ncclReduce: only ncclSum is simulated");
     RETURN(ncclInvalidArgument);

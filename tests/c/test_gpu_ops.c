@@ -78,6 +78,7 @@ static struct {
   CUresult (*CtxPush)(CUcontext);
   CUresult (*CtxPop)(CUcontext *);
   CUresult (*CtxSynchronize)(void);
+  CUresult (*CtxSetCurrent)(CUcontext);
   CUresult (*MemAlloc)(CUdeviceptr *, size_t);
   CUresult (*MemFree)(CUdeviceptr);
   CUresult (*HtoD)(CUdeviceptr, const void *, size_t, CUstream);
@@ -119,7 +120,7 @@ static int driver_open(void) {
            sym(h, "cuDevicePrimaryCtxRetain", &D.PrimaryCtxRetain, 1) &
            sym(h, "cuDevicePrimaryCtxRelease_v2", &D.PrimaryCtxRelease, 1) &
            sym(h, "cuCtxPushCurrent_v2", &D.CtxPush, 1) & sym(h, "cuCtxPopCurrent_v2", &D.CtxPop, 1) &
-           sym(h, "cuCtxSynchronize", &D.CtxSynchronize, 1) & sym(h, "cuMemAlloc_v2", &D.MemAlloc, 1) &
+           sym(h, "cuCtxSynchronize", &D.CtxSynchronize, 1) & sym(h, "cuCtxSetCurrent", &D.CtxSetCurrent, 1) & sym(h, "cuMemAlloc_v2", &D.MemAlloc, 1) &
            sym(h, "cuMemFree_v2", &D.MemFree, 1) & sym(h, "cuMemcpyHtoDAsync_v2", &D.HtoD, 1) &
            sym(h, "cuMemcpyDtoHAsync_v2", &D.DtoH, 1) & sym(h, "cuStreamSynchronize", &D.StreamSynchronize, 1) &
            sym(h, "cuStreamCreate", &D.StreamCreate, 1) & sym(h, "cuStreamDestroy_v2", &D.StreamDestroy, 1);
@@ -138,10 +139,12 @@ static int driver_open(void) {
     D.CtxPop(&c);
     if (r != CUDA_SUCCESS) return 0;
   }
-  return 1;
+  /* PyTorch's thread has its current device's context current (the runtime sets it): so does this one. */
+  return D.CtxSetCurrent(g_ctx[0]) == CUDA_SUCCESS;
 }
 
 static void driver_close(void) {
+  CHECK(D.CtxSetCurrent(NULL) == CUDA_SUCCESS);
   for (int d = 0; d < g_ndev; d++) {
     CUcontext c;
     CHECK(D.CtxPush(g_ctx[d]) == CUDA_SUCCESS);
@@ -788,6 +791,8 @@ static void sw_setup(void) {
   case 2: sl = L_TRANSPOSED, dl = L_STEP2, ddev = 1; break;
   case 3: sl = L_CONTIG, dl = L_TRANSPOSED, sdev = FDP_HOST, ddev = 2; break;
   case 4: sl = L_STEP2, dl = L_PADDED, sdev = 1, ddev = FDP_HOST; break;
+  case 5: sl = L_PADDED, dl = L_OUTER; break; /* rows of 560 bytes: cuMemcpy2DAsync */
+  case 6: sl = L_CONTIG, sdev = ddev = 3; break; /* flat: cuMemcpyAsync */
   default: break;
   }
   layout(sl, sz, a);
@@ -932,9 +937,13 @@ static void sw_setup_k1(void) { g_kind = 1; sw_setup(); }
 static void sw_setup_k2(void) { g_kind = 2; sw_setup(); }
 static void sw_setup_k3(void) { g_kind = 3; sw_setup(); }
 static void sw_setup_k4(void) { g_kind = 4; sw_setup(); }
+static void sw_setup_k5(void) { g_kind = 5; sw_setup(); }
+static void sw_setup_k6(void) { g_kind = 6; sw_setup(); }
 
 static const sweep_op_t k_sweep[] = {
     {"copy (kernel, same device)", sw_setup_k0, NULL, sw_copy, sw_verify_last, sw_free},
+    {"copy (rows, same device)", sw_setup_k5, NULL, sw_copy, sw_verify_last, sw_free},
+    {"copy (flat, same device)", sw_setup_k6, NULL, sw_copy, sw_verify_last, sw_free},
     {"copy (rows, peer)", sw_setup_k1, NULL, sw_copy, sw_verify_last, sw_free},
     {"copy (staged, peer)", sw_setup_k2, NULL, sw_copy, sw_verify_last, sw_free},
     {"copy (host -> strided device)", sw_setup_k3, NULL, sw_copy, sw_verify_last, sw_free},
@@ -1088,8 +1097,15 @@ int main(int argc, char **argv) {
     test_shutdown_reuse();
   }
   fdp_shutdown();
-  driver_close();
-  sim_clean("shutdown");
+  if (do_sweep && sim()) {
+    /* A failed free or destroy may leave its object behind by necessity; those go with the contexts. */
+    sim_clean("sweep");
+    driver_close();
+    S.reset();
+  } else {
+    driver_close();
+    sim_clean("shutdown");
+  }
   leak_check();
   printf("%d passed, %d failed\n", n_pass, n_fail);
   return n_fail ? 1 : 0;

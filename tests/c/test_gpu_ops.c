@@ -158,12 +158,22 @@ static int sim(void) {
   return S.errors != NULL;
 }
 
+/* Entry points the operations must have reached (the copy paths, kernels, collectives), with their calls. */
+static const char *const k_paths[] = {"cuMemcpyAsync",       "cuMemcpy2DAsync_v2",   "cuMemcpy3DPeerAsync",
+                                      "cuMemcpyPeerAsync",   "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2",
+                                      "cuLaunchKernel",      "cuMemAllocAsync",      "cuStreamWaitEvent",
+                                      "ncclBroadcast",       "ncclReduce",           "ncclGroupStart"};
+#define NPATHS (sizeof k_paths / sizeof k_paths[0])
+static long long g_path_calls[NPATHS];
+
 /* Fails the check when the simulator recorded misuse or races since the last look, printing what. */
 static void sim_clean(const char *where) {
   if (!sim()) return;
   char buf[8192];
   long long n = S.errors(buf, sizeof buf);
   CHECKF(n == 0, "%s: the simulated GPU recorded %lld misuse(s)/race(s):\n%s", where, n, buf);
+  for (size_t i = 0; i < NPATHS; i++)
+    g_path_calls[i] += S.calls(k_paths[i]);
   S.reset();
 }
 
@@ -1015,7 +1025,15 @@ static void sweep(const char *only) {
         CHECKF(r == FDP_OK || r == FDP_CUDA || r == FDP_NCCL,
                "%s, call %lld of %s failing: %s (%s), want FDP_CUDA/FDP_NCCL", op->name, k, name, fdp_result_name(r),
                fdp_last_error());
-        if (r != FDP_OK) CHECKF(fdp_last_error()[0] != '\0', "%s: no error detail", op->name);
+        if (r == FDP_CUDA || r == FDP_NCCL) {
+          /* The detail names what failed: the injected CUresult's name, or NCCL's string for its code. */
+          const char *want = strncmp(name, "nccl", 4) == 0 ? "internal error"
+                             : fault_code(name) == CUDA_ERROR_OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY"
+                             : fault_code(name) == CUDA_ERROR_LAUNCH_FAILED ? "CUDA_ERROR_LAUNCH_FAILED"
+                                                                            : "CUDA_ERROR_UNKNOWN";
+          CHECKF(strstr(fdp_last_error(), want) != NULL, "%s, call %lld of %s failing: the detail \"%s\" does not say %s",
+                 op->name, k, name, fdp_last_error(), want);
+        }
         char buf[4096];
         long long nerr = S.errors(buf, sizeof buf);
         CHECKF(nerr == 0, "%s, call %lld of %s failing: %lld misuse(s):\n%s", op->name, k, name, nerr, buf);
@@ -1095,6 +1113,16 @@ int main(int argc, char **argv) {
     test_coalesced();
     test_threads();
     test_shutdown_reuse();
+    if (sim()) {
+      sim_clean("end");
+      /* The harness's own copies count too, so count only what fastdp alone issues. */
+      for (size_t i = 0; i < NPATHS; i++) {
+        if (strcmp(k_paths[i], "cuMemcpyHtoDAsync_v2") == 0 || strcmp(k_paths[i], "cuMemcpyDtoHAsync_v2") == 0)
+          continue;
+        printf("  %-22s %lld calls\n", k_paths[i], g_path_calls[i]);
+        CHECKF(g_path_calls[i] > 0, "no operation reached %s", k_paths[i]);
+      }
+    }
   }
   fdp_shutdown();
   if (do_sweep && sim()) {

@@ -68,15 +68,16 @@ def _gpu_ops_exe():
     return _cbuild.GPU_EXE, env
 
 
-def _run(args, timeout, detect_leaks=False):
+def _run(args, timeout, detect_leaks=False, extra_env=None):
     exe, env = _gpu_ops_exe()
+    env = dict(env, **(extra_env or {}))
     if detect_leaks:
         env = dict(env, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1")
     proc = subprocess.run([exe, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
     out = proc.stdout
     if proc.returncode != 0 and detect_leaks and any(s in out for s in _cbuild.LSAN_BROKEN):
-        return _run(args, timeout)
+        return _run(args, timeout, extra_env=extra_env)
     closing = re.findall(r"^(\d+) passed, (\d+) failed$", out, re.MULTILINE)
     assert closing, f"no closing 'N passed, M failed' line (exit {proc.returncode}):\n{out[-20000:]}"
     passed, failed = map(int, closing[-1])
@@ -88,6 +89,14 @@ def test_gpu_ops_on_simulated_gpu():
     _need_cc()
     out = _run([], timeout=300, detect_leaks=True)
     assert "simulated GPU" in out
+
+
+def test_gpu_ops_on_one_simulated_gpu():
+    """The GPU check machine has one GPU: the program must pass there too."""
+    _need_cc()
+    _gpu_ops_exe()
+    out = _run([], timeout=300, extra_env={"SIMGPU_DEVICES": "1"})
+    assert "1 device(s)" in out
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ HEADERS = [os.path.join(HERE, "sim.h"), os.path.join(ROOT, "csrc", "dl", "cuda_a
            os.path.join(ROOT, "csrc", "dl", "nccl_api.h"), os.path.join(ROOT, "csrc", "backend", "cuda", "kernels.h"),
            os.path.join(ROOT, "csrc", "core", "fastdp.h"), os.path.join(ROOT, "csrc", "core", "backend.h")]
 CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-O1", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
-          "-ffp-contract=off", "-fno-fast-math", "-Wno-format-truncation"]
+          "-ffp-contract=off", "-fno-fast-math"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
 
 

@@ -260,12 +260,15 @@ def case_defect_shutdown_order(sim):
     src = sim.tensor(cpu, 0)
     outs = [sim.empty((50,), torch.float32, d) for d in range(1, sim.ndev)]
     _C.broadcast(src, outs)  # builds communicators
-    for o in outs:
+    strided = [sim.tensor(torch.zeros(50, 2)[:, 0], d) for d in range(1, sim.ndev)]
+    _C.broadcast(src, strided)  # device copies: fastdp retains every device's primary context itself
+    for o in outs + strided:
         same(o.cpu(), cpu, "broadcast")
-    for t in [src] + outs:
+    for t in [src] + outs + strided:
         t.release()
     assert sim.stat("comms") > 0
     sim.close()  # the client lets go of its contexts: fastdp's own references keep them alive
+    sim.assert_clean("before shutdown")
     _C.shutdown()
     sim.assert_clean("shutdown")
     assert sim.stat("comms") == 0 and sim.stat("retains") == 0

@@ -29,7 +29,8 @@ _simbuild = _load("fastdp_sim_build", os.path.join(HERE, "sim", "build.py"))
 # Entry points whose failure today leaves fastdp broken or leaking (each a separate finding in the report of the
 # branch that added the simulator). A failure in the kernels module's set-up is cached as permanent and then makes
 # the whole cuda backend unusable ("compiled for other GPU architectures"), copies included:
-STICKY = "issue 9 defect: transient failure cached as permanent (cuda.c get_module/cuda_usable); fixed on branch defects"
+STICKY = ("issue 9 defect: transient failure cached as permanent (cuda.c get_module/cuda_usable); "
+          "fixed on branch defects")
 KNOWN = {
     "cuModuleLoadData": STICKY,
     "cuModuleGetFunction": STICKY,

@@ -44,7 +44,8 @@ def compiler():
 def empty_blob():
     """A kernel blob with no fatbin, as a build without nvcc has (cuda/build_kernels.py writes it)."""
     path = os.path.join(BUILD, "fdp_kernels_blob.c")
-    spec = importlib.util.spec_from_file_location("fastdp_build_kernels", os.path.join(ROOT, "cuda", "build_kernels.py"))
+    spec = importlib.util.spec_from_file_location("fastdp_build_kernels",
+                                                  os.path.join(ROOT, "cuda", "build_kernels.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.build_blob(os.path.join(ROOT, "cuda"), None, path)
@@ -63,7 +64,8 @@ def kernel_blob(simulated):
                     "const unsigned char fdp__kernels_fatbin[] = \"fastdp simulated kernels\";\n"
                     "const size_t fdp__kernels_fatbin_size = sizeof fdp__kernels_fatbin;\n")
         return path
-    spec = importlib.util.spec_from_file_location("fastdp_build_kernels", os.path.join(ROOT, "cuda", "build_kernels.py"))
+    spec = importlib.util.spec_from_file_location("fastdp_build_kernels",
+                                                  os.path.join(ROOT, "cuda", "build_kernels.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)

@@ -120,7 +120,8 @@ static int driver_open(void) {
            sym(h, "cuDevicePrimaryCtxRetain", &D.PrimaryCtxRetain, 1) &
            sym(h, "cuDevicePrimaryCtxRelease_v2", &D.PrimaryCtxRelease, 1) &
            sym(h, "cuCtxPushCurrent_v2", &D.CtxPush, 1) & sym(h, "cuCtxPopCurrent_v2", &D.CtxPop, 1) &
-           sym(h, "cuCtxSynchronize", &D.CtxSynchronize, 1) & sym(h, "cuCtxSetCurrent", &D.CtxSetCurrent, 1) & sym(h, "cuMemAlloc_v2", &D.MemAlloc, 1) &
+           sym(h, "cuCtxSynchronize", &D.CtxSynchronize, 1) & sym(h, "cuCtxSetCurrent", &D.CtxSetCurrent, 1) &
+           sym(h, "cuMemAlloc_v2", &D.MemAlloc, 1) &
            sym(h, "cuMemFree_v2", &D.MemFree, 1) & sym(h, "cuMemcpyHtoDAsync_v2", &D.HtoD, 1) &
            sym(h, "cuMemcpyDtoHAsync_v2", &D.DtoH, 1) & sym(h, "cuStreamSynchronize", &D.StreamSynchronize, 1) &
            sym(h, "cuStreamCreate", &D.StreamCreate, 1) & sym(h, "cuStreamDestroy_v2", &D.StreamDestroy, 1);
@@ -558,7 +559,8 @@ static void ref_add(int dtype, void *acc, const void *x, int64_t n) {
     case FDP_DTYPE_BF16: {
       int bf = dtype == FDP_DTYPE_BF16;
       uint16_t *o = acc;
-      float s = (float)(half_value(o[i], bf) + half_value(((const uint16_t *)x)[i], bf)); /* float add, exact in double */
+      /* the float add: the exact sum (in double) rounded once to float */
+      float s = (float)(half_value(o[i], bf) + half_value(((const uint16_t *)x)[i], bf));
       o[i] = half_round((double)s, bf);
       break;
     }
@@ -960,7 +962,8 @@ static const sweep_op_t k_sweep[] = {
     {"copy (strided device -> host)", sw_setup_k4, NULL, sw_copy, sw_verify_last, sw_free},
     {"broadcast (nccl)", sw_setup_dense, NULL, sw_broadcast, sw_verify_bcast, sw_free},
     {"reduce (nccl)", sw_setup_dense, NULL, sw_reduce, sw_verify_last, sw_free},
-    {"reduce (local, 40 inputs, out aliases one)", sw_setup_local_save, sw_prepare_local, sw_local, sw_verify_local, sw_free},
+    {"reduce (local, 40 inputs, out aliases one)", sw_setup_local_save, sw_prepare_local, sw_local, sw_verify_local,
+     sw_free},
     {"scatter", sw_setup_scatter, NULL, sw_scatter, sw_verify_scatter, sw_free},
     {"gather", sw_setup_scatter, NULL, sw_gather, sw_verify_gather, sw_free},
 };
@@ -1031,8 +1034,9 @@ static void sweep(const char *only) {
                              : fault_code(name) == CUDA_ERROR_OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY"
                              : fault_code(name) == CUDA_ERROR_LAUNCH_FAILED ? "CUDA_ERROR_LAUNCH_FAILED"
                                                                             : "CUDA_ERROR_UNKNOWN";
-          CHECKF(strstr(fdp_last_error(), want) != NULL, "%s, call %lld of %s failing: the detail \"%s\" does not say %s",
-                 op->name, k, name, fdp_last_error(), want);
+          CHECKF(strstr(fdp_last_error(), want) != NULL,
+                 "%s, call %lld of %s failing: the detail \"%s\" does not say %s", op->name, k, name,
+                 fdp_last_error(), want);
         }
         char buf[4096];
         long long nerr = S.errors(buf, sizeof buf);

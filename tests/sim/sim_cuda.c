@@ -182,7 +182,8 @@ int sim_enter(sim_entry_t e) {
   long long n = ++g_calls[e];
   if (g_fail_at[e] != 0 && n == g_fail_at[e]) {
     g_fail_at[e] = 0;
-    if (g_verbose) fprintf(stderr, "simgpu: injected failure %d in %s (call %lld)\n", g_fail_code[e], k_entry_names[e], n);
+    if (g_verbose)
+      fprintf(stderr, "simgpu: injected failure %d in %s (call %lld)\n", g_fail_code[e], k_entry_names[e], n);
     return g_fail_code[e];
   }
   return 0;

@@ -289,8 +289,8 @@ static ncclResult_t flush(void) {
       }
       if (found == 0) break;
       if (found != cl->n) {
-        sim_misuse("%s: %d of %d ranks called it; real NCCL would hang", t_pending[i].reduce ? "ncclReduce" : "ncclBroadcast",
-                   found, cl->n);
+        sim_misuse("%s: %d of %d ranks called it; real NCCL would hang",
+                   t_pending[i].reduce ? "ncclReduce" : "ncclBroadcast", found, cl->n);
         res = ncclInvalidUsage;
         continue;
       }

@@ -34,6 +34,11 @@ def test_ops_through_the_binding():
     _case("ops")
 
 
+def test_simulator_catches_each_misuse():
+    """Each kind of misuse the simulator claims to catch is caught, and the corrected use is not flagged."""
+    _case("selfcheck")
+
+
 @pytest.mark.xfail(strict=True, reason="issue 9 defect: transient failure cached as permanent (and the sim findings "
                    "on leaks after a failed fence / pop / cuCtxGetCurrent); fixed on branch defects")
 def test_fault_injection_sweep_through_the_binding():

@@ -193,6 +193,141 @@ def case_sweep(sim):
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:30])
 
 
+# ---- the simulator's own checks: each kind of misuse it claims to catch is caught, and its fix is not ----
+
+def case_selfcheck(sim):
+    import ctypes
+    lib, vp, u64, sz = sim.lib, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_size_t
+    for name, args in [("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]), ("cuMemcpyDtoHAsync_v2", [vp, u64, sz, vp]),
+                       ("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]), ("cuEventRecord", [vp, vp]),
+                       ("cuStreamWaitEvent", [vp, vp, ctypes.c_uint]), ("cuEventDestroy_v2", [vp]),
+                       ("cuMemAlloc_v2", [ctypes.POINTER(u64), sz]), ("cuMemFree_v2", [u64]),
+                       ("cuModuleLoadData", [ctypes.POINTER(vp), ctypes.c_char_p]), ("cuModuleUnload", [vp]),
+                       ("cuModuleGetFunction", [ctypes.POINTER(vp), vp, ctypes.c_char_p]),
+                       ("cuLaunchKernel", [vp] + [ctypes.c_uint] * 7 + [vp, ctypes.POINTER(vp), vp]),
+                       ("ncclCommInitAll", [ctypes.POINTER(vp), ctypes.c_int, vp]), ("ncclCommDestroy", [vp])]:
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = ctypes.c_int
+    host = (ctypes.c_char * 256)()
+
+    def expect(n, what, fn):
+        sim.reset()
+        fn()
+        got, text = sim.errors()
+        assert got == n, f"{what}: want {n} recorded misuse(s), got {got}:\n{text}"
+        if n:
+            print(f"caught: {what}: {text.splitlines()[0]}")
+
+    buf = sim.alloc(0, 256)
+    s1, s2, blocking = sim.stream(0), sim.stream(0), None
+
+    def pop_empty():
+        c = vp()
+        assert lib.cuCtxPopCurrent_v2(ctypes.byref(c)) != 0
+    expect(1, "unbalanced pop", pop_empty)
+
+    def unordered(wait):
+        def run():
+            sim.on(0, lib.cuMemcpyHtoDAsync_v2, buf, host, 256, s1)
+            if wait:
+                ev = vp()
+                sim.on(0, lib.cuEventCreate, ctypes.byref(ev), 2)
+                sim.on(0, lib.cuEventRecord, ev, s1)
+                sim.on(0, lib.cuStreamWaitEvent, s2, ev, 0)
+                sim.on(0, lib.cuEventDestroy_v2, ev)
+            sim.on(0, lib.cuMemcpyDtoHAsync_v2, host, buf, 256, s2)
+            sim.synchronize()
+        return run
+    expect(1, "race between two streams", unordered(False))
+    expect(0, "the same, ordered by an event", unordered(True))
+
+    def legacy(flags):
+        def run():
+            nonlocal blocking
+            st = vp()
+            sim.on(0, lib.cuStreamCreate, ctypes.byref(st), flags)
+            sim.on(0, lib.cuMemcpyHtoDAsync_v2, buf, host, 256, None)  # the legacy stream
+            sim.on(0, lib.cuMemcpyDtoHAsync_v2, host, buf, 256, st)
+            sim.synchronize()
+            sim.on(0, lib.cuStreamDestroy_v2, st)
+        return run
+    expect(0, "legacy stream then a blocking stream", legacy(0))
+    expect(1, "legacy stream then a non-blocking stream", legacy(1))
+
+    def stream_of_other_device():
+        p = sim.alloc(1, 16)
+        assert sim.on(1, lib.cuMemcpyHtoDAsync_v2, p, host, 16, s1) != 0
+        sim.free(p)
+    expect(1, "a stream of another device's context", stream_of_other_device)
+
+    def freed():
+        p = u64()
+        sim.on(0, lib.cuMemAlloc_v2, ctypes.byref(p), 64)
+        sim.on(0, lib.cuMemFree_v2, p)
+        assert sim.on(0, lib.cuMemcpyHtoDAsync_v2, p, host, 64, None) != 0
+    expect(1, "freed memory", freed)
+
+    def past_end():
+        assert sim.on(0, lib.cuMemcpyHtoDAsync_v2, buf + 200, host, 100, None) != 0
+    expect(1, "past the end of an allocation", past_end)
+
+    def host_as_device():
+        assert sim.on(0, lib.cuMemcpyDtoHAsync_v2, host, ctypes.addressof(host), 16, None) != 0
+    expect(1, "a host pointer as device memory", host_as_device)
+
+    def destroyed_stream():
+        st = sim.stream(0)
+        sim.destroy_stream(0, st)
+        assert sim.on(0, lib.cuMemcpyHtoDAsync_v2, buf, host, 16, st) != 0
+    expect(1, "a destroyed stream", destroyed_stream)
+
+    def kernel(peer):
+        def run():
+            other = sim.alloc(1, 64)
+            if peer:
+                sim.enable_peer(0, 1)
+            mod, fn = vp(), vp()
+            sim.on(0, lib.cuModuleLoadData, ctypes.byref(mod), b"any image")
+            sim.on(0, lib.cuModuleGetFunction, ctypes.byref(fn), mod, b"fdp_copy_4")
+            # fdp_copy_args_t: numel, (ndim, pad), sizes[17], src_strides[17], dst_strides[17]
+            args = (ctypes.c_longlong * (2 + 3 * 17))(16, 1, 16)
+            args[2 + 17], args[2 + 34] = 1, 1
+            src, dst = u64(other), u64(buf)
+            params = (vp * 3)(ctypes.addressof(src), ctypes.addressof(dst), ctypes.addressof(args))
+            r = sim.on(0, lib.cuLaunchKernel, fn, 1, 1, 1, 32, 1, 1, 0, s1, params, None)
+            assert (r == 0) == peer, r
+            sim.on(0, lib.cuModuleUnload, mod)
+            sim.synchronize()
+            sim.free(other)
+        return run
+    expect(1, "a kernel reading another device's memory without peer access", kernel(False))
+    expect(0, "the same with peer access enabled", kernel(True))
+
+    def comm_outlives_context():
+        comms = (vp * 2)()
+        devs = (ctypes.c_int * 2)(2, 3)
+        assert lib.ncclCommInitAll(comms, 2, devs) == 0
+        sim.close()  # every client reference: contexts 2 and 3 die under their communicators
+        lib.ncclCommDestroy(comms[0])
+        lib.ncclCommDestroy(comms[1])
+        sim.open()
+    sim.synchronize()
+    for st in (s1, s2):
+        sim.destroy_stream(0, st)
+    sim.free(buf)
+    expect(4, "communicators outliving their contexts (2 at release, 2 at destroy)", comm_outlives_context)
+
+    def injected():
+        sim.fail_at("cuMemAlloc_v2", 2, 2)
+        p = u64()
+        assert sim.on(0, lib.cuMemAlloc_v2, ctypes.byref(p), 8) == 0
+        assert sim.on(0, lib.cuMemAlloc_v2, ctypes.byref(q := u64()), 8) == 2
+        assert sim.on(0, lib.cuMemAlloc_v2, ctypes.byref(q), 8) == 0
+        sim.on(0, lib.cuMemFree_v2, p)
+        sim.on(0, lib.cuMemFree_v2, q)
+    expect(0, "an injected failure (not misuse)", injected)
+
+
 # ---- issue 9, section 2: one case per defect (each fails on the code before the fix) ----
 
 def case_defect_transient_module_failure(sim):

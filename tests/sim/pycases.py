@@ -77,7 +77,13 @@ def op_reduce(sim, streams):
         lins = [sim.tensor(c, 2 % sim.ndev) for c in local]
         _C.reduce(lins, lins[35], streams)  # the output aliases an input a later pass reads
         res.append((lins[35], functools.reduce(operator.add, local)))
-        keep += ins + [out] + lins
+        # reduce_many: one reduce per column (the bucket reduction of DataParallel's backward)
+        cols_cpu = [[rand((2, 50), dtype) for _ in range(sim.ndev)] for _ in range(3)]
+        cols = [[sim.tensor(c, d) for d, c in enumerate(col)] for col in cols_cpu]
+        outs = [sim.empty((2, 50), dtype, 0) for _ in cols]
+        _C.reduce_many(cols, outs, streams)
+        res += [(o, functools.reduce(operator.add, c)) for o, c in zip(outs, cols_cpu)]
+        keep += ins + [out] + lins + outs + [t for col in cols for t in col]
     return res, keep
 
 

@@ -58,10 +58,14 @@ typedef enum {
   FDP_PARAM_HOST_PARALLEL_MIN, /* FASTDP_HOST_PARALLEL_MIN: bytes below which host work stays on one thread */
   FDP_PARAM_DISABLE_NCCL,      /* FASTDP_DISABLE_NCCL: never pick the nccl backend */
   FDP_PARAM_DISABLE_CUDA,      /* FASTDP_DISABLE_CUDA: do not load the CUDA driver */
+  FDP_PARAM_CUDA_DRIVER_LIBRARY, /* FASTDP_CUDA_DRIVER_LIBRARY: load exactly this file as the driver (tests) */
+  FDP_PARAM_NCCL_LIBRARY,        /* FASTDP_NCCL_LIBRARY: load exactly this file as NCCL (tests) */
   FDP_PARAM_COUNT
 } fdp_param_t;
 
 int64_t fdp__param(fdp_param_t p);
+/* The value of a path knob (FASTDP_*_LIBRARY), or NULL when unset or empty; read once, valid for the process. */
+const char *fdp__param_str(fdp_param_t p);
 const char *fdp__param_name(fdp_param_t p);
 
 /* The stream listed for `device`, or NULL (the legacy default stream). */

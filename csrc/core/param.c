@@ -7,20 +7,29 @@
 static const struct {
   const char *name;
   int64_t def;
+  int is_path; /* a file name, read by fdp__param_str; fdp__param gives 1 when set */
 } table[FDP_PARAM_COUNT] = {
     [FDP_PARAM_DEBUG] = {"FASTDP_DEBUG", 0},
     [FDP_PARAM_HOST_THREADS] = {"FASTDP_HOST_THREADS", 0},
     [FDP_PARAM_HOST_PARALLEL_MIN] = {"FASTDP_HOST_PARALLEL_MIN", 1 << 20},
     [FDP_PARAM_DISABLE_NCCL] = {"FASTDP_DISABLE_NCCL", 0},
     [FDP_PARAM_DISABLE_CUDA] = {"FASTDP_DISABLE_CUDA", 0},
+    [FDP_PARAM_CUDA_DRIVER_LIBRARY] = {"FASTDP_CUDA_DRIVER_LIBRARY", 0, 1},
+    [FDP_PARAM_NCCL_LIBRARY] = {"FASTDP_NCCL_LIBRARY", 0, 1},
 };
 
 static int64_t values[FDP_PARAM_COUNT];
+static const char *strings[FDP_PARAM_COUNT];
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void load(void) {
   for (int i = 0; i < FDP_PARAM_COUNT; i++) {
     const char *s = getenv(table[i].name);
+    if (table[i].is_path) {
+      strings[i] = s && *s ? s : NULL; /* the environment block outlives every caller */
+      values[i] = strings[i] != NULL;
+      continue;
+    }
     char *end = NULL;
     long long v = s && *s ? strtoll(s, &end, 0) : 0;
     /* An unparsable value keeps the default rather than failing every call. */
@@ -31,6 +40,11 @@ static void load(void) {
 int64_t fdp__param(fdp_param_t p) {
   pthread_once(&once, load);
   return (unsigned)p < FDP_PARAM_COUNT ? values[p] : 0;
+}
+
+const char *fdp__param_str(fdp_param_t p) {
+  pthread_once(&once, load);
+  return (unsigned)p < FDP_PARAM_COUNT ? strings[p] : NULL;
 }
 
 const char *fdp__param_name(fdp_param_t p) {

@@ -71,12 +71,16 @@ static const struct {
 };
 
 static void load_once(void) {
-  /* RTLD_NOLOAD first: inside PyTorch the driver is already mapped and we must share that very copy. */
-  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  if (h == NULL) h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  /* FASTDP_CUDA_DRIVER_LIBRARY (tests: the simulated GPU) names exactly the file to load, and nothing else is
+   * looked up. Otherwise RTLD_NOLOAD first: inside PyTorch the driver is already mapped and we must share that
+   * very copy. */
+  const char *path = fdp__param_str(FDP_PARAM_CUDA_DRIVER_LIBRARY);
+  void *h = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (h == NULL && path == NULL) h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (h == NULL) {
     const char *e = dlerror();
-    snprintf(g_why, sizeof g_why, "the CUDA driver (libcuda.so.1) cannot be loaded: %s", e ? e : "not found");
+    snprintf(g_why, sizeof g_why, "the CUDA driver (%s) cannot be loaded: %s",
+             path ? path : "libcuda.so.1", e ? e : "not found");
     return;
   }
   for (size_t i = 0; i < sizeof k_syms / sizeof k_syms[0]; i++) {

@@ -47,7 +47,21 @@ static void find_free_mutex(void) {
   fdp__log("nccl: PyTorch's CUDA free mutex %s", g_free_mutex ? "found" : "not found (launches run unlocked)");
 }
 
+static void bind(void *h);
+
 static void load_once(void) {
+  const char *path = fdp__param_str(FDP_PARAM_NCCL_LIBRARY);
+  if (path != NULL) { /* FASTDP_NCCL_LIBRARY (tests: the simulated NCCL): exactly that file, nothing else */
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (h == NULL) {
+      const char *e = dlerror();
+      snprintf(g_why, sizeof g_why, "NCCL (%s, from FASTDP_NCCL_LIBRARY) cannot be loaded: %s", path,
+               e ? e : "not found");
+      return;
+    }
+    bind(h);
+    return;
+  }
   /* Whatever NCCL is already mapped wins: two NCCLs in one process disagree about shared state (and a system
    * one loaded before PyTorch would even be picked up by PyTorch's own NEEDED entry, by soname). */
   void *h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD);
@@ -65,6 +79,11 @@ static void load_once(void) {
              e ? e : "not found");
     return;
   }
+  bind(h);
+}
+
+/* Binds every entry point from `h` and checks the version; sets g_status on success. */
+static void bind(void *h) {
   for (size_t i = 0; i < sizeof k_syms / sizeof k_syms[0]; i++) {
     void *sym = dlsym(h, k_syms[i].name);
     if (sym == NULL && !k_syms[i].optional) {

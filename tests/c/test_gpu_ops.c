@@ -1,0 +1,1146 @@
+/* Every core operation through the cuda and nccl backends on CUDA devices, compared bit for bit with a host
+ * reference computed here: copies (row copies, strided sources and destinations on both sides, host<->device,
+ * peer), broadcast, scatter, gather, reduce (collective and local, 70 inputs with the output aliasing one),
+ * coalesced buckets, 8 threads at once, shutdown then reuse. Uses only fastdp.h plus the driver itself (dlopen,
+ * as PyTorch would) for memory and streams. On the simulated GPU (FASTDP_CUDA_DRIVER_LIBRARY naming tests/sim's
+ * library) it also fails on any misuse or race the simulator recorded, checks that nothing leaked, and
+ * `--sweep` makes every driver/NCCL call of every operation fail in turn. Built by tests/c/build.py --gpu-ops;
+ * prints "N passed, M failed" and exits nonzero on a failure. */
+#include "core/fastdp.h"
+#include "dl/cuda_api.h"
+
+#include <dlfcn.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- harness ---- */
+
+static int n_pass, n_fail;
+static pthread_mutex_t g_report = PTHREAD_MUTEX_INITIALIZER;
+
+static void check_at(int ok, const char *file, int line, const char *expr, const char *fmt, ...) {
+  pthread_mutex_lock(&g_report);
+  if (ok) {
+    n_pass++;
+  } else {
+    n_fail++;
+    printf("FAIL %s:%d: %s", file, line, expr);
+    if (fmt) {
+      va_list ap;
+      va_start(ap, fmt);
+      fputs(" -- ", stdout);
+      vprintf(fmt, ap);
+      va_end(ap);
+    }
+    putchar('\n');
+    fflush(stdout);
+  }
+  pthread_mutex_unlock(&g_report);
+}
+#define CHECK(c) check_at(!!(c), __FILE__, __LINE__, #c, NULL)
+#define CHECKF(c, ...) check_at(!!(c), __FILE__, __LINE__, #c, __VA_ARGS__)
+#define OK(call)                                                                                                       \
+  do {                                                                                                                 \
+    fdp_result_t r_ = (call);                                                                                          \
+    CHECKF(r_ == FDP_OK, "%s: %s", fdp_result_name(r_), fdp_last_error());                                             \
+  } while (0)
+
+static __thread uint64_t t_rng = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd(void) {
+  uint64_t x = t_rng;
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  return t_rng = x;
+}
+
+static void *xmalloc(size_t n) {
+  void *p = malloc(n ? n : 1);
+  if (!p) {
+    printf("out of host memory\n");
+    exit(2);
+  }
+  return p;
+}
+
+/* ---- the driver, as a client such as PyTorch uses it ---- */
+
+static struct {
+  CUresult (*Init)(unsigned int);
+  CUresult (*DeviceGetCount)(int *);
+  CUresult (*PrimaryCtxRetain)(CUcontext *, CUdevice);
+  CUresult (*PrimaryCtxRelease)(CUdevice);
+  CUresult (*CtxPush)(CUcontext);
+  CUresult (*CtxPop)(CUcontext *);
+  CUresult (*CtxSynchronize)(void);
+  CUresult (*CtxSetCurrent)(CUcontext);
+  CUresult (*MemAlloc)(CUdeviceptr *, size_t);
+  CUresult (*MemFree)(CUdeviceptr);
+  CUresult (*HtoD)(CUdeviceptr, const void *, size_t, CUstream);
+  CUresult (*DtoH)(void *, CUdeviceptr, size_t, CUstream);
+  CUresult (*StreamSynchronize)(CUstream);
+  CUresult (*StreamCreate)(CUstream *, unsigned int);
+  CUresult (*StreamDestroy)(CUstream);
+} D;
+
+/* The simulator's controls; NULL on a real driver. */
+static struct {
+  void (*reset)(void);
+  long long (*errors)(char *, size_t);
+  int (*fail_at)(const char *, long long, int);
+  long long (*calls)(const char *);
+  const char *(*entry)(int);
+  long long (*stat)(const char *);
+} S;
+
+static int g_ndev;
+static CUcontext g_ctx[FDP_MAX_DEVICES];
+static CUstream g_stream[FDP_MAX_DEVICES]; /* one non-blocking stream per device, as PyTorch's streams are */
+
+static int sym(void *h, const char *name, void *slot, int required) {
+  void *p = dlsym(h, name);
+  if (!p && required) printf("the driver lacks %s\n", name);
+  memcpy(slot, &p, sizeof p);
+  return p != NULL || !required;
+}
+
+static int driver_open(void) {
+  const char *path = getenv("FASTDP_CUDA_DRIVER_LIBRARY");
+  void *h = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    printf("no CUDA driver: %s\n", dlerror());
+    return 0;
+  }
+  int ok = sym(h, "cuInit", &D.Init, 1) & sym(h, "cuDeviceGetCount", &D.DeviceGetCount, 1) &
+           sym(h, "cuDevicePrimaryCtxRetain", &D.PrimaryCtxRetain, 1) &
+           sym(h, "cuDevicePrimaryCtxRelease_v2", &D.PrimaryCtxRelease, 1) &
+           sym(h, "cuCtxPushCurrent_v2", &D.CtxPush, 1) & sym(h, "cuCtxPopCurrent_v2", &D.CtxPop, 1) &
+           sym(h, "cuCtxSynchronize", &D.CtxSynchronize, 1) & sym(h, "cuCtxSetCurrent", &D.CtxSetCurrent, 1) &
+           sym(h, "cuMemAlloc_v2", &D.MemAlloc, 1) &
+           sym(h, "cuMemFree_v2", &D.MemFree, 1) & sym(h, "cuMemcpyHtoDAsync_v2", &D.HtoD, 1) &
+           sym(h, "cuMemcpyDtoHAsync_v2", &D.DtoH, 1) & sym(h, "cuStreamSynchronize", &D.StreamSynchronize, 1) &
+           sym(h, "cuStreamCreate", &D.StreamCreate, 1) & sym(h, "cuStreamDestroy_v2", &D.StreamDestroy, 1);
+  sym(h, "simgpu_reset", &S.reset, 0);
+  sym(h, "simgpu_errors", &S.errors, 0);
+  sym(h, "simgpu_fail_at", &S.fail_at, 0);
+  sym(h, "simgpu_calls", &S.calls, 0);
+  sym(h, "simgpu_entry", &S.entry, 0);
+  sym(h, "simgpu_stat", &S.stat, 0);
+  if (!ok || D.Init(0) != CUDA_SUCCESS || D.DeviceGetCount(&g_ndev) != CUDA_SUCCESS) return 0;
+  if (g_ndev > 8) g_ndev = 8;
+  for (int d = 0; d < g_ndev; d++) {
+    if (D.PrimaryCtxRetain(&g_ctx[d], d) != CUDA_SUCCESS || D.CtxPush(g_ctx[d]) != CUDA_SUCCESS) return 0;
+    CUcontext c;
+    CUresult r = D.StreamCreate(&g_stream[d], 1 /* CU_STREAM_NON_BLOCKING */);
+    D.CtxPop(&c);
+    if (r != CUDA_SUCCESS) return 0;
+  }
+  /* PyTorch's thread has its current device's context current (the runtime sets it): so does this one. */
+  return D.CtxSetCurrent(g_ctx[0]) == CUDA_SUCCESS;
+}
+
+static void driver_close(void) {
+  CHECK(D.CtxSetCurrent(NULL) == CUDA_SUCCESS);
+  for (int d = 0; d < g_ndev; d++) {
+    CUcontext c;
+    CHECK(D.CtxPush(g_ctx[d]) == CUDA_SUCCESS);
+    CHECK(D.StreamDestroy(g_stream[d]) == CUDA_SUCCESS);
+    CHECK(D.CtxPop(&c) == CUDA_SUCCESS);
+    CHECK(D.PrimaryCtxRelease(d) == CUDA_SUCCESS);
+  }
+}
+
+static int sim(void) {
+  return S.errors != NULL;
+}
+
+/* Entry points the operations must have reached (the copy paths, kernels, collectives), with their calls. */
+static const char *const k_paths[] = {"cuMemcpyAsync",       "cuMemcpy2DAsync_v2",   "cuMemcpy3DPeerAsync",
+                                      "cuMemcpyPeerAsync",   "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2",
+                                      "cuLaunchKernel",      "cuMemAllocAsync",      "cuStreamWaitEvent",
+                                      "ncclBroadcast",       "ncclReduce",           "ncclGroupStart"};
+#define NPATHS (sizeof k_paths / sizeof k_paths[0])
+static long long g_path_calls[NPATHS];
+
+/* Fails the check when the simulator recorded misuse or races since the last look, printing what. */
+static void sim_clean(const char *where) {
+  if (!sim()) return;
+  char buf[8192];
+  long long n = S.errors(buf, sizeof buf);
+  CHECKF(n == 0, "%s: the simulated GPU recorded %lld misuse(s)/race(s):\n%s", where, n, buf);
+  for (size_t i = 0; i < NPATHS; i++)
+    g_path_calls[i] += S.calls(k_paths[i]);
+  S.reset();
+}
+
+/* ---- buffers: device (or host) memory plus a host mirror holding what it must contain ---- */
+
+typedef struct buf {
+  int dev; /* FDP_HOST or an ordinal */
+  size_t bytes;
+  char *data; /* device address (never dereferenced here) or host memory */
+  unsigned char *ref;
+} buf_t;
+
+static void dev_call(int dev, CUresult r, const char *what) {
+  CHECKF(r == CUDA_SUCCESS, "%s on device %d: CUresult %d", what, dev, (int)r);
+}
+
+static void push(int dev) {
+  dev_call(dev, D.CtxPush(g_ctx[dev]), "cuCtxPushCurrent");
+}
+static void pop(int dev) {
+  CUcontext c;
+  dev_call(dev, D.CtxPop(&c), "cuCtxPopCurrent");
+}
+
+/* Writes the mirror to the memory (the legacy stream, then a host synchronisation, as a blocking copy does). */
+static void buf_upload(buf_t *b) {
+  if (b->dev == FDP_HOST) {
+    memcpy(b->data, b->ref, b->bytes);
+    return;
+  }
+  push(b->dev);
+  /* After whatever the device was doing with it (fastdp's streams included), as a blocking copy would be. */
+  dev_call(b->dev, D.CtxSynchronize(), "cuCtxSynchronize");
+  dev_call(b->dev, D.HtoD((CUdeviceptr)(uintptr_t)b->data, b->ref, b->bytes, NULL), "cuMemcpyHtoDAsync");
+  dev_call(b->dev, D.StreamSynchronize(NULL), "cuStreamSynchronize");
+  pop(b->dev);
+}
+
+static buf_t buf_new(int dev, size_t bytes) {
+  buf_t b = {dev, bytes, NULL, xmalloc(bytes)};
+  for (size_t i = 0; i < bytes; i++)
+    b.ref[i] = (unsigned char)(rnd() >> 33);
+  if (dev == FDP_HOST) {
+    b.data = xmalloc(bytes);
+  } else {
+    CUdeviceptr p = 0;
+    push(dev);
+    dev_call(dev, D.MemAlloc(&p, bytes), "cuMemAlloc");
+    pop(dev);
+    b.data = (char *)(uintptr_t)p;
+  }
+  buf_upload(&b);
+  return b;
+}
+
+static void buf_free(buf_t *b) {
+  if (b->dev == FDP_HOST) {
+    free(b->data);
+  } else {
+    push(b->dev);
+    dev_call(b->dev, D.MemFree((CUdeviceptr)(uintptr_t)b->data), "cuMemFree");
+    pop(b->dev);
+  }
+  free(b->ref);
+  memset(b, 0, sizeof *b);
+}
+
+/* Reads the memory back (after the device finished everything) and compares it with the mirror. */
+static int buf_matches(const buf_t *b, const char *what) {
+  unsigned char *got = xmalloc(b->bytes);
+  if (b->dev == FDP_HOST) {
+    memcpy(got, b->data, b->bytes);
+  } else {
+    push(b->dev);
+    dev_call(b->dev, D.CtxSynchronize(), "cuCtxSynchronize");
+    dev_call(b->dev, D.DtoH(got, (CUdeviceptr)(uintptr_t)b->data, b->bytes, NULL), "cuMemcpyDtoHAsync");
+    dev_call(b->dev, D.StreamSynchronize(NULL), "cuStreamSynchronize");
+    pop(b->dev);
+  }
+  size_t i = 0;
+  while (i < b->bytes && got[i] == b->ref[i])
+    i++;
+  CHECKF(i == b->bytes, "%s: byte %zu of %zu differs (device %d): got 0x%02x, want 0x%02x", what, i, b->bytes, b->dev,
+         i < b->bytes ? got[i] : 0, i < b->bytes ? b->ref[i] : 0);
+  free(got);
+  return i == b->bytes;
+}
+
+/* A view of a buffer, and the same view of its mirror. */
+typedef struct view {
+  fdp_tensor_t t, ref;
+} view_t;
+
+static view_t view(buf_t *b, int dtype, int es, int nd, const int64_t *sizes, const int64_t *strides, int64_t off) {
+  view_t v;
+  memset(&v, 0, sizeof v);
+  v.t.device = b->dev;
+  v.t.dtype = dtype;
+  v.t.elem_size = es;
+  v.t.ndim = nd;
+  for (int i = 0; i < nd; i++) {
+    v.t.sizes[i] = sizes[i];
+    v.t.strides[i] = strides[i];
+  }
+  v.ref = v.t;
+  v.t.data = b->data + off * es;
+  v.ref.data = (char *)b->ref + off * es;
+  v.ref.device = FDP_HOST;
+  return v;
+}
+
+static int64_t numel(const fdp_tensor_t *t) {
+  int64_t n = 1;
+  for (int i = 0; i < t->ndim; i++)
+    n *= t->sizes[i];
+  return n;
+}
+
+/* Bytes a view spans from its first element. */
+static size_t span(int es, int nd, const int64_t *sizes, const int64_t *strides) {
+  int64_t last = 0;
+  for (int i = 0; i < nd; i++)
+    last += (sizes[i] - 1) * strides[i];
+  return (size_t)(last + 1) * (size_t)es;
+}
+
+static void contig(int nd, const int64_t *sizes, int64_t *strides) {
+  int64_t s = 1;
+  for (int i = nd - 1; i >= 0; i--) {
+    strides[i] = s;
+    s *= sizes[i];
+  }
+}
+
+/* The reference copy, element by element over the index space. */
+static void ref_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src) {
+  int nd = src->ndim, es = src->elem_size;
+  int64_t n = numel(src), idx[FDP_MAX_DIMS] = {0};
+  for (int64_t k = 0; k < n; k++) {
+    int64_t d = 0, s = 0;
+    for (int i = 0; i < nd; i++) {
+      d += idx[i] * dst->strides[i];
+      s += idx[i] * src->strides[i];
+    }
+    memmove(dst->data + d * es, src->data + s * es, (size_t)es);
+    for (int i = nd - 1; i >= 0; i--) {
+      if (++idx[i] < src->sizes[i]) break;
+      idx[i] = 0;
+    }
+  }
+}
+
+static fdp_streams_t all_streams(const CUstream *streams) {
+  fdp_streams_t s;
+  memset(&s, 0, sizeof s);
+  for (int d = 0; d < g_ndev; d++) {
+    s.device[s.n] = d;
+    s.stream[s.n++] = streams ? (void *)streams[d] : NULL;
+  }
+  return s;
+}
+
+/* ---- copies ---- */
+
+/* Layouts of a [a, b, c] tensor of `es`-byte elements: contiguous, rows padded, inner dims transposed, every
+ * other element, a padded outer dim. */
+enum { L_CONTIG, L_PADDED, L_TRANSPOSED, L_STEP2, L_OUTER, L_COUNT };
+static const char *const k_layouts[L_COUNT] = {"contiguous", "padded rows", "transposed", "step 2", "padded outer"};
+
+static void layout(int kind, const int64_t *sz, int64_t *st) {
+  switch (kind) {
+  case L_CONTIG: contig(3, sz, st); break;
+  case L_PADDED:
+    st[2] = 1;
+    st[1] = sz[2] + 3;
+    st[0] = st[1] * sz[1];
+    break;
+  case L_TRANSPOSED:
+    st[1] = 1;
+    st[2] = sz[1];
+    st[0] = sz[1] * sz[2];
+    break;
+  case L_STEP2:
+    st[2] = 2;
+    st[1] = 2 * sz[2];
+    st[0] = st[1] * sz[1];
+    break;
+  default:
+    st[2] = 1;
+    st[1] = sz[2];
+    st[0] = sz[1] * sz[2] + 5;
+    break;
+  }
+}
+
+static void copy_case(int sdev, int ddev, int es, const int64_t *sz, int sl, int dl, const CUstream *streams) {
+  int64_t ss[3], ds[3];
+  layout(sl, sz, ss);
+  layout(dl, sz, ds);
+  buf_t sb = buf_new(sdev, span(es, 3, sz, ss) + 3 * (size_t)es);
+  buf_t db = buf_new(ddev, span(es, 3, sz, ds) + 2 * (size_t)es);
+  view_t s = view(&sb, FDP_DTYPE_OTHER, es, 3, sz, ss, 1), d = view(&db, FDP_DTYPE_OTHER, es, 3, sz, ds, 2);
+  fdp_streams_t st = all_streams(streams);
+  fdp_result_t r = fdp_op_copy(&d.t, &s.t, 1, &st);
+  CHECKF(r == FDP_OK, "copy %d -> %d, %d-byte elements [%lld,%lld,%lld], %s -> %s: %s", sdev, ddev, es,
+         (long long)sz[0], (long long)sz[1], (long long)sz[2], k_layouts[sl], k_layouts[dl], fdp_last_error());
+  ref_copy(&d.ref, &s.ref);
+  char what[160];
+  snprintf(what, sizeof what, "copy %d -> %d, es %d, [%lld,%lld,%lld], %s -> %s", sdev, ddev, es, (long long)sz[0],
+           (long long)sz[1], (long long)sz[2], k_layouts[sl], k_layouts[dl]);
+  buf_matches(&db, what);
+  CHECK(buf_matches(&sb, "copy source unchanged"));
+  buf_free(&sb);
+  buf_free(&db);
+}
+
+static void test_copies(void) {
+  static const int64_t shapes[][3] = {{2, 3, 160}, {3, 5, 7}, {1, 1, 1}, {4, 9, 600}};
+  static const int ess[] = {1, 2, 4, 8, 16};
+  static const int pairs[][2] = {{0, 0}, {0, 1}, {FDP_HOST, 1}, {2, FDP_HOST}, {3, 2}, {FDP_HOST, 0}, {0, FDP_HOST}};
+  int ndev = g_ndev;
+  for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++) {
+    int sdev = pairs[p][0], ddev = pairs[p][1];
+    if (sdev >= ndev || ddev >= ndev) continue;
+    for (size_t h = 0; h < sizeof shapes / sizeof shapes[0]; h++)
+      for (int sl = 0; sl < L_COUNT; sl++)
+        for (int dl = 0; dl < L_COUNT; dl++) {
+          int es = ess[(h + (size_t)sl + (size_t)dl + p) % 5];
+          if (shapes[h][2] == 600 && es > 4) es = 4;
+          copy_case(sdev, ddev, es, shapes[h], sl, dl, (sl + dl) % 2 ? g_stream : NULL);
+        }
+  }
+  sim_clean("copies");
+}
+
+/* ---- broadcast, scatter, gather ---- */
+
+static void test_broadcast(void) {
+  int64_t sz[2] = {37, 41}, st[2], pad[2] = {48, 1};
+  contig(2, sz, st);
+  for (int src_dev = FDP_HOST; src_dev < 1; src_dev++)
+    for (int strided = 0; strided < 2; strided++)
+      for (int s = 0; s < 2; s++) {
+        buf_t sb = buf_new(src_dev, 37 * 41 * 4);
+        view_t sv = view(&sb, FDP_DTYPE_F32, 4, 2, sz, st, 0);
+        buf_t db[FDP_MAX_DEVICES];
+        fdp_tensor_t dt[FDP_MAX_DEVICES];
+        int n = 0;
+        for (int d = 0; d < g_ndev; d++) {
+          if (d == src_dev) continue;
+          db[n] = buf_new(d, 37 * 48 * 4);
+          view_t dv = view(&db[n], FDP_DTYPE_F32, 4, 2, sz, strided ? pad : st, 0);
+          ref_copy(&dv.ref, &sv.ref);
+          dt[n++] = dv.t;
+        }
+        fdp_streams_t streams = all_streams(s ? g_stream : NULL);
+        OK(fdp_op_broadcast(&sv.t, dt, n, &streams));
+        for (int i = 0; i < n; i++) {
+          buf_matches(&db[i], "broadcast destination");
+          buf_free(&db[i]);
+        }
+        buf_free(&sb);
+      }
+  sim_clean("broadcast");
+}
+
+static void test_scatter_gather(void) {
+  int64_t sz[2] = {40, 24}, st[2];
+  contig(2, sz, st);
+  for (int src_dev = FDP_HOST; src_dev < 1; src_dev++)
+    for (int dim = 0; dim < 2; dim++) {
+      int n = g_ndev;
+      buf_t sb = buf_new(src_dev, 40 * 24 * 8);
+      view_t sv = view(&sb, FDP_DTYPE_F64, 8, 2, sz, st, 0);
+      buf_t ob[FDP_MAX_DEVICES];
+      fdp_tensor_t ot[FDP_MAX_DEVICES];
+      int64_t chunks[FDP_MAX_DEVICES], start = 0;
+      for (int i = 0; i < n; i++) {
+        chunks[i] = sz[dim] / n + (i < sz[dim] % n);
+        int64_t csz[2] = {sz[0], sz[1]}, cst[2];
+        csz[dim] = chunks[i];
+        contig(2, csz, cst);
+        ob[i] = buf_new(i, (size_t)(csz[0] * csz[1] * 8));
+        view_t ov = view(&ob[i], FDP_DTYPE_F64, 8, 2, csz, cst, 0);
+        fdp_tensor_t part;
+        fdp_tensor_narrow(&sv.ref, dim, start, chunks[i], &part);
+        ref_copy(&ov.ref, &part);
+        ot[i] = ov.t;
+        start += chunks[i];
+      }
+      fdp_streams_t streams = all_streams(g_stream);
+      OK(fdp_op_scatter(&sv.t, dim, chunks, ot, n, &streams));
+      for (int i = 0; i < n; i++)
+        buf_matches(&ob[i], "scatter output");
+      /* And back: gather the chunks (changed) into a fresh output on the source's side. */
+      buf_t gb = buf_new(src_dev, 40 * 24 * 8);
+      view_t gv = view(&gb, FDP_DTYPE_F64, 8, 2, sz, st, 0);
+      start = 0;
+      for (int i = 0; i < n; i++) {
+        for (size_t k = 0; k < ob[i].bytes; k++)
+          ob[i].ref[k] = (unsigned char)rnd();
+        buf_upload(&ob[i]);
+        fdp_tensor_t part, in = ot[i];
+        in.data = (char *)ob[i].ref;
+        in.device = FDP_HOST;
+        fdp_tensor_narrow(&gv.ref, dim, start, chunks[i], &part);
+        ref_copy(&part, &in);
+        start += chunks[i];
+      }
+      OK(fdp_op_gather(ot, n, dim, &gv.t, &streams));
+      buf_matches(&gb, "gather output");
+      for (int i = 0; i < n; i++)
+        buf_free(&ob[i]);
+      buf_free(&gb);
+      buf_free(&sb);
+    }
+  sim_clean("scatter/gather");
+}
+
+/* ---- reductions ---- */
+
+static const struct {
+  int dtype, es;
+} k_dtypes[] = {{FDP_DTYPE_BOOL, 1}, {FDP_DTYPE_U8, 1},  {FDP_DTYPE_I8, 1},   {FDP_DTYPE_I16, 2},
+                {FDP_DTYPE_I32, 4},  {FDP_DTYPE_I64, 8}, {FDP_DTYPE_F16, 2},  {FDP_DTYPE_BF16, 2},
+                {FDP_DTYPE_F32, 4},  {FDP_DTYPE_F64, 8}};
+
+/* Half types, independently of fastdp: exact values in double, and the nearest representable value found by
+ * bisection over the (monotone) positive encodings, ties to the even encoding. */
+static double half_value(uint16_t h, int bf) {
+  int sign = h >> 15, e, m;
+  double v;
+  if (bf) {
+    e = (h >> 7) & 0xff;
+    m = h & 0x7f;
+    v = e == 0 ? ldexp(m, -133) : ldexp(128 + m, e - 134);
+    if (e == 0xff) v = m ? NAN : INFINITY;
+  } else {
+    e = (h >> 10) & 0x1f;
+    m = h & 0x3ff;
+    v = e == 0 ? ldexp(m, -24) : ldexp(1024 + m, e - 25);
+    if (e == 0x1f) v = m ? NAN : INFINITY;
+  }
+  return sign ? -v : v;
+}
+
+static uint16_t half_round(double x, int bf) {
+  uint16_t inf = bf ? 0x7f80 : 0x7c00, sign = signbit(x) ? 0x8000 : 0;
+  double a = fabs(x);
+  if (isnan(x)) return bf ? 0x7fc0 : 0x7e00;
+  uint16_t lo = 0, hi = inf; /* largest encoding with value <= a */
+  while (lo < hi) {
+    uint16_t mid = (uint16_t)((lo + hi + 1) / 2);
+    if (half_value(mid, bf) <= a)
+      lo = mid;
+    else
+      hi = (uint16_t)(mid - 1);
+  }
+  if (lo == inf) return sign | inf;
+  double below = half_value(lo, bf);
+  /* the next value up; past the largest finite one, the rounding boundary is where inf would start */
+  double above = lo + 1 == inf ? half_value(lo, bf) + (half_value(lo, bf) - half_value((uint16_t)(lo - 1), bf))
+                               : half_value((uint16_t)(lo + 1), bf);
+  uint16_t pick = lo;
+  if (a - below > above - a || (a - below == above - a && (lo & 1))) pick = (uint16_t)(lo + 1);
+  return sign | pick;
+}
+
+/* acc = acc + x per element in dtype's arithmetic (half types: float sum rounded, as PyTorch's CPU a + b). */
+static void ref_add(int dtype, void *acc, const void *x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    switch (dtype) {
+    case FDP_DTYPE_BOOL: ((uint8_t *)acc)[i] = ((uint8_t *)acc)[i] || ((const uint8_t *)x)[i]; break;
+    case FDP_DTYPE_U8:
+    case FDP_DTYPE_I8: ((uint8_t *)acc)[i] = (uint8_t)(((uint8_t *)acc)[i] + ((const uint8_t *)x)[i]); break;
+    case FDP_DTYPE_I16: ((uint16_t *)acc)[i] = (uint16_t)(((uint16_t *)acc)[i] + ((const uint16_t *)x)[i]); break;
+    case FDP_DTYPE_I32: ((uint32_t *)acc)[i] += ((const uint32_t *)x)[i]; break;
+    case FDP_DTYPE_I64: ((uint64_t *)acc)[i] += ((const uint64_t *)x)[i]; break;
+    case FDP_DTYPE_F32: ((float *)acc)[i] += ((const float *)x)[i]; break;
+    case FDP_DTYPE_F64: ((double *)acc)[i] += ((const double *)x)[i]; break;
+    case FDP_DTYPE_F16:
+    case FDP_DTYPE_BF16: {
+      int bf = dtype == FDP_DTYPE_BF16;
+      uint16_t *o = acc;
+      /* the float add: the exact sum (in double) rounded once to float */
+      float s = (float)(half_value(o[i], bf) + half_value(((const uint16_t *)x)[i], bf));
+      o[i] = half_round((double)s, bf);
+      break;
+    }
+    default: break;
+    }
+  }
+}
+
+/* Fills a mirror with values of the dtype: bools 0/1, finite halves and floats of modest size. */
+static void fill_values(int dtype, unsigned char *p, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    double v = (double)((int64_t)(rnd() % 20001) - 10000) / 1000.0 * (1.0 + (double)(rnd() % 7) / 3.0);
+    switch (dtype) {
+    case FDP_DTYPE_BOOL: p[i] = (uint8_t)(rnd() & 1); break;
+    case FDP_DTYPE_F16: ((uint16_t *)p)[i] = half_round(v, 0); break;
+    case FDP_DTYPE_BF16: ((uint16_t *)p)[i] = half_round(v, 1); break;
+    case FDP_DTYPE_F32: ((float *)p)[i] = (float)v; break;
+    case FDP_DTYPE_F64: ((double *)p)[i] = v; break;
+    default: break; /* integers keep their random bits */
+    }
+  }
+}
+
+/* out = sum of `n` inputs of `count` elements, on devs[i] (out on out_dev, or aliasing input `alias` >= 0). */
+static void reduce_case(int dtype, int es, int n, const int *devs, int out_dev, int alias, int64_t count,
+                        const CUstream *streams, int expect) {
+  buf_t *in = xmalloc((size_t)n * sizeof *in);
+  fdp_tensor_t *it = xmalloc((size_t)n * sizeof *it);
+  int64_t sz[1] = {count}, st[1] = {1};
+  for (int i = 0; i < n; i++) {
+    in[i] = buf_new(devs[i], (size_t)(count * es));
+    fill_values(dtype, in[i].ref, count);
+    buf_upload(&in[i]);
+    it[i] = view(&in[i], dtype, es, 1, sz, st, 0).t;
+  }
+  unsigned char *want = xmalloc((size_t)(count * es));
+  memcpy(want, in[0].ref, (size_t)(count * es));
+  for (int i = 1; i < n; i++)
+    ref_add(dtype, want, in[i].ref, count);
+  buf_t ob = {0};
+  buf_t *outb = alias >= 0 ? &in[alias] : &ob;
+  if (alias < 0) ob = buf_new(out_dev, (size_t)(count * es));
+  fdp_tensor_t ot = alias >= 0 ? it[alias] : view(&ob, dtype, es, 1, sz, st, 0).t;
+  fdp_streams_t s = all_streams(streams);
+  fdp_result_t r = fdp_op_reduce(it, n, &ot, &s);
+  CHECKF(r == (fdp_result_t)expect, "reduce of %d %s inputs: %s (%s)", n, fdp_dtype_name(dtype), fdp_result_name(r),
+         fdp_last_error());
+  if (r == FDP_OK) {
+    memcpy(outb->ref, want, (size_t)(count * es));
+    char what[96];
+    snprintf(what, sizeof what, "reduce of %d %s inputs (alias %d)", n, fdp_dtype_name(dtype), alias);
+    buf_matches(outb, what);
+  }
+  for (int i = 0; i < n; i++)
+    buf_free(&in[i]);
+  if (alias < 0) buf_free(&ob);
+  free(want);
+  free(in);
+  free(it);
+}
+
+static void test_reduce(void) {
+  int devs[80];
+  for (size_t t = 0; t < sizeof k_dtypes / sizeof k_dtypes[0]; t++) {
+    int dt = k_dtypes[t].dtype, es = k_dtypes[t].es;
+    /* across devices: NCCL where it has the type; bool and int16 have no NCCL sum and no other path */
+    for (int d = 0; d < g_ndev; d++)
+      devs[d] = d;
+    int nccl = dt != FDP_DTYPE_BOOL && dt != FDP_DTYPE_I16;
+    if (g_ndev > 1) {
+      reduce_case(dt, es, g_ndev, devs, 0, -1, 1000, g_stream, nccl ? FDP_OK : FDP_UNAVAILABLE);
+      if (nccl) reduce_case(dt, es, g_ndev, devs, 0, 0, 333, NULL, FDP_OK);
+    }
+    /* on one device: 70 inputs, the output aliasing input 45 (a later pass still reads it) or input 0 */
+    for (int i = 0; i < 70; i++)
+      devs[i] = g_ndev > 1 ? 1 : 0;
+    reduce_case(dt, es, 70, devs, devs[0], 45, 257, g_stream, FDP_OK);
+    reduce_case(dt, es, 70, devs, devs[0], 0, 100, NULL, FDP_OK);
+    reduce_case(dt, es, 3, devs, devs[0], -1, 4097, g_stream, FDP_OK);
+    reduce_case(dt, es, 1, devs, devs[0], -1, 10, g_stream, FDP_OK);
+  }
+  sim_clean("reduce");
+}
+
+/* ---- coalesced: pack into flat buckets, broadcast them, unpack elsewhere; reduce buckets ---- */
+
+static void test_coalesced(void) {
+  enum { N = 7 };
+  static const int64_t counts[N] = {10, 300, 1, 77, 4096, 5, 64};
+  static const int dtypes[N] = {FDP_DTYPE_F32, FDP_DTYPE_F16, FDP_DTYPE_I64, FDP_DTYPE_F32, FDP_DTYPE_F32,
+                                FDP_DTYPE_F16, FDP_DTYPE_I64};
+  static const int ess[N] = {4, 2, 8, 4, 4, 2, 8};
+  buf_t tb[N];
+  fdp_tensor_t tt[N];
+  for (int i = 0; i < N; i++) {
+    int64_t sz[1] = {counts[i]}, st[1] = {1};
+    tb[i] = buf_new(0, (size_t)(counts[i] * ess[i]));
+    tt[i] = view(&tb[i], dtypes[i], ess[i], 1, sz, st, 0).t;
+  }
+  fdp_plan_t *plan = NULL;
+  OK(fdp_plan_build(tt, NULL, N, 2048, &plan));
+  fdp_streams_t streams = all_streams(g_stream);
+  for (int b = 0; plan && b < plan->nbuckets; b++) {
+    const fdp_bucket_t *bk = &plan->buckets[b];
+    int64_t sz[1] = {bk->numel}, st[1] = {1};
+    buf_t flat[FDP_MAX_DEVICES];
+    fdp_tensor_t ft[FDP_MAX_DEVICES];
+    for (int d = 0; d < g_ndev; d++) {
+      flat[d] = buf_new(d, (size_t)(bk->numel * bk->elem_size));
+      ft[d] = view(&flat[d], bk->dtype, bk->elem_size, 1, sz, st, 0).t;
+    }
+    /* pack on device 0 */
+    fdp_tensor_t dsts[N], srcs[N];
+    for (int m = 0; m < bk->count; m++) {
+      const fdp_member_t *mb = &plan->members[bk->first + m];
+      int64_t msz[1] = {mb->numel};
+      view_t v = view(&flat[0], bk->dtype, bk->elem_size, 1, msz, st, mb->offset);
+      dsts[m] = v.t;
+      srcs[m] = tt[mb->tensor];
+      memcpy(v.ref.data, tb[mb->tensor].ref, (size_t)(mb->numel * bk->elem_size));
+    }
+    OK(fdp_op_copy(dsts, srcs, bk->count, &streams));
+    buf_matches(&flat[0], "packed bucket");
+    /* broadcast the bucket to every other device */
+    OK(fdp_op_broadcast(&ft[0], &ft[1], g_ndev - 1, &streams));
+    for (int d = 1; d < g_ndev; d++) {
+      memcpy(flat[d].ref, flat[0].ref, flat[0].bytes);
+      buf_matches(&flat[d], "broadcast bucket");
+    }
+    /* unpack on the last device into fresh tensors */
+    int last = g_ndev - 1;
+    buf_t ub[N];
+    for (int m = 0; m < bk->count; m++) {
+      const fdp_member_t *mb = &plan->members[bk->first + m];
+      int64_t msz[1] = {mb->numel};
+      ub[m] = buf_new(last, (size_t)(mb->numel * bk->elem_size));
+      dsts[m] = view(&ub[m], bk->dtype, bk->elem_size, 1, msz, st, 0).t;
+      srcs[m] = view(&flat[last], bk->dtype, bk->elem_size, 1, msz, st, mb->offset).t;
+      memcpy(ub[m].ref, tb[mb->tensor].ref, ub[m].bytes);
+    }
+    OK(fdp_op_copy(dsts, srcs, bk->count, &streams));
+    for (int m = 0; m < bk->count; m++) {
+      buf_matches(&ub[m], "unpacked member");
+      buf_free(&ub[m]);
+    }
+    for (int d = 0; d < g_ndev; d++)
+      buf_free(&flat[d]);
+  }
+  fdp_plan_free(plan);
+  for (int i = 0; i < N; i++)
+    buf_free(&tb[i]);
+  sim_clean("coalesced");
+}
+
+/* ---- threads ---- */
+
+static void *thread_body(void *arg) {
+  int id = (int)(intptr_t)arg;
+  t_rng = 0x1234567ull * (uint64_t)(id + 1);
+  CUstream mine[FDP_MAX_DEVICES];
+  for (int d = 0; d < g_ndev; d++) {
+    push(d);
+    dev_call(d, D.StreamCreate(&mine[d], 1), "cuStreamCreate");
+    pop(d);
+  }
+  int a = id % g_ndev, b = (id + 1) % g_ndev;
+  for (int it = 0; it < 3; it++) {
+    int64_t sz[3] = {3, 20, 200};
+    copy_case(a, b, 4, sz, (id + it) % L_COUNT, (id + 2 * it) % L_COUNT, mine);
+    int devs[4] = {a, a, a, a};
+    reduce_case(FDP_DTYPE_F32, 4, 4, devs, a, -1, 999, mine, FDP_OK);
+    if (g_ndev > 1) {
+      int all[FDP_MAX_DEVICES];
+      for (int d = 0; d < g_ndev; d++)
+        all[d] = d;
+      reduce_case(FDP_DTYPE_F16, 2, g_ndev, all, 0, -1, 500, mine, FDP_OK);
+    }
+  }
+  for (int d = 0; d < g_ndev; d++) {
+    push(d);
+    dev_call(d, D.CtxSynchronize(), "cuCtxSynchronize");
+    dev_call(d, D.StreamDestroy(mine[d]), "cuStreamDestroy");
+    pop(d);
+  }
+  return NULL;
+}
+
+static void test_threads(void) {
+  pthread_t th[8];
+  for (int i = 0; i < 8; i++)
+    CHECK(pthread_create(&th[i], NULL, thread_body, (void *)(intptr_t)i) == 0);
+  for (int i = 0; i < 8; i++)
+    pthread_join(th[i], NULL);
+  sim_clean("8 threads");
+}
+
+static void test_shutdown_reuse(void) {
+  fdp_shutdown();
+  test_broadcast();
+  int devs[2] = {0, 0};
+  reduce_case(FDP_DTYPE_F32, 4, 2, devs, 0, -1, 100, g_stream, FDP_OK);
+  fdp_shutdown();
+  fdp_shutdown();
+  int64_t sz[3] = {2, 4, 130};
+  copy_case(0, g_ndev - 1, 4, sz, L_PADDED, L_TRANSPOSED, g_stream);
+  sim_clean("shutdown then reuse");
+}
+
+/* ---- fault injection (simulator only) ---- */
+
+/* One operation of the sweep over prepared buffers; `verify` compares the results with the reference. */
+typedef struct sweep_op {
+  const char *name;
+  void (*setup)(void);
+  void (*prepare)(void); /* before each run, before a failure is armed (may be NULL) */
+  fdp_result_t (*run)(void);
+  void (*verify)(void);
+  void (*teardown)(void);
+} sweep_op_t;
+
+static buf_t g_b[80];
+static view_t g_v[80];
+static int g_nb;
+
+static void sw_free(void) {
+  for (int i = 0; i < g_nb; i++)
+    buf_free(&g_b[i]);
+  g_nb = 0;
+}
+
+/* kinds: a strided same-device copy (kernel), a padded-row copy across devices, a transposed one (staged),
+ * host -> device and device -> host with strided device sides, broadcast, reduce across devices, a local reduce
+ * of 40 inputs into one of them, scatter and gather. */
+static int g_kind;
+static void sw_setup(void) {
+  int64_t sz[3] = {2, 6, 140}, a[3], b[3];
+  int sl = L_STEP2, dl = L_CONTIG, sdev = 0, ddev = 0;
+  switch (g_kind) {
+  case 1: sl = L_PADDED, dl = L_PADDED, ddev = 1; break;
+  case 2: sl = L_TRANSPOSED, dl = L_STEP2, ddev = 1; break;
+  case 3: sl = L_CONTIG, dl = L_TRANSPOSED, sdev = FDP_HOST, ddev = 2; break;
+  case 4: sl = L_STEP2, dl = L_PADDED, sdev = 1, ddev = FDP_HOST; break;
+  case 5: sl = L_PADDED, dl = L_OUTER; break; /* rows of 560 bytes: cuMemcpy2DAsync */
+  case 6: sl = L_CONTIG, sdev = ddev = 3; break; /* flat: cuMemcpyAsync */
+  default: break;
+  }
+  layout(sl, sz, a);
+  layout(dl, sz, b);
+  g_nb = 2;
+  g_b[0] = buf_new(sdev, span(4, 3, sz, a));
+  g_b[1] = buf_new(ddev, span(4, 3, sz, b));
+  g_v[0] = view(&g_b[0], FDP_DTYPE_F32, 4, 3, sz, a, 0);
+  g_v[1] = view(&g_b[1], FDP_DTYPE_F32, 4, 3, sz, b, 0);
+  ref_copy(&g_v[1].ref, &g_v[0].ref);
+}
+static fdp_result_t sw_copy(void) {
+  fdp_streams_t s = all_streams(g_stream);
+  return fdp_op_copy(&g_v[1].t, &g_v[0].t, 1, &s);
+}
+static void sw_verify_last(void) {
+  buf_matches(&g_b[g_nb - 1], "result after the injected failure");
+}
+
+static void sw_setup_dense(void) {
+  int64_t sz[1] = {3000}, st[1] = {1};
+  g_nb = g_ndev + 1;
+  for (int i = 0; i < g_nb; i++) {
+    g_b[i] = buf_new(i < g_ndev ? i : 0, 3000 * 4);
+    fill_values(FDP_DTYPE_F32, g_b[i].ref, 3000);
+    buf_upload(&g_b[i]);
+    g_v[i] = view(&g_b[i], FDP_DTYPE_F32, 4, 1, sz, st, 0);
+  }
+}
+static fdp_result_t sw_broadcast(void) {
+  fdp_tensor_t d[FDP_MAX_DEVICES];
+  for (int i = 1; i < g_ndev; i++) {
+    d[i - 1] = g_v[i].t;
+    memcpy(g_b[i].ref, g_b[0].ref, g_b[0].bytes);
+  }
+  fdp_streams_t s = all_streams(g_stream);
+  return fdp_op_broadcast(&g_v[0].t, d, g_ndev - 1, &s);
+}
+static void sw_verify_bcast(void) {
+  for (int i = 1; i < g_ndev; i++)
+    buf_matches(&g_b[i], "broadcast after the injected failure");
+}
+static fdp_result_t sw_reduce(void) {
+  fdp_tensor_t in[FDP_MAX_DEVICES];
+  memcpy(g_b[g_ndev].ref, g_b[0].ref, g_b[0].bytes);
+  for (int i = 0; i < g_ndev; i++) {
+    in[i] = g_v[i].t;
+    if (i) ref_add(FDP_DTYPE_F32, g_b[g_ndev].ref, g_b[i].ref, 3000);
+  }
+  fdp_streams_t s = all_streams(g_stream);
+  return fdp_op_reduce(in, g_ndev, &g_v[g_ndev].t, &s);
+}
+
+static void sw_setup_local(void) {
+  int64_t sz[1] = {300}, st[1] = {1};
+  g_nb = 40;
+  for (int i = 0; i < g_nb; i++) {
+    g_b[i] = buf_new(g_ndev - 1, 300 * 2);
+    fill_values(FDP_DTYPE_F16, g_b[i].ref, 300);
+    buf_upload(&g_b[i]);
+    g_v[i] = view(&g_b[i], FDP_DTYPE_F16, 2, 1, sz, st, 0);
+  }
+}
+/* Out aliases input 35, which the second pass reads: the partial sums go through a stream-ordered buffer. The
+ * inputs are rewritten first, since a successful run changes input 35. */
+static unsigned char g_orig35[300 * 2];
+static void sw_setup_local_save(void) {
+  sw_setup_local();
+  memcpy(g_orig35, g_b[35].ref, sizeof g_orig35);
+}
+static void sw_prepare_local(void) {
+  memcpy(g_b[35].ref, g_orig35, sizeof g_orig35);
+  buf_upload(&g_b[35]);
+}
+static fdp_result_t sw_local(void) {
+  fdp_tensor_t in[40];
+  unsigned char acc[300 * 2];
+  memcpy(acc, g_b[0].ref, sizeof acc);
+  for (int i = 0; i < 40; i++) {
+    in[i] = g_v[i].t;
+    if (i) ref_add(FDP_DTYPE_F16, acc, g_b[i].ref, 300);
+  }
+  fdp_streams_t s = all_streams(g_stream);
+  fdp_result_t r = fdp_op_reduce(in, 40, &in[35], &s);
+  memcpy(g_b[35].ref, acc, sizeof acc);
+  return r;
+}
+static void sw_verify_local(void) {
+  buf_matches(&g_b[35], "local reduce after the injected failure");
+}
+
+static void sw_setup_scatter(void) {
+  int64_t sz[2] = {8, 30}, st[2];
+  contig(2, sz, st);
+  g_nb = g_ndev + 1;
+  g_b[0] = buf_new(0, 8 * 30 * 8);
+  g_v[0] = view(&g_b[0], FDP_DTYPE_F64, 8, 2, sz, st, 0);
+  for (int i = 0; i < g_ndev; i++) {
+    int64_t csz[2] = {8, 30 / g_ndev + (i < 30 % g_ndev)}, cst[2];
+    contig(2, csz, cst);
+    g_b[i + 1] = buf_new(i, (size_t)(csz[0] * csz[1] * 8));
+    g_v[i + 1] = view(&g_b[i + 1], FDP_DTYPE_F64, 8, 2, csz, cst, 0);
+  }
+}
+static fdp_result_t sw_scatter(void) {
+  fdp_tensor_t o[FDP_MAX_DEVICES];
+  int64_t ch[FDP_MAX_DEVICES], start = 0;
+  for (int i = 0; i < g_ndev; i++) {
+    o[i] = g_v[i + 1].t;
+    ch[i] = o[i].sizes[1];
+    fdp_tensor_t part;
+    fdp_tensor_narrow(&g_v[0].ref, 1, start, ch[i], &part);
+    ref_copy(&g_v[i + 1].ref, &part);
+    start += ch[i];
+  }
+  fdp_streams_t s = all_streams(g_stream);
+  return fdp_op_scatter(&g_v[0].t, 1, ch, o, g_ndev, &s);
+}
+static void sw_verify_scatter(void) {
+  for (int i = 1; i <= g_ndev; i++)
+    buf_matches(&g_b[i], "scatter after the injected failure");
+}
+static fdp_result_t sw_gather(void) {
+  fdp_tensor_t in[FDP_MAX_DEVICES];
+  int64_t start = 0;
+  for (int i = 0; i < g_ndev; i++) {
+    in[i] = g_v[i + 1].t;
+    fdp_tensor_t part;
+    fdp_tensor_narrow(&g_v[0].ref, 1, start, in[i].sizes[1], &part);
+    ref_copy(&part, &g_v[i + 1].ref);
+    start += in[i].sizes[1];
+  }
+  fdp_streams_t s = all_streams(g_stream);
+  return fdp_op_gather(in, g_ndev, 1, &g_v[0].t, &s);
+}
+static void sw_verify_gather(void) {
+  buf_matches(&g_b[0], "gather after the injected failure");
+}
+
+static void sw_setup_k0(void) { g_kind = 0; sw_setup(); }
+static void sw_setup_k1(void) { g_kind = 1; sw_setup(); }
+static void sw_setup_k2(void) { g_kind = 2; sw_setup(); }
+static void sw_setup_k3(void) { g_kind = 3; sw_setup(); }
+static void sw_setup_k4(void) { g_kind = 4; sw_setup(); }
+static void sw_setup_k5(void) { g_kind = 5; sw_setup(); }
+static void sw_setup_k6(void) { g_kind = 6; sw_setup(); }
+
+static const sweep_op_t k_sweep[] = {
+    {"copy (kernel, same device)", sw_setup_k0, NULL, sw_copy, sw_verify_last, sw_free},
+    {"copy (rows, same device)", sw_setup_k5, NULL, sw_copy, sw_verify_last, sw_free},
+    {"copy (flat, same device)", sw_setup_k6, NULL, sw_copy, sw_verify_last, sw_free},
+    {"copy (rows, peer)", sw_setup_k1, NULL, sw_copy, sw_verify_last, sw_free},
+    {"copy (staged, peer)", sw_setup_k2, NULL, sw_copy, sw_verify_last, sw_free},
+    {"copy (host -> strided device)", sw_setup_k3, NULL, sw_copy, sw_verify_last, sw_free},
+    {"copy (strided device -> host)", sw_setup_k4, NULL, sw_copy, sw_verify_last, sw_free},
+    {"broadcast (nccl)", sw_setup_dense, NULL, sw_broadcast, sw_verify_bcast, sw_free},
+    {"reduce (nccl)", sw_setup_dense, NULL, sw_reduce, sw_verify_last, sw_free},
+    {"reduce (local, 40 inputs, out aliases one)", sw_setup_local_save, sw_prepare_local, sw_local, sw_verify_local,
+     sw_free},
+    {"scatter", sw_setup_scatter, NULL, sw_scatter, sw_verify_scatter, sw_free},
+    {"gather", sw_setup_scatter, NULL, sw_gather, sw_verify_gather, sw_free},
+};
+
+static int fault_code(const char *entry) {
+  if (strncmp(entry, "nccl", 4) == 0) return 3; /* ncclInternalError */
+  if (strstr(entry, "Alloc") || strcmp(entry, "cuModuleLoadData") == 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  if (strcmp(entry, "cuLaunchKernel") == 0) return CUDA_ERROR_LAUNCH_FAILED;
+  return CUDA_ERROR_UNKNOWN;
+}
+
+/* 1 when a failure of `entry` may leave one object of kind `stat` alive (the one it was destroying). */
+static int destroys(const char *entry, const char *stat) {
+  return (strcmp(stat, "events") == 0 && strcmp(entry, "cuEventDestroy_v2") == 0) ||
+         (strcmp(stat, "allocations") == 0 && strncmp(entry, "cuMemFree", 9) == 0) ||
+         (strcmp(stat, "modules") == 0 && strcmp(entry, "cuModuleUnload") == 0) ||
+         (strcmp(stat, "comms") == 0 && strncmp(entry, "ncclComm", 8) == 0) ||
+         (strcmp(stat, "pushes") == 0 && strcmp(entry, "cuCtxPopCurrent_v2") == 0);
+}
+
+/* Live after a failed call: nothing more than before it. Cached until shutdown: nothing more after it. */
+static const char *const k_counted[] = {"allocations", "streams", "events", "pushes", "groups"};
+#define NCOUNTED (sizeof k_counted / sizeof k_counted[0])
+static const char *const k_cached[] = {"modules", "comms"};
+#define NCACHED (sizeof k_cached / sizeof k_cached[0])
+
+/* Every operation, with every driver/NCCL call it makes failing in turn (from a cold start: fdp_shutdown
+ * first, so context retains, module loads and communicator set-up are part of it): a CUDA/NCCL error with a
+ * detail (or success where the failed call is one fastdp may shrug off), no misuse, nothing leaked, and the
+ * next call succeeds with the right result. `only` (may be NULL) limits it to one entry point. */
+static void sweep(const char *only) {
+  for (size_t o = 0; o < sizeof k_sweep / sizeof k_sweep[0]; o++) {
+    const sweep_op_t *op = &k_sweep[o];
+    op->setup();
+    fdp_shutdown();
+    if (op->prepare) op->prepare();
+    S.reset();
+    OK(op->run());
+    long long calls[128] = {0};
+    int nentries = 0;
+    for (int e = 0; S.entry(e); e++, nentries++)
+      calls[e] = S.calls(S.entry(e));
+    op->verify();
+    sim_clean(op->name);
+    int trials = 0, failed_before = n_fail;
+    for (int e = 0; e < nentries; e++) {
+      const char *name = S.entry(e);
+      if (only && strcmp(only, name) != 0) continue;
+      for (long long k = 1; k <= calls[e]; k++) {
+        fdp_shutdown();
+        if (op->prepare) op->prepare();
+        long long base[NCOUNTED], cbase[NCACHED];
+        for (size_t c = 0; c < NCOUNTED; c++)
+          base[c] = S.stat(k_counted[c]);
+        for (size_t c = 0; c < NCACHED; c++)
+          cbase[c] = S.stat(k_cached[c]);
+        S.reset();
+        S.fail_at(name, k, fault_code(name));
+        fdp_result_t r = op->run();
+        trials++;
+        int fired = S.calls(name) >= k;
+        CHECKF(r == FDP_OK || r == FDP_CUDA || r == FDP_NCCL,
+               "%s, call %lld of %s failing: %s (%s), want FDP_CUDA/FDP_NCCL", op->name, k, name, fdp_result_name(r),
+               fdp_last_error());
+        if (r == FDP_CUDA || r == FDP_NCCL) {
+          /* The detail names what failed: the injected CUresult's name, or NCCL's string for its code. */
+          const char *want = strncmp(name, "nccl", 4) == 0 ? "internal error"
+                             : fault_code(name) == CUDA_ERROR_OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY"
+                             : fault_code(name) == CUDA_ERROR_LAUNCH_FAILED ? "CUDA_ERROR_LAUNCH_FAILED"
+                                                                            : "CUDA_ERROR_UNKNOWN";
+          CHECKF(strstr(fdp_last_error(), want) != NULL,
+                 "%s, call %lld of %s failing: the detail \"%s\" does not say %s", op->name, k, name,
+                 fdp_last_error(), want);
+        }
+        char buf[4096];
+        long long nerr = S.errors(buf, sizeof buf);
+        CHECKF(nerr == 0, "%s, call %lld of %s failing: %lld misuse(s):\n%s", op->name, k, name, nerr, buf);
+        for (size_t c = 0; c < NCOUNTED; c++) {
+          long long now = S.stat(k_counted[c]);
+          /* a failed destroy may leave that very object behind */
+          if (destroys(name, k_counted[c]) && now == base[c] + 1) now = base[c];
+          CHECKF(now == base[c], "%s, call %lld of %s failing (%s): %lld %s live before, %lld after", op->name, k,
+                 name, fired ? "fired" : "never reached", base[c], k_counted[c], now);
+        }
+        if (op->prepare) op->prepare();
+        S.reset();
+        fdp_result_t r2 = op->run();
+        CHECKF(r2 == FDP_OK, "%s: the call after call %lld of %s failed also fails: %s (%s)", op->name, k, name,
+               fdp_result_name(r2), fdp_last_error());
+        if (r2 == FDP_OK) op->verify();
+        nerr = S.errors(buf, sizeof buf);
+        CHECKF(nerr == 0, "%s: the call after call %lld of %s failed: %lld misuse(s):\n%s", op->name, k, name, nerr,
+               buf);
+        /* What fastdp caches (kernel modules, communicators) goes at shutdown. */
+        fdp_shutdown();
+        for (size_t c = 0; c < NCACHED; c++) {
+          long long now = S.stat(k_cached[c]);
+          if (destroys(name, k_cached[c]) && now == cbase[c] + 1) now = cbase[c];
+          CHECKF(now == cbase[c], "%s, call %lld of %s failing: %lld %s live after shutdown before, %lld after",
+                 op->name, k, name, cbase[c], k_cached[c], now);
+        }
+        S.reset();
+        if (n_fail - failed_before > 20) break; /* enough said about this operation */
+      }
+    }
+    printf("sweep: %s: %d injected failures\n", op->name, trials);
+    fflush(stdout);
+    op->teardown();
+    sim_clean(op->name);
+  }
+}
+
+/* ---- main ---- */
+
+static void leak_check(void) {
+  if (!sim()) return;
+  static const char *const names[] = {"allocations", "streams", "events",  "modules",
+                                      "pushes",      "retains", "comms",   "groups"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+    long long v = S.stat(names[i]);
+    CHECKF(v == 0, "after shutdown and release, %lld %s are still live", v, names[i]);
+  }
+}
+
+int main(int argc, char **argv) {
+  int do_sweep = 0;
+  const char *only = NULL;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--sweep") == 0) do_sweep = 1;
+    if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
+  }
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  if (!driver_open() || g_ndev < 1) {
+    printf("skipped: no usable CUDA driver or device\n");
+    return 77;
+  }
+  printf("%d device(s), %s\n", g_ndev, sim() ? "simulated GPU (misuse and race checks on)" : "real driver");
+  const char *why = NULL;
+  CHECKF(fdp_backend_usable(FDP_BACKEND_CUDA, &why), "the cuda backend is not usable: %s", why ? why : "");
+  if (sim()) S.reset();
+  if (do_sweep) {
+    if (!sim())
+      printf("skipped: the fault-injection sweep needs the simulated GPU\n");
+    else
+      sweep(only);
+  } else {
+    test_copies();
+    test_broadcast();
+    test_scatter_gather();
+    test_reduce();
+    test_coalesced();
+    test_threads();
+    test_shutdown_reuse();
+    if (sim()) {
+      sim_clean("end");
+      /* The harness's own copies count too, so count only what fastdp alone issues. */
+      for (size_t i = 0; i < NPATHS; i++) {
+        if (strcmp(k_paths[i], "cuMemcpyHtoDAsync_v2") == 0 || strcmp(k_paths[i], "cuMemcpyDtoHAsync_v2") == 0)
+          continue;
+        int multi = strstr(k_paths[i], "Peer") || strstr(k_paths[i], "nccl") || strstr(k_paths[i], "WaitEvent");
+        if (multi && g_ndev < 2) continue; /* one device: no cross-device path exists */
+        printf("  %-22s %lld calls\n", k_paths[i], g_path_calls[i]);
+        CHECKF(g_path_calls[i] > 0, "no operation reached %s", k_paths[i]);
+      }
+    }
+  }
+  fdp_shutdown();
+  if (do_sweep && sim()) {
+    /* A failed free or destroy may leave its object behind by necessity; those go with the contexts. */
+    sim_clean("sweep");
+    driver_close();
+    S.reset();
+  } else {
+    driver_close();
+    sim_clean("shutdown");
+  }
+  leak_check();
+  printf("%d passed, %d failed\n", n_pass, n_fail);
+  return n_fail ? 1 : 0;
+}

@@ -1,0 +1,94 @@
+/* Internals shared by the two halves of the simulated GPU (sim_cuda.c: the driver, sim_nccl.c: NCCL), which are
+ * linked into one shared object so that both see the same devices, memory, streams and clocks. Not a public
+ * header: tests reach the simulator only through the driver/NCCL entry points and the simgpu_* controls. */
+#ifndef FASTDP_SIM_H
+#define FASTDP_SIM_H
+
+#include "dl/cuda_api.h"
+#include "dl/nccl_api.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define SIM_MAX_DEVICES 16
+#define SIM_MAX_AGENTS 1024 /* streams ever created (each context's legacy stream included) */
+
+/* Every entry point, in one list: call counting and fault injection are indexed by it. */
+#define SIM_ENTRIES(X)                                                                                                 \
+  X(cuInit) X(cuDriverGetVersion) X(cuGetErrorString) X(cuGetErrorName) X(cuDeviceGetCount) X(cuDeviceGet)           \
+  X(cuDeviceGetName) X(cuDeviceTotalMem_v2) X(cuDeviceGetAttribute) X(cuDeviceCanAccessPeer)                         \
+  X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxGetState) X(cuCtxPushCurrent_v2)   \
+  X(cuCtxPopCurrent_v2) X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxSynchronize) X(cuCtxEnablePeerAccess)          \
+  X(cuMemGetInfo_v2) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocAsync) X(cuMemFreeAsync) X(cuMemcpyAsync)          \
+  X(cuMemcpyHtoDAsync_v2) X(cuMemcpyDtoHAsync_v2) X(cuStreamSynchronize) X(cuStreamQuery) X(cuMemcpyPeerAsync)       \
+  X(cuMemcpy2DAsync_v2) X(cuMemcpy3DPeerAsync) X(cuEventCreate) X(cuEventRecord) X(cuEventDestroy_v2)                \
+  X(cuEventSynchronize) X(cuEventQuery) X(cuStreamWaitEvent) X(cuModuleLoadData) X(cuModuleUnload)                  \
+  X(cuModuleGetFunction) X(cuLaunchKernel) X(cuStreamCreate) X(cuStreamDestroy_v2) X(ncclGetVersion)                \
+  X(ncclCommInitAll) X(ncclCommDestroy) X(ncclCommAbort) X(ncclCommGetAsyncError) X(ncclGetLastError)               \
+  X(ncclGroupStart) X(ncclGroupEnd) X(ncclBroadcast) X(ncclReduce) X(ncclGetErrorString)
+
+typedef enum {
+#define SIM_X(name) SIM_E_##name,
+  SIM_ENTRIES(SIM_X)
+#undef SIM_X
+      SIM_E_COUNT
+} sim_entry_t;
+
+typedef struct sim_ctx sim_ctx_t;
+
+typedef struct sim_stream {
+  uint32_t magic;
+  int dev;
+  sim_ctx_t *ctx;
+  int alive;
+  int legacy;   /* the context's NULL stream */
+  int blocking; /* created without CU_STREAM_NON_BLOCKING: synchronises with the legacy stream */
+  int agent;
+  uint32_t *vc; /* vector clock over agents */
+} sim_stream_t;
+
+struct sim_ctx {
+  uint32_t magic;
+  int dev;
+  int alive;
+  sim_stream_t *null_stream;
+  int peer[SIM_MAX_DEVICES]; /* peer access enabled to that device */
+};
+
+/* An access to device memory by one operation on one stream, for checking and recording. */
+typedef struct sim_op {
+  const char *name; /* e.g. "cuLaunchKernel(fdp_sum_f32)" */
+  sim_stream_t *stream;
+  int dev;       /* device whose engines run it: its memory is local, other devices need peer access */
+  int any_peer;  /* copies through the copy engines may touch any device (peer copies) */
+  int raced;     /* one race report per operation */
+} sim_op_t;
+
+/* Lock held around every entry point (recursive: NCCL calls into the driver half). */
+void sim_lock(void);
+void sim_unlock(void);
+/* Counts a call; returns the injected result (nonzero) when this call is chosen to fail. Lock held. */
+int sim_enter(sim_entry_t e);
+/* Records a misuse (an error the test fails on). Lock held. */
+void sim_misuse(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+int sim_ndev(void);
+/* The live primary context of `dev`, or NULL. */
+sim_ctx_t *sim_primary(int dev);
+/* Resolves a stream handle for work on device `dev` (NULL: its legacy stream); NULL after a misuse. */
+sim_stream_t *sim_stream_for_dev(void *h, int dev, const char *what);
+/* Starts an operation on a stream: joins the host clock and the legacy-stream rules, advances the clock. */
+void sim_op_begin(sim_op_t *op, sim_stream_t *s, const char *name, int dev);
+/* Checks [p, p + n) (live device memory, allowed device) and records the access; returns the host bytes
+ * backing it, or NULL after a misuse. */
+unsigned char *sim_access(sim_op_t *op, CUdeviceptr p, size_t n, int write);
+/* Validates without recording (used before executing). */
+unsigned char *sim_check_range(sim_op_t *op, CUdeviceptr p, size_t n);
+void sim_vc_join(uint32_t *into, const uint32_t *from);
+void sim_comm_count(int delta);
+void sim_group_count(int delta);
+/* Live communicators on device `dev` whose context is `ctx` (for the context-destruction check). */
+int sim_nccl_comms_on(const sim_ctx_t *ctx);
+/* Host-side element arithmetic shared by kernels and NCCL: dst[i] = dst[i] + src[i] for `type`. */
+void sim_add(int fdp_dtype, void *acc, const void *x, int64_t n);
+
+#endif

@@ -1,0 +1,1688 @@
+/* A simulated CUDA driver (libcuda.so.1) over host memory for tests: N devices with primary contexts,
+ * per-thread context stacks, streams, events, modules, allocations in fake address ranges, fastdp's kernels run
+ * on the host, and a happens-before (vector clock) check of every device access. Misuse is recorded, never
+ * fatal; tests read it back through the simgpu_* controls. Work runs eagerly, at enqueue time. */
+
+#include "sim.h"
+
+#include "backend/cuda/kernels.h"
+#include "core/fastdp.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#define MAGIC_CTX 0x43545831u
+#define MAGIC_STREAM 0x5354524du
+#define MAGIC_EVENT 0x45564e54u
+#define MAGIC_MODULE 0x4d4f444cu
+#define MAGIC_FUNC 0x46554e43u
+#define RANGE_BYTES (1ull << 36) /* fake address range reserved per device (PROT_NONE: the host cannot touch it) */
+#define GAP 256
+#define MAX_ERRORS_KEPT 64
+
+/* ---- state ---- */
+
+static pthread_mutex_t g_mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
+static int g_ndev = -1;
+static int g_inited;
+static size_t g_mem_total;
+static int g_check_races = 1;
+
+typedef struct sim_alloc {
+  CUdeviceptr base;
+  size_t size;
+  int dev;
+  int freed;
+  int async;
+  unsigned char *mem;
+  uint32_t *w, *r; /* per-byte epochs of the last write and the last read: (agent << 22) | clock */
+} sim_alloc_t;
+
+typedef struct device {
+  CUdeviceptr lo, hi, next; /* reserved range and bump pointer (addresses are never reused) */
+  size_t used;
+  int refs; /* primary context retains */
+  sim_ctx_t *ctx; /* the current primary context (possibly dead) */
+  sim_alloc_t **allocs; /* sorted by base */
+  size_t nallocs, cap;
+} device_t;
+
+static device_t g_dev[SIM_MAX_DEVICES];
+
+/* Everything ever created, kept (dead) until the process ends so that a stale handle is recognised. */
+static void **g_objs;
+static size_t g_nobjs, g_capobjs;
+
+static sim_stream_t **g_streams; /* live streams, legacy ones included */
+static size_t g_nstreams, g_capstreams;
+static int g_agents;
+static uint32_t g_host_vc[SIM_MAX_AGENTS];
+
+typedef struct sim_event {
+  uint32_t magic;
+  sim_ctx_t *ctx;
+  int alive;
+  int recorded;
+  uint32_t *vc;
+} sim_event_t;
+
+typedef struct sim_module {
+  uint32_t magic;
+  sim_ctx_t *ctx;
+  int alive;
+} sim_module_t;
+
+typedef enum { K_SUM, K_COPY } kind_t;
+typedef struct sim_func {
+  uint32_t magic;
+  sim_module_t *mod;
+  kind_t kind;
+  int dtype; /* K_SUM: fdp dtype */
+  int es;    /* K_COPY: element bytes */
+  char name[32];
+} sim_func_t;
+
+/* counters */
+static long long g_calls[SIM_E_COUNT];
+static long long g_fail_at[SIM_E_COUNT]; /* call number that fails (0: none) */
+static int g_fail_code[SIM_E_COUNT];
+static long long g_nerrors, g_nraces;
+static char g_errors[MAX_ERRORS_KEPT][512];
+static long long g_live_allocs, g_live_streams, g_live_events, g_live_modules, g_pushes, g_comms, g_groups;
+static long long g_peer_enables;
+static int g_verbose;
+
+static __thread sim_ctx_t *t_stack[64];
+static __thread int t_depth;
+
+static const char *const k_entry_names[SIM_E_COUNT] = {
+#define SIM_X(name) #name,
+    SIM_ENTRIES(SIM_X)
+#undef SIM_X
+};
+
+void sim_lock(void) {
+  pthread_mutex_lock(&g_mu);
+}
+void sim_unlock(void) {
+  pthread_mutex_unlock(&g_mu);
+}
+
+void sim_misuse(const char *fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  if (g_nerrors < MAX_ERRORS_KEPT) snprintf(g_errors[g_nerrors], sizeof g_errors[0], "%s", buf);
+  g_nerrors++;
+  if (g_verbose) fprintf(stderr, "simgpu: misuse: %s\n", buf);
+}
+
+static void track(void *p) {
+  if (g_nobjs == g_capobjs) {
+    g_capobjs = g_capobjs ? g_capobjs * 2 : 256;
+    g_objs = realloc(g_objs, g_capobjs * sizeof *g_objs);
+  }
+  g_objs[g_nobjs++] = p;
+}
+
+static long long env_ll(const char *name, long long def) {
+  const char *s = getenv(name);
+  return s && *s ? strtoll(s, NULL, 0) : def;
+}
+
+/* SIMGPU_FAIL="entry:k:code[,entry:k:code...]": the k-th call of entry (from process start) returns code. */
+static void parse_fail_env(void) {
+  const char *s = getenv("SIMGPU_FAIL");
+  if (!s) return;
+  char buf[1024];
+  snprintf(buf, sizeof buf, "%s", s);
+  for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+    char name[128];
+    long long k = 0;
+    int code = 0;
+    if (sscanf(tok, "%127[^:]:%lld:%d", name, &k, &code) != 3) continue;
+    for (int e = 0; e < SIM_E_COUNT; e++)
+      if (strcmp(k_entry_names[e], name) == 0) {
+        g_fail_at[e] = k;
+        g_fail_code[e] = code;
+      }
+  }
+}
+
+static void setup(void) {
+  if (g_ndev >= 0) return;
+  g_ndev = (int)env_ll("SIMGPU_DEVICES", 4);
+  if (g_ndev < 0) g_ndev = 0;
+  if (g_ndev > SIM_MAX_DEVICES) g_ndev = SIM_MAX_DEVICES;
+  g_mem_total = (size_t)env_ll("SIMGPU_MEM_MB", 1024) << 20;
+  g_check_races = env_ll("SIMGPU_RACES", 1) != 0;
+  g_verbose = env_ll("SIMGPU_VERBOSE", 0) != 0;
+  for (int d = 0; d < g_ndev; d++) {
+    void *p = mmap(NULL, RANGE_BYTES, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+      g_ndev = d;
+      break;
+    }
+    g_dev[d].lo = (CUdeviceptr)(uintptr_t)p;
+    g_dev[d].hi = g_dev[d].lo + RANGE_BYTES;
+    g_dev[d].next = g_dev[d].lo + 4096;
+  }
+  parse_fail_env();
+}
+
+int sim_enter(sim_entry_t e) {
+  setup();
+  long long n = ++g_calls[e];
+  if (g_fail_at[e] != 0 && n == g_fail_at[e]) {
+    g_fail_at[e] = 0;
+    if (g_verbose)
+      fprintf(stderr, "simgpu: injected failure %d in %s (call %lld)\n", g_fail_code[e], k_entry_names[e], n);
+    return g_fail_code[e];
+  }
+  return 0;
+}
+
+int sim_ndev(void) {
+  setup();
+  return g_ndev;
+}
+
+sim_ctx_t *sim_primary(int dev) {
+  if (dev < 0 || dev >= g_ndev) return NULL;
+  sim_ctx_t *c = g_dev[dev].ctx;
+  return c && c->alive ? c : NULL;
+}
+
+void sim_comm_count(int delta) {
+  g_comms += delta;
+}
+void sim_group_count(int delta) {
+  g_groups += delta;
+}
+
+/* ---- clocks ---- */
+
+static uint32_t *vc_new(void) {
+  return calloc(SIM_MAX_AGENTS, sizeof(uint32_t));
+}
+
+void sim_vc_join(uint32_t *into, const uint32_t *from) {
+  for (int a = 0; a < g_agents; a++)
+    if (from[a] > into[a]) into[a] = from[a];
+}
+
+static sim_stream_t *stream_new(sim_ctx_t *ctx, int legacy, int blocking) {
+  sim_stream_t *s = calloc(1, sizeof *s);
+  s->magic = MAGIC_STREAM;
+  s->ctx = ctx;
+  s->dev = ctx->dev;
+  s->alive = 1;
+  s->legacy = legacy;
+  s->blocking = blocking;
+  s->vc = vc_new();
+  if (g_agents >= SIM_MAX_AGENTS) {
+    if (g_check_races) sim_misuse("more than %d streams: race checks are off from here on", SIM_MAX_AGENTS);
+    g_check_races = 0;
+    s->agent = SIM_MAX_AGENTS - 1;
+  } else {
+    s->agent = g_agents++;
+  }
+  /* A new stream starts after everything the host has seen. */
+  sim_vc_join(s->vc, g_host_vc);
+  track(s);
+  if (g_nstreams == g_capstreams) {
+    g_capstreams = g_capstreams ? 2 * g_capstreams : 64;
+    g_streams = realloc(g_streams, g_capstreams * sizeof *g_streams);
+  }
+  g_streams[g_nstreams++] = s;
+  return s;
+}
+
+static void stream_kill(sim_stream_t *s) {
+  s->alive = 0;
+  for (size_t i = 0; i < g_nstreams; i++)
+    if (g_streams[i] == s) {
+      g_streams[i] = g_streams[--g_nstreams];
+      break;
+    }
+}
+
+/* The legacy default stream is ordered with every blocking stream of its context, both ways (CUDA's legacy
+ * semantics); non-blocking streams (PyTorch's) are not. The host clock joins every enqueued operation: work
+ * enqueued after the host saw other work complete is ordered after it. */
+void sim_op_begin(sim_op_t *op, sim_stream_t *s, const char *name, int dev) {
+  memset(op, 0, sizeof *op);
+  op->name = name;
+  op->stream = s;
+  op->dev = dev;
+  sim_vc_join(s->vc, g_host_vc);
+  if (s->legacy) {
+    for (size_t i = 0; i < g_nstreams; i++)
+      if (g_streams[i]->ctx == s->ctx && g_streams[i]->blocking && !g_streams[i]->legacy)
+        sim_vc_join(s->vc, g_streams[i]->vc);
+  } else if (s->blocking && s->ctx->null_stream) {
+    sim_vc_join(s->vc, s->ctx->null_stream->vc);
+  }
+  s->vc[s->agent]++;
+}
+
+/* The host learns that everything `vc` covers has completed. */
+static void host_sync(const uint32_t *vc) {
+  sim_vc_join(g_host_vc, vc);
+}
+
+static void host_sync_stream(sim_stream_t *s) {
+  host_sync(s->vc);
+  if (s->legacy) /* the legacy stream also waits for the blocking streams of its context */
+    for (size_t i = 0; i < g_nstreams; i++)
+      if (g_streams[i]->ctx == s->ctx && g_streams[i]->blocking) host_sync(g_streams[i]->vc);
+}
+
+/* ---- memory ---- */
+
+static sim_alloc_t *find_alloc(CUdeviceptr p, int *dev) {
+  for (int d = 0; d < g_ndev; d++) {
+    device_t *D = &g_dev[d];
+    if (p < D->lo || p >= D->hi) continue;
+    *dev = d;
+    size_t lo = 0, hi = D->nallocs;
+    while (lo < hi) { /* last allocation with base <= p */
+      size_t mid = (lo + hi) / 2;
+      if (D->allocs[mid]->base <= p)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    return lo ? D->allocs[lo - 1] : NULL;
+  }
+  *dev = -1;
+  return NULL;
+}
+
+static int in_device_range(const void *host) {
+  uintptr_t p = (uintptr_t)host;
+  for (int d = 0; d < g_ndev; d++)
+    if (p >= g_dev[d].lo && p < g_dev[d].hi) return 1;
+  return 0;
+}
+
+static const char *stream_name(const sim_stream_t *s, char *buf, size_t len) {
+  if (s->legacy)
+    snprintf(buf, len, "the legacy stream of device %d", s->dev);
+  else
+    snprintf(buf, len, "stream %d of device %d", s->agent, s->dev);
+  return buf;
+}
+
+unsigned char *sim_check_range(sim_op_t *op, CUdeviceptr p, size_t n) {
+  int dev;
+  sim_alloc_t *a = find_alloc(p, &dev);
+  if (dev < 0) {
+    sim_misuse("%s: 0x%llx is not device memory (a host pointer?)", op->name, (unsigned long long)p);
+    return NULL;
+  }
+  if (a == NULL || p >= a->base + (a->size ? a->size : 1) + GAP / 2 || (a->freed && p < a->base)) {
+    sim_misuse("%s: 0x%llx on device %d is outside every allocation", op->name, (unsigned long long)p, dev);
+    return NULL;
+  }
+  if (a->freed) {
+    sim_misuse("%s: 0x%llx is in freed memory of device %d (%zu-byte allocation)", op->name, (unsigned long long)p,
+               dev, a->size);
+    return NULL;
+  }
+  if (p + n > a->base + a->size) {
+    sim_misuse("%s: [0x%llx, +%zu) runs past the end of its %zu-byte allocation on device %d", op->name,
+               (unsigned long long)p, n, a->size, dev);
+    return NULL;
+  }
+  if (dev != op->dev && !op->any_peer) {
+    sim_ctx_t *c = op->stream ? op->stream->ctx : NULL;
+    if (c == NULL || !c->peer[dev]) {
+      sim_misuse("%s on device %d touches memory of device %d without peer access", op->name, op->dev, dev);
+      return NULL;
+    }
+  }
+  return a->mem + (p - a->base);
+}
+
+static void race(sim_op_t *op, sim_alloc_t *a, size_t off, uint32_t prev, int write, int prev_write) {
+  if (op->raced) return;
+  op->raced = 1;
+  g_nraces++;
+  char b1[64], b2[64] = "?";
+  int agent = (int)(prev >> 22);
+  for (size_t i = 0; i < g_nobjs; i++) {
+    sim_stream_t *s = g_objs[i];
+    if (s->magic == MAGIC_STREAM && s->agent == agent) {
+      stream_name(s, b2, sizeof b2);
+      break;
+    }
+  }
+  sim_misuse("race: %s on %s %s byte %zu of a %zu-byte allocation on device %d, which %s %s (op %u) %s without "
+             "ordering (event, stream or host synchronisation)",
+             op->name, stream_name(op->stream, b1, sizeof b1), write ? "writes" : "reads", off, a->size, a->dev, b2,
+             prev_write ? "wrote" : "read", prev & 0x3fffff, "earlier");
+}
+
+static void shadow(sim_op_t *op, sim_alloc_t *a, size_t off, size_t n, int write) {
+  if (!g_check_races || op->stream == NULL) return;
+  const uint32_t *vc = op->stream->vc;
+  uint32_t me = ((uint32_t)op->stream->agent << 22) | (op->stream->vc[op->stream->agent] & 0x3fffff);
+  for (size_t i = off; i < off + n; i++) {
+    uint32_t w = a->w[i];
+    if (w && (w >> 22) != (me >> 22) && (w & 0x3fffff) > vc[w >> 22]) race(op, a, i, w, write, 1);
+    if (write) {
+      uint32_t r = a->r[i];
+      if (r && (r >> 22) != (me >> 22) && (r & 0x3fffff) > vc[r >> 22]) race(op, a, i, r, 1, 0);
+      a->w[i] = me;
+      a->r[i] = 0;
+    } else {
+      a->r[i] = me;
+    }
+  }
+}
+
+unsigned char *sim_access(sim_op_t *op, CUdeviceptr p, size_t n, int write) {
+  unsigned char *h = sim_check_range(op, p, n);
+  if (h == NULL) return NULL;
+  int dev;
+  sim_alloc_t *a = find_alloc(p, &dev);
+  shadow(op, a, (size_t)(p - a->base), n, write);
+  return h;
+}
+
+static void alloc_free(sim_alloc_t *a) {
+  a->freed = 1;
+  g_dev[a->dev].used -= a->size;
+  free(a->mem);
+  free(a->w);
+  free(a->r);
+  a->mem = NULL;
+  a->w = a->r = NULL;
+  g_live_allocs--;
+}
+
+static CUresult alloc_new(int dev, size_t bytes, int async, CUdeviceptr *out) {
+  device_t *D = &g_dev[dev];
+  if (bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (D->used + bytes > g_mem_total || D->next + bytes + GAP > D->hi) return CUDA_ERROR_OUT_OF_MEMORY;
+  sim_alloc_t *a = calloc(1, sizeof *a);
+  a->mem = malloc(bytes);
+  a->w = calloc(bytes, sizeof(uint32_t));
+  a->r = calloc(bytes, sizeof(uint32_t));
+  if (!a || !a->mem || !a->w || !a->r) {
+    if (a) {
+      free(a->mem);
+      free(a->w);
+      free(a->r);
+    }
+    free(a);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  memset(a->mem, 0xa5, bytes); /* uninitialised device memory is never accidentally zero */
+  a->base = D->next;
+  a->size = bytes;
+  a->dev = dev;
+  a->async = async;
+  D->next = (D->next + bytes + GAP + 255) & ~(CUdeviceptr)255;
+  D->used += bytes;
+  if (D->nallocs == D->cap) {
+    D->cap = D->cap ? 2 * D->cap : 64;
+    D->allocs = realloc(D->allocs, D->cap * sizeof *D->allocs);
+  }
+  D->allocs[D->nallocs++] = a;
+  g_live_allocs++;
+  *out = a->base;
+  return CUDA_SUCCESS;
+}
+
+/* ---- contexts ---- */
+
+static sim_ctx_t *current(void) {
+  return t_depth > 0 ? t_stack[t_depth - 1] : NULL;
+}
+
+/* The current context, alive; NULL after recording why (*err receives the result to return). */
+static sim_ctx_t *need_ctx(const char *op, CUresult *err) {
+  sim_ctx_t *c = current();
+  if (c == NULL) {
+    sim_misuse("%s: no CUDA context is current on this thread", op);
+    *err = CUDA_ERROR_INVALID_CONTEXT;
+    return NULL;
+  }
+  if (!c->alive) {
+    sim_misuse("%s: the current context (device %d) was destroyed (primary context released)", op, c->dev);
+    *err = CUDA_ERROR_CONTEXT_IS_DESTROYED;
+    return NULL;
+  }
+  return c;
+}
+
+/* Handles are never freed (dead objects stay until the process ends), so a handle this library returned can
+ * always be read; the magic tells its kind and `alive` whether it may still be used. */
+static int valid_obj(const void *p, uint32_t magic) {
+  return p != NULL && *(const uint32_t *)p == magic;
+}
+
+static int valid_ctx(const sim_ctx_t *c) {
+  return valid_obj(c, MAGIC_CTX);
+}
+
+/* A stream handle for work with context `c` current (NULL: its legacy stream). */
+static sim_stream_t *resolve_stream(CUstream h, sim_ctx_t *c, const char *op, CUresult *err) {
+  if (h == NULL || h == (CUstream)(uintptr_t)1) return c->null_stream;
+  if (h == (CUstream)(uintptr_t)2) {
+    sim_misuse("%s: the per-thread default stream is not simulated", op);
+    *err = CUDA_ERROR_NOT_SUPPORTED;
+    return NULL;
+  }
+  sim_stream_t *s = (sim_stream_t *)h;
+  if (!valid_obj(s, MAGIC_STREAM)) {
+    sim_misuse("%s: %p is not a stream", op, (void *)h);
+    *err = CUDA_ERROR_INVALID_HANDLE;
+    return NULL;
+  }
+  if (!s->alive) {
+    sim_misuse("%s: stream %d of device %d was destroyed", op, s->agent, s->dev);
+    *err = CUDA_ERROR_INVALID_HANDLE;
+    return NULL;
+  }
+  if (s->ctx != c) {
+    sim_misuse("%s: stream %d belongs to device %d but device %d's context is current", op, s->agent, s->dev, c->dev);
+    *err = CUDA_ERROR_INVALID_HANDLE;
+    return NULL;
+  }
+  return s;
+}
+
+sim_stream_t *sim_stream_for_dev(void *h, int dev, const char *what) {
+  sim_ctx_t *c = sim_primary(dev);
+  if (c == NULL) {
+    sim_misuse("%s: device %d has no live primary context", what, dev);
+    return NULL;
+  }
+  CUresult err;
+  return resolve_stream((CUstream)h, c, what, &err);
+}
+
+static void ctx_destroy(sim_ctx_t *c) {
+  int dev = c->dev;
+  c->alive = 0;
+  int comms = sim_nccl_comms_on(c);
+  if (comms)
+    sim_misuse("the primary context of device %d was destroyed (last release) while %d NCCL communicator(s) still "
+               "use it: destroy communicators before releasing the context",
+               dev, comms);
+  long long live = 0;
+  device_t *D = &g_dev[dev];
+  for (size_t i = 0; i < D->nallocs; i++)
+    if (!D->allocs[i]->freed) {
+      alloc_free(D->allocs[i]);
+      live++;
+    }
+  if (live) sim_misuse("the primary context of device %d was destroyed with %lld live allocation(s)", dev, live);
+  for (size_t i = 0; i < g_nobjs; i++) {
+    uint32_t m = *(uint32_t *)g_objs[i];
+    if (m == MAGIC_STREAM) {
+      sim_stream_t *s = g_objs[i];
+      if (s->ctx == c && s->alive) {
+        if (!s->legacy) g_live_streams--;
+        stream_kill(s);
+      }
+    } else if (m == MAGIC_EVENT) {
+      sim_event_t *e = g_objs[i];
+      if (e->ctx == c && e->alive) {
+        e->alive = 0;
+        g_live_events--;
+      }
+    } else if (m == MAGIC_MODULE) {
+      sim_module_t *md = g_objs[i];
+      if (md->ctx == c && md->alive) {
+        md->alive = 0;
+        g_live_modules--;
+      }
+    }
+  }
+}
+
+/* ---- the driver API ---- */
+
+#define ENTER(name)                                                                                                    \
+  sim_lock();                                                                                                          \
+  do {                                                                                                                 \
+    int inj_ = sim_enter(SIM_E_##name);                                                                                \
+    if (inj_) {                                                                                                        \
+      sim_unlock();                                                                                                    \
+      return (CUresult)inj_;                                                                                           \
+    }                                                                                                                  \
+  } while (0)
+#define RETURN(v)                                                                                                      \
+  do {                                                                                                                 \
+    CUresult rv_ = (v);                                                                                                \
+    sim_unlock();                                                                                                      \
+    return rv_;                                                                                                        \
+  } while (0)
+#define NEED_INIT(name)                                                                                                \
+  if (!g_inited) {                                                                                                     \
+    sim_misuse("%s before cuInit", #name);                                                                             \
+    RETURN(CUDA_ERROR_NOT_INITIALIZED);                                                                                \
+  }
+
+CUresult cuInit(unsigned int flags) {
+  ENTER(cuInit);
+  if (flags != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+  g_inited = 1;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuDriverGetVersion(int *v) {
+  ENTER(cuDriverGetVersion);
+  if (!v) RETURN(CUDA_ERROR_INVALID_VALUE);
+  *v = 13000;
+  RETURN(CUDA_SUCCESS);
+}
+
+static const struct {
+  int code;
+  const char *name, *text;
+} k_errs[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_NO_BINARY_FOR_GPU, "CUDA_ERROR_NO_BINARY_FOR_GPU", "no kernel image is available for execution"},
+    {CUDA_ERROR_INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", "too many resources requested"},
+    {CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED",
+     "peer access is already enabled"},
+    {CUDA_ERROR_PEER_ACCESS_NOT_ENABLED, "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED", "peer access has not been enabled"},
+    {CUDA_ERROR_CONTEXT_IS_DESTROYED, "CUDA_ERROR_CONTEXT_IS_DESTROYED", "context is destroyed"},
+    {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+static int err_index(CUresult r) {
+  for (size_t i = 0; i < sizeof k_errs / sizeof k_errs[0]; i++)
+    if (k_errs[i].code == (int)r) return (int)i;
+  return -1;
+}
+
+CUresult cuGetErrorString(CUresult r, const char **s) {
+  ENTER(cuGetErrorString);
+  int i = err_index(r);
+  if (!s) RETURN(CUDA_ERROR_INVALID_VALUE);
+  *s = i >= 0 ? k_errs[i].text : NULL;
+  RETURN(i >= 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE);
+}
+
+CUresult cuGetErrorName(CUresult r, const char **s) {
+  ENTER(cuGetErrorName);
+  int i = err_index(r);
+  if (!s) RETURN(CUDA_ERROR_INVALID_VALUE);
+  *s = i >= 0 ? k_errs[i].name : NULL;
+  RETURN(i >= 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE);
+}
+
+CUresult cuDeviceGetCount(int *n) {
+  ENTER(cuDeviceGetCount);
+  NEED_INIT(cuDeviceGetCount);
+  if (!n) RETURN(CUDA_ERROR_INVALID_VALUE);
+  *n = g_ndev;
+  RETURN(CUDA_SUCCESS);
+}
+
+#define CHECK_DEV(name, d)                                                                                             \
+  if ((d) < 0 || (d) >= g_ndev) {                                                                                      \
+    sim_misuse("%s: device %d does not exist", #name, (int)(d));                                                       \
+    RETURN(CUDA_ERROR_INVALID_DEVICE);                                                                                 \
+  }
+
+CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
+  ENTER(cuDeviceGet);
+  NEED_INIT(cuDeviceGet);
+  CHECK_DEV(cuDeviceGet, ordinal);
+  *dev = ordinal;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
+  ENTER(cuDeviceGetName);
+  NEED_INIT(cuDeviceGetName);
+  CHECK_DEV(cuDeviceGetName, dev);
+  if (!name || len <= 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+  snprintf(name, (size_t)len, "fastdp simulated GPU %d", dev);
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+  ENTER(cuDeviceTotalMem_v2);
+  NEED_INIT(cuDeviceTotalMem_v2);
+  CHECK_DEV(cuDeviceTotalMem_v2, dev);
+  *bytes = g_mem_total;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuDeviceGetAttribute(int *v, CUdevice_attribute attr, CUdevice dev) {
+  ENTER(cuDeviceGetAttribute);
+  NEED_INIT(cuDeviceGetAttribute);
+  CHECK_DEV(cuDeviceGetAttribute, dev);
+  switch ((int)attr) {
+  case CU_DEVICE_ATTRIBUTE_MAX_PITCH: *v = 2147483647; break;
+  case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = 132; break;
+  case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *v = 1; break;
+  case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *v = 9; break;
+  case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = 0; break;
+  default: RETURN(CUDA_ERROR_INVALID_VALUE);
+  }
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
+  ENTER(cuDeviceCanAccessPeer);
+  NEED_INIT(cuDeviceCanAccessPeer);
+  CHECK_DEV(cuDeviceCanAccessPeer, dev);
+  CHECK_DEV(cuDeviceCanAccessPeer, peer);
+  *can = dev != peer && env_ll("SIMGPU_NO_PEER", 0) == 0;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev) {
+  ENTER(cuDevicePrimaryCtxRetain);
+  NEED_INIT(cuDevicePrimaryCtxRetain);
+  CHECK_DEV(cuDevicePrimaryCtxRetain, dev);
+  device_t *D = &g_dev[dev];
+  if (D->refs == 0) {
+    sim_ctx_t *c = calloc(1, sizeof *c);
+    c->magic = MAGIC_CTX;
+    c->dev = dev;
+    c->alive = 1;
+    track(c);
+    c->null_stream = stream_new(c, 1, 1);
+    D->ctx = c;
+  }
+  D->refs++;
+  *ctx = (CUcontext)D->ctx;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+  ENTER(cuDevicePrimaryCtxRelease_v2);
+  NEED_INIT(cuDevicePrimaryCtxRelease_v2);
+  CHECK_DEV(cuDevicePrimaryCtxRelease_v2, dev);
+  device_t *D = &g_dev[dev];
+  if (D->refs == 0) {
+    sim_misuse("cuDevicePrimaryCtxRelease: device %d's primary context is not retained", dev);
+    RETURN(CUDA_ERROR_INVALID_CONTEXT);
+  }
+  if (--D->refs == 0) ctx_destroy(D->ctx);
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
+  ENTER(cuDevicePrimaryCtxGetState);
+  NEED_INIT(cuDevicePrimaryCtxGetState);
+  CHECK_DEV(cuDevicePrimaryCtxGetState, dev);
+  if (flags) *flags = 0;
+  if (active) *active = g_dev[dev].refs > 0;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
+  ENTER(cuCtxPushCurrent_v2);
+  sim_ctx_t *c = (sim_ctx_t *)ctx;
+  if (!valid_ctx(c)) {
+    sim_misuse("cuCtxPushCurrent: %p is not a context", (void *)ctx);
+    RETURN(CUDA_ERROR_INVALID_CONTEXT);
+  }
+  if (!c->alive) {
+    sim_misuse("cuCtxPushCurrent: device %d's context was destroyed (a stale primary context handle)", c->dev);
+    RETURN(CUDA_ERROR_CONTEXT_IS_DESTROYED);
+  }
+  if (t_depth == 64) {
+    sim_misuse("cuCtxPushCurrent: context stack deeper than 64 (unbalanced push/pop?)");
+    RETURN(CUDA_ERROR_INVALID_VALUE);
+  }
+  t_stack[t_depth++] = c;
+  g_pushes++;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuCtxPopCurrent_v2(CUcontext *ctx) {
+  ENTER(cuCtxPopCurrent_v2);
+  if (t_depth == 0) {
+    sim_misuse("cuCtxPopCurrent: the context stack is empty (unbalanced push/pop)");
+    RETURN(CUDA_ERROR_INVALID_CONTEXT);
+  }
+  sim_ctx_t *c = t_stack[--t_depth];
+  g_pushes--;
+  if (ctx) *ctx = (CUcontext)c;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuCtxGetCurrent(CUcontext *ctx) {
+  ENTER(cuCtxGetCurrent);
+  if (!ctx) RETURN(CUDA_ERROR_INVALID_VALUE);
+  *ctx = (CUcontext)current();
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+  ENTER(cuCtxSetCurrent);
+  sim_ctx_t *c = (sim_ctx_t *)ctx;
+  if (c == NULL) { /* pops the top, or nothing */
+    if (t_depth > 0) {
+      t_depth--;
+      g_pushes--;
+    }
+    RETURN(CUDA_SUCCESS);
+  }
+  if (!valid_ctx(c)) {
+    sim_misuse("cuCtxSetCurrent: %p is not a context", (void *)ctx);
+    RETURN(CUDA_ERROR_INVALID_CONTEXT);
+  }
+  if (!c->alive) {
+    sim_misuse("cuCtxSetCurrent: device %d's context was destroyed", c->dev);
+    RETURN(CUDA_ERROR_CONTEXT_IS_DESTROYED);
+  }
+  if (t_depth == 0) {
+    t_depth = 1;
+    g_pushes++;
+  }
+  t_stack[t_depth - 1] = c;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuCtxSynchronize(void) {
+  ENTER(cuCtxSynchronize);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuCtxSynchronize", &err);
+  if (!c) RETURN(err);
+  for (size_t i = 0; i < g_nstreams; i++)
+    if (g_streams[i]->ctx == c) host_sync(g_streams[i]->vc);
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
+  ENTER(cuCtxEnablePeerAccess);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuCtxEnablePeerAccess", &err);
+  if (!c) RETURN(err);
+  sim_ctx_t *p = (sim_ctx_t *)peer;
+  if (flags != 0 || !valid_ctx(p) || !p->alive) {
+    sim_misuse("cuCtxEnablePeerAccess: bad flags or a dead/invalid peer context");
+    RETURN(!valid_ctx(p) || !p->alive ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_INVALID_VALUE);
+  }
+  if (p->dev == c->dev) {
+    sim_misuse("cuCtxEnablePeerAccess: device %d with itself", c->dev);
+    RETURN(CUDA_ERROR_INVALID_DEVICE);
+  }
+  if (c->peer[p->dev]) RETURN(CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED); /* legal; callers tolerate it */
+  c->peer[p->dev] = 1;
+  g_peer_enables++;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+  ENTER(cuMemGetInfo_v2);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuMemGetInfo", &err);
+  if (!c) RETURN(err);
+  *free_bytes = g_mem_total - g_dev[c->dev].used;
+  *total = g_mem_total;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
+  ENTER(cuMemAlloc_v2);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuMemAlloc", &err);
+  if (!c) RETURN(err);
+  if (!ptr) RETURN(CUDA_ERROR_INVALID_VALUE);
+  RETURN(alloc_new(c->dev, bytes, 0, ptr));
+}
+
+static sim_alloc_t *alloc_to_free(CUdeviceptr p, const char *op, CUresult *err) {
+  int dev;
+  sim_alloc_t *a = find_alloc(p, &dev);
+  if (a == NULL || a->base != p) {
+    sim_misuse("%s: 0x%llx is not the start of a device allocation", op, (unsigned long long)p);
+    *err = CUDA_ERROR_INVALID_VALUE;
+    return NULL;
+  }
+  if (a->freed) {
+    sim_misuse("%s: 0x%llx was already freed (double free)", op, (unsigned long long)p);
+    *err = CUDA_ERROR_INVALID_VALUE;
+    return NULL;
+  }
+  return a;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+  ENTER(cuMemFree_v2);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuMemFree", &err);
+  if (!c) RETURN(err);
+  sim_alloc_t *a = alloc_to_free(p, "cuMemFree", &err);
+  if (!a) RETURN(err);
+  /* cuMemFree waits for the device to finish (as cudaFree does): the host then knows all of its work is done. */
+  for (size_t i = 0; i < g_nstreams; i++)
+    if (g_streams[i]->dev == a->dev) host_sync(g_streams[i]->vc);
+  alloc_free(a);
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr *ptr, size_t bytes, CUstream stream) {
+  ENTER(cuMemAllocAsync);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuMemAllocAsync", &err);
+  if (!c) RETURN(err);
+  sim_stream_t *s = resolve_stream(stream, c, "cuMemAllocAsync", &err);
+  if (!s) RETURN(err);
+  if (!ptr) RETURN(CUDA_ERROR_INVALID_VALUE);
+  CUresult r = alloc_new(c->dev, bytes, 1, ptr);
+  if (r == CUDA_SUCCESS) {
+    /* Stream-ordered: the memory exists from this point of `stream` on; other streams must be ordered after. */
+    sim_op_t op;
+    sim_op_begin(&op, s, "cuMemAllocAsync", c->dev);
+    sim_access(&op, *ptr, bytes, 1);
+  }
+  RETURN(r);
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream stream) {
+  ENTER(cuMemFreeAsync);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuMemFreeAsync", &err);
+  if (!c) RETURN(err);
+  sim_stream_t *s = resolve_stream(stream, c, "cuMemFreeAsync", &err);
+  if (!s) RETURN(err);
+  sim_alloc_t *a = alloc_to_free(p, "cuMemFreeAsync", &err);
+  if (!a) RETURN(err);
+  /* The free is a write of the whole block on `stream`: every earlier use must be ordered before it. */
+  sim_op_t op;
+  sim_op_begin(&op, s, "cuMemFreeAsync", a->dev);
+  op.any_peer = 1;
+  sim_access(&op, p, a->size, 1);
+  alloc_free(a);
+  RETURN(CUDA_SUCCESS);
+}
+
+/* Checks a host pointer argument: it must not be a (fake) device address. */
+static int host_ok(const void *h, const char *op) {
+  if (h == NULL || in_device_range(h)) {
+    sim_misuse("%s: host pointer %p is %s", op, h, h ? "device memory" : "NULL");
+    return 0;
+  }
+  return 1;
+}
+
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+  ENTER(cuMemcpyAsync);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuMemcpyAsync", &err);
+  if (!c) RETURN(err);
+  sim_stream_t *s = resolve_stream(stream, c, "cuMemcpyAsync", &err);
+  if (!s) RETURN(err);
+  if (bytes == 0) RETURN(CUDA_SUCCESS);
+  sim_op_t op;
+  sim_op_begin(&op, s, "cuMemcpyAsync", c->dev);
+  op.any_peer = 1; /* unified addressing: the driver copies between any devices */
+  if (!sim_check_range(&op, src, bytes) || !sim_check_range(&op, dst, bytes)) RETURN(CUDA_ERROR_INVALID_VALUE);
+  unsigned char *sp = sim_access(&op, src, bytes, 0), *dp = sim_access(&op, dst, bytes, 1);
+  memmove(dp, sp, bytes);
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CUstream stream) {
+  ENTER(cuMemcpyHtoDAsync_v2);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuMemcpyHtoDAsync", &err);
+  if (!c) RETURN(err);
+  sim_stream_t *s = resolve_stream(stream, c, "cuMemcpyHtoDAsync", &err);
+  if (!s) RETURN(err);
+  if (bytes == 0) RETURN(CUDA_SUCCESS);
+  if (!host_ok(src, "cuMemcpyHtoDAsync")) RETURN(CUDA_ERROR_INVALID_VALUE);
+  sim_op_t op;
+  sim_op_begin(&op, s, "cuMemcpyHtoDAsync", c->dev);
+  unsigned char *dp = sim_access(&op, dst, bytes, 1);
+  if (!dp) RETURN(CUDA_ERROR_INVALID_VALUE);
+  memcpy(dp, src, bytes);
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+  ENTER(cuMemcpyDtoHAsync_v2);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuMemcpyDtoHAsync", &err);
+  if (!c) RETURN(err);
+  sim_stream_t *s = resolve_stream(stream, c, "cuMemcpyDtoHAsync", &err);
+  if (!s) RETURN(err);
+  if (bytes == 0) RETURN(CUDA_SUCCESS);
+  if (!host_ok(dst, "cuMemcpyDtoHAsync")) RETURN(CUDA_ERROR_INVALID_VALUE);
+  sim_op_t op;
+  sim_op_begin(&op, s, "cuMemcpyDtoHAsync", c->dev);
+  unsigned char *sp = sim_access(&op, src, bytes, 0);
+  if (!sp) RETURN(CUDA_ERROR_INVALID_VALUE);
+  memcpy(dst, sp, bytes);
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuStreamSynchronize(CUstream stream) {
+  ENTER(cuStreamSynchronize);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuStreamSynchronize", &err);
+  if (!c) RETURN(err);
+  sim_stream_t *s = resolve_stream(stream, c, "cuStreamSynchronize", &err);
+  if (!s) RETURN(err);
+  host_sync_stream(s);
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuStreamQuery(CUstream stream) {
+  ENTER(cuStreamQuery);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuStreamQuery", &err);
+  if (!c) RETURN(err);
+  sim_stream_t *s = resolve_stream(stream, c, "cuStreamQuery", &err);
+  if (!s) RETURN(err);
+  host_sync_stream(s); /* work is eager: always complete, and the host now knows it */
+  RETURN(CUDA_SUCCESS);
+}
+
+static sim_ctx_t *peer_ctx(CUcontext h, const char *op) {
+  sim_ctx_t *c = (sim_ctx_t *)h;
+  if (!valid_ctx(c) || !c->alive) {
+    sim_misuse("%s: %p is not a live context", op, (void *)h);
+    return NULL;
+  }
+  return c;
+}
+
+/* The device of a pointer that must be live device memory of context `c`. */
+static int ptr_on(sim_op_t *op, CUdeviceptr p, const sim_ctx_t *c, const char *side) {
+  int dev;
+  find_alloc(p, &dev);
+  if (dev != c->dev) {
+    sim_misuse("%s: the %s pointer 0x%llx is not memory of device %d, whose context was named", op->name, side,
+               (unsigned long long)p, c->dev);
+    return 0;
+  }
+  return 1;
+}
+
+CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t bytes,
+                           CUstream stream) {
+  ENTER(cuMemcpyPeerAsync);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuMemcpyPeerAsync", &err);
+  if (!c) RETURN(err);
+  sim_stream_t *s = resolve_stream(stream, c, "cuMemcpyPeerAsync", &err);
+  if (!s) RETURN(err);
+  sim_ctx_t *dc = peer_ctx(dctx, "cuMemcpyPeerAsync"), *sc = peer_ctx(sctx, "cuMemcpyPeerAsync");
+  if (!dc || !sc) RETURN(CUDA_ERROR_INVALID_CONTEXT);
+  if (bytes == 0) RETURN(CUDA_SUCCESS);
+  sim_op_t op;
+  sim_op_begin(&op, s, "cuMemcpyPeerAsync", c->dev);
+  op.any_peer = 1;
+  if (!ptr_on(&op, dst, dc, "destination") || !ptr_on(&op, src, sc, "source") || !sim_check_range(&op, src, bytes) ||
+      !sim_check_range(&op, dst, bytes))
+    RETURN(CUDA_ERROR_INVALID_VALUE);
+  unsigned char *sp = sim_access(&op, src, bytes, 0), *dp = sim_access(&op, dst, bytes, 1);
+  memmove(dp, sp, bytes);
+  RETURN(CUDA_SUCCESS);
+}
+
+/* One side of a 2D/3D copy: host or device, with its base address. */
+typedef struct side {
+  int host;
+  uintptr_t addr;
+  size_t pitch, row_stride_rows; /* pitch in bytes; rows per slice (3D) */
+} side_t;
+
+static int side_of(sim_op_t *op, CUmemorytype t, const void *h, CUdeviceptr d, const char *what, side_t *out) {
+  if (t == CU_MEMORYTYPE_HOST) {
+    if (!host_ok(h, op->name)) return 0;
+    out->host = 1;
+    out->addr = (uintptr_t)h;
+    return 1;
+  }
+  if (t == CU_MEMORYTYPE_DEVICE || t == CU_MEMORYTYPE_UNIFIED) {
+    int dev;
+    find_alloc(d, &dev);
+    out->host = dev < 0 && t == CU_MEMORYTYPE_UNIFIED;
+    out->addr = (uintptr_t)d;
+    return 1;
+  }
+  sim_misuse("%s: %s memory type %d is not simulated", op->name, what, (int)t);
+  return 0;
+}
+
+/* Copies `height` rows of `width` bytes per slice, `depth` slices. */
+static CUresult rows_copy(sim_op_t *op, side_t *s, side_t *d, size_t width, size_t height, size_t depth) {
+  if (width == 0 || height == 0 || depth == 0) return CUDA_SUCCESS;
+  if ((s->pitch < width && height > 1) || (d->pitch < width && height > 1)) {
+    sim_misuse("%s: pitch smaller than the row width", op->name);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  /* Validate every row first so that a bad copy changes nothing. */
+  for (int pass = 0; pass < 2; pass++) {
+    for (size_t z = 0; z < depth; z++)
+      for (size_t y = 0; y < height; y++) {
+        uintptr_t so = s->addr + (z * s->row_stride_rows + y) * s->pitch;
+        uintptr_t dof = d->addr + (z * d->row_stride_rows + y) * d->pitch;
+        unsigned char *sp = (unsigned char *)so, *dp = (unsigned char *)dof;
+        if (!s->host) sp = pass ? sim_access(op, so, width, 0) : sim_check_range(op, so, width);
+        if (!d->host) dp = pass ? sim_access(op, dof, width, 1) : sim_check_range(op, dof, width);
+        if (!sp || !dp) return CUDA_ERROR_INVALID_VALUE;
+        if (pass) memmove(dp, sp, width);
+      }
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *p, CUstream stream) {
+  ENTER(cuMemcpy2DAsync_v2);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuMemcpy2DAsync", &err);
+  if (!c) RETURN(err);
+  sim_stream_t *s = resolve_stream(stream, c, "cuMemcpy2DAsync", &err);
+  if (!s) RETURN(err);
+  sim_op_t op;
+  sim_op_begin(&op, s, "cuMemcpy2DAsync", c->dev);
+  /* Only the current context's device: cross-context 2D copies are not documented (peer copies go through
+   * cuMemcpy3DPeerAsync). */
+  side_t a = {0}, b = {0};
+  if (!side_of(&op, p->srcMemoryType, p->srcHost, p->srcDevice, "source", &a) ||
+      !side_of(&op, p->dstMemoryType, p->dstHost, p->dstDevice, "destination", &b))
+    RETURN(CUDA_ERROR_INVALID_VALUE);
+  a.addr += p->srcY * p->srcPitch + p->srcXInBytes;
+  b.addr += p->dstY * p->dstPitch + p->dstXInBytes;
+  a.pitch = p->srcPitch;
+  b.pitch = p->dstPitch;
+  RETURN(rows_copy(&op, &a, &b, p->WidthInBytes, p->Height, 1));
+}
+
+CUresult cuMemcpy3DPeerAsync(const CUDA_MEMCPY3D_PEER *p, CUstream stream) {
+  ENTER(cuMemcpy3DPeerAsync);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuMemcpy3DPeerAsync", &err);
+  if (!c) RETURN(err);
+  sim_stream_t *s = resolve_stream(stream, c, "cuMemcpy3DPeerAsync", &err);
+  if (!s) RETURN(err);
+  sim_ctx_t *dc = peer_ctx(p->dstContext, "cuMemcpy3DPeerAsync"), *sc = peer_ctx(p->srcContext, "cuMemcpy3DPeerAsync");
+  if (!dc || !sc) RETURN(CUDA_ERROR_INVALID_CONTEXT);
+  sim_op_t op;
+  sim_op_begin(&op, s, "cuMemcpy3DPeerAsync", c->dev);
+  op.any_peer = 1;
+  if (p->srcMemoryType != CU_MEMORYTYPE_DEVICE || p->dstMemoryType != CU_MEMORYTYPE_DEVICE) {
+    sim_misuse("cuMemcpy3DPeerAsync: only device memory on both sides is simulated");
+    RETURN(CUDA_ERROR_INVALID_VALUE);
+  }
+  if (!ptr_on(&op, p->srcDevice, sc, "source") || !ptr_on(&op, p->dstDevice, dc, "destination"))
+    RETURN(CUDA_ERROR_INVALID_VALUE);
+  size_t sh = p->srcHeight ? p->srcHeight : p->Height, dh = p->dstHeight ? p->dstHeight : p->Height;
+  side_t a = {0, (uintptr_t)p->srcDevice + (p->srcZ * sh + p->srcY) * p->srcPitch + p->srcXInBytes, p->srcPitch, sh};
+  side_t b = {0, (uintptr_t)p->dstDevice + (p->dstZ * dh + p->dstY) * p->dstPitch + p->dstXInBytes, p->dstPitch, dh};
+  RETURN(rows_copy(&op, &a, &b, p->WidthInBytes, p->Height, p->Depth ? p->Depth : 1));
+}
+
+CUresult cuStreamCreate(CUstream *out, unsigned int flags) {
+  ENTER(cuStreamCreate);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuStreamCreate", &err);
+  if (!c) RETURN(err);
+  if (!out || (flags & ~1u)) RETURN(CUDA_ERROR_INVALID_VALUE);
+  *out = (CUstream)stream_new(c, 0, !(flags & 1u)); /* 1 = CU_STREAM_NON_BLOCKING */
+  g_live_streams++;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuStreamDestroy_v2(CUstream h) {
+  ENTER(cuStreamDestroy_v2);
+  sim_stream_t *s = (sim_stream_t *)h;
+  if (!valid_obj(s, MAGIC_STREAM) || s->legacy) {
+    sim_misuse("cuStreamDestroy: %p is not a stream that can be destroyed", (void *)h);
+    RETURN(CUDA_ERROR_INVALID_HANDLE);
+  }
+  if (!s->alive) {
+    sim_misuse("cuStreamDestroy: stream %d destroyed twice", s->agent);
+    RETURN(CUDA_ERROR_INVALID_HANDLE);
+  }
+  stream_kill(s);
+  g_live_streams--;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuEventCreate(CUevent *out, unsigned int flags) {
+  ENTER(cuEventCreate);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuEventCreate", &err);
+  if (!c) RETURN(err);
+  if (!out || (flags & ~7u)) RETURN(CUDA_ERROR_INVALID_VALUE);
+  sim_event_t *e = calloc(1, sizeof *e);
+  e->magic = MAGIC_EVENT;
+  e->ctx = c;
+  e->alive = 1;
+  track(e);
+  g_live_events++;
+  *out = (CUevent)e;
+  RETURN(CUDA_SUCCESS);
+}
+
+static sim_event_t *live_event(CUevent h, const char *op, CUresult *err) {
+  sim_event_t *e = (sim_event_t *)h;
+  if (!valid_obj(e, MAGIC_EVENT)) {
+    sim_misuse("%s: %p is not an event", op, (void *)h);
+    *err = CUDA_ERROR_INVALID_HANDLE;
+    return NULL;
+  }
+  if (!e->alive) {
+    sim_misuse("%s: the event was destroyed", op);
+    *err = CUDA_ERROR_INVALID_HANDLE;
+    return NULL;
+  }
+  return e;
+}
+
+CUresult cuEventRecord(CUevent ev, CUstream stream) {
+  ENTER(cuEventRecord);
+  CUresult err = CUDA_SUCCESS;
+  sim_event_t *e = live_event(ev, "cuEventRecord", &err);
+  if (!e) RETURN(err);
+  sim_ctx_t *c = need_ctx("cuEventRecord", &err);
+  if (!c) RETURN(err);
+  if (e->ctx != c) {
+    sim_misuse("cuEventRecord: the event belongs to device %d but device %d's context is current", e->ctx->dev, c->dev);
+    RETURN(CUDA_ERROR_INVALID_HANDLE);
+  }
+  sim_stream_t *s = resolve_stream(stream, c, "cuEventRecord", &err);
+  if (!s) RETURN(err);
+  sim_op_t op;
+  sim_op_begin(&op, s, "cuEventRecord", c->dev);
+  if (!e->vc) e->vc = vc_new();
+  memcpy(e->vc, s->vc, sizeof(uint32_t) * SIM_MAX_AGENTS);
+  e->recorded = 1;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuEventDestroy_v2(CUevent ev) {
+  ENTER(cuEventDestroy_v2);
+  CUresult err = CUDA_SUCCESS;
+  sim_event_t *e = live_event(ev, "cuEventDestroy", &err);
+  if (!e) RETURN(err);
+  e->alive = 0;
+  free(e->vc);
+  e->vc = NULL;
+  g_live_events--;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuEventSynchronize(CUevent ev) {
+  ENTER(cuEventSynchronize);
+  CUresult err = CUDA_SUCCESS;
+  sim_event_t *e = live_event(ev, "cuEventSynchronize", &err);
+  if (!e) RETURN(err);
+  if (e->recorded) host_sync(e->vc);
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuEventQuery(CUevent ev) {
+  ENTER(cuEventQuery);
+  CUresult err = CUDA_SUCCESS;
+  sim_event_t *e = live_event(ev, "cuEventQuery", &err);
+  if (!e) RETURN(err);
+  if (e->recorded) host_sync(e->vc);
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuStreamWaitEvent(CUstream stream, CUevent ev, unsigned int flags) {
+  ENTER(cuStreamWaitEvent);
+  CUresult err = CUDA_SUCCESS;
+  sim_event_t *e = live_event(ev, "cuStreamWaitEvent", &err);
+  if (!e) RETURN(err);
+  sim_ctx_t *c = need_ctx("cuStreamWaitEvent", &err);
+  if (!c) RETURN(err);
+  sim_stream_t *s = resolve_stream(stream, c, "cuStreamWaitEvent", &err);
+  if (!s) RETURN(err);
+  if (flags != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+  if (e->recorded) {
+    sim_op_t op;
+    sim_op_begin(&op, s, "cuStreamWaitEvent", c->dev);
+    sim_vc_join(s->vc, e->vc);
+  }
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuModuleLoadData(CUmodule *out, const void *image) {
+  ENTER(cuModuleLoadData);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuModuleLoadData", &err);
+  if (!c) RETURN(err);
+  if (!out || !image) RETURN(CUDA_ERROR_INVALID_VALUE);
+  sim_module_t *m = calloc(1, sizeof *m);
+  m->magic = MAGIC_MODULE;
+  m->ctx = c;
+  m->alive = 1;
+  track(m);
+  g_live_modules++;
+  *out = (CUmodule)m;
+  RETURN(CUDA_SUCCESS);
+}
+
+CUresult cuModuleUnload(CUmodule h) {
+  ENTER(cuModuleUnload);
+  sim_module_t *m = (sim_module_t *)h;
+  if (!valid_obj(m, MAGIC_MODULE) || !m->alive) {
+    sim_misuse("cuModuleUnload: %p is not a loaded module", (void *)h);
+    RETURN(CUDA_ERROR_INVALID_HANDLE);
+  }
+  m->alive = 0;
+  g_live_modules--;
+  RETURN(CUDA_SUCCESS);
+}
+
+static const struct {
+  const char *name;
+  kind_t kind;
+  int dtype, es;
+} k_kernels[] = {
+    {"fdp_sum_bool", K_SUM, FDP_DTYPE_BOOL, 1}, {"fdp_sum_u8", K_SUM, FDP_DTYPE_U8, 1},
+    {"fdp_sum_u16", K_SUM, FDP_DTYPE_I16, 2},   {"fdp_sum_u32", K_SUM, FDP_DTYPE_I32, 4},
+    {"fdp_sum_u64", K_SUM, FDP_DTYPE_I64, 8},   {"fdp_sum_f16", K_SUM, FDP_DTYPE_F16, 2},
+    {"fdp_sum_bf16", K_SUM, FDP_DTYPE_BF16, 2}, {"fdp_sum_f32", K_SUM, FDP_DTYPE_F32, 4},
+    {"fdp_sum_f64", K_SUM, FDP_DTYPE_F64, 8},   {"fdp_copy_1", K_COPY, 0, 1},
+    {"fdp_copy_2", K_COPY, 0, 2},               {"fdp_copy_4", K_COPY, 0, 4},
+    {"fdp_copy_8", K_COPY, 0, 8},               {"fdp_copy_16", K_COPY, 0, 16},
+};
+
+CUresult cuModuleGetFunction(CUfunction *out, CUmodule h, const char *name) {
+  ENTER(cuModuleGetFunction);
+  sim_module_t *m = (sim_module_t *)h;
+  if (!valid_obj(m, MAGIC_MODULE) || !m->alive) {
+    sim_misuse("cuModuleGetFunction: %p is not a loaded module", (void *)h);
+    RETURN(CUDA_ERROR_INVALID_HANDLE);
+  }
+  if (!out || !name) RETURN(CUDA_ERROR_INVALID_VALUE);
+  for (size_t i = 0; i < sizeof k_kernels / sizeof k_kernels[0]; i++) {
+    if (strcmp(k_kernels[i].name, name) != 0) continue;
+    sim_func_t *f = calloc(1, sizeof *f);
+    f->magic = MAGIC_FUNC;
+    f->mod = m;
+    f->kind = k_kernels[i].kind;
+    f->dtype = k_kernels[i].dtype;
+    f->es = k_kernels[i].es;
+    snprintf(f->name, sizeof f->name, "%s", name);
+    track(f);
+    *out = (CUfunction)f;
+    RETURN(CUDA_SUCCESS);
+  }
+  RETURN(CUDA_ERROR_NOT_FOUND);
+}
+
+/* ---- element arithmetic (round after every add, as PyTorch's a + b + c) ---- */
+
+static float h2f(uint16_t h) {
+  int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  float v;
+  if (e == 0x1f)
+    v = m ? NAN : INFINITY;
+  else if (e == 0)
+    v = ldexpf((float)m, -24);
+  else
+    v = ldexpf((float)(m | 0x400), e - 25);
+  return (h & 0x8000) ? -v : v;
+}
+
+static uint16_t f2h(float f) {
+  uint16_t sign = signbit(f) ? 0x8000 : 0;
+  if (isnan(f)) return (uint16_t)(sign | 0x7e00);
+  float a = fabsf(f);
+  if (a >= 65520.0f) return (uint16_t)(sign | 0x7c00);
+  if (a < ldexpf(1.0f, -14)) return (uint16_t)(sign | (uint16_t)rintf(a * 16777216.0f)); /* subnormal, exact scale */
+  int k;
+  frexpf(a, &k); /* a = m * 2^k, m in [0.5, 1): exponent k - 1 */
+  int e = k - 1;
+  float q = rintf(ldexpf(a, 10 - e)); /* 1024..2048, ties to even */
+  if (q >= 2048.0f) {
+    q = 1024.0f;
+    e++;
+  }
+  if (e > 15) return (uint16_t)(sign | 0x7c00);
+  return (uint16_t)(sign | ((e + 15) << 10) | ((int)q - 1024));
+}
+
+static float bf2f(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static uint16_t f2bf(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if (isnan(f)) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+void sim_add(int dtype, void *acc, const void *x, int64_t n) {
+  switch (dtype) {
+#define ADD(T, EXPR)                                                                                                   \
+  {                                                                                                                    \
+    T *o = acc;                                                                                                        \
+    const T *v = x;                                                                                                    \
+    for (int64_t i = 0; i < n; i++)                                                                                    \
+      o[i] = EXPR;                                                                                                     \
+  }                                                                                                                    \
+  break
+  case FDP_DTYPE_BOOL: ADD(uint8_t, (uint8_t)((o[i] | v[i]) != 0));
+  case FDP_DTYPE_U8:
+  case FDP_DTYPE_I8: ADD(uint8_t, (uint8_t)(o[i] + v[i]));
+  case FDP_DTYPE_I16: ADD(uint16_t, (uint16_t)(o[i] + v[i]));
+  case FDP_DTYPE_I32: ADD(uint32_t, o[i] + v[i]);
+  case FDP_DTYPE_I64: ADD(uint64_t, o[i] + v[i]);
+  case FDP_DTYPE_F16: ADD(uint16_t, f2h(h2f(o[i]) + h2f(v[i])));
+  case FDP_DTYPE_BF16: ADD(uint16_t, f2bf(bf2f(o[i]) + bf2f(v[i])));
+  case FDP_DTYPE_F32: ADD(float, o[i] + v[i]);
+  case FDP_DTYPE_F64: ADD(double, o[i] + v[i]);
+#undef ADD
+  default: break;
+  }
+}
+
+static const int k_dtype_size[FDP_DTYPE_COUNT] = {
+    [FDP_DTYPE_BOOL] = 1, [FDP_DTYPE_U8] = 1,   [FDP_DTYPE_I8] = 1,   [FDP_DTYPE_I16] = 2, [FDP_DTYPE_I32] = 4,
+    [FDP_DTYPE_I64] = 8,  [FDP_DTYPE_F16] = 2,  [FDP_DTYPE_BF16] = 2, [FDP_DTYPE_F32] = 4, [FDP_DTYPE_F64] = 8,
+};
+
+/* ---- kernels ---- */
+
+static CUresult run_sum(sim_op_t *op, const sim_func_t *f, void **params) {
+  if (!params || !params[0]) return CUDA_ERROR_INVALID_VALUE;
+  fdp_sum_args_t a;
+  memcpy(&a, params[0], sizeof a);
+  int es = k_dtype_size[f->dtype];
+  if (a.k < 1 || a.k > FDP_SUM_MAX_INPUTS || a.n < 0) {
+    sim_misuse("%s: k=%d n=%lld out of range", op->name, a.k, a.n);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (a.n == 0) return CUDA_SUCCESS;
+  size_t bytes = (size_t)a.n * (size_t)es;
+  CUdeviceptr out = (CUdeviceptr)(uintptr_t)a.out;
+  for (int j = 0; j < a.k; j++) {
+    CUdeviceptr in = (CUdeviceptr)(uintptr_t)a.in[j];
+    if (!sim_check_range(op, in, bytes)) return CUDA_ERROR_ILLEGAL_ADDRESS;
+    if (in != out && in < out + bytes && out < in + bytes) {
+      sim_misuse("%s: the output partially overlaps input %d", op->name, j);
+      return CUDA_ERROR_ILLEGAL_ADDRESS;
+    }
+  }
+  if (!sim_check_range(op, out, bytes)) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  unsigned char *acc = malloc(bytes);
+  if (!acc) return CUDA_ERROR_OUT_OF_MEMORY;
+  for (int j = 0; j < a.k; j++) {
+    unsigned char *h = sim_access(op, (CUdeviceptr)(uintptr_t)a.in[j], bytes, 0);
+    if (j == 0)
+      memcpy(acc, h, bytes);
+    else
+      sim_add(f->dtype, acc, h, a.n);
+  }
+  memcpy(sim_access(op, out, bytes, 1), acc, bytes);
+  free(acc);
+  return CUDA_SUCCESS;
+}
+
+/* The byte extent [lo, hi) a strided view covers. */
+static void extent(const fdp_copy_args_t *a, const long long *strides, int es, size_t *hi) {
+  long long last = 0;
+  for (int d = 0; d < a->ndim; d++)
+    last += (a->sizes[d] - 1) * strides[d];
+  *hi = (size_t)(last + 1) * (size_t)es;
+}
+
+static CUresult run_copy(sim_op_t *op, const sim_func_t *f, void **params) {
+  if (!params || !params[0] || !params[1] || !params[2]) return CUDA_ERROR_INVALID_VALUE;
+  CUdeviceptr src, dst;
+  fdp_copy_args_t a;
+  memcpy(&src, params[0], sizeof src);
+  memcpy(&dst, params[1], sizeof dst);
+  memcpy(&a, params[2], sizeof a);
+  int es = f->es;
+  long long numel = 1;
+  if (a.ndim < 1 || a.ndim > FDP_COPY_MAX_DIMS) {
+    sim_misuse("%s: ndim %d", op->name, a.ndim);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  for (int d = 0; d < a.ndim; d++) {
+    if (a.sizes[d] < 0 || a.src_strides[d] < 0 || a.dst_strides[d] < 0) {
+      sim_misuse("%s: negative size or stride", op->name);
+      return CUDA_ERROR_INVALID_VALUE;
+    }
+    numel *= a.sizes[d];
+  }
+  if (numel != a.numel) {
+    sim_misuse("%s: numel %lld but the sizes give %lld", op->name, a.numel, numel);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (numel == 0) return CUDA_SUCCESS;
+  if (src % (CUdeviceptr)es || dst % (CUdeviceptr)es) {
+    sim_misuse("%s: pointer not aligned to %d bytes (misaligned address)", op->name, es);
+    return CUDA_ERROR_ILLEGAL_ADDRESS;
+  }
+  size_t shi, dhi;
+  extent(&a, a.src_strides, es, &shi);
+  extent(&a, a.dst_strides, es, &dhi);
+  if (!sim_check_range(op, src, shi) || !sim_check_range(op, dst, dhi)) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  long long idx[FDP_COPY_MAX_DIMS] = {0};
+  for (long long i = 0; i < numel; i++) {
+    long long so = 0, dof = 0;
+    for (int d = 0; d < a.ndim; d++) {
+      so += idx[d] * a.src_strides[d];
+      dof += idx[d] * a.dst_strides[d];
+    }
+    unsigned char *sp = sim_access(op, src + (CUdeviceptr)(so * es), (size_t)es, 0);
+    unsigned char *dp = sim_access(op, dst + (CUdeviceptr)(dof * es), (size_t)es, 1);
+    memmove(dp, sp, (size_t)es);
+    for (int d = a.ndim - 1; d >= 0; d--) {
+      if (++idx[d] < a.sizes[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                        unsigned int by, unsigned int bz, unsigned int shmem, CUstream stream, void **params,
+                        void **extra) {
+  ENTER(cuLaunchKernel);
+  CUresult err = CUDA_SUCCESS;
+  sim_ctx_t *c = need_ctx("cuLaunchKernel", &err);
+  if (!c) RETURN(err);
+  sim_func_t *f = (sim_func_t *)fn;
+  if (!valid_obj(f, MAGIC_FUNC) || !f->mod->alive) {
+    sim_misuse("cuLaunchKernel: %p is not a function of a loaded module", (void *)fn);
+    RETURN(CUDA_ERROR_INVALID_HANDLE);
+  }
+  if (f->mod->ctx != c) {
+    sim_misuse("cuLaunchKernel(%s): the function was loaded on device %d but device %d's context is current", f->name,
+               f->mod->ctx->dev, c->dev);
+    RETURN(CUDA_ERROR_INVALID_HANDLE);
+  }
+  sim_stream_t *s = resolve_stream(stream, c, "cuLaunchKernel", &err);
+  if (!s) RETURN(err);
+  if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || (unsigned long long)bx * by * bz > 1024 ||
+      gy > 65535 || gz > 65535 || shmem > 48 * 1024 || extra != NULL) {
+    sim_misuse("cuLaunchKernel(%s): bad launch configuration", f->name);
+    RETURN(CUDA_ERROR_INVALID_VALUE);
+  }
+  char name[64];
+  snprintf(name, sizeof name, "cuLaunchKernel(%s)", f->name);
+  sim_op_t op;
+  sim_op_begin(&op, s, name, c->dev);
+  RETURN(f->kind == K_SUM ? run_sum(&op, f, params) : run_copy(&op, f, params));
+}
+
+/* ---- controls for tests (ctypes / dlsym) ---- */
+
+/* Clears the recorded misuse, the call counters and planned failures; the simulated state stays. */
+void simgpu_reset(void) {
+  sim_lock();
+  setup();
+  g_nerrors = g_nraces = 0;
+  memset(g_calls, 0, sizeof g_calls);
+  memset(g_fail_at, 0, sizeof g_fail_at);
+  sim_unlock();
+}
+
+/* Misuse recorded since the last reset (races included); the first messages go to buf, one per line. */
+long long simgpu_errors(char *buf, size_t len) {
+  sim_lock();
+  if (buf && len) {
+    size_t off = 0;
+    buf[0] = '\0';
+    for (long long i = 0; i < g_nerrors && i < MAX_ERRORS_KEPT && off + 1 < len; i++) {
+      int w = snprintf(buf + off, len - off, "%s\n", g_errors[i]);
+      if (w < 0) break;
+      off += (size_t)w;
+    }
+  }
+  long long n = g_nerrors;
+  sim_unlock();
+  return n;
+}
+
+/* The `k`-th call of `entry` from now on (k >= 1) returns `code` instead of running. -1: unknown entry. */
+int simgpu_fail_at(const char *entry, long long k, int code) {
+  sim_lock();
+  setup();
+  int found = -1;
+  for (int e = 0; e < SIM_E_COUNT; e++)
+    if (strcmp(k_entry_names[e], entry) == 0) {
+      g_fail_at[e] = k > 0 ? g_calls[e] + k : 0;
+      g_fail_code[e] = code;
+      found = 0;
+    }
+  sim_unlock();
+  return found;
+}
+
+/* Calls of `entry` since the last reset (-1: unknown). */
+long long simgpu_calls(const char *entry) {
+  long long n = -1;
+  sim_lock();
+  for (int e = 0; e < SIM_E_COUNT; e++)
+    if (strcmp(k_entry_names[e], entry) == 0) n = g_calls[e];
+  sim_unlock();
+  return n;
+}
+
+/* Name of entry point i (NULL past the end), to enumerate them. */
+const char *simgpu_entry(int i) {
+  return i >= 0 && i < SIM_E_COUNT ? k_entry_names[i] : NULL;
+}
+
+/* One counter by name: allocations, streams, events, modules, pushes (context-stack depth over all threads),
+ * retains (primary context references), contexts (live primary contexts), comms, groups (open NCCL groups),
+ * peer_enables, races, errors. -1 for an unknown name. */
+long long simgpu_stat(const char *name) {
+  long long v = -1;
+  sim_lock();
+  setup();
+  if (strcmp(name, "allocations") == 0) v = g_live_allocs;
+  else if (strcmp(name, "streams") == 0) v = g_live_streams;
+  else if (strcmp(name, "events") == 0) v = g_live_events;
+  else if (strcmp(name, "modules") == 0) v = g_live_modules;
+  else if (strcmp(name, "pushes") == 0) v = g_pushes;
+  else if (strcmp(name, "comms") == 0) v = g_comms;
+  else if (strcmp(name, "groups") == 0) v = g_groups;
+  else if (strcmp(name, "peer_enables") == 0) v = g_peer_enables;
+  else if (strcmp(name, "races") == 0) v = g_nraces;
+  else if (strcmp(name, "errors") == 0) v = g_nerrors;
+  else if (strcmp(name, "retains") == 0 || strcmp(name, "contexts") == 0) {
+    v = 0;
+    for (int d = 0; d < g_ndev; d++)
+      v += strcmp(name, "retains") == 0 ? g_dev[d].refs : g_dev[d].refs > 0;
+  }
+  sim_unlock();
+  return v;
+}
+
+/* 1 when device `dev`'s current primary context has peer access to `peer` enabled. */
+int simgpu_peer_enabled(int dev, int peer) {
+  sim_lock();
+  sim_ctx_t *c = sim_primary(dev);
+  int v = c && peer >= 0 && peer < SIM_MAX_DEVICES && c->peer[peer];
+  sim_unlock();
+  return v;
+}
+
+/* Test-harness memory, as PyTorch's allocator would hand out (device `dev`'s primary context must be alive). */
+unsigned long long simgpu_alloc(int dev, size_t bytes) {
+  CUdeviceptr p = 0;
+  sim_lock();
+  setup();
+  if (sim_primary(dev) == NULL || alloc_new(dev, bytes, 0, &p) != CUDA_SUCCESS) p = 0;
+  sim_unlock();
+  return p;
+}
+
+int simgpu_free(unsigned long long p) {
+  sim_lock();
+  CUresult err = CUDA_SUCCESS;
+  sim_alloc_t *a = alloc_to_free((CUdeviceptr)p, "simgpu_free", &err);
+  if (a) {
+    for (size_t i = 0; i < g_nstreams; i++)
+      if (g_streams[i]->dev == a->dev) host_sync(g_streams[i]->vc);
+    alloc_free(a);
+  }
+  sim_unlock();
+  return a ? 0 : -1;
+}
+
+/* Host access to device memory as after a device synchronisation (the host waits for every stream first). */
+static int backdoor(unsigned long long p, void *host, size_t n, int write) {
+  sim_lock();
+  int dev;
+  sim_alloc_t *a = find_alloc((CUdeviceptr)p, &dev);
+  int ok = a && !a->freed && p + n <= a->base + a->size;
+  if (ok) {
+    for (size_t i = 0; i < g_nstreams; i++)
+      if (g_streams[i]->dev == a->dev) host_sync(g_streams[i]->vc);
+    if (write) {
+      memcpy(a->mem + (p - a->base), host, n);
+      memset(a->w + (p - a->base), 0, n * sizeof(uint32_t));
+      memset(a->r + (p - a->base), 0, n * sizeof(uint32_t));
+    } else {
+      memcpy(host, a->mem + (p - a->base), n);
+    }
+  } else {
+    sim_misuse("simgpu_%s: 0x%llx +%zu is not live device memory", write ? "write" : "read", p, n);
+  }
+  sim_unlock();
+  return ok ? 0 : -1;
+}
+
+int simgpu_read(void *dst, unsigned long long src, size_t n) {
+  return backdoor(src, dst, n, 0);
+}
+int simgpu_write(unsigned long long dst, const void *src, size_t n) {
+  return backdoor(dst, (void *)src, n, 1);
+}

@@ -1,0 +1,146 @@
+"""The C programs on the simulated GPU (tests/sim): tests/c/test_gpu_ops.c runs every core operation through the
+cuda and nccl backends under ASan/UBSan, bit-exact against its host reference, with the simulator's misuse and
+race checks; then its fault-injection sweep makes every driver/NCCL call fail in turn, one entry point per test
+item. Each runs in a subprocess with a timeout, so a hang or crash fails one item."""
+
+import functools
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUILD_SCRIPT = os.path.join(HERE, "c", "build.py")
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_cbuild = _load("fastdp_c_tests_build", BUILD_SCRIPT)
+_simbuild = _load("fastdp_sim_build", os.path.join(HERE, "sim", "build.py"))
+
+# Entry points whose failure today leaves fastdp broken or leaking (each a separate finding in the report of the
+# branch that added the simulator). A failure in the kernels module's set-up is cached as permanent and then makes
+# the whole cuda backend unusable ("compiled for other GPU architectures"), copies included:
+STICKY = ("issue 9 defect: transient failure cached as permanent (cuda.c get_module/cuda_usable); "
+          "fixed on branch defects")
+KNOWN = {
+    "cuModuleLoadData": STICKY,
+    "cuModuleGetFunction": STICKY,
+    "cuDeviceGet": STICKY,
+    "cuDeviceGetAttribute": STICKY,
+    "cuDevicePrimaryCtxRetain": STICKY,
+    "cuCtxPushCurrent_v2": STICKY + "; also sim finding: staging buffer leaked when a fence push fails",
+    "cuCtxPopCurrent_v2": STICKY + "; also sim finding: the loaded module leaks when the pop after loading fails",
+    "cuCtxGetCurrent": "sim finding: nccl.c ctx_save/ctx_restore pops the caller's context when cuCtxGetCurrent fails",
+    "cuEventCreate": "sim finding: copy_cross_device leaks the staging buffer when the fence fails",
+    "cuEventRecord": "sim finding: copy_cross_device leaks the staging buffer when the fence fails",
+    "cuEventDestroy_v2": "sim finding: copy_cross_device leaks the staging buffer when the fence fails",
+    "cuStreamWaitEvent": "sim finding: copy_cross_device leaks the staging buffer when the fence fails",
+}
+SWEPT = """cuDeviceGet cuDeviceGetAttribute cuDevicePrimaryCtxRetain cuDevicePrimaryCtxGetState cuCtxPushCurrent_v2
+    cuCtxPopCurrent_v2 cuCtxGetCurrent cuCtxSetCurrent cuCtxEnablePeerAccess cuMemAllocAsync cuMemFreeAsync
+    cuMemcpyAsync cuMemcpyHtoDAsync_v2 cuMemcpyDtoHAsync_v2 cuStreamSynchronize cuMemcpyPeerAsync cuMemcpy2DAsync_v2
+    cuMemcpy3DPeerAsync cuEventCreate cuEventRecord cuEventDestroy_v2 cuStreamWaitEvent cuModuleLoadData
+    cuModuleGetFunction cuLaunchKernel ncclCommInitAll ncclGroupStart ncclGroupEnd ncclBroadcast ncclReduce""".split()
+
+
+def _need_cc():
+    if _cbuild.compiler() is None:
+        pytest.skip("no C compiler found (cc, gcc or clang; or set CC): the simulated GPU needs one")
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_ops_exe():
+    """Builds the sanitized simulator and tests/c/test_gpu_ops.c once per session; returns (exe, env)."""
+    env = dict(os.environ, **_simbuild.env(sanitize=True))
+    proc = subprocess.run([sys.executable, BUILD_SCRIPT, "--gpu-ops", "--build-only"], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, f"building tests/c/test_gpu_ops.c failed:\n{proc.stdout}"
+    env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=0:halt_on_error=1"
+    env["UBSAN_OPTIONS"] = _cbuild.UBSAN_OPTIONS
+    return _cbuild.GPU_EXE, env
+
+
+def _run(args, timeout, detect_leaks=False, extra_env=None):
+    exe, env = _gpu_ops_exe()
+    env = dict(env, **(extra_env or {}))
+    if detect_leaks:
+        env = dict(env, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1")
+    proc = subprocess.run([exe, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    out = proc.stdout
+    if proc.returncode != 0 and detect_leaks and any(s in out for s in _cbuild.LSAN_BROKEN):
+        return _run(args, timeout, extra_env=extra_env)
+    closing = re.findall(r"^(\d+) passed, (\d+) failed$", out, re.MULTILINE)
+    assert closing, f"no closing 'N passed, M failed' line (exit {proc.returncode}):\n{out[-20000:]}"
+    passed, failed = map(int, closing[-1])
+    assert proc.returncode == 0 and failed == 0 and passed > 0, f"{failed} checks failed:\n{out[-20000:]}"
+    return out
+
+
+def test_gpu_ops_on_simulated_gpu():
+    _need_cc()
+    out = _run([], timeout=300, detect_leaks=True)
+    assert "simulated GPU" in out
+
+
+def test_gpu_ops_on_one_simulated_gpu():
+    """The GPU check machine has one GPU: the program must pass there too."""
+    _need_cc()
+    _gpu_ops_exe()
+    out = _run([], timeout=300, extra_env={"SIMGPU_DEVICES": "1"})
+    assert "1 device(s)" in out
+
+
+@pytest.mark.parametrize(
+    "entry", [pytest.param(e, marks=pytest.mark.xfail(strict=True, reason=KNOWN[e])) if e in KNOWN else e
+              for e in SWEPT])
+def test_fault_injection_sweep(entry):
+    """Every operation with each call of `entry` failing in turn: FDP_CUDA/FDP_NCCL with a detail (or success),
+    no misuse, no leaked push/stream/event/allocation/group, caches released at shutdown, and the next call
+    succeeds with the right result."""
+    _need_cc()
+    out = _run(["--sweep", "--only", entry], timeout=240)
+    assert re.search(r"^sweep: ", out, re.MULTILINE), out
+
+
+def test_simulator_exports_every_symbol_the_loaders_resolve():
+    """Every name in the k_syms tables of csrc/dl/cuda_driver.c and nccl_loader.c (optional ones included) is an
+    entry point of the simulator: a loader that learns a new symbol needs it simulated too (tests/sim/sim.h)."""
+    _need_cc()
+    import ctypes
+
+    lib = ctypes.CDLL(_simbuild.build()["cuda"])
+    root = os.path.dirname(HERE)
+    names = []
+    for f in ("cuda_driver.c", "nccl_loader.c"):
+        with open(os.path.join(root, "csrc", "dl", f)) as fh:
+            text = fh.read()
+        table = text[text.index("k_syms[] = {"):]
+        table = table[:table.index("};")]
+        names += re.findall(r'\{"(\w+)", offsetof', table)
+    assert len(names) > 40, names
+    missing = [n for n in names if not hasattr(lib, n)]
+    assert not missing, f"the simulated GPU lacks {missing}: add them to tests/sim (SIM_ENTRIES in sim.h, and code)"
+
+
+def test_library_knob_loads_exactly_that_file(tmp_path):
+    """FASTDP_CUDA_DRIVER_LIBRARY / FASTDP_NCCL_LIBRARY naming a missing file: nothing else is loaded instead, and
+    the reason names the file."""
+    missing = str(tmp_path / "no-such-libcuda.so.1")
+    code = ("import fastdp; b = fastdp._C.info()['backends']; "
+            "print(b['cuda']['usable'], b['nccl']['usable']); print(b['cuda']['why'])")
+    env = dict(os.environ, FASTDP_CUDA_DRIVER_LIBRARY=missing, FASTDP_NCCL_LIBRARY=missing)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=120, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-2] == "False False" and missing in lines[-1], proc.stdout

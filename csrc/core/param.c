@@ -3,24 +3,38 @@
 
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 static const struct {
   const char *name;
   int64_t def;
+  int is_str;
 } table[FDP_PARAM_COUNT] = {
     [FDP_PARAM_DEBUG] = {"FASTDP_DEBUG", 0},
     [FDP_PARAM_HOST_THREADS] = {"FASTDP_HOST_THREADS", 0},
     [FDP_PARAM_HOST_PARALLEL_MIN] = {"FASTDP_HOST_PARALLEL_MIN", 1 << 20},
     [FDP_PARAM_DISABLE_NCCL] = {"FASTDP_DISABLE_NCCL", 0},
     [FDP_PARAM_DISABLE_CUDA] = {"FASTDP_DISABLE_CUDA", 0},
+    [FDP_PARAM_DISABLE_NVRTC] = {"FASTDP_DISABLE_NVRTC", 0},
+    [FDP_PARAM_DISABLE_FATBIN] = {"FASTDP_DISABLE_FATBIN", 0},
+    [FDP_PARAM_KERNEL_CACHE] = {"FASTDP_KERNEL_CACHE", 1},
+    [FDP_PARAM_STRICT] = {"FASTDP_STRICT", 0},
+    [FDP_PARAM_CACHE_DIR] = {"FASTDP_CACHE_DIR", 0, 1},
+    [FDP_PARAM_NVRTC_LIBRARY] = {"FASTDP_NVRTC_LIBRARY", 0, 1},
 };
 
 static int64_t values[FDP_PARAM_COUNT];
+static char *strings[FDP_PARAM_COUNT]; /* copies, so later setenv calls cannot pull them away; never freed */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void load(void) {
   for (int i = 0; i < FDP_PARAM_COUNT; i++) {
     const char *s = getenv(table[i].name);
+    if (table[i].is_str) {
+      strings[i] = s && *s ? strdup(s) : NULL;
+      values[i] = 0;
+      continue;
+    }
     char *end = NULL;
     long long v = s && *s ? strtoll(s, &end, 0) : 0;
     /* An unparsable value keeps the default rather than failing every call. */
@@ -31,6 +45,11 @@ static void load(void) {
 int64_t fdp__param(fdp_param_t p) {
   pthread_once(&once, load);
   return (unsigned)p < FDP_PARAM_COUNT ? values[p] : 0;
+}
+
+const char *fdp__param_str(fdp_param_t p) {
+  pthread_once(&once, load);
+  return (unsigned)p < FDP_PARAM_COUNT ? strings[p] : NULL;
 }
 
 const char *fdp__param_name(fdp_param_t p) {

@@ -116,12 +116,15 @@ def kernel_source(cuda_dir):
 def _c_string(text):
     """A C string literal, one source line per literal line; bytes outside printable ASCII as octal escapes."""
     out = []
-    for line in text.encode().split(b"\n"):
+    lines = text.encode().split(b"\n")
+    tail = lines.pop()  # after the last newline: "" for a text that ends with one
+    for i, line in enumerate(lines + ([tail] if tail else [])):
+        end = "\\n" if i < len(lines) else ""
         esc = "".join(
             "\\\\" if b == 0x5C else '\\"' if b == 0x22 else chr(b) if 0x20 <= b < 0x7F else f"\\{b:03o}"
             for b in line
         )
-        out.append(f'  "{esc}\\n"')
+        out.append(f'  "{esc}{end}"')
     return "\n".join(out)
 
 

@@ -10,15 +10,22 @@ import pytest
 
 HEADER_BYTES = 144  # csrc/backend/cuda/kernel_image.c: magic 8, key 112, size 8, checksum 8, arch 4, ptx 4
 
+# Loads fastdp._C alone (no torch import: these processes start in a fraction of a second) and names the NVRTC
+# folders the way fastdp/_libs.py does at import.
 _SNIPPET = """
-import json, sys
-import fastdp
-from fastdp import _C
+import glob, importlib.util, json, os, sys
+pkg = importlib.util.find_spec("fastdp").submodule_search_locations[0]
+spec = importlib.util.spec_from_file_location("fastdp._C", glob.glob(os.path.join(pkg, "_C*.so"))[0])
+_C = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(_C)
+nv = importlib.util.find_spec("nvidia")
+roots = list(nv.submodule_search_locations) if nv else []
+_C.nvrtc_search_dirs(":".join(os.path.join(r, s) for s in ("cu13/lib", "cuda_nvrtc/lib") for r in roots))
 out = []
 for cc in json.loads(sys.argv[1]):
     try:
         out.append(_C.kernels_image(cc))
-    except fastdp.FastDPError as e:
+    except _C.FastDPError as e:
         out.append({"error": type(e).__name__, "message": str(e)})
 print(json.dumps(out))
 """

@@ -139,3 +139,25 @@ def test_embedded_source_is_the_kernels_in_cuda():
     text = kernel_source(ROOT / "cuda")
     assert _C.kernels_info()["source_bytes"] == len(text.encode())
     assert "#include <" not in text.replace("#include <stddef.h>", ""), "NVRTC has no host or toolkit headers"
+
+
+def test_info_table_shows_libraries_kernels_and_fallback():
+    import json
+
+    from fastdp import _C
+
+    facts = _C.kernels_info()
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fastdp", "info", *a], capture_output=True, text=True,
+                                    timeout=120, check=True).stdout
+    info = json.loads(run("--json"))
+    assert set(info["libraries"]) == {"host", "cuda", "nvrtc", "nccl"}
+    assert info["libraries"]["nvrtc"]["library"] == (facts["nvrtc_library"] or None)
+    assert info["kernels"]["fatbin_bytes"] == facts["fatbin_bytes"] and info["fallback"] is None
+    table = run()
+    nvrtc_row = next(line for line in table.splitlines() if line.startswith("nvrtc "))
+    assert (facts["nvrtc_library"] or "none:") in nvrtc_row
+    assert any(line.startswith("kernels: ") for line in table.splitlines())
+    assert any(line.startswith("fallback: ") for line in table.splitlines())
+    for name in ("host", "cuda", "nccl"):
+        row = next(line for line in table.splitlines() if line.startswith(name + " "))
+        assert row.split()[1] == "yes", "every backend is compiled"

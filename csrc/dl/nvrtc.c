@@ -82,8 +82,9 @@ static int bind(void *h, const char *where) {
     memcpy((char *)&g_nv + k_syms[i].offset, &sym, sizeof sym);
   }
   int n = 0;
+  int max = (int)(sizeof g_nv.archs / sizeof g_nv.archs[0]);
   if (g_nv.Version(&g_nv.major, &g_nv.minor) != NVRTC_SUCCESS || g_nv.GetNumSupportedArchs(&n) != NVRTC_SUCCESS ||
-      n < 1 || n > (int)(sizeof g_nv.archs / sizeof g_nv.archs[0]) || g_nv.GetSupportedArchs(g_nv.archs) != NVRTC_SUCCESS) {
+      n < 1 || n > max || g_nv.GetSupportedArchs(g_nv.archs) != NVRTC_SUCCESS) {
     snprintf(g_why, sizeof g_why, "%s: nvrtcVersion or nvrtcGetSupportedArchs failed", where);
     return -1;
   }

@@ -60,7 +60,9 @@ def _fall_back(exc, op):
     """Raises under FASTDP_STRICT; otherwise records the reason and warns the first time."""
     global _reason
     if strict():
-        raise _C.BackendUnavailableError(f"{exc} (FASTDP_STRICT is set, so fastdp does not fall back to torch)") from exc
+        raise _C.BackendUnavailableError(
+            f"{exc} (FASTDP_STRICT is set, so fastdp does not fall back to torch)"
+        ) from exc
     with _lock:
         first = _reason is None
         if first:

@@ -18,8 +18,14 @@ static char ctx_obj, mod_obj, fn_obj;
 
 CUresult cuInit(unsigned f) { (void)f; return OK; }
 CUresult cuDriverGetVersion(int *v) { *v = 13000; return OK; }
-CUresult cuGetErrorString(CUresult r, const char **s) { *s = r == 2 ? "out of memory" : r == 209 ? "no kernel image is available for execution on the device" : "fake error"; return OK; }
-CUresult cuGetErrorName(CUresult r, const char **s) { *s = r == 2 ? "CUDA_ERROR_OUT_OF_MEMORY" : r == 209 ? "CUDA_ERROR_NO_BINARY_FOR_GPU" : "CUDA_ERROR_FAKE"; return OK; }
+CUresult cuGetErrorString(CUresult r, const char **s) {
+  *s = r == 2 ? "out of memory" : r == 209 ? "no kernel image is available for execution on the device" : "fake error";
+  return OK;
+}
+CUresult cuGetErrorName(CUresult r, const char **s) {
+  *s = r == 2 ? "CUDA_ERROR_OUT_OF_MEMORY" : r == 209 ? "CUDA_ERROR_NO_BINARY_FOR_GPU" : "CUDA_ERROR_FAKE";
+  return OK;
+}
 CUresult cuDeviceGetCount(int *n) { *n = 1; return OK; }
 CUresult cuDeviceGet(int *d, int i) { *d = i; return OK; }
 CUresult cuDeviceGetName(char *n, int len, int d) { (void)d; strncpy(n, "fake", (size_t)len); return OK; }
@@ -34,7 +40,11 @@ CUresult cuDevicePrimaryCtxRelease_v2(int d) { (void)d; return OK; }
 CUresult cuDevicePrimaryCtxGetState(int d, unsigned *f, int *a) { (void)d; *f = 0; *a = 1; return OK; }
 CUresult cuCtxPushCurrent_v2(void *c) { (void)c; fake_pushes++; return OK; }
 CUresult cuCtxPopCurrent_v2(void **c) { *c = &ctx_obj; fake_pops++; return OK; }
-CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, void *st) { (void)st; memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s, n); return OK; }
+CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, void *st) {
+  (void)st;
+  memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s, n);
+  return OK;
+}
 CUresult cuModuleLoadData(void **m, const void *image) {
   const char *spec = getenv("FAKE_MODULE_RESULTS");
   int call = fake_module_loads++;
@@ -53,8 +63,10 @@ CUresult cuModuleLoadData(void **m, const void *image) {
 }
 CUresult cuModuleUnload(void *m) { (void)m; return OK; }
 CUresult cuModuleGetFunction(void **f, void *m, const char *n) { (void)m; (void)n; *f = &fn_obj; return OK; }
-CUresult cuLaunchKernel(void *f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned sh, void *st, void **p, void **x) {
-  (void)f; (void)a; (void)b; (void)c; (void)d; (void)e; (void)g; (void)sh; (void)st; (void)p; (void)x;
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shmem, void *stream, void **params, void **extra) {
+  (void)f, (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)stream, (void)params;
+  (void)extra;
   fake_launches++;
   return OK;
 }

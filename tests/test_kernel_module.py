@@ -14,7 +14,8 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-O0", "-Wall", "-Wextra", "-Werror"]
+CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-O1", "-Wall", "-Wextra", "-Werror", "-fsanitize=address,undefined",
+          "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
 
 
 def _cc():

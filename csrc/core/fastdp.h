@@ -196,7 +196,9 @@ const char *fdp_cuda_kernels_source(int device);
 fdp_result_t fdp_nvrtc_search_dirs(const char *dirs);
 
 /* The NVRTC image for architecture `cc` (major * 10 + minor) as the cuda backend would get it: memory, disk
- * cache or compilation. `forget` first drops the images this process keeps in memory. Needs no GPU. */
+ * cache or compilation. `forget` first drops the images this process keeps in memory (tests only: not while
+ * another thread loads kernels). Needs no GPU. Errors: FDP_INVALID (cc), FDP_UNAVAILABLE (no NVRTC, or it
+ * cannot target cc), FDP_NOMEM, FDP_INTERNAL (compilation failed; the detail holds NVRTC's log). */
 typedef struct fdp_kernels_image_info {
   size_t bytes;
   int arch;   /* the architecture compiled for */

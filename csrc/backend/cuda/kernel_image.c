@@ -22,6 +22,8 @@
 
 #define MAX_ARCHS 32
 #define MAGIC "FDPKIMG1"
+/* Part of every key: bump it when fdp__nvrtc_compile's options change, so that old entries read as stale. */
+#define KEY_FORMAT "fastdp-kernels/1"
 
 /* The on-disk header, followed by `size` bytes of image. Native byte order: the cache is per machine. */
 typedef struct header {
@@ -180,7 +182,7 @@ static fdp_result_t produce(int cc, fdp_kimage_t *img) {
   memset(img, 0, sizeof *img);
   double t0 = now();
   uint64_t src = fnv1a(fdp__kernels_source, fdp__kernels_source_size);
-  snprintf(key, sizeof key, "fastdp-kernels src=%016llx nvrtc=%d.%d cc=%d", (unsigned long long)src, nv->major,
+  snprintf(key, sizeof key, KEY_FORMAT " src=%016llx nvrtc=%d.%d cc=%d", (unsigned long long)src, nv->major,
            nv->minor, cc);
   fdp__kimage_cache_dir(dir, sizeof dir);
   if (dir[0]) {

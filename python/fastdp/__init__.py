@@ -10,6 +10,7 @@ import torch  # noqa: F401  (loaded first: the GPU backends reuse the CUDA libra
 from . import _C
 from . import _libs  # noqa: F401  (tells the core where pip's NVRTC is, before its first use)
 from ._C import BackendUnavailableError, CudaError, FastDPError, NcclError
+from ._fallback import FallbackWarning
 from . import comm
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "CudaError",
     "NcclError",
     "BackendUnavailableError",
+    "FallbackWarning",
     "info",
 ]
 

@@ -161,3 +161,16 @@ def test_info_table_shows_libraries_kernels_and_fallback():
     for name in ("host", "cuda", "nccl"):
         row = next(line for line in table.splitlines() if line.startswith(name + " "))
         assert row.split()[1] == "yes", "every backend is compiled"
+
+
+def test_every_kernel_the_backend_binds_is_in_the_image(compiled):
+    """The names cuda.c looks up (its k_sum_names / k_copy_names tables) are all defined in NVRTC's cubin."""
+    import re
+
+    table = (ROOT / "csrc" / "backend" / "cuda" / "cuda.c").read_text()
+    names = set(re.findall(r'"(fdp_(?:sum|copy)_\w+)"', table))
+    assert len(names) >= 10
+    for cc in (80, 90):
+        cubin = _payload(compiled[cc])
+        missing = [n for n in sorted(names) if n.encode() + b"\0" not in cubin]
+        assert not missing, f"sm_{cc} image lacks {missing}"

@@ -1,9 +1,14 @@
 """Builds fastdp._C from C sources with a C compiler and the Python headers only.
 
-All three backends (host, cuda, nccl) are always compiled: the driver API and NCCL declarations fastdp uses live in
-csrc/dl/, and both libraries are loaded at run time, so the extension never links against CUDA and imports on any
-machine. When nvcc happens to be found (CUDA_HOME, /usr/local/cuda, PATH), it also compiles the kernels in cuda/
-into a fatbin embedded in the extension; without it the blob is empty and the kernels are compiled at run time.
+All three backends (host, cuda, nccl) are always compiled: the driver API, NVRTC and NCCL declarations fastdp uses
+live in csrc/dl/, and the libraries are loaded at run time, so the extension never links against CUDA and imports
+on any machine. The kernel source in cuda/ is always embedded (NVRTC compiles it at run time for each GPU). When
+nvcc happens to be found (CUDA_HOME, CUDA_PATH, the default folder, PATH), it also compiles the kernels into a
+fatbin embedded beside the source, which the driver tries first.
+
+Build-time knobs: FASTDP_NO_NVCC=1 skips the fatbin even where nvcc exists; FASTDP_CUDA_DEFAULT_HOME replaces the
+default toolkit folder (/usr/local/cuda; the no-toolkit build test points it nowhere); FASTDP_CUDA_ARCHS picks the
+fatbin's architectures (cuda/build_kernels.py); FASTDP_WERROR=1 adds -Werror.
 """
 import os
 import shutil
@@ -18,7 +23,8 @@ ROOT = Path(__file__).resolve().parent
 
 def cuda_home():
     """The CUDA toolkit that holds nvcc, or None; only the optional fatbin uses it."""
-    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    default = os.environ.get("FASTDP_CUDA_DEFAULT_HOME", "/usr/local/cuda")
+    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), default):
         if cand and (Path(cand) / "bin" / "nvcc").is_file():
             return Path(cand)
     nvcc = shutil.which("nvcc")
@@ -44,7 +50,7 @@ if os.environ.get("FASTDP_WERROR"):
 
 
 class BuildExt(build_ext):
-    """Adds the generated kernel blob: cuda/*.cu → one fatbin (when nvcc exists) → a C array in the extension."""
+    """Adds the generated kernel blob: cuda/*.cu as source text, plus one fatbin when nvcc exists, as C arrays."""
 
     def build_extensions(self):
         sys.path.insert(0, str(ROOT / "cuda"))

@@ -1,11 +1,39 @@
 // k-way element-wise sums for the cuda backend's reduce: one kernel per element representation, summing the
 // inputs strictly in list order and rounding to the element type after every add, as PyTorch's a + b + c does.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
+// No header beyond kernels.h: the same text is compiled by nvcc at build time and by NVRTC at run time, and
+// NVRTC has no host or toolkit headers. Half and bfloat16 are therefore handled here as raw 16-bit patterns.
 #include "kernels.h"
 
 namespace {
+
+// IEEE half <-> float through the PTX conversions every architecture has (cvt.rn is round to nearest even).
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ unsigned short float_to_half(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// bfloat16 is the top half of a float. Rounding to nearest even: the hardware conversion from sm_80 on, the
+// same rule in integer arithmetic before (NaN kept quiet; the bias carries into the exponent as it should).
+__device__ __forceinline__ float bf16_to_float(unsigned short b) {
+  return __uint_as_float(static_cast<unsigned int>(b) << 16);
+}
+__device__ __forceinline__ unsigned short float_to_bf16(float f) {
+#if __CUDA_ARCH__ >= 800
+  unsigned short b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+  return b;
+#else
+  const unsigned int u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((u >> 16) | 0x40u);
+  return static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
+}
 
 // Each Add is the element type's `+` as PyTorch computes it, plus `first`, which normalises the first input.
 
@@ -28,16 +56,16 @@ struct AddBool {
 // Half types add in float and round to nearest even once per add: what PyTorch's CUDA add kernel (float
 // opmath, alpha = 1, so no FMA can change the sum) stores for each intermediate of a + b + c.
 struct AddHalf {
-  __device__ __forceinline__ __half first(__half a) const { return a; }
-  __device__ __forceinline__ __half operator()(__half a, __half b) const {
-    return __float2half_rn(__half2float(a) + __half2float(b));
+  __device__ __forceinline__ unsigned short first(unsigned short a) const { return a; }
+  __device__ __forceinline__ unsigned short operator()(unsigned short a, unsigned short b) const {
+    return float_to_half(half_to_float(a) + half_to_float(b));
   }
 };
 
 struct AddBf16 {
-  __device__ __forceinline__ __nv_bfloat16 first(__nv_bfloat16 a) const { return a; }
-  __device__ __forceinline__ __nv_bfloat16 operator()(__nv_bfloat16 a, __nv_bfloat16 b) const {
-    return __float2bfloat16_rn(__bfloat162float(a) + __bfloat162float(b));
+  __device__ __forceinline__ unsigned short first(unsigned short a) const { return a; }
+  __device__ __forceinline__ unsigned short operator()(unsigned short a, unsigned short b) const {
+    return float_to_bf16(bf16_to_float(a) + bf16_to_float(b));
   }
 };
 
@@ -71,8 +99,8 @@ FDP_SUM(u8, unsigned char, AddWrap<unsigned char>)
 FDP_SUM(u16, unsigned short, AddWrap<unsigned short>)
 FDP_SUM(u32, unsigned int, AddWrap<unsigned int>)
 FDP_SUM(u64, unsigned long long, AddWrap<unsigned long long>)
-FDP_SUM(f16, __half, AddHalf)
-FDP_SUM(bf16, __nv_bfloat16, AddBf16)
+FDP_SUM(f16, unsigned short, AddHalf)
+FDP_SUM(bf16, unsigned short, AddBf16)
 FDP_SUM(f32, float, AddFloat<float>)
 FDP_SUM(f64, double, AddFloat<double>)
 

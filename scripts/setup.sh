@@ -16,3 +16,8 @@ for mod in setuptools wheel pytest numpy; do if need "$mod"; then missing="$miss
 if [ -n "$missing" ]; then "$VPY" -m pip install -q $missing; fi
 # No build isolation: the build needs only setuptools and a C compiler, and some machines have no index.
 FASTDP_WERROR=${FASTDP_WERROR:-1} "$VPY" -m pip install -q --no-build-isolation --force-reinstall --no-deps .
+# NVRTC as torch's CUDA wheels bring it: the run-time kernel compilation is tested with it (no GPU needed). fastdp's
+# own search decides whether one is there already; where no index has it, those tests skip.
+if ! "$VPY" -c "import sys; from fastdp import _C; sys.exit(not _C.kernels_info()['nvrtc_version'][0])" >/dev/null 2>&1; then
+  "$VPY" -m pip install -q nvidia-cuda-nvrtc==13.0.88 || echo "setup.sh: nvidia-cuda-nvrtc not installed; NVRTC tests will skip" >&2
+fi

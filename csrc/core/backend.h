@@ -58,13 +58,20 @@ typedef enum {
   FDP_PARAM_HOST_PARALLEL_MIN, /* FASTDP_HOST_PARALLEL_MIN: bytes below which host work stays on one thread */
   FDP_PARAM_DISABLE_NCCL,      /* FASTDP_DISABLE_NCCL: never pick the nccl backend */
   FDP_PARAM_DISABLE_CUDA,      /* FASTDP_DISABLE_CUDA: do not load the CUDA driver */
-  FDP_PARAM_CUDA_DRIVER_LIBRARY, /* FASTDP_CUDA_DRIVER_LIBRARY: load exactly this file as the driver (tests) */
-  FDP_PARAM_NCCL_LIBRARY,        /* FASTDP_NCCL_LIBRARY: load exactly this file as NCCL (tests) */
+  FDP_PARAM_CUDA_DRIVER_LIBRARY, /* FASTDP_CUDA_DRIVER_LIBRARY (string): load exactly this file as the driver */
+  FDP_PARAM_NCCL_LIBRARY,        /* FASTDP_NCCL_LIBRARY (string): load exactly this file as NCCL */
+  FDP_PARAM_DISABLE_NVRTC,     /* FASTDP_DISABLE_NVRTC: never compile kernels at run time */
+  FDP_PARAM_DISABLE_FATBIN,    /* FASTDP_DISABLE_FATBIN: ignore the build-time fatbin (NVRTC only) */
+  FDP_PARAM_KERNEL_CACHE,      /* FASTDP_KERNEL_CACHE: 0 keeps NVRTC output in memory only (no disk cache) */
+  FDP_PARAM_STRICT,            /* FASTDP_STRICT: the Python layer raises instead of falling back to torch */
+  FDP_PARAM_CACHE_DIR,         /* FASTDP_CACHE_DIR (string): kernel cache folder (default ~/.cache/fastdp/kernels) */
+  FDP_PARAM_NVRTC_LIBRARY,     /* FASTDP_NVRTC_LIBRARY (string): the libnvrtc.so to load, tried first */
   FDP_PARAM_COUNT
 } fdp_param_t;
 
+/* Integer value of a knob (its default when unset or unparsable; 0 for string knobs). */
 int64_t fdp__param(fdp_param_t p);
-/* The value of a path knob (FASTDP_*_LIBRARY), or NULL when unset or empty; read once, valid for the process. */
+/* Value of a string knob; NULL when unset or empty (valid for the process lifetime). */
 const char *fdp__param_str(fdp_param_t p);
 const char *fdp__param_name(fdp_param_t p);
 

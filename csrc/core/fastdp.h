@@ -173,6 +173,43 @@ int fdp_cuda_device_count(void);
 fdp_result_t fdp_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes, size_t *free_bytes);
 int fdp_cuda_can_access_peer(int device, int peer);
 
+/* ---- kernels: build-time fatbin, NVRTC and its disk cache (python -m fastdp info, tests) ---- */
+typedef struct fdp_kernels_facts {
+  size_t fatbin_bytes;      /* 0: built without nvcc (NVRTC is then the only source) */
+  size_t source_bytes;      /* the embedded kernel source NVRTC compiles */
+  int nvrtc_major;          /* 0 when NVRTC cannot be loaded (nvrtc_why says why) */
+  int nvrtc_minor;
+  char nvrtc_library[1024]; /* the file NVRTC was loaded from */
+  char nvrtc_why[512];
+  char cache_dir[1024];     /* the disk cache folder; "" when kernels are kept in memory only */
+} fdp_kernels_facts_t;
+
+/* Fills *out; loads NVRTC if needed (no GPU involved). Thread-safe. */
+void fdp_kernels_facts(fdp_kernels_facts_t *out);
+
+/* Where the kernels of `device` came from ("fatbin ...", "NVRTC, from the disk cache ..."), why none load
+ * there, or "" when they were not loaded yet in this process. The string stays valid until fdp_shutdown. */
+const char *fdp_cuda_kernels_source(int device);
+
+/* ':'-separated folders where NVRTC is looked for (after the copy already in the process and
+ * FASTDP_NVRTC_LIBRARY); only before NVRTC is first used, else FDP_INVALID. */
+fdp_result_t fdp_nvrtc_search_dirs(const char *dirs);
+
+/* The NVRTC image for architecture `cc` (major * 10 + minor) as the cuda backend would get it: memory, disk
+ * cache or compilation. `forget` first drops the images this process keeps in memory (tests only: not while
+ * another thread loads kernels). Needs no GPU. Errors: FDP_INVALID (cc), FDP_UNAVAILABLE (no NVRTC, or it
+ * cannot target cc), FDP_NOMEM, FDP_INTERNAL (compilation failed; the detail holds NVRTC's log). */
+typedef struct fdp_kernels_image_info {
+  size_t bytes;
+  int arch;   /* the architecture compiled for */
+  int ptx;    /* 1: PTX for compute_<arch>; 0: cubin for sm_<arch> */
+  int origin; /* 0 disk cache, 1 compiled now and cached, 2 compiled now, memory only */
+  double seconds;
+  char file[1024];
+  char note[256];
+} fdp_kernels_image_info_t;
+fdp_result_t fdp_kernels_image(int cc, int forget, fdp_kernels_image_info_t *out);
+
 /* Releases cached communicators and device state. Not safe concurrently with other calls; the next call
  * rebuilds what it needs. */
 void fdp_shutdown(void);

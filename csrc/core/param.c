@@ -3,11 +3,12 @@
 
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 static const struct {
   const char *name;
   int64_t def;
-  int is_path; /* a file name, read by fdp__param_str; fdp__param gives 1 when set */
+  int is_str; /* a string (folder or file name), read by fdp__param_str; fdp__param gives 0 */
 } table[FDP_PARAM_COUNT] = {
     [FDP_PARAM_DEBUG] = {"FASTDP_DEBUG", 0},
     [FDP_PARAM_HOST_THREADS] = {"FASTDP_HOST_THREADS", 0},
@@ -16,18 +17,24 @@ static const struct {
     [FDP_PARAM_DISABLE_CUDA] = {"FASTDP_DISABLE_CUDA", 0},
     [FDP_PARAM_CUDA_DRIVER_LIBRARY] = {"FASTDP_CUDA_DRIVER_LIBRARY", 0, 1},
     [FDP_PARAM_NCCL_LIBRARY] = {"FASTDP_NCCL_LIBRARY", 0, 1},
+    [FDP_PARAM_DISABLE_NVRTC] = {"FASTDP_DISABLE_NVRTC", 0},
+    [FDP_PARAM_DISABLE_FATBIN] = {"FASTDP_DISABLE_FATBIN", 0},
+    [FDP_PARAM_KERNEL_CACHE] = {"FASTDP_KERNEL_CACHE", 1},
+    [FDP_PARAM_STRICT] = {"FASTDP_STRICT", 0},
+    [FDP_PARAM_CACHE_DIR] = {"FASTDP_CACHE_DIR", 0, 1},
+    [FDP_PARAM_NVRTC_LIBRARY] = {"FASTDP_NVRTC_LIBRARY", 0, 1},
 };
 
 static int64_t values[FDP_PARAM_COUNT];
-static const char *strings[FDP_PARAM_COUNT];
+static char *strings[FDP_PARAM_COUNT]; /* copies, so later setenv calls cannot pull them away; never freed */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void load(void) {
   for (int i = 0; i < FDP_PARAM_COUNT; i++) {
     const char *s = getenv(table[i].name);
-    if (table[i].is_path) {
-      strings[i] = s && *s ? s : NULL; /* the environment block outlives every caller */
-      values[i] = strings[i] != NULL;
+    if (table[i].is_str) {
+      strings[i] = s && *s ? strdup(s) : NULL;
+      values[i] = 0;
       continue;
     }
     char *end = NULL;

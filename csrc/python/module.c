@@ -631,6 +631,48 @@ static PyObject *py_shutdown(PyObject *module, PyObject *unused) {
   Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+/* ---- kernels: NVRTC and its cache ---- */
+
+static PyObject *py_kernels_info(PyObject *module, PyObject *unused) {
+  (void)module;
+  (void)unused;
+  fdp_kernels_facts_t f;
+  int ndev;
+  Py_BEGIN_ALLOW_THREADS fdp_kernels_facts(&f);
+  ndev = fdp_cuda_device_count();
+  Py_END_ALLOW_THREADS PyObject *devices = PyList_New(ndev);
+  for (int d = 0; devices && d < ndev; d++) {
+    PyObject *v = PyUnicode_FromString(fdp_cuda_kernels_source(d));
+    if (!v) Py_CLEAR(devices);
+    else PyList_SET_ITEM(devices, d, v);
+  }
+  if (!devices) return NULL;
+  return Py_BuildValue("{s:n,s:n,s:(ii),s:s,s:s,s:s,s:N}", "fatbin_bytes", (Py_ssize_t)f.fatbin_bytes, "source_bytes",
+                       (Py_ssize_t)f.source_bytes, "nvrtc_version", f.nvrtc_major, f.nvrtc_minor, "nvrtc_library",
+                       f.nvrtc_library, "nvrtc_why", f.nvrtc_why, "cache_dir", f.cache_dir, "devices", devices);
+}
+
+static PyObject *py_nvrtc_search_dirs(PyObject *module, PyObject *args) {
+  const char *dirs;
+  if (!PyArg_ParseTuple(args, "s:nvrtc_search_dirs", &dirs)) return NULL;
+  fdp_result_t r = fdp_nvrtc_search_dirs(dirs);
+  if (r != FDP_OK) return raise_result(get_state(module), r);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_kernels_image(PyObject *module, PyObject *args) {
+  int cc, forget = 0;
+  if (!PyArg_ParseTuple(args, "i|p:kernels_image", &cc, &forget)) return NULL;
+  fdp_kernels_image_info_t info;
+  fdp_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = fdp_kernels_image(cc, forget, &info);
+  Py_END_ALLOW_THREADS if (r != FDP_OK) return raise_result(get_state(module), r);
+  static const char *const origins[] = {"disk", "compiled", "memory"};
+  return Py_BuildValue("{s:n,s:s,s:i,s:s,s:d,s:s,s:s}", "bytes", (Py_ssize_t)info.bytes, "target",
+                       info.ptx ? "ptx" : "cubin", "arch", info.arch, "origin", origins[info.origin], "seconds",
+                       info.seconds, "file", info.file, "note", info.note);
+}
+
 static PyMethodDef methods[] = {
     {"copy", py_copy, METH_VARARGS, "copy(dsts, srcs, streams=None): dst[i] = src[i] element-wise"},
     {"broadcast", py_broadcast, METH_VARARGS, "broadcast(src, dsts, streams=None)"},
@@ -645,6 +687,10 @@ static PyMethodDef methods[] = {
     {"dtype_codes", py_dtype_codes, METH_NOARGS, "{name: code} of the dtypes the core reduces"},
     {"info", py_info, METH_NOARGS, "backends, driver and NCCL versions, devices"},
     {"shutdown", py_shutdown, METH_NOARGS, "release communicators and device state"},
+    {"kernels_info", py_kernels_info, METH_NOARGS, "fatbin size, NVRTC library and version, cache folder, sources"},
+    {"nvrtc_search_dirs", py_nvrtc_search_dirs, METH_VARARGS, "nvrtc_search_dirs('dir1:dir2'): before first use"},
+    {"kernels_image", py_kernels_image, METH_VARARGS,
+     "kernels_image(cc, forget=False) -> dict: the NVRTC image for sm_<cc> (memory, disk cache or compiled)"},
     {NULL, NULL, 0, NULL},
 };
 

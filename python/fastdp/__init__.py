@@ -8,7 +8,9 @@ __version__ = "0.1.0"
 import torch  # noqa: F401  (loaded first: the GPU backends reuse the CUDA libraries torch brings)
 
 from . import _C
+from . import _libs  # noqa: F401  (tells the core where pip's NVRTC is, before its first use)
 from ._C import BackendUnavailableError, CudaError, FastDPError, NcclError
+from ._fallback import FallbackWarning
 from . import comm
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "CudaError",
     "NcclError",
     "BackendUnavailableError",
+    "FallbackWarning",
     "info",
 ]
 

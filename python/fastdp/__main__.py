@@ -8,7 +8,7 @@ import sys
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fastdp")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_info = sub.add_parser("info", help="versions, backends, GPUs and peer access")
+    p_info = sub.add_parser("info", help="versions, backends and their libraries, kernel source, fallback, GPUs")
     p_info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sub.add_parser("bench", help="benchmarks (same as python -m fastdp.bench)", add_help=False)
     args, rest = parser.parse_known_args(argv)

@@ -4,6 +4,7 @@ order core work (PyTorch's current stream of each CUDA device; none for host ten
 import torch
 
 from . import _C
+from ._fallback import core as _guarded_core  # the staged retry below falls back to torch when the core cannot
 
 _CODES = _C.dtype_codes()
 _CORE_DTYPES = {
@@ -65,4 +66,4 @@ def reduce_columns(columns, outs):
         _C.reduce_many(columns, outs, streams_for([*outs, *(t for c in columns for t in c)]))
     except _C.BackendUnavailableError:
         staged = [[t if t.device == o.device else t.to(o.device) for t in c] for c, o in zip(columns, outs)]
-        _C.reduce_many(staged, outs, streams_for([*outs, *(t for c in staged for t in c)]))
+        _guarded_core.reduce_many(staged, outs, streams_for([*outs, *(t for c in staged for t in c)]))

@@ -1,10 +1,11 @@
-"""What fastdp can do on this machine: versions, backends (compiled, usable, why not), GPUs and peer access."""
+"""What fastdp can do on this machine: versions, backends (compiled, usable, why not, library found), where the
+kernels come from (fatbin, NVRTC compiled now or from the disk cache), the torch fallback, GPUs and peer access."""
 
 import platform
 
 import torch
 
-from . import _C, __version__
+from . import _C, __version__, _fallback
 
 
 def _version(v):
@@ -18,8 +19,72 @@ def _version(v):
     return str(v)
 
 
+def _kernels(core_devices):
+    k = _C.kernels_info()
+    major, minor = k["nvrtc_version"]
+    devices = []
+    for i, src in enumerate(k["devices"]):
+        devices.append({"index": i, "source": src or "not loaded yet in this process"})
+    return {
+        "fatbin_bytes": k["fatbin_bytes"],
+        "nvrtc": f"{major}.{minor}" if major else None,
+        "nvrtc_library": k["nvrtc_library"] or None,
+        "nvrtc_why": k["nvrtc_why"] or None,
+        "cache_dir": k["cache_dir"] or None,
+        "devices": devices,
+    }
+
+
+def _mapped(prefix):
+    """The file of a loaded shared library whose name starts with prefix (Linux /proc/self/maps), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(" ", 5)[-1].strip()
+                if path.rsplit("/", 1)[-1].startswith(prefix):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _libraries(core, kernels):
+    """Per backend: the library it found (path) and its version, or why none."""
+    nccl_why = core["backends"]["nccl"]["why"]
+    cuda_why = core["backends"]["cuda"]["why"]
+    return {
+        "host": {"library": None, "version": None},
+        "cuda": {
+            "library": (_mapped("libcuda.so") or "libcuda.so.1") if core["cuda_driver_version"] else None,
+            "version": _version(core["cuda_driver_version"]),
+            "why": None if core["cuda_driver_version"] else cuda_why,
+        },
+        "nvrtc": {"library": kernels["nvrtc_library"], "version": kernels["nvrtc"], "why": kernels["nvrtc_why"]},
+        "nccl": {
+            "library": core["nccl_library"] or None,
+            "version": _version(core["nccl_version"]),
+            "why": None if core["nccl_version"] else nccl_why,
+        },
+    }
+
+
+def _kernel_source(kernels):
+    """One line: where the kernels come from (or would come from) on this machine."""
+    loaded = {d["source"] for d in kernels["devices"] if not d["source"].startswith("not loaded")}
+    if loaded:
+        return "; ".join(sorted(loaded))
+    ways = []
+    if kernels["fatbin_bytes"]:
+        ways.append(f"fatbin ({kernels['fatbin_bytes']} bytes, built with nvcc)")
+    if kernels["nvrtc"]:
+        cache = f"cached in {kernels['cache_dir']}" if kernels["cache_dir"] else "memory only"
+        ways.append(f"NVRTC {kernels['nvrtc']} at first use, {cache}")
+    return (" or ".join(ways) + " (not loaded yet)") if ways else "none: no fatbin and no NVRTC"
+
+
 def collect():
     core = _C.info()
+    kernels = _kernels(core["devices"])
     torch_nccl = None
     if torch.cuda.is_available():
         try:
@@ -36,6 +101,11 @@ def collect():
         "nccl": _version(core["nccl_version"]),
         "nccl_library": core["nccl_library"] or None,
         "backends": core["backends"],
+        "libraries": _libraries(core, kernels),
+        "kernels": kernels,
+        "kernel_source": _kernel_source(kernels),
+        "fallback": _fallback.reason(),
+        "strict": _fallback.strict(),
         "devices": core["devices"],
     }
 
@@ -51,11 +121,28 @@ def render(info):
         f"NCCL {info['nccl'] or 'not loaded'}" + (f" ({info['nccl_library']})" if info["nccl_library"] else "")
         + (f"; torch's NCCL {info['torch_nccl']}" if info["torch_nccl"] else ""),
         "",
-        "backend  compiled  usable  why not",
+        "backend  compiled  loadable  library (version)",
     ]
+    libs = info["libraries"]
     for name, b in info["backends"].items():
-        lines.append(f"{name:<8} {'yes' if b['compiled'] else 'no':<9} {'yes' if b['usable'] else 'no':<7} "
-                     f"{'' if b['usable'] else b['why']}")
+        lib = libs.get(name, {})
+        found = "built in" if name == "host" else (
+            f"{lib['library']} ({lib['version']})" if lib.get("library") else f"none: {lib.get('why') or b['why']}")
+        lines.append(f"{name:<8} {'yes' if b['compiled'] else 'no':<9} {'yes' if b['usable'] else 'no':<9} {found}"
+                     + ("" if b["usable"] or lib.get("why") else f"; not usable: {b['why']}"))
+    nv = libs["nvrtc"]
+    lines.append(f"{'nvrtc':<8} {'-':<9} {'yes' if nv['library'] else 'no':<9} "
+                 + (f"{nv['library']} ({nv['version']})" if nv["library"] else f"none: {nv['why']}"))
+    lines.append("")
+    lines.append(f"kernels: {info['kernel_source']}")
+    for d in info["kernels"]["devices"]:
+        lines.append(f"  GPU {d['index']}: {d['source']}")
+    if info["fallback"]:
+        fb = f"in use (torch's implementation): {info['fallback']}"
+    else:
+        fb = "not used so far" + (" (FASTDP_STRICT=1: it would be an error)" if info["strict"] else
+                                  "; torch's implementation takes over any operation the core cannot run")
+    lines.append(f"fallback: {fb}")
     devices = info["devices"]
     lines.append("")
     if not devices:

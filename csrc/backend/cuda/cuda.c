@@ -1,6 +1,8 @@
 /* The cuda backend: strided copies between CUDA tensors on any devices (copy engines where the layout allows,
  * the strided-copy kernel otherwise) and the in-order k-way sum kernel, all through the driver API, ordered on
- * the streams the caller lists. Kernels come from the fatbin embedded at build time, loaded once per device. */
+ * the streams the caller lists. Kernels come from the fatbin embedded at build time when it fits the GPU, else
+ * from NVRTC (kernel_image.c), loaded once per device. Copies the copy engines can do never need them. */
+#include "backend/cuda/kernel_image.h"
 #include "backend/cuda/kernels.h"
 #include "dl/cuda_driver.h"
 
@@ -42,12 +44,13 @@ static const char *const k_sum_names[FDP_DTYPE_COUNT] = {
 };
 static const char *const k_copy_names[5] = {"fdp_copy_1", "fdp_copy_2", "fdp_copy_4", "fdp_copy_8", "fdp_copy_16"};
 
+/* Per device: 0 not loaded yet (or the last try failed transiently: try again), 1 loaded, -1 no image loads on
+ * this GPU (g_mod_err says why; only true image errors stick, never OOM or a failed context push). */
 static module_t g_mod[FDP_MAX_DEVICES];
-static atomic_int g_mod_state[FDP_MAX_DEVICES]; /* 0 not loaded, 1 loaded, -1 failed (g_mod_err says why) */
-static char g_mod_err[FDP_MAX_DEVICES][256];
+static atomic_int g_mod_state[FDP_MAX_DEVICES];
+static char g_mod_err[FDP_MAX_DEVICES][1024];
+static char g_mod_src[FDP_MAX_DEVICES][160]; /* where the loaded kernels came from, for `python -m fastdp info` */
 static pthread_mutex_t g_mod_lock = PTHREAD_MUTEX_INITIALIZER;
-
-static const char *const k_no_kernels = "kernels were not compiled (nvcc missing at build time)";
 
 /* Pops the context pushed for `dev`, keeping the first failure's detail when there already is one. */
 static fdp_result_t pop_keep(const fdp_cu_t *cu, int dev, fdp_result_t r) {
@@ -56,12 +59,18 @@ static fdp_result_t pop_keep(const fdp_cu_t *cu, int dev, fdp_result_t r) {
   return r != FDP_OK ? r : fdp__cu_check(e, "cuCtxPopCurrent", dev);
 }
 
-static fdp_result_t load_module(const fdp_cu_t *cu, int dev, module_t *m) {
+/* The driver's verdict that an image does not fit this GPU or driver: deterministic, so worth remembering. Any
+ * other failure (out of memory, a lost context...) may pass and is retried by the next call. */
+static int image_error(CUresult e) {
+  return e == CUDA_ERROR_NO_BINARY_FOR_GPU || e == CUDA_ERROR_INVALID_IMAGE || e == CUDA_ERROR_INVALID_PTX ||
+         e == CUDA_ERROR_UNSUPPORTED_PTX_VERSION || e == CUDA_ERROR_JIT_COMPILER_NOT_FOUND ||
+         e == CUDA_ERROR_JIT_COMPILATION_DISABLED || e == CUDA_ERROR_INVALID_SOURCE;
+}
+
+static fdp_result_t bind_functions(const fdp_cu_t *cu, int dev, module_t *m) {
   CUdevice d = 0;
   int sms = 0;
-  fdp_result_t r = fdp__cu_check(cu->ModuleLoadData(&m->mod, fdp__kernels_fatbin),
-                                 "cuModuleLoadData (fastdp kernels; built for other GPUs? see FASTDP_CUDA_ARCHS)", dev);
-  if (r != FDP_OK) return r;
+  fdp_result_t r = FDP_OK;
   for (int t = 0; t < FDP_DTYPE_COUNT && r == FDP_OK; t++)
     if (k_sum_names[t])
       r = fdp__cu_check(cu->ModuleGetFunction(&m->sum[t], m->mod, k_sum_names[t]), k_sum_names[t], dev);
@@ -71,33 +80,109 @@ static fdp_result_t load_module(const fdp_cu_t *cu, int dev, module_t *m) {
   if (r == FDP_OK)
     r = fdp__cu_check(cu->DeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, d),
                       "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)", dev);
-  if (r != FDP_OK) {
-    cu->ModuleUnload(m->mod);
-    return r;
-  }
   /* Grid-stride kernels: enough blocks to fill every SM several times over, no more. */
   m->max_blocks = (unsigned int)(sms > 0 ? sms * 8 : 1024);
+  return r;
+}
+
+/* Compute capability of `dev` as major * 10 + minor (90 for sm_90). */
+static fdp_result_t device_cc(const fdp_cu_t *cu, int dev, int *cc) {
+  CUdevice d = 0;
+  int major = 0, minor = 0;
+  FDP_CHECK(fdp__cu_check(cu->DeviceGet(&d, dev), "cuDeviceGet", dev));
+  FDP_CHECK(fdp__cu_check(cu->DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, d),
+                          "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MAJOR)", dev));
+  FDP_CHECK(fdp__cu_check(cu->DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, d),
+                          "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MINOR)", dev));
+  *cc = major * 10 + minor;
   return FDP_OK;
 }
 
-/* The kernels module of `dev`, loaded into its primary context on first use (thread-safe; a failure is
- * remembered and reported again without retrying until shutdown). */
+static const char *const k_origin[] = {
+    [FDP_KIMAGE_DISK] = "NVRTC, from the disk cache",
+    [FDP_KIMAGE_COMPILED] = "NVRTC, compiled now (cached on disk)",
+    [FDP_KIMAGE_MEMORY] = "NVRTC, compiled now (memory only)",
+};
+
+/* Loads the kernels into the current context of `dev`: the build-time fatbin first, NVRTC's image for the
+ * device's exact architecture when the fatbin has none that loads. *sticky is set when the failure is the
+ * driver refusing every image (then it will not change in this process). */
+static fdp_result_t load_module(const fdp_cu_t *cu, int dev, module_t *m, int *sticky) {
+  char fatbin_why[320] = "no fatbin (nvcc was not found at build time)";
+  CUresult e;
+  int cc = 0;
+  *sticky = 0;
+  if (fdp__kernels_fatbin_size > 0 && fdp__param(FDP_PARAM_DISABLE_FATBIN)) {
+    snprintf(fatbin_why, sizeof fatbin_why, "fatbin skipped (FASTDP_DISABLE_FATBIN)");
+  } else if (fdp__kernels_fatbin_size > 0) {
+    e = cu->ModuleLoadData(&m->mod, fdp__kernels_fatbin);
+    if (e == CUDA_SUCCESS) {
+      snprintf(g_mod_src[dev], sizeof g_mod_src[dev], "fatbin (built with nvcc)");
+      return FDP_OK;
+    }
+    fdp__cu_check(e, "cuModuleLoadData (fatbin)", dev);
+    if (!image_error(e)) return FDP_CUDA;
+    snprintf(fatbin_why, sizeof fatbin_why, "%s", fdp_last_error());
+  }
+  FDP_CHECK(device_cc(cu, dev, &cc));
+  fdp_kimage_t img;
+  fdp_result_t r = fdp__kimage_get(cc, &img);
+  if (r != FDP_OK) {
+    char why[700];
+    snprintf(why, sizeof why, "%s", fdp_last_error());
+    /* No NVRTC or one that cannot target this GPU: unavailable, not failing. A compile error of our own source
+     * is as permanent as a refused image; NVRTC running out of memory is not. */
+    if (r == FDP_INTERNAL) *sticky = 1;
+    return fdp__fail(r == FDP_NOMEM ? FDP_NOMEM : FDP_UNAVAILABLE, "no fastdp kernels for device %d (sm_%d): %s; %s",
+                     dev, cc, fatbin_why, why);
+  }
+  e = cu->ModuleLoadData(&m->mod, img.data);
+  if (e != CUDA_SUCCESS) {
+    fdp__cu_check(e, img.ptx ? "cuModuleLoadData (NVRTC PTX)" : "cuModuleLoadData (NVRTC cubin)", dev);
+    if (!image_error(e)) return FDP_CUDA;
+    *sticky = 1;
+    char why[600];
+    snprintf(why, sizeof why, "%s", fdp_last_error());
+    return fdp__fail(FDP_UNAVAILABLE,
+                     "no fastdp kernels load on device %d (sm_%d): %s; %s for %s_%d: %s (a driver older than "
+                     "NVRTC? update the driver or install the nvidia-cuda-nvrtc that matches it)",
+                     dev, cc, fatbin_why, img.ptx ? "PTX" : "cubin", img.ptx ? "compute" : "sm", img.arch, why);
+  }
+  snprintf(g_mod_src[dev], sizeof g_mod_src[dev], "%s for %s_%d (%.3f s)", k_origin[img.origin],
+           img.ptx ? "compute" : "sm", img.arch, img.seconds);
+  return FDP_OK;
+}
+
+/* The kernels module of `dev`, loaded into its primary context on first use (thread-safe). Only an image the
+ * driver refuses is remembered (reported again without retrying until shutdown); every other failure is
+ * retried by the next call. FDP_UNAVAILABLE when no kernels exist for this GPU: the caller says what needed
+ * them, and the Python layer may fall back to torch. */
 static fdp_result_t get_module(const fdp_cu_t *cu, int dev, const module_t **out) {
   if (dev < 0 || dev >= FDP_MAX_DEVICES) return fdp__fail(FDP_INVALID, "CUDA device %d out of range", dev);
   int st = atomic_load_explicit(&g_mod_state[dev], memory_order_acquire);
   if (st == 0) {
-    if (fdp__kernels_fatbin_size == 0) return fdp__fail(FDP_UNAVAILABLE, "cuda backend: %s", k_no_kernels);
     fdp_result_t r = FDP_OK;
     pthread_mutex_lock(&g_mod_lock);
     if (atomic_load_explicit(&g_mod_state[dev], memory_order_relaxed) == 0) {
       module_t m;
+      int sticky = 0;
       memset(&m, 0, sizeof m);
       r = fdp__cu_ctx_push(dev, NULL);
-      if (r == FDP_OK) r = pop_keep(cu, dev, load_module(cu, dev, &m));
+      if (r == FDP_OK) {
+        r = load_module(cu, dev, &m, &sticky);
+        if (r == FDP_OK) {
+          r = bind_functions(cu, dev, &m);
+          if (r != FDP_OK) {
+            CUresult e = cu->ModuleUnload(m.mod);
+            if (e != CUDA_SUCCESS) fdp__log("cuModuleUnload on device %d: CUresult %d", dev, (int)e);
+          }
+        }
+        r = pop_keep(cu, dev, r);
+      }
       if (r == FDP_OK) {
         g_mod[dev] = m;
         atomic_store_explicit(&g_mod_state[dev], 1, memory_order_release);
-      } else if (r == FDP_CUDA) {
+      } else if (sticky) {
         snprintf(g_mod_err[dev], sizeof g_mod_err[dev], "%s", fdp_last_error());
         atomic_store_explicit(&g_mod_state[dev], -1, memory_order_release);
       }
@@ -106,9 +191,22 @@ static fdp_result_t get_module(const fdp_cu_t *cu, int dev, const module_t **out
     if (r != FDP_OK) return r;
     st = atomic_load_explicit(&g_mod_state[dev], memory_order_acquire);
   }
-  if (st < 0) return fdp__fail(FDP_CUDA, "%s", g_mod_err[dev]);
+  if (st < 0) return fdp__fail(FDP_UNAVAILABLE, "%s", g_mod_err[dev]);
   *out = &g_mod[dev];
   return FDP_OK;
+}
+
+const char *fdp_cuda_kernels_source(int dev) {
+  if (dev < 0 || dev >= FDP_MAX_DEVICES) return "";
+  int st = atomic_load_explicit(&g_mod_state[dev], memory_order_acquire);
+  return st == 1 ? g_mod_src[dev] : st < 0 ? g_mod_err[dev] : "";
+}
+
+/* Prefixes the detail of a get_module failure with what needed the kernels. */
+static fdp_result_t needs_kernels(const char *what) {
+  char why[1024];
+  snprintf(why, sizeof why, "%s", fdp_last_error());
+  return fdp__fail(FDP_UNAVAILABLE, "cuda backend: %s, but %s", what, why);
 }
 
 static unsigned int grid_for(const module_t *m, int64_t n) {
@@ -287,8 +385,10 @@ static int es_index(int64_t es) {
 
 /* Enqueues the strided-copy kernel on `stream`; the context of `dev` must be current. */
 static fdp_result_t kernel_copy(const fdp_cu_t *cu, int dev, CUstream stream, pair_t p) {
-  const module_t *m;
-  FDP_CHECK(get_module(cu, dev, &m));
+  const module_t *m = NULL;
+  fdp_result_t r = get_module(cu, dev, &m);
+  if (r == FDP_UNAVAILABLE) return needs_kernels("this copy's layout needs the strided-copy kernel");
+  if (r != FDP_OK) return r;
   pair_for_kernel(&p);
   fdp_copy_args_t a;
   memset(&a, 0, sizeof a);
@@ -663,8 +763,9 @@ static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
                         dev);
     return pop_keep(cu, dev, r);
   }
-  const module_t *m;
+  const module_t *m = NULL;
   r = get_module(cu, dev, &m);
+  if (r == FDP_UNAVAILABLE) r = needs_kernels("a sum of several inputs needs the k-way sum kernel");
   if (r != FDP_OK) return pop_keep(cu, dev, r);
   /* The running sum lives in out unless out is an input that a later pass still has to read. */
   CUdeviceptr acc = o, tmp = 0;
@@ -690,28 +791,14 @@ static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
 
 /* ---- backend ---- */
 
+/* Usable when the driver loads and sees a device. Kernels are not part of it: copies the copy engines can do
+ * never need them, and an op that does reports why they are missing (get_module). */
 static int cuda_usable(const char **why) {
   const fdp_cu_t *cu;
   const char *w = NULL;
-  CUdevice d0;
-  unsigned int flags = 0;
-  int active = 0;
-  const module_t *m;
   if (fdp__cu_load(&cu, &w) != FDP_OK) goto no;
   if (fdp__cu_device_count() < 1) {
     w = "no CUDA device is visible";
-    goto no;
-  }
-  if (fdp__kernels_fatbin_size == 0) {
-    w = k_no_kernels;
-    goto no;
-  }
-  /* Prove the kernels load, but only where PyTorch already made device 0's context: creating one here would
-   * cost memory on a GPU nobody asked for. Elsewhere a load failure surfaces at the first kernel. */
-  if (atomic_load_explicit(&g_mod_state[0], memory_order_acquire) == 1) return 1; /* the core asks every op */
-  if (cu->DeviceGet(&d0, 0) == CUDA_SUCCESS && cu->DevicePrimaryCtxGetState(d0, &flags, &active) == CUDA_SUCCESS &&
-      active && get_module(cu, 0, &m) == FDP_CUDA) {
-    w = "the kernels do not load on device 0 (compiled for other GPU architectures? see FASTDP_CUDA_ARCHS)";
     goto no;
   }
   return 1;
@@ -734,6 +821,7 @@ static void cuda_shutdown(void) {
       pop_keep(cu, d, FDP_OK);
     }
     memset(&g_mod[d], 0, sizeof g_mod[d]);
+    g_mod_src[d][0] = g_mod_err[d][0] = '\0';
     atomic_store(&g_mod_state[d], 0);
   }
   pthread_mutex_unlock(&g_mod_lock);

@@ -1,10 +1,13 @@
 /* The ABI between the cuda backend (C, host) and the kernels in the cuda/ folder (nvcc, device): kernel
- * names, parameter layouts, and the embedded fatbin that cuda/build_kernels.py generates. Included by both
- * sides, so it stays plain C with fixed-size fields. */
+ * names, parameter layouts, and the embedded source and fatbin that cuda/build_kernels.py generates. Included by
+ * both sides (nvcc, and NVRTC through the embedded source, which has no other header), so it stays plain C with
+ * fixed-size fields. */
 #ifndef FASTDP_BACKEND_CUDA_KERNELS_H
 #define FASTDP_BACKEND_CUDA_KERNELS_H
 
+#ifndef __CUDACC_RTC__ /* NVRTC compiles without host headers */
 #include <stddef.h>
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -37,10 +40,15 @@ typedef struct fdp_copy_args {
   long long dst_strides[FDP_COPY_MAX_DIMS];
 } fdp_copy_args_t;
 
+#ifndef __CUDACC__ /* host side only: defined in the fdp_kernels_blob.c that cuda/build_kernels.py generates */
 /* The fatbin holding every kernel (SASS for the build's architectures plus PTX); size 0 when nvcc was missing
- * at build time. Defined in the generated fdp_kernels_blob.c. */
+ * at build time. */
 extern const unsigned char fdp__kernels_fatbin[];
 extern const size_t fdp__kernels_fatbin_size;
+/* The kernels' CUDA source as one self-contained text (this header inlined), NUL-terminated, for NVRTC. */
+extern const char fdp__kernels_source[];
+extern const size_t fdp__kernels_source_size;
+#endif
 
 #ifdef __cplusplus
 }

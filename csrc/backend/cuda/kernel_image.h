@@ -1,0 +1,39 @@
+/* Kernel images compiled at run time: NVRTC's output for one GPU architecture, made once per process and kept
+ * on disk across processes (keyed by kernel source hash, NVRTC version and architecture). Needs no GPU. */
+#ifndef FASTDP_BACKEND_CUDA_KERNEL_IMAGE_H
+#define FASTDP_BACKEND_CUDA_KERNEL_IMAGE_H
+
+#include "core/backend.h"
+
+#include <stddef.h>
+
+typedef enum {
+  FDP_KIMAGE_DISK,     /* read from the disk cache */
+  FDP_KIMAGE_COMPILED, /* compiled by NVRTC in this process, and written to the disk cache */
+  FDP_KIMAGE_MEMORY    /* compiled by NVRTC in this process, kept in memory only (see note) */
+} fdp_kimage_origin_t;
+
+typedef struct fdp_kimage {
+  const unsigned char *data; /* owned by the cache, valid for the process lifetime; NUL after size bytes */
+  size_t size;
+  int arch;                   /* the architecture compiled for */
+  int ptx;                    /* 1: PTX for compute_<arch> (the driver finishes it); 0: a cubin for sm_<arch> */
+  fdp_kimage_origin_t origin; /* how this process first got it */
+  double seconds;             /* what getting it first cost (disk read or compilation) */
+  char file[1024];            /* the cache file ("" when memory only) */
+  char note[256];             /* why memory only, or why a cache entry was rebuilt ("" otherwise) */
+} fdp_kimage_t;
+
+/* The image for GPU architecture `cc` (major * 10 + minor): from this process's memory, else from the disk
+ * cache, else compiled with NVRTC and stored. A missing, corrupt or stale cache entry is rebuilt; an
+ * unwritable cache folder keeps the image in memory only. Thread-safe (one compilation per architecture).
+ * Errors are fdp__nvrtc_compile's; a failure is not remembered (the next call tries again). */
+fdp_result_t fdp__kimage_get(int cc, fdp_kimage_t *out);
+
+/* The disk cache folder in use ("" when caching is off or no folder can be named); `buf` receives it. */
+const char *fdp__kimage_cache_dir(char *buf, size_t len);
+
+/* Forgets the images kept in memory (for tests that measure the disk cache within one process). */
+void fdp__kimage_forget(void);
+
+#endif

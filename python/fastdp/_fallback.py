@@ -1,0 +1,169 @@
+"""The core's data-moving calls with torch's own implementation behind them.
+
+When fastdp's C core cannot run an operation here (no CUDA driver it can use, no kernels for this GPU: no NVRTC
+and no matching fatbin, CUDA disabled...), it raises ``BackendUnavailableError``; ``core.<op>`` then does the same
+work with ``Tensor.copy_`` and ``torch.add`` (what ``torch.nn.parallel.comm`` does underneath), in the same
+order and rounding, and warns once per process naming the reason and the fix. ``FASTDP_STRICT=1`` (declared
+in csrc/core/param.c) turns the fallback into that error, for benchmarks and checks that must prove the C
+paths ran. ``core`` is a drop-in for the ``_C`` module: every other attribute is ``_C``'s own.
+"""
+
+import contextlib
+import os
+import threading
+import warnings
+
+import torch
+
+from . import _C
+
+__all__ = ["core", "FallbackWarning", "reason", "strict"]
+
+
+class FallbackWarning(UserWarning):
+    """fastdp's C core could not run an operation; torch's implementation ran it."""
+
+
+_lock = threading.Lock()
+_reason = None
+
+# What to do about a reason, by the words the C core uses in it (first match wins).
+_FIXES = (
+    ("FASTDP_DISABLE_CUDA", "unset FASTDP_DISABLE_CUDA"),
+    ("NVRTC", "pip install nvidia-cuda-nvrtc matching the driver (PyTorch's CUDA wheels bring it), or reinstall "
+              "fastdp on a machine where nvcc is found"),
+    ("no fastdp kernels", "install the nvidia-cuda-nvrtc that matches the driver, or update the driver"),
+    ("libcuda", "install the NVIDIA driver (R525 or newer; R580 or newer with CUDA 13 libraries)"),
+    ("driver", "update the NVIDIA driver (R525 or newer; R580 or newer with CUDA 13 libraries)"),
+    ("NCCL", "pip install nvidia-nccl-cu13 (or -cu12), or unset FASTDP_DISABLE_NCCL"),
+)
+
+
+def strict():
+    """True when FASTDP_STRICT asks for errors instead of the torch fallback."""
+    return os.environ.get("FASTDP_STRICT", "0").strip() not in ("", "0")
+
+
+def reason():
+    """Why this process fell back to torch (the first reason), or None when it never did."""
+    return _reason
+
+
+def _fix(message):
+    for words, fix in _FIXES:
+        if words in message:
+            return fix
+    return "see `python -m fastdp info` for what is missing"
+
+
+def _fall_back(exc, op):
+    """Raises under FASTDP_STRICT; otherwise records the reason and warns the first time."""
+    global _reason
+    if strict():
+        raise _C.BackendUnavailableError(
+            f"{exc} (FASTDP_STRICT is set, so fastdp does not fall back to torch)"
+        ) from exc
+    with _lock:
+        first = _reason is None
+        if first:
+            _reason = str(exc)
+    if first:
+        warnings.warn(
+            f"fastdp: the C core cannot run {op} here ({exc}); torch's own implementation is used instead, "
+            f"for this and every later call that needs it. Fix: {_fix(str(exc))}. Set FASTDP_STRICT=1 to make "
+            "this an error. (Shown once per process.)",
+            FallbackWarning,
+            stacklevel=4,
+        )
+
+
+def _on_stream(streams, t):
+    """The listed stream of t's device as the current stream (the core orders its work there); else nothing."""
+    if not streams or not t.is_cuda:
+        return contextlib.nullcontext()
+    index = t.get_device()
+    for dev, handle in streams:
+        if dev == index and handle != torch.cuda.current_stream(index).cuda_stream:
+            return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=t.device))
+    return contextlib.nullcontext()
+
+
+def _copy(dsts, srcs, streams=None):
+    for d, s in zip(dsts, srcs):
+        with _on_stream(streams, d):
+            d.copy_(s)
+
+
+def _broadcast(src, dsts, streams=None):
+    _copy(dsts, [src] * len(dsts), streams)
+
+
+def _same_view(a, b):
+    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+
+
+def _scatter(src, outs, dim, chunk_sizes, streams=None):
+    for o, piece in zip(outs, src.split(list(chunk_sizes), dim)):
+        if not _same_view(o, piece):  # the source's own entry is a view of it: nothing to move
+            with _on_stream(streams, o):
+                o.copy_(piece)
+
+
+def _gather(inputs, out, dim, streams=None):
+    start = 0
+    with _on_stream(streams, out):
+        for t in inputs:
+            n = t.shape[dim]
+            out.narrow(dim, start, n).copy_(t)
+            start += n
+
+
+def _sum_into(inputs, out):
+    """out = ((in0 + in1) + in2) + ..., rounding to the dtype after every add, as the core's kernels do."""
+    acc = inputs[0].to(out.device)
+    for t in inputs[1:]:
+        acc = torch.add(acc, t.to(out.device))
+    out.copy_(acc)
+
+
+def _reduce(inputs, out, streams=None):
+    with _on_stream(streams, out):
+        _sum_into(list(inputs), out)
+
+
+def _reduce_many(columns, outs, streams=None):
+    for column, out in zip(columns, outs):
+        _reduce(column, out, streams)
+
+
+class _Core:
+    """``_C`` with copy, broadcast, scatter, gather, reduce and reduce_many falling back to torch."""
+
+    def __getattr__(self, name):
+        return getattr(_C, name)
+
+
+def _guarded(name, fallback):
+    def call(*args):
+        try:
+            return getattr(_C, name)(*args)  # looked up per call, so tests can replace _C's function
+        except _C.BackendUnavailableError as e:
+            _fall_back(e, f"fastdp.comm's {name}")
+            return fallback(*args)
+
+    call.__name__ = name
+    call.__doc__ = f"_C.{name}, or torch's implementation when the core cannot run it"
+    return staticmethod(call)
+
+
+for _name, _impl in (
+    ("copy", _copy),
+    ("broadcast", _broadcast),
+    ("scatter", _scatter),
+    ("gather", _gather),
+    ("reduce", _reduce),
+    ("reduce_many", _reduce_many),
+):
+    setattr(_Core, _name, _guarded(_name, _impl))
+
+core = _Core()

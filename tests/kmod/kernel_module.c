@@ -1,0 +1,130 @@
+/* Drives the cuda backend's kernel-module cache against tests/kmod/fake_cuda.c: which failures stick, which are
+ * retried, and that copies never depend on kernels. One scenario per process (argv[1]); exit status 0 = pass. */
+#include "core/fastdp.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures;
+static float a[64], b[64], out[64];
+
+#define EXPECT(cond, ...)                                                                                              \
+  do {                                                                                                                 \
+    if (!(cond)) {                                                                                                     \
+      failures++;                                                                                                      \
+      printf("FAIL %s:%d: ", __FILE__, __LINE__);                                                                      \
+      printf(__VA_ARGS__);                                                                                             \
+      printf("\n");                                                                                                    \
+    }                                                                                                                  \
+  } while (0)
+
+static int counter(const char *name) {
+  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  int *p = h ? (int *)dlsym(h, name) : NULL;
+  return p ? *p : -1;
+}
+
+static fdp_tensor_t dev_tensor(float *p, int rows, int cols, int transposed) {
+  fdp_tensor_t t;
+  memset(&t, 0, sizeof t);
+  t.data = (char *)p;
+  t.device = 0;
+  t.dtype = FDP_DTYPE_F32;
+  t.elem_size = 4;
+  t.ndim = 2;
+  t.sizes[0] = rows;
+  t.sizes[1] = cols;
+  t.strides[0] = transposed ? 1 : cols;
+  t.strides[1] = transposed ? rows : 1;
+  return t;
+}
+
+static fdp_result_t flat_copy(void) {
+  fdp_tensor_t s = dev_tensor(a, 8, 8, 0), d = dev_tensor(b, 8, 8, 0);
+  return fdp_op_copy(&d, &s, 1, NULL);
+}
+
+static fdp_result_t strided_copy(void) {
+  fdp_tensor_t s = dev_tensor(a, 8, 8, 1), d = dev_tensor(b, 8, 8, 0);
+  return fdp_op_copy(&d, &s, 1, NULL);
+}
+
+static fdp_result_t sum(void) {
+  fdp_tensor_t in[2] = {dev_tensor(a, 8, 8, 0), dev_tensor(b, 8, 8, 0)};
+  fdp_tensor_t o = dev_tensor(out, 8, 8, 0);
+  return fdp_op_reduce(in, 2, &o, NULL);
+}
+
+static int has(const char *text) {
+  return strstr(fdp_last_error(), text) != NULL;
+}
+
+/* cuModuleLoadData fails with out-of-memory once: reported as a CUDA error, retried by the next call. */
+static void transient(void) {
+  EXPECT(flat_copy() == FDP_OK, "flat copy: %s", fdp_last_error());
+  EXPECT(counter("fake_module_loads") == 0, "a flat copy loaded the kernels");
+  EXPECT(sum() == FDP_CUDA && has("out of memory"), "first sum: %s", fdp_last_error());
+  EXPECT(flat_copy() == FDP_OK, "copy after a failed kernel load: %s", fdp_last_error());
+  EXPECT(sum() == FDP_OK, "second sum: %s", fdp_last_error());
+  EXPECT(counter("fake_module_loads") == 2 && counter("fake_launches") == 1, "loads %d launches %d",
+         counter("fake_module_loads"), counter("fake_launches"));
+  EXPECT(strstr(fdp_cuda_kernels_source(0), "NVRTC") != NULL, "source: %s", fdp_cuda_kernels_source(0));
+}
+
+/* Every image is refused: unavailable, remembered (not retried) until shutdown; copies unaffected. */
+static void sticky(void) {
+  EXPECT(sum() == FDP_UNAVAILABLE && has("no fastdp kernels load on device 0"), "first sum: %s", fdp_last_error());
+  EXPECT(sum() == FDP_UNAVAILABLE, "second sum: %s", fdp_last_error());
+  EXPECT(counter("fake_module_loads") == 1, "refused image retried: %d loads", counter("fake_module_loads"));
+  EXPECT(flat_copy() == FDP_OK, "flat copy: %s", fdp_last_error());
+  EXPECT(strided_copy() == FDP_UNAVAILABLE && has("strided-copy kernel"), "strided copy: %s", fdp_last_error());
+  EXPECT(strstr(fdp_cuda_kernels_source(0), "no fastdp kernels") != NULL, "source: %s", fdp_cuda_kernels_source(0));
+  fdp_shutdown();
+  /* Shutdown forgets the verdict: the next call loads again (and the fake driver now accepts the image). */
+  EXPECT(sum() == FDP_OK && counter("fake_module_loads") == 2, "after shutdown: %s, %d loads", fdp_last_error(),
+         counter("fake_module_loads"));
+}
+
+/* No fatbin and NVRTC disabled: unavailable, never sticky, no load attempted; copies unaffected. */
+static void no_kernels(void) {
+  EXPECT(sum() == FDP_UNAVAILABLE && has("FASTDP_DISABLE_NVRTC"), "sum: %s", fdp_last_error());
+  EXPECT(counter("fake_module_loads") == 0, "loads %d", counter("fake_module_loads"));
+  EXPECT(flat_copy() == FDP_OK, "flat copy: %s", fdp_last_error());
+  EXPECT(strided_copy() == FDP_UNAVAILABLE && has("strided-copy kernel"), "strided copy: %s", fdp_last_error());
+}
+
+/* With a fatbin: refused (image error) → NVRTC; out of memory → reported, no NVRTC, retried; else used. */
+static void fatbin_refused(void) {
+  EXPECT(sum() == FDP_OK, "sum: %s", fdp_last_error());
+  EXPECT(counter("fake_module_loads") == 2, "loads %d", counter("fake_module_loads"));
+  EXPECT(strstr(fdp_cuda_kernels_source(0), "NVRTC") != NULL, "source: %s", fdp_cuda_kernels_source(0));
+}
+
+static void fatbin_transient(void) {
+  EXPECT(sum() == FDP_CUDA && has("out of memory"), "first sum: %s", fdp_last_error());
+  EXPECT(counter("fake_module_loads") == 1, "loads %d", counter("fake_module_loads"));
+  EXPECT(sum() == FDP_OK, "second sum: %s", fdp_last_error());
+  EXPECT(strstr(fdp_cuda_kernels_source(0), "fatbin") == fdp_cuda_kernels_source(0), "source: %s",
+         fdp_cuda_kernels_source(0));
+}
+
+int main(int argc, char **argv) {
+  static const struct {
+    const char *name;
+    void (*run)(void);
+  } scenarios[] = {{"transient", transient},     {"sticky", sticky},
+                   {"no_kernels", no_kernels},   {"fatbin_refused", fatbin_refused},
+                   {"fatbin_transient", fatbin_transient}};
+  const char *dirs = getenv("NVRTC_DIRS");
+  if (dirs && fdp_nvrtc_search_dirs(dirs) != FDP_OK) return 3;
+  for (size_t i = 0; argc > 1 && i < sizeof scenarios / sizeof scenarios[0]; i++) {
+    if (strcmp(argv[1], scenarios[i].name) != 0) continue;
+    scenarios[i].run();
+    printf("%s: %s\n", argv[1], failures ? "FAILED" : "ok");
+    return failures ? 1 : 0;
+  }
+  printf("unknown scenario\n");
+  return 2;
+}

@@ -138,6 +138,84 @@ static fdp_result_t stream_wait(const fdp_cu_t *cu, int from_dev, CUstream from,
   return pop_keep(cu, from_dev, r);
 }
 
+/* ---- scratch memory ----
+ * NOTE [scratch memory]: staging buffers and partial sums come from the allocator registered with
+ * fdp_set_device_allocator (the binding registers PyTorch's caching allocator, so that this memory shows in
+ * torch.cuda.memory_* and an allocation that does not fit frees PyTorch's cached blocks and retries) or, with none
+ * registered (the C test program, other embedders), from the driver's stream-ordered pool. Either way a buffer is
+ * allocated and freed on one stream, stream-ordered; every use on another stream is fenced back to that stream
+ * before the free. The registered allocator runs framework code that switches devices itself, so both calls are
+ * made with no context pushed here. */
+
+static pthread_mutex_t g_alloc_lock = PTHREAD_MUTEX_INITIALIZER;
+static fdp_allocator_t g_alloc;
+
+void fdp_set_device_allocator(const fdp_allocator_t *allocator) {
+  pthread_mutex_lock(&g_alloc_lock);
+  if (allocator != NULL && allocator->alloc != NULL && allocator->free != NULL)
+    g_alloc = *allocator;
+  else
+    memset(&g_alloc, 0, sizeof g_alloc);
+  pthread_mutex_unlock(&g_alloc_lock);
+}
+
+typedef struct scratch {
+  CUdeviceptr ptr; /* 0: nothing held */
+  void *handle;    /* the registered allocator's handle; unused for the driver pool */
+  int hooked;      /* 1: from `via`, 0: from cuMemAllocAsync */
+  int dev;
+  CUstream stream;
+  fdp_allocator_t via;
+} scratch_t;
+
+/* `bytes` of device memory on `dev`, usable by work enqueued on `stream` from now on. On failure s->ptr may still
+ * hold memory (a failed context pop after the allocation): callers release with scratch_free on every path. */
+static fdp_result_t scratch_alloc(const fdp_cu_t *cu, int dev, CUstream stream, size_t bytes, const char *what,
+                                  scratch_t *s) {
+  memset(s, 0, sizeof *s);
+  s->dev = dev;
+  s->stream = stream;
+  pthread_mutex_lock(&g_alloc_lock);
+  s->via = g_alloc;
+  pthread_mutex_unlock(&g_alloc_lock);
+  if (s->via.alloc != NULL) {
+    char err[256] = "";
+    void *ptr = NULL, *handle = NULL;
+    if (s->via.alloc(s->via.ctx, dev, bytes, (void *)stream, &ptr, &handle, err, sizeof err) != 0) {
+      err[sizeof err - 1] = '\0';
+      return fdp__fail(FDP_CUDA, "cuda backend: %s: %zu bytes on device %d could not be allocated: %s", what, bytes,
+                       dev, err[0] ? err : "the registered allocator failed");
+    }
+    s->ptr = (CUdeviceptr)(uintptr_t)ptr;
+    s->handle = handle;
+    s->hooked = 1;
+    return FDP_OK;
+  }
+  if (cu->MemAllocAsync == NULL || cu->MemFreeAsync == NULL)
+    return fdp__fail(FDP_UNAVAILABLE, "cuda backend: %s on device %d needs cuMemAllocAsync (CUDA driver 11.2 or newer)",
+                     what, dev);
+  FDP_CHECK(fdp__cu_ctx_push(dev, NULL));
+  CUresult e = cu->MemAllocAsync(&s->ptr, bytes, stream);
+  if (e != CUDA_SUCCESS) s->ptr = 0;
+  return pop_keep(cu, dev, fdp__cu_check(e, "cuMemAllocAsync (scratch)", dev));
+}
+
+/* Gives the memory back, ordered after the work enqueued on its stream so far; a no-op when nothing is held. */
+static fdp_result_t scratch_free(const fdp_cu_t *cu, scratch_t *s) {
+  fdp_result_t r = FDP_OK;
+  if (s->ptr != 0 && s->hooked) {
+    s->via.free(s->via.ctx, s->dev, (void *)s->stream, s->handle);
+  } else if (s->ptr != 0) {
+    r = fdp__cu_ctx_push(s->dev, NULL);
+    if (r == FDP_OK)
+      r = pop_keep(cu, s->dev, fdp__cu_check(cu->MemFreeAsync(s->ptr, s->stream), "cuMemFreeAsync (scratch)", s->dev));
+    if (r != FDP_OK) fdp__log("cuda scratch: a buffer on device %d could not be freed and is leaked", s->dev);
+  }
+  s->ptr = 0;
+  s->handle = NULL;
+  return r;
+}
+
 /* ---- layouts ---- */
 
 /* One copy as two strided views over one index space; dims outermost first, strides in elements of es bytes.
@@ -386,8 +464,9 @@ static fdp_result_t copy_peer_rows(const fdp_cu_t *cu, int ddev, CUstream stream
  * the copy starts after the work already queued there (which produced the source), and the source stream
  * waits for the copy, so PyTorch's allocator cannot hand the source to new work while it is still read.
  * Layouts the copy engines cannot do are staged: packed into a flat buffer on the source device (kernel on
- * the source stream), copied flat, and unpacked on the destination device (kernel); the staging buffers come
- * from the driver's stream-ordered pool, so no PyTorch allocation is involved. */
+ * the source stream), copied flat, and unpacked on the destination device (kernel); the staging buffers are
+ * scratch memory (see NOTE [scratch memory]). Peer access from the destination's context (the one that runs
+ * the copy) to the source's is enabled first where the hardware allows, so that the copy goes P2P. */
 static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, const fdp_streams_t *streams,
                                       const pair_t *p) {
   CUstream sstream = (CUstream)fdp__stream_for(streams, sdev);
@@ -395,63 +474,52 @@ static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, co
   CUcontext sctx = NULL, dctx = NULL;
   FDP_CHECK(fdp__cu_ctx_get(sdev, &sctx));
   FDP_CHECK(fdp__cu_ctx_get(ddev, &dctx));
+  FDP_CHECK(fdp__cu_peer_enable(ddev, sdev, NULL));
   size_t width, height, spitch, dpitch;
   int64_t outer = 0;
   int rows = pair_rows(p, &width, &height, &spitch, &dpitch, &outer) && outer <= PEER_MAX_LOOP;
   int staged = !(src_flat(p) && dst_flat(p)) && !rows;
   size_t bytes = (size_t)(p->numel * p->es);
-  CUdeviceptr ta = 0, tb = 0;
+  scratch_t ta, tb; /* staging on the source (packed source) and on the destination (to unpack) */
+  memset(&ta, 0, sizeof ta);
+  memset(&tb, 0, sizeof tb);
   pair_t flat = *p; /* the flat copy between the staging buffers (or the views themselves when flat) */
   fdp_result_t r = FDP_OK;
-  int enqueued = 0, fenced = 0;
+  int attempted = 0, fenced = 0;
 
-  if (staged && (cu->MemAllocAsync == NULL || cu->MemFreeAsync == NULL))
-    return fdp__fail(FDP_UNAVAILABLE,
-                     "cuda backend: a strided copy from device %d to %d needs cuMemAllocAsync "
-                     "(CUDA driver 11.2 or newer)",
-                     sdev, ddev);
   if (staged && !src_flat(p)) {
     pair_t pack = *p;
-    FDP_CHECK(fdp__cu_ctx_push(sdev, NULL));
-    r = fdp__cu_check(cu->MemAllocAsync(&ta, bytes, sstream), "cuMemAllocAsync (staging)", sdev);
-    if (r == FDP_OK) {
-      flat_strides(p, pack.ds);
-      pack.dst = ta;
-      pair_merge(&pack);
-      r = kernel_copy(cu, sdev, sstream, pack);
-    }
-    r = pop_keep(cu, sdev, r);
-    if (r != FDP_OK) goto fail;
+    if ((r = scratch_alloc(cu, sdev, sstream, bytes, "staging for a strided peer copy", &ta)) != FDP_OK) goto fail;
+    flat_strides(p, pack.ds);
+    pack.dst = ta.ptr;
+    pair_merge(&pack);
+    if ((r = fdp__cu_ctx_push(sdev, NULL)) != FDP_OK) goto fail;
+    if ((r = pop_keep(cu, sdev, kernel_copy(cu, sdev, sstream, pack))) != FDP_OK) goto fail;
   }
   if (staged) {
     flat.ndim = 1;
     flat.sizes[0] = p->numel;
     flat.ss[0] = flat.ds[0] = 1;
-    flat.src = ta ? ta : p->src;
+    flat.src = ta.ptr ? ta.ptr : p->src;
   }
 
   if ((r = stream_wait(cu, sdev, sstream, ddev, dstream)) != FDP_OK) goto fail;
-  if ((r = fdp__cu_ctx_push(ddev, NULL)) != FDP_OK) goto fail;
   if (staged && !dst_flat(p)) {
-    r = fdp__cu_check(cu->MemAllocAsync(&tb, bytes, dstream), "cuMemAllocAsync (staging)", ddev);
-    flat.dst = tb;
+    if ((r = scratch_alloc(cu, ddev, dstream, bytes, "staging for a strided peer copy", &tb)) != FDP_OK) goto fail;
+    flat.dst = tb.ptr;
   }
-  if (r == FDP_OK) r = copy_peer_rows(cu, ddev, dstream, &flat, sctx, dctx);
-  enqueued = r == FDP_OK;
-  if (r == FDP_OK && tb) {
+  if ((r = fdp__cu_ctx_push(ddev, NULL)) != FDP_OK) goto fail;
+  /* From here something on the destination stream may read the source (or ta), even if a later call fails. */
+  attempted = 1;
+  r = copy_peer_rows(cu, ddev, dstream, &flat, sctx, dctx);
+  if (r == FDP_OK && tb.ptr) {
     pair_t unpack = *p;
     flat_strides(p, unpack.ss);
-    unpack.src = tb;
+    unpack.src = tb.ptr;
     pair_merge(&unpack);
     r = kernel_copy(cu, ddev, dstream, unpack);
   }
-  if (tb) {
-    /* Stream-ordered: freed after the unpack (or whatever of it was enqueued) completes. */
-    CUresult e = cu->MemFreeAsync(tb, dstream);
-    if (r == FDP_OK) r = fdp__cu_check(e, "cuMemFreeAsync (staging)", ddev);
-  }
   r = pop_keep(cu, ddev, r);
-  if (!enqueued) goto fail;
   {
     fdp_result_t rf = stream_wait(cu, ddev, dstream, sdev, sstream);
     fenced = rf == FDP_OK;
@@ -459,16 +527,17 @@ static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, co
   }
 
 fail:
-  if (ta) {
+  {
+    /* tb lives on the destination stream only: freeing there is ordered after the unpack, whatever happened. */
+    fdp_result_t rf = scratch_free(cu, &tb);
+    if (r == FDP_OK) r = rf;
+  }
+  if (ta.ptr) {
     /* After the fence the source stream orders the free behind the peer copy; without a fence the copy was
-     * never enqueued, or may still be reading, and then the buffer is leaked rather than freed early. */
-    if (fenced || !enqueued) {
-      fdp_result_t rp = fdp__cu_ctx_push(sdev, NULL);
-      if (rp == FDP_OK) {
-        CUresult e = cu->MemFreeAsync(ta, sstream);
-        rp = pop_keep(cu, sdev, fdp__cu_check(e, "cuMemFreeAsync (staging)", sdev));
-      }
-      if (r == FDP_OK) r = rp;
+     * never attempted, or may still be reading, and then the buffer is leaked rather than freed early. */
+    if (fenced || !attempted) {
+      fdp_result_t rf = scratch_free(cu, &ta);
+      if (r == FDP_OK) r = rf;
     } else {
       fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d after a failed fence", bytes, sdev);
     }
@@ -492,8 +561,8 @@ static void host_view(fdp_tensor_t *t, uintptr_t addr, const pair_t *p, const in
 
 /* Between host memory and one device, on that device's stream. The transfer itself is one flat
  * cuMemcpyHtoDAsync / cuMemcpyDtoHAsync; a strided host side is packed or unpacked on the host (a malloc'ed
- * buffer), a strided device side through a stream-ordered staging buffer and the copy kernel. The stream is
- * synchronised before returning: host memory is complete (and reusable) when the call returns, as with
+ * buffer), a strided device side through a scratch buffer (see NOTE [scratch memory]) and the copy kernel. The
+ * stream is synchronised before returning: host memory is complete (and reusable) when the call returns, as with
  * upstream's blocking copies to and from the CPU, whether or not the host memory is pinned. */
 static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, const fdp_streams_t *streams) {
   pair_t p;
@@ -508,6 +577,8 @@ static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, co
   int host_flat = h2d ? src_flat(&p) : dst_flat(&p);
   int dev_flat = h2d ? dst_flat(&p) : src_flat(&p);
   void *hbuf = host_flat ? (void *)(uintptr_t)(h2d ? p.src : p.dst) : malloc(bytes);
+  scratch_t ds;
+  memset(&ds, 0, sizeof ds);
   CUdeviceptr dbuf = dev_flat ? (h2d ? p.dst : p.src) : 0;
   fdp_result_t r = FDP_OK;
   if (!hbuf) return fdp__fail(FDP_NOMEM, "cuda backend: no host memory for a %zu-byte staging buffer", bytes);
@@ -517,17 +588,13 @@ static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, co
     host_view(&pack.src, (uintptr_t)p.src, &p, p.ss);
     r = fdp__backend_host.copy(&pack, 1, NULL);
   }
+  if (r == FDP_OK && !dev_flat) {
+    r = scratch_alloc(cu, dev, stream, bytes, "staging for a strided copy between host and device", &ds);
+    dbuf = ds.ptr;
+  }
   if (r == FDP_OK) r = fdp__cu_ctx_push(dev, NULL);
   if (r != FDP_OK) goto done;
-  if (!dev_flat) {
-    r = cu->MemAllocAsync && cu->MemFreeAsync
-            ? fdp__cu_check(cu->MemAllocAsync(&dbuf, bytes, stream), "cuMemAllocAsync (staging)", dev)
-            : fdp__fail(FDP_UNAVAILABLE,
-                        "cuda backend: a strided copy between host and device %d needs "
-                        "cuMemAllocAsync (CUDA driver 11.2 or newer)",
-                        dev);
-  }
-  if (r == FDP_OK && !h2d && !dev_flat) {
+  if (!h2d && !dev_flat) {
     pair_t pack = p;
     pack.dst = dbuf;
     memcpy(pack.ds, fs, sizeof fs);
@@ -544,11 +611,8 @@ static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, co
     pair_merge(&unpack);
     r = kernel_copy(cu, dev, stream, unpack);
   }
-  if (!dev_flat && dbuf) {
-    CUresult e = cu->MemFreeAsync(dbuf, stream); /* stream-ordered: after the work above */
-    if (r == FDP_OK) r = fdp__cu_check(e, "cuMemFreeAsync (staging)", dev);
-  }
   {
+    /* Also after a failure: the host buffer is freed below, so whatever was enqueued must be finished. */
     CUresult e = cu->StreamSynchronize(stream);
     if (r == FDP_OK) r = fdp__cu_check(e, "cuStreamSynchronize", dev);
   }
@@ -560,6 +624,10 @@ static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, co
     r = fdp__backend_host.copy(&unpack, 1, NULL);
   }
 done:
+  {
+    fdp_result_t rf = scratch_free(cu, &ds); /* stream-ordered, after the work above */
+    if (r == FDP_OK) r = rf;
+  }
   if (!host_flat) free(hbuf);
   return r;
 }
@@ -655,37 +723,33 @@ static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
   CUstream stream = (CUstream)fdp__stream_for(streams, dev);
   CUdeviceptr o = (CUdeviceptr)(uintptr_t)out->data;
   size_t bytes = (size_t)numel * (size_t)out->elem_size;
-  FDP_CHECK(fdp__cu_ctx_push(dev, NULL));
   fdp_result_t r = FDP_OK;
   if (n == 1) {
-    if (inputs[0].data != out->data)
-      r = fdp__cu_check(cu->MemcpyAsync(o, (CUdeviceptr)(uintptr_t)inputs[0].data, bytes, stream), "cuMemcpyAsync",
-                        dev);
+    if (inputs[0].data == out->data) return FDP_OK;
+    FDP_CHECK(fdp__cu_ctx_push(dev, NULL));
+    r = fdp__cu_check(cu->MemcpyAsync(o, (CUdeviceptr)(uintptr_t)inputs[0].data, bytes, stream), "cuMemcpyAsync", dev);
     return pop_keep(cu, dev, r);
   }
-  const module_t *m;
-  r = get_module(cu, dev, &m);
-  if (r != FDP_OK) return pop_keep(cu, dev, r);
-  /* The running sum lives in out unless out is an input that a later pass still has to read. */
-  CUdeviceptr acc = o, tmp = 0;
+  /* The running sum lives in out unless out is an input that a later pass still has to read; then in scratch
+   * memory (see NOTE [scratch memory]) allocated and freed on this one stream. */
+  CUdeviceptr acc = o;
+  scratch_t tmp;
+  memset(&tmp, 0, sizeof tmp);
   for (int i = FDP_SUM_MAX_INPUTS; i < n; i++)
     if (inputs[i].data == out->data) acc = 0;
   if (acc == 0) {
-    if (cu->MemAllocAsync == NULL || cu->MemFreeAsync == NULL)
-      return pop_keep(cu, dev,
-                      fdp__fail(FDP_UNAVAILABLE,
-                                "cuda backend: a reduce of %d inputs into one of them "
-                                "needs cuMemAllocAsync (CUDA driver 11.2+)",
-                                n));
-    r = fdp__cu_check(cu->MemAllocAsync(&tmp, bytes, stream), "cuMemAllocAsync (partial sums)", dev);
-    acc = tmp;
+    r = scratch_alloc(cu, dev, stream, bytes, "partial sums of a reduce into one of its inputs", &tmp);
+    acc = tmp.ptr;
   }
-  if (r == FDP_OK) r = sum_passes(cu, dev, stream, m, m->sum[out->dtype], inputs, n, o, acc, numel);
-  if (tmp) {
-    CUresult e = cu->MemFreeAsync(tmp, stream);
-    if (r == FDP_OK) r = fdp__cu_check(e, "cuMemFreeAsync (partial sums)", dev);
+  if (r == FDP_OK) r = fdp__cu_ctx_push(dev, NULL);
+  if (r == FDP_OK) {
+    const module_t *m;
+    r = get_module(cu, dev, &m);
+    if (r == FDP_OK) r = sum_passes(cu, dev, stream, m, m->sum[out->dtype], inputs, n, o, acc, numel);
+    r = pop_keep(cu, dev, r);
   }
-  return pop_keep(cu, dev, r);
+  fdp_result_t rf = scratch_free(cu, &tmp);
+  return r != FDP_OK ? r : rf;
 }
 
 /* ---- backend ---- */

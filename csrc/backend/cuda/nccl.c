@@ -93,8 +93,10 @@ static void comms_evict(const fdp_nccl_api_t *api, const fdp_cu_t *cu, comm_set_
     *p = set->next;
     if (api->CommAbort != NULL) {
       CUcontext saved = ctx_save(cu);
-      for (int i = 0; i < set->n; i++)
-        api->CommAbort(set->comms[i]);
+      for (int i = 0; i < set->n; i++) {
+        ncclResult_t r = api->CommAbort(set->comms[i]);
+        if (r != ncclSuccess) fdp__log("nccl: ncclCommAbort on device %d: %s", set->devs[i], api->GetErrorString(r));
+      }
       ctx_restore(cu, saved);
     } else {
       fdp__log("nccl: ncclCommAbort missing; leaking failed communicators");
@@ -256,6 +258,8 @@ static fdp_result_t nccl_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
   return launch(devs, k, ops, (size_t)fdp_tensor_numel(out), type, 1);
 }
 
+/* Loads the libraries and counts devices: no context is created or retained anywhere, so asking is cheap and
+ * leaves every GPU untouched (fastdp.comm asks before its first collective). */
 static int nccl_usable(const char **why) {
   const char *w = NULL;
   if (fdp__cu_load(NULL, &w) != FDP_OK || fdp__nccl_load(NULL, &w) != FDP_OK) goto no;
@@ -269,8 +273,9 @@ no:
   return 0;
 }
 
-/* Destroys every cached communicator. Explicit only (fdp_shutdown), never from atexit or a destructor: at
- * interpreter exit the CUDA runtime may already be torn down and ncclCommDestroy can hang. */
+/* Destroys every cached communicator. Explicit only (fdp_shutdown, which runs it before the cuda backend releases
+ * the primary contexts the communicators live in), never from atexit or a destructor: at interpreter exit the
+ * CUDA runtime may already be torn down and ncclCommDestroy can hang (the binding refuses to shut down then). */
 static void nccl_shutdown(void) {
   pthread_mutex_lock(&g_lock);
   comm_set_t *s = g_sets;

@@ -193,8 +193,9 @@ int fdp_cuda_device_active(int device);
  *   opaque *handle for free; or nonzero with a NUL-terminated reason in err.
  * free(ctx, device, stream, handle): gives the memory back ordered after the work already enqueued on `stream`,
  *   the stream it was allocated on (like cuMemFreeAsync). Never fails.
- * Both are called without any CUDA context pushed by fastdp and without any fastdp lock held, from whatever
- * thread runs the operation. Register (or unregister with NULL) only while no operation runs; the table is copied.
+ * Both are called with the primary context of `device` current (pushed by fastdp: an allocator that switches
+ * devices must restore it, as PyTorch's device guards do) and without any fastdp lock held, from whatever thread
+ * runs the operation. Register (or unregister with NULL) only while no operation runs; the table is copied.
  */
 typedef struct fdp_allocator {
   int (*alloc)(void *ctx, int device, size_t bytes, void *stream, void **ptr, void **handle, char *err,

@@ -676,7 +676,8 @@ static PyObject *py_shutdown(PyObject *module, PyObject *unused) {
  * The registered Python callable alloc(device, nbytes, stream_handle) returns a uint8 CUDA tensor of nbytes made by
  * PyTorch's caching allocator with that stream current; the tensor itself is the handle, dropped when the core
  * frees the memory, which returns the block to PyTorch's pool of that stream (stream-ordered, as the core needs).
- * The core calls in with the GIL released and no fastdp lock held, so taking the GIL here cannot deadlock. One
+ * The core calls in with the GIL released, no fastdp lock held and the device's primary context current (the one
+ * PyTorch uses there, so its device guard has nothing to switch); taking the GIL here cannot deadlock. One
  * allocator per process, as in the core: a static, not module state. */
 static PyObject *g_alloc_fn;
 

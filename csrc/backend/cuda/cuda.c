@@ -116,36 +116,14 @@ static unsigned int grid_for(const module_t *m, int64_t n) {
   return blocks < (int64_t)m->max_blocks ? (unsigned int)blocks : m->max_blocks;
 }
 
-/* ---- stream ordering ---- */
-
-/* Makes stream `to` (device to_dev) wait for everything enqueued so far on `from` (device from_dev). The event
- * is destroyed right after the wait is enqueued: legal, the driver defers the release until it completes. */
-static fdp_result_t stream_wait(const fdp_cu_t *cu, int from_dev, CUstream from, int to_dev, CUstream to) {
-  CUevent ev = NULL;
-  FDP_CHECK(fdp__cu_ctx_push(from_dev, NULL));
-  fdp_result_t r = fdp__cu_check(cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate", from_dev);
-  if (r == FDP_OK) r = fdp__cu_check(cu->EventRecord(ev, from), "cuEventRecord", from_dev);
-  if (r == FDP_OK) {
-    /* A stream may wait on another device's event; its own context must be current (NULL = its default). */
-    r = fdp__cu_ctx_push(to_dev, NULL);
-    if (r == FDP_OK)
-      r = pop_keep(cu, to_dev, fdp__cu_check(cu->StreamWaitEvent(to, ev, 0), "cuStreamWaitEvent", to_dev));
-  }
-  if (ev != NULL) {
-    CUresult e = cu->EventDestroy(ev);
-    if (r == FDP_OK) r = fdp__cu_check(e, "cuEventDestroy", from_dev);
-  }
-  return pop_keep(cu, from_dev, r);
-}
-
 /* ---- scratch memory ----
  * NOTE [scratch memory]: staging buffers and partial sums come from the allocator registered with
  * fdp_set_device_allocator (the binding registers PyTorch's caching allocator, so that this memory shows in
  * torch.cuda.memory_* and an allocation that does not fit frees PyTorch's cached blocks and retries) or, with none
  * registered (the C test program, other embedders), from the driver's stream-ordered pool. Either way a buffer is
  * allocated and freed on one stream, stream-ordered; every use on another stream is fenced back to that stream
- * before the free. The registered allocator runs framework code that switches devices itself, so both calls are
- * made with no context pushed here. */
+ * before the free. Both calls are made with the buffer's device context current (pushed by the caller), so that
+ * each buffer lives inside the push that uses it and a failed push can never strand one. */
 
 static pthread_mutex_t g_alloc_lock = PTHREAD_MUTEX_INITIALIZER;
 static fdp_allocator_t g_alloc;
@@ -168,8 +146,8 @@ typedef struct scratch {
   fdp_allocator_t via;
 } scratch_t;
 
-/* `bytes` of device memory on `dev`, usable by work enqueued on `stream` from now on. On failure s->ptr may still
- * hold memory (a failed context pop after the allocation): callers release with scratch_free on every path. */
+/* `bytes` of device memory on `dev`, usable by work enqueued on `stream` from now on; dev's context is current.
+ * Nothing is held on failure. */
 static fdp_result_t scratch_alloc(const fdp_cu_t *cu, int dev, CUstream stream, size_t bytes, const char *what,
                                   scratch_t *s) {
   memset(s, 0, sizeof *s);
@@ -194,26 +172,51 @@ static fdp_result_t scratch_alloc(const fdp_cu_t *cu, int dev, CUstream stream, 
   if (cu->MemAllocAsync == NULL || cu->MemFreeAsync == NULL)
     return fdp__fail(FDP_UNAVAILABLE, "cuda backend: %s on device %d needs cuMemAllocAsync (CUDA driver 11.2 or newer)",
                      what, dev);
-  FDP_CHECK(fdp__cu_ctx_push(dev, NULL));
   CUresult e = cu->MemAllocAsync(&s->ptr, bytes, stream);
   if (e != CUDA_SUCCESS) s->ptr = 0;
-  return pop_keep(cu, dev, fdp__cu_check(e, "cuMemAllocAsync (scratch)", dev));
+  return fdp__cu_check(e, "cuMemAllocAsync (scratch)", dev);
 }
 
-/* Gives the memory back, ordered after the work enqueued on its stream so far; a no-op when nothing is held. */
+/* Gives the memory back, ordered after the work enqueued on its stream so far; a no-op when nothing is held.
+ * s->dev's context is current. */
 static fdp_result_t scratch_free(const fdp_cu_t *cu, scratch_t *s) {
   fdp_result_t r = FDP_OK;
-  if (s->ptr != 0 && s->hooked) {
+  if (s->ptr != 0 && s->hooked)
     s->via.free(s->via.ctx, s->dev, (void *)s->stream, s->handle);
-  } else if (s->ptr != 0) {
-    r = fdp__cu_ctx_push(s->dev, NULL);
-    if (r == FDP_OK)
-      r = pop_keep(cu, s->dev, fdp__cu_check(cu->MemFreeAsync(s->ptr, s->stream), "cuMemFreeAsync (scratch)", s->dev));
-    if (r != FDP_OK) fdp__log("cuda scratch: a buffer on device %d could not be freed and is leaked", s->dev);
-  }
+  else if (s->ptr != 0)
+    r = fdp__cu_check(cu->MemFreeAsync(s->ptr, s->stream), "cuMemFreeAsync (scratch)", s->dev);
   s->ptr = 0;
   s->handle = NULL;
   return r;
+}
+
+/* ---- stream ordering ---- */
+
+/* Makes stream `to` (device to_dev) wait for everything enqueued so far on `from` (device from_dev). The event
+ * is destroyed right after the wait is enqueued: legal, the driver defers the release until it completes.
+ * `release` (may be NULL), scratch memory of to_dev on `to`, is freed as soon as the wait is enqueued (so behind
+ * everything on `from` so far), while to_dev's context is current; it stays held when the wait could not be
+ * enqueued. */
+static fdp_result_t stream_wait(const fdp_cu_t *cu, int from_dev, CUstream from, int to_dev, CUstream to,
+                                scratch_t *release) {
+  CUevent ev = NULL;
+  FDP_CHECK(fdp__cu_ctx_push(from_dev, NULL));
+  fdp_result_t r = fdp__cu_check(cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate", from_dev);
+  if (r == FDP_OK) r = fdp__cu_check(cu->EventRecord(ev, from), "cuEventRecord", from_dev);
+  if (r == FDP_OK) {
+    /* A stream may wait on another device's event; its own context must be current (NULL = its default). */
+    r = fdp__cu_ctx_push(to_dev, NULL);
+    if (r == FDP_OK) {
+      r = fdp__cu_check(cu->StreamWaitEvent(to, ev, 0), "cuStreamWaitEvent", to_dev);
+      if (r == FDP_OK && release != NULL) r = scratch_free(cu, release);
+      r = pop_keep(cu, to_dev, r);
+    }
+  }
+  if (ev != NULL) {
+    CUresult e = cu->EventDestroy(ev);
+    if (r == FDP_OK) r = fdp__cu_check(e, "cuEventDestroy", from_dev);
+  }
+  return pop_keep(cu, from_dev, r);
 }
 
 /* ---- layouts ---- */
@@ -485,16 +488,22 @@ static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, co
   memset(&tb, 0, sizeof tb);
   pair_t flat = *p; /* the flat copy between the staging buffers (or the views themselves when flat) */
   fdp_result_t r = FDP_OK;
-  int attempted = 0, fenced = 0;
 
   if (staged && !src_flat(p)) {
     pair_t pack = *p;
-    if ((r = scratch_alloc(cu, sdev, sstream, bytes, "staging for a strided peer copy", &ta)) != FDP_OK) goto fail;
-    flat_strides(p, pack.ds);
-    pack.dst = ta.ptr;
-    pair_merge(&pack);
-    if ((r = fdp__cu_ctx_push(sdev, NULL)) != FDP_OK) goto fail;
-    if ((r = pop_keep(cu, sdev, kernel_copy(cu, sdev, sstream, pack))) != FDP_OK) goto fail;
+    FDP_CHECK(fdp__cu_ctx_push(sdev, NULL));
+    r = scratch_alloc(cu, sdev, sstream, bytes, "staging for a strided peer copy", &ta);
+    if (r == FDP_OK) {
+      flat_strides(p, pack.ds);
+      pack.dst = ta.ptr;
+      pair_merge(&pack);
+      r = kernel_copy(cu, sdev, sstream, pack);
+    }
+    if (r != FDP_OK) {
+      fdp_result_t rf = scratch_free(cu, &ta); /* nothing but the pack (ordered on sstream) touched it */
+      if (rf != FDP_OK) fdp__log("cuda copy: a staging buffer on device %d is leaked", sdev);
+    }
+    if ((r = pop_keep(cu, sdev, r)) != FDP_OK) goto unread;
   }
   if (staged) {
     flat.ndim = 1;
@@ -503,15 +512,13 @@ static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, co
     flat.src = ta.ptr ? ta.ptr : p->src;
   }
 
-  if ((r = stream_wait(cu, sdev, sstream, ddev, dstream)) != FDP_OK) goto fail;
+  if ((r = stream_wait(cu, sdev, sstream, ddev, dstream, NULL)) != FDP_OK) goto unread;
+  if ((r = fdp__cu_ctx_push(ddev, NULL)) != FDP_OK) goto unread;
   if (staged && !dst_flat(p)) {
-    if ((r = scratch_alloc(cu, ddev, dstream, bytes, "staging for a strided peer copy", &tb)) != FDP_OK) goto fail;
+    r = scratch_alloc(cu, ddev, dstream, bytes, "staging for a strided peer copy", &tb);
     flat.dst = tb.ptr;
   }
-  if ((r = fdp__cu_ctx_push(ddev, NULL)) != FDP_OK) goto fail;
-  /* From here something on the destination stream may read the source (or ta), even if a later call fails. */
-  attempted = 1;
-  r = copy_peer_rows(cu, ddev, dstream, &flat, sctx, dctx);
+  if (r == FDP_OK) r = copy_peer_rows(cu, ddev, dstream, &flat, sctx, dctx);
   if (r == FDP_OK && tb.ptr) {
     pair_t unpack = *p;
     flat_strides(p, unpack.ss);
@@ -519,29 +526,38 @@ static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, co
     pair_merge(&unpack);
     r = kernel_copy(cu, ddev, dstream, unpack);
   }
-  r = pop_keep(cu, ddev, r);
   {
-    fdp_result_t rf = stream_wait(cu, ddev, dstream, sdev, sstream);
-    fenced = rf == FDP_OK;
-    if (r == FDP_OK) r = rf;
-  }
-
-fail:
-  {
-    /* tb lives on the destination stream only: freeing there is ordered after the unpack, whatever happened. */
+    /* tb lives on the destination stream only: freed there, after the unpack, whatever happened. */
     fdp_result_t rf = scratch_free(cu, &tb);
     if (r == FDP_OK) r = rf;
   }
-  if (ta.ptr) {
-    /* After the fence the source stream orders the free behind the peer copy; without a fence the copy was
-     * never attempted, or may still be reading, and then the buffer is leaked rather than freed early. */
-    if (fenced || !attempted) {
-      fdp_result_t rf = scratch_free(cu, &ta);
-      if (r == FDP_OK) r = rf;
-    } else {
-      fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d after a failed fence", bytes, sdev);
-    }
+  r = pop_keep(cu, ddev, r);
+  {
+    /* Something on the destination stream may read the source (or ta) now, even after a failure above: the
+     * source stream waits for it, and ta is freed behind that wait. Without the wait ta is leaked rather than
+     * freed early. */
+    fdp_result_t rf = stream_wait(cu, ddev, dstream, sdev, sstream, ta.ptr ? &ta : NULL);
+    if (r == FDP_OK) r = rf;
   }
+  if (ta.ptr) {
+    /* The fence failed: wait for the destination stream on the host instead; ta may go once it is idle. */
+    CUresult e = CUDA_ERROR_UNKNOWN;
+    if (fdp__cu_ctx_push(ddev, NULL) == FDP_OK) {
+      e = cu->StreamSynchronize(dstream);
+      pop_keep(cu, ddev, FDP_OK);
+    }
+    if (e == CUDA_SUCCESS) goto unread;
+    fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d after a failed fence", bytes, sdev);
+  }
+  return r;
+
+unread: /* nothing beyond the pack (or only finished work) read ta: free it on the source stream */
+  if (ta.ptr && fdp__cu_ctx_push(sdev, NULL) == FDP_OK) {
+    fdp_result_t rf = scratch_free(cu, &ta);
+    if (rf != FDP_OK) fdp__log("cuda copy: freeing a staging buffer on device %d failed", sdev);
+    pop_keep(cu, sdev, FDP_OK);
+  }
+  if (ta.ptr) fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d", bytes, sdev);
   return r;
 }
 
@@ -588,13 +604,13 @@ static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, co
     host_view(&pack.src, (uintptr_t)p.src, &p, p.ss);
     r = fdp__backend_host.copy(&pack, 1, NULL);
   }
-  if (r == FDP_OK && !dev_flat) {
+  if (r == FDP_OK) r = fdp__cu_ctx_push(dev, NULL);
+  if (r != FDP_OK) goto done;
+  if (!dev_flat) {
     r = scratch_alloc(cu, dev, stream, bytes, "staging for a strided copy between host and device", &ds);
     dbuf = ds.ptr;
   }
-  if (r == FDP_OK) r = fdp__cu_ctx_push(dev, NULL);
-  if (r != FDP_OK) goto done;
-  if (!h2d && !dev_flat) {
+  if (r == FDP_OK && !h2d && !dev_flat) {
     pair_t pack = p;
     pack.dst = dbuf;
     memcpy(pack.ds, fs, sizeof fs);
@@ -612,6 +628,10 @@ static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, co
     r = kernel_copy(cu, dev, stream, unpack);
   }
   {
+    fdp_result_t rf = scratch_free(cu, &ds); /* stream-ordered: after the work above */
+    if (r == FDP_OK) r = rf;
+  }
+  {
     /* Also after a failure: the host buffer is freed below, so whatever was enqueued must be finished. */
     CUresult e = cu->StreamSynchronize(stream);
     if (r == FDP_OK) r = fdp__cu_check(e, "cuStreamSynchronize", dev);
@@ -624,10 +644,6 @@ static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, co
     r = fdp__backend_host.copy(&unpack, 1, NULL);
   }
 done:
-  {
-    fdp_result_t rf = scratch_free(cu, &ds); /* stream-ordered, after the work above */
-    if (r == FDP_OK) r = rf;
-  }
   if (!host_flat) free(hbuf);
   return r;
 }
@@ -733,23 +749,23 @@ static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
   /* The running sum lives in out unless out is an input that a later pass still has to read; then in scratch
    * memory (see NOTE [scratch memory]) allocated and freed on this one stream. */
   CUdeviceptr acc = o;
-  scratch_t tmp;
-  memset(&tmp, 0, sizeof tmp);
   for (int i = FDP_SUM_MAX_INPUTS; i < n; i++)
     if (inputs[i].data == out->data) acc = 0;
-  if (acc == 0) {
+  const module_t *m;
+  FDP_CHECK(fdp__cu_ctx_push(dev, NULL));
+  r = get_module(cu, dev, &m);
+  scratch_t tmp;
+  memset(&tmp, 0, sizeof tmp);
+  if (r == FDP_OK && acc == 0) {
     r = scratch_alloc(cu, dev, stream, bytes, "partial sums of a reduce into one of its inputs", &tmp);
     acc = tmp.ptr;
   }
-  if (r == FDP_OK) r = fdp__cu_ctx_push(dev, NULL);
-  if (r == FDP_OK) {
-    const module_t *m;
-    r = get_module(cu, dev, &m);
-    if (r == FDP_OK) r = sum_passes(cu, dev, stream, m, m->sum[out->dtype], inputs, n, o, acc, numel);
-    r = pop_keep(cu, dev, r);
+  if (r == FDP_OK) r = sum_passes(cu, dev, stream, m, m->sum[out->dtype], inputs, n, o, acc, numel);
+  {
+    fdp_result_t rf = scratch_free(cu, &tmp);
+    if (r == FDP_OK) r = rf;
   }
-  fdp_result_t rf = scratch_free(cu, &tmp);
-  return r != FDP_OK ? r : rf;
+  return pop_keep(cu, dev, r);
 }
 
 /* ---- backend ---- */

@@ -33,15 +33,24 @@ static void devs_str(const int *devs, int n, char *buf, size_t len) {
 }
 
 /* NCCL switches the runtime's current device while it works (cudaSetDevice is a cuCtxSetCurrent underneath);
- * the caller's thread, often PyTorch's, gets its own context back. */
-static CUcontext ctx_save(const fdp_cu_t *cu) {
-  CUcontext c = NULL;
-  if (cu->CtxGetCurrent(&c) != CUDA_SUCCESS) c = NULL;
-  return c;
+ * the caller's thread, often PyTorch's, gets its own context back. When the current context cannot be read,
+ * nothing is restored: cuCtxSetCurrent(NULL) would unbind (pop) the caller's context. */
+typedef struct saved_ctx {
+  CUcontext ctx;
+  int ok;
+} saved_ctx_t;
+
+static saved_ctx_t ctx_save(const fdp_cu_t *cu) {
+  saved_ctx_t s = {NULL, 0};
+  CUresult e = cu->CtxGetCurrent(&s.ctx);
+  s.ok = e == CUDA_SUCCESS;
+  if (!s.ok) fdp__log("nccl: reading the caller's CUDA context failed (CUresult %d); it is not restored", (int)e);
+  return s;
 }
 
-static void ctx_restore(const fdp_cu_t *cu, CUcontext c) {
-  CUresult e = cu->CtxSetCurrent(c);
+static void ctx_restore(const fdp_cu_t *cu, saved_ctx_t s) {
+  if (!s.ok) return;
+  CUresult e = cu->CtxSetCurrent(s.ctx);
   if (e != CUDA_SUCCESS) fdp__log("nccl: restoring the caller's CUDA context failed (CUresult %d)", (int)e);
 }
 
@@ -66,7 +75,7 @@ static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, con
   if (s == NULL) return fdp__fail(FDP_NOMEM, "nccl: cannot allocate a communicator set");
   s->n = n;
   memcpy(s->devs, devs, (size_t)n * sizeof *devs);
-  CUcontext saved = ctx_save(cu);
+  saved_ctx_t saved = ctx_save(cu);
   ncclResult_t r = api->CommInitAll(s->comms, n, s->devs);
   ctx_restore(cu, saved);
   if (r != ncclSuccess) {
@@ -92,7 +101,7 @@ static void comms_evict(const fdp_nccl_api_t *api, const fdp_cu_t *cu, comm_set_
     if (*p != set) continue;
     *p = set->next;
     if (api->CommAbort != NULL) {
-      CUcontext saved = ctx_save(cu);
+      saved_ctx_t saved = ctx_save(cu);
       for (int i = 0; i < set->n; i++) {
         ncclResult_t r = api->CommAbort(set->comms[i]);
         if (r != ncclSuccess) fdp__log("nccl: ncclCommAbort on device %d: %s", set->devs[i], api->GetErrorString(r));
@@ -131,7 +140,7 @@ static fdp_result_t launch(const int *devs, int n, const rank_op_t *ops, size_t 
   }
   pthread_mutex_t *free_mutex = n > 1 ? fdp__torch_free_mutex() : NULL;
   if (free_mutex) pthread_mutex_lock(free_mutex);
-  CUcontext saved = ctx_save(cu);
+  saved_ctx_t saved = ctx_save(cu);
   ncclResult_t r = api->GroupStart();
   if (r != ncclSuccess) {
     res = nccl_fail(api, r, NULL, "ncclGroupStart", devs, n);
@@ -286,7 +295,7 @@ static void nccl_shutdown(void) {
   while (s != NULL) {
     comm_set_t *next = s->next;
     if (api != NULL) {
-      CUcontext saved = ctx_save(cu);
+      saved_ctx_t saved = ctx_save(cu);
       for (int i = 0; i < s->n; i++) {
         ncclResult_t r = api->CommDestroy(s->comms[i]);
         if (r != ncclSuccess) fdp__log("nccl shutdown: ncclCommDestroy: %s", api->GetErrorString(r));

@@ -68,7 +68,8 @@ def _scratch(device, nbytes, stream):
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-_C.set_device_allocator(_scratch)
+if torch.backends.cuda.is_built():  # a PyTorch without CUDA has no allocator to lend: the core uses the driver's pool
+    _C.set_device_allocator(_scratch)
 
 
 def _reduce(columns, outs):

@@ -120,7 +120,8 @@ static unsigned int grid_for(const module_t *m, int64_t n) {
  * NOTE [scratch memory]: staging buffers and partial sums come from the allocator registered with
  * fdp_set_device_allocator (the binding registers PyTorch's caching allocator, so that this memory shows in
  * torch.cuda.memory_* and an allocation that does not fit frees PyTorch's cached blocks and retries) or, with none
- * registered (the C test program, other embedders), from the driver's stream-ordered pool. Either way a buffer is
+ * registered (the C test program, other embedders, a PyTorch without CUDA), from the driver's stream-ordered pool,
+ * retried once after a device synchronisation when it is out of memory. Either way a buffer is
  * allocated and freed on one stream, stream-ordered; every use on another stream is fenced back to that stream
  * before the free. Both calls are made with the buffer's device context current (pushed by the caller), so that
  * each buffer lives inside the push that uses it and a failed push can never strand one. */
@@ -173,6 +174,15 @@ static fdp_result_t scratch_alloc(const fdp_cu_t *cu, int dev, CUstream stream, 
     return fdp__fail(FDP_UNAVAILABLE, "cuda backend: %s on device %d needs cuMemAllocAsync (CUDA driver 11.2 or newer)",
                      what, dev);
   CUresult e = cu->MemAllocAsync(&s->ptr, bytes, stream);
+  if (e == CUDA_ERROR_OUT_OF_MEMORY) {
+    /* Stream-ordered frees (ours and anyone's) complete, and the pool gives back what it caches, at a
+     * synchronisation: wait for the device once, then try again. */
+    CUresult es = cu->CtxSynchronize();
+    if (es == CUDA_SUCCESS)
+      e = cu->MemAllocAsync(&s->ptr, bytes, stream);
+    else
+      fdp__log("cuda scratch: cuCtxSynchronize before retrying an allocation failed (CUresult %d)", (int)es);
+  }
   if (e != CUDA_SUCCESS) s->ptr = 0;
   return fdp__cu_check(e, "cuMemAllocAsync (scratch)", dev);
 }

@@ -71,6 +71,11 @@ static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, con
       return FDP_OK;
     }
   }
+  /* Communicators live in the devices' primary contexts: fastdp holds its own reference to each (released by the
+   * cuda backend's shutdown, which fdp_shutdown runs after destroying the communicators), so that they outlive
+   * the communicators even when every other user lets go. */
+  for (int i = 0; i < n; i++)
+    FDP_CHECK(fdp__cu_ctx_get(devs[i], NULL));
   comm_set_t *s = calloc(1, sizeof *s);
   if (s == NULL) return fdp__fail(FDP_NOMEM, "nccl: cannot allocate a communicator set");
   s->n = n;

@@ -193,8 +193,17 @@ static fdp_result_t scratch_free(const fdp_cu_t *cu, scratch_t *s) {
   fdp_result_t r = FDP_OK;
   if (s->ptr != 0 && s->hooked)
     s->via.free(s->via.ctx, s->dev, (void *)s->stream, s->handle);
-  else if (s->ptr != 0)
-    r = fdp__cu_check(cu->MemFreeAsync(s->ptr, s->stream), "cuMemFreeAsync (scratch)", s->dev);
+  else if (s->ptr != 0) {
+    CUresult e = cu->MemFreeAsync(s->ptr, s->stream);
+    r = fdp__cu_check(e, "cuMemFreeAsync (scratch)", s->dev);
+    if (e != CUDA_SUCCESS) {
+      /* cuMemFree takes pool memory too, but (as documented) without waiting for its users: wait first. The
+       * failure is still reported. */
+      CUresult es = cu->StreamSynchronize(s->stream);
+      if (es == CUDA_SUCCESS) es = cu->MemFree(s->ptr);
+      if (es != CUDA_SUCCESS) fdp__log("cuda scratch: a buffer on device %d is leaked (CUresult %d)", s->dev, (int)es);
+    }
+  }
   s->ptr = 0;
   s->handle = NULL;
   return r;
@@ -548,17 +557,19 @@ static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, co
      * freed early. */
     fdp_result_t rf = stream_wait(cu, ddev, dstream, sdev, sstream, ta.ptr ? &ta : NULL);
     if (r == FDP_OK) r = rf;
-  }
-  if (ta.ptr) {
-    /* The fence failed: wait for the destination stream on the host instead; ta may go once it is idle. */
-    CUresult e = CUDA_ERROR_UNKNOWN;
-    if (fdp__cu_ctx_push(ddev, NULL) == FDP_OK) {
-      e = cu->StreamSynchronize(dstream);
-      pop_keep(cu, ddev, FDP_OK);
+    if (rf != FDP_OK) {
+      /* The fence failed: wait for the destination stream on the host instead, so that nothing reads the source
+       * (or ta, which may go then) once this returns. */
+      CUresult e = CUDA_ERROR_UNKNOWN;
+      if (fdp__cu_ctx_push(ddev, NULL) == FDP_OK) {
+        e = cu->StreamSynchronize(dstream);
+        pop_keep(cu, ddev, FDP_OK);
+      }
+      if (e == CUDA_SUCCESS) goto unread;
+      fdp__log("cuda copy: device %d may still read device %d's memory after a failed fence", ddev, sdev);
     }
-    if (e == CUDA_SUCCESS) goto unread;
-    fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d after a failed fence", bytes, sdev);
   }
+  if (ta.ptr) fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d after a failed fence", bytes, sdev);
   return r;
 
 unread: /* nothing beyond the pack (or only finished work) read ta: free it on the source stream */

@@ -3,7 +3,6 @@ what they ask of the driver. Results are compared with torch's own sums; the C s
 GPU suite."""
 
 import functools
-import os
 import subprocess
 import sys
 import types
@@ -71,10 +70,8 @@ def test_info_reads_free_memory_only_when_asked(monkeypatch):
 
 def test_info_renders_unread_free_memory():
     info = _info.collect()
-    info["devices"] = [
-        {"index": 0, "name": "GPU A", "total_bytes": 2**34, "free_bytes": 2**33, "peer_access": [True, True], "error": ""},
-        {"index": 1, "name": "GPU B", "total_bytes": 2**34, "free_bytes": None, "peer_access": [True, True], "error": ""},
-    ]
+    gpu = {"total_bytes": 2**34, "peer_access": [True, True], "error": ""}
+    info["devices"] = [dict(gpu, index=0, name="GPU A", free_bytes=2**33), dict(gpu, index=1, name="GPU B", free_bytes=None)]
     text = _info.render(info)
     assert "8.0 GiB" in text and "?" in text and "--memory" in text
 

@@ -589,7 +589,8 @@ static PyObject *py_usable(PyObject *module, PyObject *arg) {
   (void)module;
   const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
   if (!name) {
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "usable: expected a backend name, got %s", Py_TYPE(arg)->tp_name);
+    if (!PyErr_Occurred())
+      PyErr_Format(PyExc_TypeError, "usable: expected a backend name, got %s", Py_TYPE(arg)->tp_name);
     return NULL;
   }
   for (int i = 0; i < FDP_BACKEND_COUNT; i++) {

@@ -228,3 +228,35 @@ def test_spread_columns_take_the_packed_path(monkeypatch):
     seen.clear()
     _core.reduce_columns([[fake(0), fake(1, torch.float16)], [fake(0), fake(1)]], outs)  # mixed dtypes: per column
     assert seen == [2]
+
+
+def test_scatter_allocates_under_the_writing_stream(monkeypatch):
+    """comm.scatter(streams=...) allocates each output with the stream that writes it current (as upstream) and
+    hands the core one stream per device: the given one, or the current one where None."""
+    import contextlib
+
+    current = {1: _Stream(1, 101), 2: _Stream(2, 102)}
+    active = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: current[torch.device(d).index])
+
+    @contextlib.contextmanager
+    def stream(s):
+        active.append(s)
+        yield
+        active.pop()
+
+    allocated = []
+
+    def empty_like(t, device):
+        allocated.append((device.index, active[-1].cuda_stream if active else None))
+        return torch.empty_like(t)
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(comm, "_empty_like", empty_like)
+    monkeypatch.setattr(_C, "scatter", lambda src, outs, dim, sizes, streams: seen.append(streams))
+    x = torch.arange(12.0).view(6, 2)
+    out = comm.scatter(x, [1, 2], dim=0, streams=[_Stream(1, 7), None])
+    assert len(out) == 2
+    assert allocated == [(1, 7), (2, 102)]
+    assert sorted(seen[0]) == [(1, 7), (2, 102)]

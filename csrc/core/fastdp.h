@@ -169,9 +169,42 @@ int fdp_cuda_driver_version(void);  /* e.g. 13000; 0 when unknown */
 int fdp_nccl_version(void);         /* e.g. 22703; 0 when NCCL cannot be loaded */
 const char *fdp_nccl_library(void); /* path or soname of the NCCL library in use, "" when none */
 int fdp_cuda_device_count(void);
-/* name: NUL-terminated into a buffer of name_len bytes; bytes: total and free device memory. */
+/* name: NUL-terminated into a buffer of name_len bytes; bytes: total and free device memory. Name and total are
+ * cheap device queries. Free memory (only when free_bytes is not NULL) is read inside the device's primary context,
+ * retained for the query and released again: where that context was not active it is created (a second or so and
+ * hundreds of MB while it lives; an error under exclusive-process mode when another process holds the GPU), so
+ * callers that must not touch idle GPUs ask fdp_cuda_device_active first. */
 fdp_result_t fdp_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes, size_t *free_bytes);
 int fdp_cuda_can_access_peer(int device, int peer);
+/* 1 when the primary context of `device` is active (PyTorch or fastdp made it), so that reading its free memory
+ * (fdp_cuda_device_info with free_bytes) creates no context; 0 otherwise or when unknown. Touches no GPU. */
+int fdp_cuda_device_active(int device);
+
+/* ---- device scratch memory ----
+ * The cuda backend needs short-lived device buffers: staging for strided copies that the copy engines cannot do,
+ * partial sums of reductions whose output is also a later input. By default they come from the CUDA driver's
+ * stream-ordered pool (cuMemAllocAsync / cuMemFreeAsync). A framework with its own caching allocator registers it
+ * here instead (the Python binding registers PyTorch's), so that this memory is counted by the framework
+ * (torch.cuda.memory_allocated and friends) and competes for the same cached blocks: an allocation that does not
+ * fit first frees the framework's unused cached blocks and retries, as every PyTorch allocation does.
+ *
+ * alloc(ctx, device, bytes, stream, &ptr, &handle, err, err_len): returns 0 with *ptr, device memory of `device`
+ *   usable by work enqueued on `stream` from now on (stream-ordered, like cuMemAllocAsync on that stream), and an
+ *   opaque *handle for free; or nonzero with a NUL-terminated reason in err.
+ * free(ctx, device, stream, handle): gives the memory back ordered after the work already enqueued on `stream`,
+ *   the stream it was allocated on (like cuMemFreeAsync). Never fails.
+ * Both are called with the primary context of `device` current (pushed by fastdp: an allocator that switches
+ * devices must restore it, as PyTorch's device guards do) and without any fastdp lock held, from whatever thread
+ * runs the operation. Register (or unregister with NULL) only while no operation runs; the table is copied.
+ */
+typedef struct fdp_allocator {
+  int (*alloc)(void *ctx, int device, size_t bytes, void *stream, void **ptr, void **handle, char *err,
+               size_t err_len);
+  void (*free)(void *ctx, int device, void *stream, void *handle);
+  void *ctx;
+} fdp_allocator_t;
+
+void fdp_set_device_allocator(const fdp_allocator_t *allocator);
 
 /* ---- kernels: build-time fatbin, NVRTC and its disk cache (python -m fastdp info, tests) ---- */
 typedef struct fdp_kernels_facts {

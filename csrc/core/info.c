@@ -1,5 +1,5 @@
 /* Machine facts for `python -m fastdp info`: driver and NCCL versions, devices, memory, peer access. Every
- * fact reads as absent where the driver or NCCL cannot be loaded. */
+ * fact reads as absent where the driver or NCCL cannot be loaded. Only the free-memory query touches a GPU. */
 #include "fastdp.h"
 #include "backend.h"
 
@@ -30,7 +30,8 @@ int fdp_cuda_device_count(void) {
 }
 
 /* Free memory needs a context. One PyTorch (or fastdp) already made is used as it is; otherwise the primary
- * context is retained just for the query and released again, so that asking costs no lasting GPU memory. */
+ * context is created just for the query and released again, so that asking costs no lasting GPU memory (but
+ * costs the creation: see fdp_cuda_device_active for callers that must not). */
 static fdp_result_t mem_info(const fdp_cu_t *cu, int device, CUdevice dev, size_t *free_bytes, size_t *total) {
   CUcontext ctx;
   /* Retain/release keeps an active context alive and drops one made only for this query. */
@@ -81,4 +82,16 @@ int fdp_cuda_can_access_peer(int device, int peer) {
   if (cu->DeviceGet(&a, device) != CUDA_SUCCESS || cu->DeviceGet(&b, peer) != CUDA_SUCCESS) return 0;
   if (cu->DeviceCanAccessPeer(&can, a, b) != CUDA_SUCCESS) return 0;
   return can;
+}
+
+int fdp_cuda_device_active(int device) {
+  const fdp_cu_t *cu;
+  CUdevice dev;
+  unsigned int flags = 0;
+  int active = 0;
+  if (fdp__cu_load(&cu, NULL) != FDP_OK || device < 0 || device >= fdp__cu_device_count()) return 0;
+  if (cu->DeviceGet(&dev, device) != CUDA_SUCCESS) return 0;
+  /* cuDevicePrimaryCtxGetState reads the state without retaining (creating) the context. */
+  if (cu->DevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS) return 0;
+  return active != 0;
 }

@@ -41,8 +41,12 @@ void *fdp__stream_for(const fdp_streams_t *streams, int device) {
   return NULL;
 }
 
+/* Backends shut down in reverse order of the table, so that each one's state goes before the state it was built
+ * on: NCCL communicators are destroyed while the primary contexts they live in are still retained (the cuda
+ * backend's shutdown releases them), and ncclCommDestroy never runs against a context already torn down. */
 void fdp_shutdown(void) {
-  for (int i = 0; i < FDP_BACKEND_COUNT; i++)
+  _Static_assert(FDP_BACKEND_NCCL > FDP_BACKEND_CUDA, "nccl must shut down before cuda");
+  for (int i = FDP_BACKEND_COUNT - 1; i >= 0; i--)
     if (backends[i] && backends[i]->shutdown) backends[i]->shutdown();
 }
 

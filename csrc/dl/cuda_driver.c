@@ -18,6 +18,14 @@ static int g_count;
 static pthread_mutex_t g_ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic(CUcontext) g_ctx[FDP_MAX_DEVICES];
 
+/* Peer access per ordered pair [device][peer]: 0 not asked yet, 1 enabled, -1 not possible. Lock order: g_peer_lock
+ * before g_ctx_lock (enabling retains contexts). */
+static pthread_mutex_t g_peer_lock = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic(signed char) g_peer[FDP_MAX_DEVICES][FDP_MAX_DEVICES];
+
+/* Not named in dl/cuda_api.h: the value of CUDA_ERROR_TOO_MANY_PEERS in cuda.h (a device maps at most 8 peers). */
+#define FDP_CU_TOO_MANY_PEERS ((CUresult)711)
+
 /* Versioned names on purpose: cuda.h maps e.g. cuMemGetInfo to cuMemGetInfo_v2 by macro, and an unversioned
  * dlsym would bind the legacy ABI (32-bit sizes) instead. */
 static const struct {
@@ -174,8 +182,70 @@ fdp_result_t fdp__cu_ctx_pop(int device) {
   return fdp__cu_check(g_cu.CtxPopCurrent(&c), "cuCtxPopCurrent", device);
 }
 
+/* Asks the driver once for the ordered pair; called with g_peer_lock held. *state receives 1 or -1 on success. */
+static fdp_result_t peer_enable_locked(int device, int peer, int *state) {
+  CUdevice a, b;
+  int can = 0;
+  CUcontext peer_ctx, popped;
+  FDP_CHECK(fdp__cu_check(g_cu.DeviceGet(&a, device), "cuDeviceGet", device));
+  FDP_CHECK(fdp__cu_check(g_cu.DeviceGet(&b, peer), "cuDeviceGet", peer));
+  FDP_CHECK(fdp__cu_check(g_cu.DeviceCanAccessPeer(&can, a, b), "cuDeviceCanAccessPeer", device));
+  if (!can) {
+    *state = -1;
+    return FDP_OK;
+  }
+  FDP_CHECK(fdp__cu_ctx_get(peer, &peer_ctx));
+  FDP_CHECK(fdp__cu_ctx_push(device, NULL)); /* the context that gains access must be current */
+  CUresult e = g_cu.CtxEnablePeerAccess(peer_ctx, 0);
+  CUresult ep = g_cu.CtxPopCurrent(&popped);
+  fdp_result_t r = FDP_OK;
+  if (e == CUDA_SUCCESS || e == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
+    *state = 1;
+  } else if (e == FDP_CU_TOO_MANY_PEERS || e == CUDA_ERROR_PEER_ACCESS_UNSUPPORTED) {
+    fdp__log("peer access %d -> %d not enabled (CUresult %d); copies between them are staged", device, peer, (int)e);
+    *state = -1;
+  } else {
+    r = fdp__cu_check(e, "cuCtxEnablePeerAccess", device);
+  }
+  /* A failed pop after a successful enable caches nothing: the next call gets ALREADY_ENABLED, which is fine. */
+  return r != FDP_OK ? r : fdp__cu_check(ep, "cuCtxPopCurrent", device);
+}
+
+fdp_result_t fdp__cu_peer_enable(int device, int peer, int *enabled) {
+  int dummy;
+  if (enabled == NULL) enabled = &dummy;
+  *enabled = 0;
+  FDP_CHECK(fdp__cu_load(NULL, NULL));
+  if (device < 0 || peer < 0 || device >= g_count || peer >= g_count || device >= FDP_MAX_DEVICES ||
+      peer >= FDP_MAX_DEVICES)
+    return fdp__fail(FDP_INVALID, "peer access between CUDA devices %d and %d: no such pair (%d visible)", device,
+                     peer, g_count);
+  if (device == peer) {
+    *enabled = 1;
+    return FDP_OK;
+  }
+  int st = atomic_load_explicit(&g_peer[device][peer], memory_order_acquire);
+  fdp_result_t r = FDP_OK;
+  if (st == 0) {
+    pthread_mutex_lock(&g_peer_lock);
+    st = atomic_load_explicit(&g_peer[device][peer], memory_order_relaxed);
+    if (st == 0) {
+      r = peer_enable_locked(device, peer, &st);
+      if (r == FDP_OK) atomic_store_explicit(&g_peer[device][peer], (signed char)st, memory_order_release);
+    }
+    pthread_mutex_unlock(&g_peer_lock);
+  }
+  *enabled = r == FDP_OK && st > 0;
+  return r;
+}
+
 void fdp__cu_ctx_release_all(void) {
   if (g_status != FDP_OK) return;
+  pthread_mutex_lock(&g_peer_lock);
+  for (int d = 0; d < FDP_MAX_DEVICES; d++)
+    for (int p = 0; p < FDP_MAX_DEVICES; p++)
+      atomic_store_explicit(&g_peer[d][p], 0, memory_order_relaxed);
+  pthread_mutex_unlock(&g_peer_lock);
   pthread_mutex_lock(&g_ctx_lock);
   for (int d = 0; d < FDP_MAX_DEVICES; d++) {
     CUcontext c = atomic_exchange(&g_ctx[d], NULL);

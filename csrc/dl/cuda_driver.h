@@ -79,8 +79,17 @@ fdp_result_t fdp__cu_ctx_pop(int device);
 /* The cached primary context of `device`, retaining it on first use, without making it current. */
 fdp_result_t fdp__cu_ctx_get(int device, CUcontext *ctx);
 
-/* Releases the primary contexts retained by fdp__cu_ctx_push/get (PyTorch keeps its own references). Call
- * only when no fastdp work is being enqueued; the next push retains again. */
+/* Lets the primary context of `device` access the memory of `peer` (cuCtxEnablePeerAccess), once per ordered pair,
+ * where cuDeviceCanAccessPeer allows it, so that copies between them go over P2P instead of being staged through
+ * host memory by the driver. Thread-safe; the answer is cached until fdp__cu_ctx_release_all. *enabled (may be
+ * NULL) is 1 when access is on: CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED (PyTorch or NCCL enabled it first) counts
+ * as on, a pair the hardware cannot do or CUDA_ERROR_TOO_MANY_PEERS as off, neither is an error (copies still
+ * work, staged). Any other failure returns FDP_CUDA, caches nothing, and leaves the context stack as it was. */
+fdp_result_t fdp__cu_peer_enable(int device, int peer, int *enabled);
+
+/* Releases the primary contexts retained by fdp__cu_ctx_push/get (PyTorch keeps its own references) and forgets
+ * which peer accesses were enabled (a context that is destroyed takes them along). Call only when no fastdp work
+ * is being enqueued; the next push retains again. */
 void fdp__cu_ctx_release_all(void);
 
 #endif

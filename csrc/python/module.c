@@ -583,9 +583,35 @@ static PyObject *py_dtype_codes(PyObject *module, PyObject *unused) {
   return d;
 }
 
-static PyObject *py_info(PyObject *module, PyObject *unused) {
+/* usable(name) -> (bool, why): whether a backend can run now, from the core's own check, which loads libraries
+ * and counts devices but touches no GPU (unlike info(), which lists every device). */
+static PyObject *py_usable(PyObject *module, PyObject *arg) {
   (void)module;
-  (void)unused;
+  const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+  if (!name) {
+    if (!PyErr_Occurred())
+      PyErr_Format(PyExc_TypeError, "usable: expected a backend name, got %s", Py_TYPE(arg)->tp_name);
+    return NULL;
+  }
+  for (int i = 0; i < FDP_BACKEND_COUNT; i++) {
+    if (strcmp(name, fdp_backend_name((fdp_backend_id_t)i)) != 0) continue;
+    const char *why = "";
+    int ok;
+    Py_BEGIN_ALLOW_THREADS ok = fdp_backend_usable((fdp_backend_id_t)i, &why);
+    Py_END_ALLOW_THREADS return Py_BuildValue("(Os)", ok ? Py_True : Py_False, ok ? "" : why);
+  }
+  PyErr_Format(PyExc_ValueError, "usable: unknown backend %R (expected \"host\", \"cuda\" or \"nccl\")", arg);
+  return NULL;
+}
+
+/* info(memory=False): free memory is read only on devices whose primary context is already active (PyTorch or
+ * fastdp used them), unless memory=True, which creates a context on every other device for the query (seconds and
+ * hundreds of MB per GPU while it lives; fails under exclusive-process mode). free_bytes is None where not read. */
+static PyObject *py_info(PyObject *module, PyObject *args, PyObject *kwargs) {
+  (void)module;
+  static char *kwlist[] = {"memory", NULL};
+  int memory = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|p:info", kwlist, &memory)) return NULL;
   PyObject *backends = PyDict_New();
   for (int i = 0; backends && i < FDP_BACKEND_COUNT; i++) {
     const char *why = "";
@@ -604,15 +630,20 @@ static PyObject *py_info(PyObject *module, PyObject *unused) {
   for (int d = 0; devices && d < ndev; d++) {
     char name[256] = "";
     size_t total = 0, free_b = 0;
+    int read_free = 0;
     fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS r = fdp_cuda_device_info(d, name, sizeof name, &total, &free_b);
+    Py_BEGIN_ALLOW_THREADS read_free = memory || fdp_cuda_device_active(d);
+    r = fdp_cuda_device_info(d, name, sizeof name, &total, read_free ? &free_b : NULL);
     Py_END_ALLOW_THREADS PyObject *peers = PyList_New(ndev);
     for (int p = 0; peers && p < ndev; p++)
       PyList_SET_ITEM(peers, p, PyBool_FromLong(p == d || fdp_cuda_can_access_peer(d, p)));
-    PyObject *v = peers ? Py_BuildValue("{s:i,s:s,s:K,s:K,s:N,s:s}", "index", d, "name", name, "total_bytes",
-                                        (unsigned long long)total, "free_bytes", (unsigned long long)free_b,
-                                        "peer_access", peers, "error", r == FDP_OK ? "" : fdp_last_error())
-                        : NULL;
+    PyObject *free_obj = peers ? (read_free && r == FDP_OK ? PyLong_FromUnsignedLongLong(free_b) : Py_NewRef(Py_None))
+                               : NULL;
+    PyObject *v = free_obj ? Py_BuildValue("{s:i,s:s,s:K,s:N,s:N,s:s}", "index", d, "name", name, "total_bytes",
+                                           (unsigned long long)total, "free_bytes", free_obj, "peer_access", peers,
+                                           "error", r == FDP_OK ? "" : fdp_last_error())
+                           : NULL;
+    if (!free_obj) Py_XDECREF(peers);
     if (!v || PyList_Append(devices, v) < 0) Py_CLEAR(devices);
     Py_XDECREF(v);
   }
@@ -624,11 +655,105 @@ static PyObject *py_info(PyObject *module, PyObject *unused) {
                        "nccl_version", fdp_nccl_version(), "nccl_library", fdp_nccl_library(), "devices", devices);
 }
 
+static int is_finalizing(void) {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+/* shutdown(): a no-op while the interpreter finalizes (called from atexit or a __del__): the CUDA runtime may be
+ * torn down already and ncclCommDestroy can hang then; the process exit reclaims everything anyway. */
 static PyObject *py_shutdown(PyObject *module, PyObject *unused) {
   (void)module;
   (void)unused;
+  if (is_finalizing()) Py_RETURN_FALSE;
   Py_BEGIN_ALLOW_THREADS fdp_shutdown();
-  Py_END_ALLOW_THREADS Py_RETURN_NONE;
+  Py_END_ALLOW_THREADS Py_RETURN_TRUE;
+}
+
+/* ---- device scratch memory from PyTorch (see fdp_set_device_allocator) ----
+ * The registered Python callable alloc(device, nbytes, stream_handle) returns a uint8 CUDA tensor of nbytes made by
+ * PyTorch's caching allocator with that stream current; the tensor itself is the handle, dropped when the core
+ * frees the memory, which returns the block to PyTorch's pool of that stream (stream-ordered, as the core needs).
+ * The core calls in with the GIL released, no fastdp lock held and the device's primary context current (the one
+ * PyTorch uses there, so its device guard has nothing to switch); taking the GIL here cannot deadlock. One
+ * allocator per process, as in the core: a static, not module state. */
+static PyObject *g_alloc_fn;
+
+static void exception_text(char *err, size_t len) {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *exc = PyErr_GetRaisedException();
+#else
+  PyObject *type, *exc, *tb;
+  PyErr_Fetch(&type, &exc, &tb);
+  PyErr_NormalizeException(&type, &exc, &tb);
+  Py_XDECREF(type);
+  Py_XDECREF(tb);
+#endif
+  PyObject *str = exc ? PyObject_Str(exc) : NULL;
+  const char *text = str ? PyUnicode_AsUTF8(str) : NULL;
+  snprintf(err, len, "%s%s%s", exc ? Py_TYPE(exc)->tp_name : "error", text ? ": " : "", text ? text : "");
+  Py_XDECREF(str);
+  Py_XDECREF(exc);
+  PyErr_Clear();
+}
+
+static int scratch_alloc_cb(void *ctx, int device, size_t bytes, void *stream, void **ptr, void **handle, char *err,
+                            size_t err_len) {
+  (void)ctx;
+  if (is_finalizing()) {
+    snprintf(err, err_len, "the Python interpreter is shutting down");
+    return 1;
+  }
+  PyGILState_STATE gil = PyGILState_Ensure();
+  int rc = 1;
+  PyObject *t = NULL, *p = NULL;
+  if (g_alloc_fn == NULL) {
+    snprintf(err, err_len, "no allocator registered");
+    goto out;
+  }
+  t = PyObject_CallFunction(g_alloc_fn, "inK", device, (Py_ssize_t)bytes, (unsigned long long)(uintptr_t)stream);
+  p = t ? PyObject_CallMethod(t, "data_ptr", NULL) : NULL;
+  if (p != NULL) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(p);
+    if (!PyErr_Occurred()) {
+      *ptr = (void *)(uintptr_t)v;
+      *handle = t;
+      t = NULL;
+      rc = 0;
+    }
+  }
+  if (rc != 0) exception_text(err, err_len);
+out:
+  Py_XDECREF(p);
+  Py_XDECREF(t);
+  PyGILState_Release(gil);
+  return rc;
+}
+
+static void scratch_free_cb(void *ctx, int device, void *stream, void *handle) {
+  (void)ctx;
+  (void)device;
+  (void)stream; /* the tensor was allocated with this very stream current: dropping it is stream-ordered */
+  if (is_finalizing()) return; /* leaked on purpose: PyTorch's allocator may be gone */
+  PyGILState_STATE gil = PyGILState_Ensure();
+  Py_DECREF((PyObject *)handle);
+  PyGILState_Release(gil);
+}
+
+/* set_device_allocator(alloc or None): see the note above. */
+static PyObject *py_set_device_allocator(PyObject *module, PyObject *fn) {
+  (void)module;
+  if (fn != Py_None && !PyCallable_Check(fn)) {
+    PyErr_Format(PyExc_TypeError, "set_device_allocator: expected a callable or None, got %s", Py_TYPE(fn)->tp_name);
+    return NULL;
+  }
+  static const fdp_allocator_t table = {scratch_alloc_cb, scratch_free_cb, NULL};
+  fdp_set_device_allocator(fn == Py_None ? NULL : &table);
+  Py_XSETREF(g_alloc_fn, fn == Py_None ? NULL : Py_NewRef(fn));
+  Py_RETURN_NONE;
 }
 
 /* ---- kernels: NVRTC and its cache ---- */
@@ -685,8 +810,13 @@ static PyMethodDef methods[] = {
     {"plan", py_plan, METH_VARARGS, "plan(tensors, type_keys, bucket_bytes) -> buckets"},
     {"set_dtypes", py_set_dtypes, METH_VARARGS, "set_dtypes({torch.dtype: code}, torch.Tensor)"},
     {"dtype_codes", py_dtype_codes, METH_NOARGS, "{name: code} of the dtypes the core reduces"},
-    {"info", py_info, METH_NOARGS, "backends, driver and NCCL versions, devices"},
-    {"shutdown", py_shutdown, METH_NOARGS, "release communicators and device state"},
+    {"info", (PyCFunction)(void (*)(void))py_info, METH_VARARGS | METH_KEYWORDS,
+     "info(memory=False): backends, driver and NCCL versions, devices (free memory only where asked or active)"},
+    {"usable", py_usable, METH_O, "usable(name) -> (bool, why): whether a backend can run now; touches no GPU"},
+    {"shutdown", py_shutdown, METH_NOARGS,
+     "release communicators and device state; False (nothing done) while the interpreter finalizes"},
+    {"set_device_allocator", py_set_device_allocator, METH_O,
+     "set_device_allocator(alloc or None): alloc(device, nbytes, stream) -> uint8 CUDA tensor for core scratch"},
     {"kernels_info", py_kernels_info, METH_NOARGS, "fatbin size, NVRTC library and version, cache folder, sources"},
     {"nvrtc_search_dirs", py_nvrtc_search_dirs, METH_VARARGS, "nvrtc_search_dirs('dir1:dir2'): before first use"},
     {"kernels_image", py_kernels_image, METH_VARARGS,
@@ -756,6 +886,10 @@ static int clear(PyObject *m) {
 
 static void free_module(void *m) {
   clear((PyObject *)m);
+  if (g_alloc_fn != NULL) { /* the core must not call into a module that is gone */
+    fdp_set_device_allocator(NULL);
+    Py_CLEAR(g_alloc_fn);
+  }
 }
 
 static PyModuleDef_Slot slots[] = {{Py_mod_exec, exec_module}, {0, NULL}};

@@ -24,11 +24,12 @@ __all__ = [
 ]
 
 
-def info():
-    """A dict of what fastdp can do on this machine (see ``python -m fastdp info``)."""
+def info(memory=False):
+    """A dict of what fastdp can do on this machine (see ``python -m fastdp info``); ``memory=True`` also reads free
+    memory on GPUs that no CUDA context uses yet, creating one on each for the query."""
     from ._info import collect
 
-    return collect()
+    return collect(memory=memory)
 
 
 # ---- DataParallel layer (issue 3): torch.nn.parallel's public names --------------------------------------------

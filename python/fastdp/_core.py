@@ -59,11 +59,102 @@ def streams_for(tensors):
     return None if seen is None else list(seen.items())
 
 
-def reduce_columns(columns, outs):
-    """outs[j] = sum of columns[j] in order, in one core call (dense, core dtypes). CUDA inputs spread over several
-    devices with no NCCL to sum them are first staged on each output's device, then summed there."""
+def _scratch(device, nbytes, stream):
+    """Device scratch for the C core (staging of strided copies, partial sums; see NOTE [scratch memory] in
+    csrc/backend/cuda/cuda.c): a uint8 tensor from PyTorch's caching allocator, made with the core's stream current
+    so that the block belongs to that stream, where the core also uses and frees it. The core drops the tensor when
+    done. An allocation that does not fit frees PyTorch's cached blocks and retries, as every torch allocation."""
+    stream = torch.cuda.ExternalStream(stream, device=device) if stream else torch.cuda.default_stream(device)
+    with torch.cuda.stream(stream):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+if torch.backends.cuda.is_built():  # a PyTorch without CUDA has no allocator to lend: the core uses the driver's pool
+    _C.set_device_allocator(_scratch)
+
+
+def _reduce(columns, outs):
     try:
         _C.reduce_many(columns, outs, streams_for([*outs, *(t for c in columns for t in c)]))
     except _C.BackendUnavailableError:
         staged = [[t if t.device == o.device else t.to(o.device) for t in c] for c, o in zip(columns, outs)]
         _guarded_core.reduce_many(staged, outs, streams_for([*outs, *(t for c in staged for t in c)]))
+
+
+def _tiles(outs):
+    """The flat tensor that outs cover exactly, in order (consecutive contiguous views of one storage), or None."""
+    first = outs[0]
+    if not all(o.is_contiguous() and o.dtype == first.dtype and o.device == first.device for o in outs):
+        return None
+    if any(o.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for o in outs):
+        return None
+    offset = first.storage_offset()
+    for o in outs:
+        if o.storage_offset() != offset:
+            return None
+        offset += o.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
+
+
+def _pack(columns, outs):
+    """One flat input per (device, occurrence) and one flat output: the columns as a single reduce.
+
+    Column j's k-th tensor on device d goes to the flat of slot (d, k) at out j's offset; slots a column has no
+    tensor for hold zeros there. Slots are ordered by first appearance, so a column's tensors keep their order
+    wherever each column lists one tensor per device or all its tensors on one device (the cases DataParallel
+    produces). The output's device always has a slot, packed straight into the output when outs tile one flat
+    buffer (then reduced in place), so that NCCL finds its root there.
+    """
+    dest = outs[0].device
+    flat_out = _tiles(outs)
+    result = flat_out if flat_out is not None else torch.empty(sum(o.numel() for o in outs), dtype=outs[0].dtype,
+                                                              device=dest)
+    slots = {(dest, 0): None}
+    placed = []  # per column: the slot of each of its tensors
+    for column in columns:
+        seen, keys = {}, []
+        for t in column:
+            k = seen.get(t.device, 0)
+            seen[t.device] = k + 1
+            keys.append((t.device, k))
+            slots.setdefault((t.device, k), None)
+        placed.append(keys)
+    offsets, at = [], 0
+    for o in outs:
+        offsets.append(at)
+        at += o.numel()
+    for key in slots:
+        slots[key] = result if key == (dest, 0) and flat_out is not None else torch.empty_like(result, device=key[0])
+    filled = {key: 0 for key in slots}
+    dsts, srcs = [], []
+    for column, keys, off in zip(columns, placed, offsets):
+        for t, key in zip(column, keys):
+            dsts.append(slots[key][off : off + t.numel()].view(t.shape))
+            srcs.append(t)
+            filled[key] += t.numel()
+    for key, flat in slots.items():
+        if filled[key] != flat.numel():  # some column has no tensor here: its part must add nothing
+            flat.zero_()
+    if dsts:
+        _guarded_core.copy(dsts, srcs, streams_for([*slots.values(), *srcs]))
+    return list(slots.values()), result, flat_out is None
+
+
+def reduce_columns(columns, outs):
+    """outs[j] = sum of columns[j] (dense, core dtypes, one dtype per column and output).
+
+    Columns that span several CUDA devices (a gradient bucket of several replicas) are packed first, one flat buffer
+    per device, and reduced as one tensor: one NCCL group per call rather than one per column (upstream's
+    reduce_add_coalesced flattens too). Otherwise each column is reduced in place, all in one core call. CUDA
+    inputs spread over several devices with no NCCL to sum them are first staged on each output's device.
+    """
+    spread = len(columns) > 1 and outs[0].is_cuda and len({t.device for c in columns for t in c}) > 1
+    same = all(o.dtype == outs[0].dtype and o.device == outs[0].device for o in outs)
+    if spread and same and all(t.dtype == outs[0].dtype for c in columns for t in c):
+        flats, result, copy_back = _pack(columns, outs)
+        _reduce([flats], [result])
+        if copy_back:
+            parts = list(result.split([o.numel() for o in outs]))
+            _guarded_core.copy([o.view(-1) for o in outs], parts, streams_for([result]))
+        return
+    _reduce(columns, outs)

@@ -82,8 +82,11 @@ def _kernel_source(kernels):
     return (" or ".join(ways) + " (not loaded yet)") if ways else "none: no fatbin and no NVRTC"
 
 
-def collect():
-    core = _C.info()
+def collect(memory=False):
+    """Machine facts. Free GPU memory is read only on GPUs whose CUDA context already exists (PyTorch or fastdp used
+    them) unless ``memory`` is true: reading it elsewhere creates a context on each such GPU (seconds and hundreds of
+    MB while it lives, and an error under exclusive-process mode); ``free_bytes`` is None where it was not read."""
+    core = _C.info(memory=memory)
     kernels = _kernels(core["devices"])
     torch_nccl = None
     if torch.cuda.is_available():
@@ -150,8 +153,11 @@ def render(info):
     else:
         lines.append("GPU  name                              total       free")
         for d in devices:
-            lines.append(f"{d['index']:<4} {d['name'][:33]:<33} {_gib(d['total_bytes']):>10} {_gib(d['free_bytes']):>10}"
+            free = _gib(d["free_bytes"]) if d["free_bytes"] is not None else "?"
+            lines.append(f"{d['index']:<4} {d['name'][:33]:<33} {_gib(d['total_bytes']):>10} {free:>10}"
                          + (f"  ({d['error']})" if d["error"] else ""))
+        if any(d["free_bytes"] is None for d in devices):
+            lines.append("? free memory not read on GPUs no process context uses yet (--memory reads it there too)")
         lines.append("")
         lines.append("peer access (row → column): " + " ".join(str(d["index"]) for d in devices))
         for d in devices:

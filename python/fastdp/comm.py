@@ -168,7 +168,9 @@ def _collective(devices):
     if devices[0].type != "cuda" or len(set(devices)) != len(devices):
         return False
     if _COLLECTIVE is None:
-        _COLLECTIVE = bool(_C.info()["backends"]["nccl"]["usable"])
+        # The backend's own check loads libraries and counts devices; it creates no CUDA context on any GPU
+        # (_C.info() would, to read free memory).
+        _COLLECTIVE = bool(_C.usable("nccl")[0])
     return _COLLECTIVE
 
 
@@ -336,13 +338,12 @@ def _wrap_dim(dim, ndim, what="dim"):
 
 
 def _cuda_streams(streams, devices):
-    """Explicit streams (one per target device) → core stream list; None → the devices' current streams."""
+    """Explicit streams (one per target device, None allowed) → that list, checked; None → None."""
     if streams is None:
         return None
     streams = list(streams)
     if len(streams) != len(devices):
         raise ValueError(f"Expected one stream per device: got {len(streams)} streams for {len(devices)} devices")
-    pairs = []
     for i, (s, d) in enumerate(zip(streams, devices)):
         if s is None or d.type != "cuda":
             continue
@@ -351,8 +352,21 @@ def _cuda_streams(streams, devices):
                 f"Expected the device associated with the stream at index {i} (was {s.device.index}) to match "
                 f"the device supplied at that index (expected {d.index})"
             )
-        pairs.append((d.index, s.cuda_stream))
-    return pairs
+    return streams
+
+
+def _scatter_streams(src, devices, streams):
+    """{device index: stream} of a scatter with explicit streams, the one stream the core orders each device's work
+    on. The source's device keeps its current stream, the one whose work produced the source: every copy waits
+    for it there, and it waits for the copies before the source's memory can be reused. A target gets its given
+    stream (its current one where None); a device listed twice uses the stream of its first entry."""
+    chosen = {}
+    if src.is_cuda:
+        chosen[src.get_device()] = torch.cuda.current_stream(src.device)
+    for s, d in zip(streams, devices):
+        if d.type == "cuda" and d.index not in chosen:
+            chosen[d.index] = s if s is not None else torch.cuda.current_stream(d)
+    return chosen
 
 
 def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=None):
@@ -419,16 +433,26 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
                 "they must add up exactly"
             )
     used = devices[: len(sizes)]
-    stream_pairs = _cuda_streams(streams, used)
+    given = _cuda_streams(streams, used)
+    chosen = None if given is None else _scatter_streams(src, used, given)
     own = _source_slots(used, tensor.device)
     results, start = [], 0
     for i, (dev, n) in enumerate(zip(used, sizes)):
         view = src.narrow(d, start, n)
-        # The source's own entry gets a view, which the core recognises and skips.
-        results.append(view if i == own else _empty_like(view, dev))
         start += n
-    if stream_pairs is None:
+        if i == own:  # the source's own entry gets a view, which the core recognises and skips
+            results.append(view)
+        elif chosen is None or dev.type != "cuda":
+            results.append(_empty_like(view, dev))
+        else:
+            # As upstream: allocated with the stream that writes it current, so that PyTorch's caching allocator
+            # ties the block to that stream (no reuse before the copy into it has run).
+            with torch.cuda.stream(chosen[dev.index]):
+                results.append(_empty_like(view, dev))
+    if chosen is None:
         stream_pairs = streams_for([src, *results])
+    else:
+        stream_pairs = [(k, s.cuda_stream) for k, s in chosen.items()]
     _C.scatter(src, results, d, sizes, stream_pairs)
     return tuple(results)
 

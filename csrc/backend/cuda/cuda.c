@@ -214,11 +214,108 @@ static unsigned int grid_for(const module_t *m, int64_t n) {
   return blocks < (int64_t)m->max_blocks ? (unsigned int)blocks : m->max_blocks;
 }
 
+/* ---- scratch memory ----
+ * NOTE [scratch memory]: staging buffers and partial sums come from the allocator registered with
+ * fdp_set_device_allocator (the binding registers PyTorch's caching allocator, so that this memory shows in
+ * torch.cuda.memory_* and an allocation that does not fit frees PyTorch's cached blocks and retries) or, with none
+ * registered (the C test program, other embedders, a PyTorch without CUDA), from the driver's stream-ordered pool,
+ * retried once after a device synchronisation when it is out of memory. Either way a buffer is
+ * allocated and freed on one stream, stream-ordered; every use on another stream is fenced back to that stream
+ * before the free. Both calls are made with the buffer's device context current (pushed by the caller), so that
+ * each buffer lives inside the push that uses it and a failed push can never strand one. */
+
+static pthread_mutex_t g_alloc_lock = PTHREAD_MUTEX_INITIALIZER;
+static fdp_allocator_t g_alloc;
+
+void fdp_set_device_allocator(const fdp_allocator_t *allocator) {
+  pthread_mutex_lock(&g_alloc_lock);
+  if (allocator != NULL && allocator->alloc != NULL && allocator->free != NULL)
+    g_alloc = *allocator;
+  else
+    memset(&g_alloc, 0, sizeof g_alloc);
+  pthread_mutex_unlock(&g_alloc_lock);
+}
+
+typedef struct scratch {
+  CUdeviceptr ptr; /* 0: nothing held */
+  void *handle;    /* the registered allocator's handle; unused for the driver pool */
+  int hooked;      /* 1: from `via`, 0: from cuMemAllocAsync */
+  int dev;
+  CUstream stream;
+  fdp_allocator_t via;
+} scratch_t;
+
+/* `bytes` of device memory on `dev`, usable by work enqueued on `stream` from now on; dev's context is current.
+ * Nothing is held on failure. */
+static fdp_result_t scratch_alloc(const fdp_cu_t *cu, int dev, CUstream stream, size_t bytes, const char *what,
+                                  scratch_t *s) {
+  memset(s, 0, sizeof *s);
+  s->dev = dev;
+  s->stream = stream;
+  pthread_mutex_lock(&g_alloc_lock);
+  s->via = g_alloc;
+  pthread_mutex_unlock(&g_alloc_lock);
+  if (s->via.alloc != NULL) {
+    char err[256] = "";
+    void *ptr = NULL, *handle = NULL;
+    if (s->via.alloc(s->via.ctx, dev, bytes, (void *)stream, &ptr, &handle, err, sizeof err) != 0) {
+      err[sizeof err - 1] = '\0';
+      return fdp__fail(FDP_CUDA, "cuda backend: %s: %zu bytes on device %d could not be allocated: %s", what, bytes,
+                       dev, err[0] ? err : "the registered allocator failed");
+    }
+    s->ptr = (CUdeviceptr)(uintptr_t)ptr;
+    s->handle = handle;
+    s->hooked = 1;
+    return FDP_OK;
+  }
+  if (cu->MemAllocAsync == NULL || cu->MemFreeAsync == NULL)
+    return fdp__fail(FDP_UNAVAILABLE, "cuda backend: %s on device %d needs cuMemAllocAsync (CUDA driver 11.2 or newer)",
+                     what, dev);
+  CUresult e = cu->MemAllocAsync(&s->ptr, bytes, stream);
+  if (e == CUDA_ERROR_OUT_OF_MEMORY) {
+    /* Stream-ordered frees (ours and anyone's) complete, and the pool gives back what it caches, at a
+     * synchronisation: wait for the device once, then try again. */
+    CUresult es = cu->CtxSynchronize();
+    if (es == CUDA_SUCCESS)
+      e = cu->MemAllocAsync(&s->ptr, bytes, stream);
+    else
+      fdp__log("cuda scratch: cuCtxSynchronize before retrying an allocation failed (CUresult %d)", (int)es);
+  }
+  if (e != CUDA_SUCCESS) s->ptr = 0;
+  return fdp__cu_check(e, "cuMemAllocAsync (scratch)", dev);
+}
+
+/* Gives the memory back, ordered after the work enqueued on its stream so far; a no-op when nothing is held.
+ * s->dev's context is current. */
+static fdp_result_t scratch_free(const fdp_cu_t *cu, scratch_t *s) {
+  fdp_result_t r = FDP_OK;
+  if (s->ptr != 0 && s->hooked)
+    s->via.free(s->via.ctx, s->dev, (void *)s->stream, s->handle);
+  else if (s->ptr != 0) {
+    CUresult e = cu->MemFreeAsync(s->ptr, s->stream);
+    r = fdp__cu_check(e, "cuMemFreeAsync (scratch)", s->dev);
+    if (e != CUDA_SUCCESS) {
+      /* cuMemFree takes pool memory too, but (as documented) without waiting for its users: wait first. The
+       * failure is still reported. */
+      CUresult es = cu->StreamSynchronize(s->stream);
+      if (es == CUDA_SUCCESS) es = cu->MemFree(s->ptr);
+      if (es != CUDA_SUCCESS) fdp__log("cuda scratch: a buffer on device %d is leaked (CUresult %d)", s->dev, (int)es);
+    }
+  }
+  s->ptr = 0;
+  s->handle = NULL;
+  return r;
+}
+
 /* ---- stream ordering ---- */
 
 /* Makes stream `to` (device to_dev) wait for everything enqueued so far on `from` (device from_dev). The event
- * is destroyed right after the wait is enqueued: legal, the driver defers the release until it completes. */
-static fdp_result_t stream_wait(const fdp_cu_t *cu, int from_dev, CUstream from, int to_dev, CUstream to) {
+ * is destroyed right after the wait is enqueued: legal, the driver defers the release until it completes.
+ * `release` (may be NULL), scratch memory of to_dev on `to`, is freed as soon as the wait is enqueued (so behind
+ * everything on `from` so far), while to_dev's context is current; it stays held when the wait could not be
+ * enqueued. */
+static fdp_result_t stream_wait(const fdp_cu_t *cu, int from_dev, CUstream from, int to_dev, CUstream to,
+                                scratch_t *release) {
   CUevent ev = NULL;
   FDP_CHECK(fdp__cu_ctx_push(from_dev, NULL));
   fdp_result_t r = fdp__cu_check(cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate", from_dev);
@@ -226,8 +323,11 @@ static fdp_result_t stream_wait(const fdp_cu_t *cu, int from_dev, CUstream from,
   if (r == FDP_OK) {
     /* A stream may wait on another device's event; its own context must be current (NULL = its default). */
     r = fdp__cu_ctx_push(to_dev, NULL);
-    if (r == FDP_OK)
-      r = pop_keep(cu, to_dev, fdp__cu_check(cu->StreamWaitEvent(to, ev, 0), "cuStreamWaitEvent", to_dev));
+    if (r == FDP_OK) {
+      r = fdp__cu_check(cu->StreamWaitEvent(to, ev, 0), "cuStreamWaitEvent", to_dev);
+      if (r == FDP_OK && release != NULL) r = scratch_free(cu, release);
+      r = pop_keep(cu, to_dev, r);
+    }
   }
   if (ev != NULL) {
     CUresult e = cu->EventDestroy(ev);
@@ -486,8 +586,9 @@ static fdp_result_t copy_peer_rows(const fdp_cu_t *cu, int ddev, CUstream stream
  * the copy starts after the work already queued there (which produced the source), and the source stream
  * waits for the copy, so PyTorch's allocator cannot hand the source to new work while it is still read.
  * Layouts the copy engines cannot do are staged: packed into a flat buffer on the source device (kernel on
- * the source stream), copied flat, and unpacked on the destination device (kernel); the staging buffers come
- * from the driver's stream-ordered pool, so no PyTorch allocation is involved. */
+ * the source stream), copied flat, and unpacked on the destination device (kernel); the staging buffers are
+ * scratch memory (see NOTE [scratch memory]). Peer access from the destination's context (the one that runs
+ * the copy) to the source's is enabled first where the hardware allows, so that the copy goes P2P. */
 static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, const fdp_streams_t *streams,
                                       const pair_t *p) {
   CUstream sstream = (CUstream)fdp__stream_for(streams, sdev);
@@ -495,84 +596,89 @@ static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, co
   CUcontext sctx = NULL, dctx = NULL;
   FDP_CHECK(fdp__cu_ctx_get(sdev, &sctx));
   FDP_CHECK(fdp__cu_ctx_get(ddev, &dctx));
+  FDP_CHECK(fdp__cu_peer_enable(ddev, sdev, NULL));
   size_t width, height, spitch, dpitch;
   int64_t outer = 0;
   int rows = pair_rows(p, &width, &height, &spitch, &dpitch, &outer) && outer <= PEER_MAX_LOOP;
   int staged = !(src_flat(p) && dst_flat(p)) && !rows;
   size_t bytes = (size_t)(p->numel * p->es);
-  CUdeviceptr ta = 0, tb = 0;
+  scratch_t ta, tb; /* staging on the source (packed source) and on the destination (to unpack) */
+  memset(&ta, 0, sizeof ta);
+  memset(&tb, 0, sizeof tb);
   pair_t flat = *p; /* the flat copy between the staging buffers (or the views themselves when flat) */
   fdp_result_t r = FDP_OK;
-  int enqueued = 0, fenced = 0;
 
-  if (staged && (cu->MemAllocAsync == NULL || cu->MemFreeAsync == NULL))
-    return fdp__fail(FDP_UNAVAILABLE,
-                     "cuda backend: a strided copy from device %d to %d needs cuMemAllocAsync "
-                     "(CUDA driver 11.2 or newer)",
-                     sdev, ddev);
   if (staged && !src_flat(p)) {
     pair_t pack = *p;
     FDP_CHECK(fdp__cu_ctx_push(sdev, NULL));
-    r = fdp__cu_check(cu->MemAllocAsync(&ta, bytes, sstream), "cuMemAllocAsync (staging)", sdev);
+    r = scratch_alloc(cu, sdev, sstream, bytes, "staging for a strided peer copy", &ta);
     if (r == FDP_OK) {
       flat_strides(p, pack.ds);
-      pack.dst = ta;
+      pack.dst = ta.ptr;
       pair_merge(&pack);
       r = kernel_copy(cu, sdev, sstream, pack);
     }
-    r = pop_keep(cu, sdev, r);
-    if (r != FDP_OK) goto fail;
+    if (r != FDP_OK) {
+      fdp_result_t rf = scratch_free(cu, &ta); /* nothing but the pack (ordered on sstream) touched it */
+      if (rf != FDP_OK) fdp__log("cuda copy: a staging buffer on device %d is leaked", sdev);
+    }
+    if ((r = pop_keep(cu, sdev, r)) != FDP_OK) goto unread;
   }
   if (staged) {
     flat.ndim = 1;
     flat.sizes[0] = p->numel;
     flat.ss[0] = flat.ds[0] = 1;
-    flat.src = ta ? ta : p->src;
+    flat.src = ta.ptr ? ta.ptr : p->src;
   }
 
-  if ((r = stream_wait(cu, sdev, sstream, ddev, dstream)) != FDP_OK) goto fail;
-  if ((r = fdp__cu_ctx_push(ddev, NULL)) != FDP_OK) goto fail;
+  if ((r = stream_wait(cu, sdev, sstream, ddev, dstream, NULL)) != FDP_OK) goto unread;
+  if ((r = fdp__cu_ctx_push(ddev, NULL)) != FDP_OK) goto unread;
   if (staged && !dst_flat(p)) {
-    r = fdp__cu_check(cu->MemAllocAsync(&tb, bytes, dstream), "cuMemAllocAsync (staging)", ddev);
-    flat.dst = tb;
+    r = scratch_alloc(cu, ddev, dstream, bytes, "staging for a strided peer copy", &tb);
+    flat.dst = tb.ptr;
   }
   if (r == FDP_OK) r = copy_peer_rows(cu, ddev, dstream, &flat, sctx, dctx);
-  enqueued = r == FDP_OK;
-  if (r == FDP_OK && tb) {
+  if (r == FDP_OK && tb.ptr) {
     pair_t unpack = *p;
     flat_strides(p, unpack.ss);
-    unpack.src = tb;
+    unpack.src = tb.ptr;
     pair_merge(&unpack);
     r = kernel_copy(cu, ddev, dstream, unpack);
   }
-  if (tb) {
-    /* Stream-ordered: freed after the unpack (or whatever of it was enqueued) completes. */
-    CUresult e = cu->MemFreeAsync(tb, dstream);
-    if (r == FDP_OK) r = fdp__cu_check(e, "cuMemFreeAsync (staging)", ddev);
-  }
-  r = pop_keep(cu, ddev, r);
-  if (!enqueued) goto fail;
   {
-    fdp_result_t rf = stream_wait(cu, ddev, dstream, sdev, sstream);
-    fenced = rf == FDP_OK;
+    /* tb lives on the destination stream only: freed there, after the unpack, whatever happened. */
+    fdp_result_t rf = scratch_free(cu, &tb);
     if (r == FDP_OK) r = rf;
   }
-
-fail:
-  if (ta) {
-    /* After the fence the source stream orders the free behind the peer copy; without a fence the copy was
-     * never enqueued, or may still be reading, and then the buffer is leaked rather than freed early. */
-    if (fenced || !enqueued) {
-      fdp_result_t rp = fdp__cu_ctx_push(sdev, NULL);
-      if (rp == FDP_OK) {
-        CUresult e = cu->MemFreeAsync(ta, sstream);
-        rp = pop_keep(cu, sdev, fdp__cu_check(e, "cuMemFreeAsync (staging)", sdev));
+  r = pop_keep(cu, ddev, r);
+  {
+    /* Something on the destination stream may read the source (or ta) now, even after a failure above: the
+     * source stream waits for it, and ta is freed behind that wait. Without the wait ta is leaked rather than
+     * freed early. */
+    fdp_result_t rf = stream_wait(cu, ddev, dstream, sdev, sstream, ta.ptr ? &ta : NULL);
+    if (r == FDP_OK) r = rf;
+    if (rf != FDP_OK) {
+      /* The fence failed: wait for the destination stream on the host instead, so that nothing reads the source
+       * (or ta, which may go then) once this returns. */
+      CUresult e = CUDA_ERROR_UNKNOWN;
+      if (fdp__cu_ctx_push(ddev, NULL) == FDP_OK) {
+        e = cu->StreamSynchronize(dstream);
+        pop_keep(cu, ddev, FDP_OK);
       }
-      if (r == FDP_OK) r = rp;
-    } else {
-      fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d after a failed fence", bytes, sdev);
+      if (e == CUDA_SUCCESS) goto unread;
+      fdp__log("cuda copy: device %d may still read device %d's memory after a failed fence", ddev, sdev);
     }
   }
+  if (ta.ptr) fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d after a failed fence", bytes, sdev);
+  return r;
+
+unread: /* nothing beyond the pack (or only finished work) read ta: free it on the source stream */
+  if (ta.ptr && fdp__cu_ctx_push(sdev, NULL) == FDP_OK) {
+    fdp_result_t rf = scratch_free(cu, &ta);
+    if (rf != FDP_OK) fdp__log("cuda copy: freeing a staging buffer on device %d failed", sdev);
+    pop_keep(cu, sdev, FDP_OK);
+  }
+  if (ta.ptr) fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d", bytes, sdev);
   return r;
 }
 
@@ -592,8 +698,8 @@ static void host_view(fdp_tensor_t *t, uintptr_t addr, const pair_t *p, const in
 
 /* Between host memory and one device, on that device's stream. The transfer itself is one flat
  * cuMemcpyHtoDAsync / cuMemcpyDtoHAsync; a strided host side is packed or unpacked on the host (a malloc'ed
- * buffer), a strided device side through a stream-ordered staging buffer and the copy kernel. The stream is
- * synchronised before returning: host memory is complete (and reusable) when the call returns, as with
+ * buffer), a strided device side through a scratch buffer (see NOTE [scratch memory]) and the copy kernel. The
+ * stream is synchronised before returning: host memory is complete (and reusable) when the call returns, as with
  * upstream's blocking copies to and from the CPU, whether or not the host memory is pinned. */
 static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, const fdp_streams_t *streams) {
   pair_t p;
@@ -608,6 +714,8 @@ static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, co
   int host_flat = h2d ? src_flat(&p) : dst_flat(&p);
   int dev_flat = h2d ? dst_flat(&p) : src_flat(&p);
   void *hbuf = host_flat ? (void *)(uintptr_t)(h2d ? p.src : p.dst) : malloc(bytes);
+  scratch_t ds;
+  memset(&ds, 0, sizeof ds);
   CUdeviceptr dbuf = dev_flat ? (h2d ? p.dst : p.src) : 0;
   fdp_result_t r = FDP_OK;
   if (!hbuf) return fdp__fail(FDP_NOMEM, "cuda backend: no host memory for a %zu-byte staging buffer", bytes);
@@ -620,12 +728,8 @@ static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, co
   if (r == FDP_OK) r = fdp__cu_ctx_push(dev, NULL);
   if (r != FDP_OK) goto done;
   if (!dev_flat) {
-    r = cu->MemAllocAsync && cu->MemFreeAsync
-            ? fdp__cu_check(cu->MemAllocAsync(&dbuf, bytes, stream), "cuMemAllocAsync (staging)", dev)
-            : fdp__fail(FDP_UNAVAILABLE,
-                        "cuda backend: a strided copy between host and device %d needs "
-                        "cuMemAllocAsync (CUDA driver 11.2 or newer)",
-                        dev);
+    r = scratch_alloc(cu, dev, stream, bytes, "staging for a strided copy between host and device", &ds);
+    dbuf = ds.ptr;
   }
   if (r == FDP_OK && !h2d && !dev_flat) {
     pair_t pack = p;
@@ -644,11 +748,12 @@ static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, co
     pair_merge(&unpack);
     r = kernel_copy(cu, dev, stream, unpack);
   }
-  if (!dev_flat && dbuf) {
-    CUresult e = cu->MemFreeAsync(dbuf, stream); /* stream-ordered: after the work above */
-    if (r == FDP_OK) r = fdp__cu_check(e, "cuMemFreeAsync (staging)", dev);
+  {
+    fdp_result_t rf = scratch_free(cu, &ds); /* stream-ordered: after the work above */
+    if (r == FDP_OK) r = rf;
   }
   {
+    /* Also after a failure: the host buffer is freed below, so whatever was enqueued must be finished. */
     CUresult e = cu->StreamSynchronize(stream);
     if (r == FDP_OK) r = fdp__cu_check(e, "cuStreamSynchronize", dev);
   }
@@ -755,36 +860,32 @@ static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
   CUstream stream = (CUstream)fdp__stream_for(streams, dev);
   CUdeviceptr o = (CUdeviceptr)(uintptr_t)out->data;
   size_t bytes = (size_t)numel * (size_t)out->elem_size;
-  FDP_CHECK(fdp__cu_ctx_push(dev, NULL));
   fdp_result_t r = FDP_OK;
   if (n == 1) {
-    if (inputs[0].data != out->data)
-      r = fdp__cu_check(cu->MemcpyAsync(o, (CUdeviceptr)(uintptr_t)inputs[0].data, bytes, stream), "cuMemcpyAsync",
-                        dev);
+    if (inputs[0].data == out->data) return FDP_OK;
+    FDP_CHECK(fdp__cu_ctx_push(dev, NULL));
+    r = fdp__cu_check(cu->MemcpyAsync(o, (CUdeviceptr)(uintptr_t)inputs[0].data, bytes, stream), "cuMemcpyAsync", dev);
     return pop_keep(cu, dev, r);
   }
-  const module_t *m = NULL;
-  r = get_module(cu, dev, &m);
-  if (r == FDP_UNAVAILABLE) r = needs_kernels("a sum of several inputs needs the k-way sum kernel");
-  if (r != FDP_OK) return pop_keep(cu, dev, r);
-  /* The running sum lives in out unless out is an input that a later pass still has to read. */
-  CUdeviceptr acc = o, tmp = 0;
+  /* The running sum lives in out unless out is an input that a later pass still has to read; then in scratch
+   * memory (see NOTE [scratch memory]) allocated and freed on this one stream. */
+  CUdeviceptr acc = o;
   for (int i = FDP_SUM_MAX_INPUTS; i < n; i++)
     if (inputs[i].data == out->data) acc = 0;
-  if (acc == 0) {
-    if (cu->MemAllocAsync == NULL || cu->MemFreeAsync == NULL)
-      return pop_keep(cu, dev,
-                      fdp__fail(FDP_UNAVAILABLE,
-                                "cuda backend: a reduce of %d inputs into one of them "
-                                "needs cuMemAllocAsync (CUDA driver 11.2+)",
-                                n));
-    r = fdp__cu_check(cu->MemAllocAsync(&tmp, bytes, stream), "cuMemAllocAsync (partial sums)", dev);
-    acc = tmp;
+  const module_t *m = NULL;
+  FDP_CHECK(fdp__cu_ctx_push(dev, NULL));
+  r = get_module(cu, dev, &m);
+  if (r == FDP_UNAVAILABLE) r = needs_kernels("a sum of several inputs needs the k-way sum kernel");
+  scratch_t tmp;
+  memset(&tmp, 0, sizeof tmp);
+  if (r == FDP_OK && acc == 0) {
+    r = scratch_alloc(cu, dev, stream, bytes, "partial sums of a reduce into one of its inputs", &tmp);
+    acc = tmp.ptr;
   }
   if (r == FDP_OK) r = sum_passes(cu, dev, stream, m, m->sum[out->dtype], inputs, n, o, acc, numel);
-  if (tmp) {
-    CUresult e = cu->MemFreeAsync(tmp, stream);
-    if (r == FDP_OK) r = fdp__cu_check(e, "cuMemFreeAsync (partial sums)", dev);
+  {
+    fdp_result_t rf = scratch_free(cu, &tmp);
+    if (r == FDP_OK) r = rf;
   }
   return pop_keep(cu, dev, r);
 }

@@ -33,15 +33,24 @@ static void devs_str(const int *devs, int n, char *buf, size_t len) {
 }
 
 /* NCCL switches the runtime's current device while it works (cudaSetDevice is a cuCtxSetCurrent underneath);
- * the caller's thread, often PyTorch's, gets its own context back. */
-static CUcontext ctx_save(const fdp_cu_t *cu) {
-  CUcontext c = NULL;
-  if (cu->CtxGetCurrent(&c) != CUDA_SUCCESS) c = NULL;
-  return c;
+ * the caller's thread, often PyTorch's, gets its own context back. When the current context cannot be read,
+ * nothing is restored: cuCtxSetCurrent(NULL) would unbind (pop) the caller's context. */
+typedef struct saved_ctx {
+  CUcontext ctx;
+  int ok;
+} saved_ctx_t;
+
+static saved_ctx_t ctx_save(const fdp_cu_t *cu) {
+  saved_ctx_t s = {NULL, 0};
+  CUresult e = cu->CtxGetCurrent(&s.ctx);
+  s.ok = e == CUDA_SUCCESS;
+  if (!s.ok) fdp__log("nccl: reading the caller's CUDA context failed (CUresult %d); it is not restored", (int)e);
+  return s;
 }
 
-static void ctx_restore(const fdp_cu_t *cu, CUcontext c) {
-  CUresult e = cu->CtxSetCurrent(c);
+static void ctx_restore(const fdp_cu_t *cu, saved_ctx_t s) {
+  if (!s.ok) return;
+  CUresult e = cu->CtxSetCurrent(s.ctx);
   if (e != CUDA_SUCCESS) fdp__log("nccl: restoring the caller's CUDA context failed (CUresult %d)", (int)e);
 }
 
@@ -62,11 +71,16 @@ static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, con
       return FDP_OK;
     }
   }
+  /* Communicators live in the devices' primary contexts: fastdp holds its own reference to each (released by the
+   * cuda backend's shutdown, which fdp_shutdown runs after destroying the communicators), so that they outlive
+   * the communicators even when every other user lets go. */
+  for (int i = 0; i < n; i++)
+    FDP_CHECK(fdp__cu_ctx_get(devs[i], NULL));
   comm_set_t *s = calloc(1, sizeof *s);
   if (s == NULL) return fdp__fail(FDP_NOMEM, "nccl: cannot allocate a communicator set");
   s->n = n;
   memcpy(s->devs, devs, (size_t)n * sizeof *devs);
-  CUcontext saved = ctx_save(cu);
+  saved_ctx_t saved = ctx_save(cu);
   ncclResult_t r = api->CommInitAll(s->comms, n, s->devs);
   ctx_restore(cu, saved);
   if (r != ncclSuccess) {
@@ -92,9 +106,11 @@ static void comms_evict(const fdp_nccl_api_t *api, const fdp_cu_t *cu, comm_set_
     if (*p != set) continue;
     *p = set->next;
     if (api->CommAbort != NULL) {
-      CUcontext saved = ctx_save(cu);
-      for (int i = 0; i < set->n; i++)
-        api->CommAbort(set->comms[i]);
+      saved_ctx_t saved = ctx_save(cu);
+      for (int i = 0; i < set->n; i++) {
+        ncclResult_t r = api->CommAbort(set->comms[i]);
+        if (r != ncclSuccess) fdp__log("nccl: ncclCommAbort on device %d: %s", set->devs[i], api->GetErrorString(r));
+      }
       ctx_restore(cu, saved);
     } else {
       fdp__log("nccl: ncclCommAbort missing; leaking failed communicators");
@@ -129,7 +145,7 @@ static fdp_result_t launch(const int *devs, int n, const rank_op_t *ops, size_t 
   }
   pthread_mutex_t *free_mutex = n > 1 ? fdp__torch_free_mutex() : NULL;
   if (free_mutex) pthread_mutex_lock(free_mutex);
-  CUcontext saved = ctx_save(cu);
+  saved_ctx_t saved = ctx_save(cu);
   ncclResult_t r = api->GroupStart();
   if (r != ncclSuccess) {
     res = nccl_fail(api, r, NULL, "ncclGroupStart", devs, n);
@@ -256,6 +272,8 @@ static fdp_result_t nccl_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
   return launch(devs, k, ops, (size_t)fdp_tensor_numel(out), type, 1);
 }
 
+/* Loads the libraries and counts devices: no context is created or retained anywhere, so asking is cheap and
+ * leaves every GPU untouched (fastdp.comm asks before its first collective). */
 static int nccl_usable(const char **why) {
   const char *w = NULL;
   if (fdp__cu_load(NULL, &w) != FDP_OK || fdp__nccl_load(NULL, &w) != FDP_OK) goto no;
@@ -269,8 +287,9 @@ no:
   return 0;
 }
 
-/* Destroys every cached communicator. Explicit only (fdp_shutdown), never from atexit or a destructor: at
- * interpreter exit the CUDA runtime may already be torn down and ncclCommDestroy can hang. */
+/* Destroys every cached communicator. Explicit only (fdp_shutdown, which runs it before the cuda backend releases
+ * the primary contexts the communicators live in), never from atexit or a destructor: at interpreter exit the
+ * CUDA runtime may already be torn down and ncclCommDestroy can hang (the binding refuses to shut down then). */
 static void nccl_shutdown(void) {
   pthread_mutex_lock(&g_lock);
   comm_set_t *s = g_sets;
@@ -281,7 +300,7 @@ static void nccl_shutdown(void) {
   while (s != NULL) {
     comm_set_t *next = s->next;
     if (api != NULL) {
-      CUcontext saved = ctx_save(cu);
+      saved_ctx_t saved = ctx_save(cu);
       for (int i = 0; i < s->n; i++) {
         ncclResult_t r = api->CommDestroy(s->comms[i]);
         if (r != ncclSuccess) fdp__log("nccl shutdown: ncclCommDestroy: %s", api->GetErrorString(r));

@@ -26,25 +26,6 @@ def _load(name, path):
 _cbuild = _load("fastdp_c_tests_build", BUILD_SCRIPT)
 _simbuild = _load("fastdp_sim_build", os.path.join(HERE, "sim", "build.py"))
 
-# Entry points whose failure today leaves fastdp broken or leaking (each a separate finding in the report of the
-# branch that added the simulator). A failure in the kernels module's set-up is cached as permanent and then makes
-# the whole cuda backend unusable ("compiled for other GPU architectures"), copies included:
-STICKY = ("issue 9 defect: transient failure cached as permanent (cuda.c get_module/cuda_usable); "
-          "fixed on branch defects")
-KNOWN = {
-    "cuModuleLoadData": STICKY,
-    "cuModuleGetFunction": STICKY,
-    "cuDeviceGet": STICKY,
-    "cuDeviceGetAttribute": STICKY,
-    "cuDevicePrimaryCtxRetain": STICKY,
-    "cuCtxPushCurrent_v2": STICKY + "; also sim finding: staging buffer leaked when a fence push fails",
-    "cuCtxPopCurrent_v2": STICKY + "; also sim finding: the loaded module leaks when the pop after loading fails",
-    "cuCtxGetCurrent": "sim finding: nccl.c ctx_save/ctx_restore pops the caller's context when cuCtxGetCurrent fails",
-    "cuEventCreate": "sim finding: copy_cross_device leaks the staging buffer when the fence fails",
-    "cuEventRecord": "sim finding: copy_cross_device leaks the staging buffer when the fence fails",
-    "cuEventDestroy_v2": "sim finding: copy_cross_device leaks the staging buffer when the fence fails",
-    "cuStreamWaitEvent": "sim finding: copy_cross_device leaks the staging buffer when the fence fails",
-}
 SWEPT = """cuDeviceGet cuDeviceGetAttribute cuDevicePrimaryCtxRetain cuDevicePrimaryCtxGetState cuCtxPushCurrent_v2
     cuCtxPopCurrent_v2 cuCtxGetCurrent cuCtxSetCurrent cuCtxEnablePeerAccess cuMemAllocAsync cuMemFreeAsync
     cuMemcpyAsync cuMemcpyHtoDAsync_v2 cuMemcpyDtoHAsync_v2 cuStreamSynchronize cuMemcpyPeerAsync cuMemcpy2DAsync_v2
@@ -100,9 +81,7 @@ def test_gpu_ops_on_one_simulated_gpu():
     assert "1 device(s)" in out
 
 
-@pytest.mark.parametrize(
-    "entry", [pytest.param(e, marks=pytest.mark.xfail(strict=True, reason=KNOWN[e])) if e in KNOWN else e
-              for e in SWEPT])
+@pytest.mark.parametrize("entry", SWEPT)
 def test_fault_injection_sweep(entry):
     """Every operation with each call of `entry` failing in turn: FDP_CUDA/FDP_NCCL with a detail (or success),
     no misuse, no leaked push/stream/event/allocation/group, caches released at shutdown, and the next call

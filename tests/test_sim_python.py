@@ -39,23 +39,16 @@ def test_simulator_catches_each_misuse():
     _case("selfcheck")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 defect: transient failure cached as permanent (and the sim findings "
-                   "on leaks after a failed fence / pop / cuCtxGetCurrent); fixed on branch defects")
 def test_fault_injection_sweep_through_the_binding():
     _case("sweep")
 
 
-def _defect(name, reason):
-    return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=f"issue 9 defect: {reason}; fixed on "
-                                                                           "branch defects"))
-
-
 @pytest.mark.parametrize("case", [
-    _defect("defect_transient_module_failure", "a transient cuModuleLoadData failure is cached as permanent"),
-    _defect("defect_usability_touches_gpu", "the NCCL usability check retains primary contexts (info.c)"),
-    _defect("defect_peer_access", "peer access is never enabled"),
-    _defect("defect_staging_retry", "staging buffers from cuMemAllocAsync, no retry"),
-    _defect("defect_shutdown_order", "fdp_shutdown releases primary contexts before destroying communicators"),
+    "defect_transient_module_failure",
+    "defect_usability_touches_gpu",
+    "defect_peer_access",
+    "defect_staging_retry",
+    "defect_shutdown_order",
 ])
 def test_issue9_defect(case):
     _case(case)

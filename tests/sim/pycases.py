@@ -31,6 +31,7 @@ def rand(shape, dtype):
 
 def same(a, b, what):
     assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    a, b = a.contiguous(), b.contiguous()  # bit-exact comparison through a byte view, whatever the layouts
     assert torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a,
                        b.view(torch.uint8) if b.dtype != torch.bool else b), f"{what}: values differ"
 

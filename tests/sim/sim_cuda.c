@@ -589,6 +589,14 @@ CUresult cuDriverGetVersion(int *v) {
   RETURN(CUDA_SUCCESS);
 }
 
+/* Private tables of the real driver that other NVIDIA libraries (NVRTC, the runtime) ask for: none here, so that a
+ * library loaded beside the simulator sees "not supported" rather than resolving nothing. */
+CUresult cuGetExportTable(const void **table, const void *id) {
+  (void)id;
+  if (table) *table = NULL;
+  return CUDA_ERROR_NOT_SUPPORTED;
+}
+
 static const struct {
   int code;
   const char *name, *text;
@@ -764,8 +772,19 @@ CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
   RETURN(CUDA_SUCCESS);
 }
 
+/* An injected failure still pops: the real driver fails a pop only when it has no stack to pop (or is torn down),
+ * so a caller cannot retry a failed pop without popping its own caller's context. The error is still reported. */
 CUresult cuCtxPopCurrent_v2(CUcontext *ctx) {
-  ENTER(cuCtxPopCurrent_v2);
+  sim_lock();
+  int inj = sim_enter(SIM_E_cuCtxPopCurrent_v2);
+  if (inj && t_depth > 0) {
+    t_depth--;
+    g_pushes--;
+  }
+  if (inj) {
+    sim_unlock();
+    return (CUresult)inj;
+  }
   if (t_depth == 0) {
     sim_misuse("cuCtxPopCurrent: the context stack is empty (unbalanced push/pop)");
     RETURN(CUDA_ERROR_INVALID_CONTEXT);

@@ -167,6 +167,7 @@ static fdp_result_t get_module(const fdp_cu_t *cu, int dev, const module_t **out
       module_t m;
       int sticky = 0;
       memset(&m, 0, sizeof m);
+      fdp_result_t loaded = FDP_CUDA;
       r = fdp__cu_ctx_push(dev, NULL);
       if (r == FDP_OK) {
         r = load_module(cu, dev, &m, &sticky);
@@ -177,9 +178,12 @@ static fdp_result_t get_module(const fdp_cu_t *cu, int dev, const module_t **out
             if (e != CUDA_SUCCESS) fdp__log("cuModuleUnload on device %d: CUresult %d", dev, (int)e);
           }
         }
+        loaded = r;
         r = pop_keep(cu, dev, r);
       }
-      if (r == FDP_OK) {
+      /* A module that loaded is kept even when the pop after it failed: it lives in the primary context, not on
+       * this thread's stack, and dropping it would leak it. The call still reports the failed pop. */
+      if (loaded == FDP_OK) {
         g_mod[dev] = m;
         atomic_store_explicit(&g_mod_state[dev], 1, memory_order_release);
       } else if (sticky) {

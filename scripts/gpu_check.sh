@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_check.sh                       # all steps; log and CSVs in $OUT (else gpu-out/)
 #   PYTHON=/path/python bash scripts/gpu_check.sh   # another interpreter (it must import torch)
-#   GPU_CHECK_STEPS=build,info,copy-paths bash scripts/gpu_check.sh   # only these steps (e.g. a rerun)
+#   GPU_CHECK_STEPS=copy-paths,pytest-gpu bash scripts/gpu_check.sh  # a rerun: these (env, build, helpers always)
 #
 # Budget (seconds; each is the step's hard timeout, together at most GPU_CHECK_TOTAL_S = 450, i.e. 7.5 min):
 #   env 10 · build 45 · info 15 · helpers 20 · nccl-selftest 30 · copy-paths 40 · dp-repeated 30 ·
@@ -36,7 +36,7 @@ step() {
   local name=$1 budget=$2 needs=$3
   shift 3
   local why=""
-  if [[ -n ${GPU_CHECK_STEPS:-} && ",$GPU_CHECK_STEPS," != *",$name,"* ]]; then
+  if [[ -n ${GPU_CHECK_STEPS:-} && ",$GPU_CHECK_STEPS,env,build,helpers," != *",$name,"* ]]; then
     why="skipped: not selected"
   elif [[ ,$needs, == *,gpu,* && ${GPU_COUNT:-0} -lt 1 ]]; then
     why="skipped: no GPU"
@@ -120,7 +120,10 @@ step_env() {
   echo "python: $PY"
   "$PY" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, \
 '| cuda', torch.version.cuda, '| GPUs', torch.cuda.device_count() if torch.cuda.is_available() else 0)" || return 1
+  "$PY" -c "import os, sysconfig; h = os.path.join(sysconfig.get_paths()['include'], 'Python.h'); \
+print('Python.h:', h if os.path.exists(h) else 'MISSING (the build needs the Python headers)')"
   "$PY" -m pip --version 2>/dev/null || echo "pip: not available (build falls back to setup.py build_ext)"
+  "${CC:-cc}" --version 2>/dev/null | head -n 1
   "$PY" -c "import pytest_timeout" 2>/dev/null && echo "pytest-timeout: yes" || echo "pytest-timeout: no"
   command -v nvidia-smi >/dev/null && nvidia-smi -L
   command -v nvcc >/dev/null && nvcc --version | tail -n 2
@@ -171,7 +174,7 @@ c_env() {
 
 step_nccl_selftest() {
   c_env
-  "$WORK/bin/nccl_selftest"
+  NCCL_DEBUG=${NCCL_DEBUG:-WARN} "$WORK/bin/nccl_selftest"
 }
 
 step_copy_paths() {
@@ -194,6 +197,8 @@ step_c_sanitizer() {
   local tool=$1
   [[ -n ${SANITIZER:-} ]] || { echo "compute-sanitizer not found (PATH, /usr/local/cuda/bin)"; return 1; }
   c_env
+  # An ASan build under compute-sanitizer (which preloads its own library) needs these; build.py may set its own.
+  export ASAN_OPTIONS=${ASAN_OPTIONS:-protect_shadow_gap=0:verify_asan_link_order=0}
   "$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20 "$PY" "$ROOT/tests/c/build.py" --gpu-ops
 }
 step_c_memcheck() { step_c_sanitizer memcheck; }

@@ -9,8 +9,8 @@
 #   GPU_CHECK_STEPS=copy-paths,pytest-gpu bash scripts/gpu_check.sh  # a rerun: these (env, build, helpers always)
 #
 # Budget (seconds; each is the step's hard timeout, together at most GPU_CHECK_TOTAL_S = 450, i.e. 7.5 min):
-#   env 10 · build 45 · info 15 · helpers 20 · nccl-selftest 30 · copy-paths 40 · dp-repeated 30 ·
-#   pytest-gpu 80 · c-memcheck 60 · c-racecheck 45 · bench-comm 30 · bench-train 45
+#   env 10 · build 45 · info 15 · helpers 20 · nccl-selftest 25 · copy-paths 35 · dp-repeated 25 ·
+#   pytest-gpu 75 · c-gpu-ops 30 · c-memcheck 60 · c-racecheck 40 · bench-comm 30 · bench-train 40
 # A step never runs past the total: it gets what is left, and is "skipped: out of time" (a failure) under 5 s.
 #
 # Nothing is installed from an index: fastdp is built with the chosen interpreter by
@@ -114,6 +114,15 @@ pick_python() {
   return 1
 }
 
+find_sanitizer() {
+  local c
+  for c in "$(command -v compute-sanitizer)" "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" \
+    "${CUDA_HOME:-/usr/local/cuda}/compute-sanitizer/compute-sanitizer"; do
+    [[ -n $c && -x $c ]] && { echo "$c"; return 0; }
+  done
+  return 0
+}
+
 # ---- steps (exported functions, each run in its own bash under timeout) ----
 
 step_env() {
@@ -192,10 +201,16 @@ step_pytest_gpu() {
 }
 
 # tests/c/build.py --gpu-ops builds the C test program of the GPU ops and runs it (real driver and NCCL when
-# FASTDP_CUDA_DRIVER_LIBRARY / FASTDP_NCCL_LIBRARY are unset); compute-sanitizer follows it from python.
+# FASTDP_CUDA_DRIVER_LIBRARY / FASTDP_NCCL_LIBRARY are unset): once plainly, so that a failure of the program
+# reads apart from one of the tools, then under compute-sanitizer, which follows it from python.
+step_c_gpu_ops() {
+  c_env
+  "$PY" "$ROOT/tests/c/build.py" --gpu-ops
+}
+
 step_c_sanitizer() {
   local tool=$1
-  [[ -n ${SANITIZER:-} ]] || { echo "compute-sanitizer not found (PATH, /usr/local/cuda/bin)"; return 1; }
+  [[ -n ${SANITIZER:-} ]] || { echo "compute-sanitizer not found (PATH, \$CUDA_HOME, /usr/local/cuda)"; return 1; }
   c_env
   # An ASan build under compute-sanitizer (which preloads its own library) needs these; build.py may set its own.
   export ASAN_OPTIONS=${ASAN_OPTIONS:-protect_shadow_gap=0:verify_asan_link_order=0}
@@ -224,25 +239,26 @@ main() {
   PY=$(pick_python) || echo "gpu_check: no interpreter imports torch; set PYTHON=... (steps will fail)"
   GPU_COUNT=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" \
     2>/dev/null) || GPU_COUNT=0
-  SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+  SANITIZER=$(find_sanitizer)
   export ROOT OUT WORK PY SANITIZER
   export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   export -f step_env step_build step_info step_helpers c_env step_nccl_selftest step_copy_paths step_dp_repeated \
-    step_pytest_gpu step_c_sanitizer step_c_memcheck step_c_racecheck step_bench_comm step_bench_train
+    step_pytest_gpu step_c_gpu_ops step_c_sanitizer step_c_memcheck step_c_racecheck step_bench_comm step_bench_train
   echo "fastdp GPU check: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), GPUs: $GPU_COUNT, out: $OUT"
 
   step env 10 - step_env
   step build 45 - step_build
   step info 15 - step_info
   step helpers 20 - step_helpers
-  step nccl-selftest 30 gpu step_nccl_selftest
-  step copy-paths 40 gpu step_copy_paths
-  step dp-repeated 30 gpu step_dp_repeated
-  step pytest-gpu 80 gpu step_pytest_gpu
+  step nccl-selftest 25 gpu step_nccl_selftest
+  step copy-paths 35 gpu step_copy_paths
+  step dp-repeated 25 gpu step_dp_repeated
+  step pytest-gpu 75 gpu step_pytest_gpu
+  step c-gpu-ops 30 gpu,gpu-ops step_c_gpu_ops
   step c-memcheck 60 gpu,gpu-ops step_c_memcheck
-  step c-racecheck 45 gpu,gpu-ops step_c_racecheck
+  step c-racecheck 40 gpu,gpu-ops step_c_racecheck
   step bench-comm 30 gpu step_bench_comm
-  step bench-train 45 gpu step_bench_train
+  step bench-train 40 gpu step_bench_train
   summary
 }
 

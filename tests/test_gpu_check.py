@@ -7,6 +7,7 @@ GPU where tests/sim exists), each also shown to fail when what it checks is brok
 import csv
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,8 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
 HELPERS = os.path.join(ROOT, "scripts", "gpu")
 NON_GPU_STEPS = ["env", "build", "info", "helpers"]
-GPU_STEPS = ["nccl-selftest", "copy-paths", "dp-repeated", "pytest-gpu", "c-memcheck", "c-racecheck", "bench-comm",
-             "bench-train"]
+GPU_STEPS = ["nccl-selftest", "copy-paths", "dp-repeated", "pytest-gpu", "c-gpu-ops", "c-memcheck", "c-racecheck",
+             "bench-comm", "bench-train"]
 # Where an index or any network use would go: nowhere (a closed local port), so a step that tried would fail.
 NO_NETWORK = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "http_proxy": "http://127.0.0.1:9",
               "https_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
@@ -66,8 +67,11 @@ def test_dry_run_without_gpu_or_index(tmp_path):
         assert summary[name]["result"] == "ok", (name, summary[name])
     for name in GPU_STEPS:
         assert summary[name]["result"] == "skipped: no GPU", (name, summary[name])
-    budgets = sum(int(row["budget_s"]) for row in summary.values())
-    assert budgets <= 450, f"step budgets add up to {budgets} s, over the 7.5-minute total"
+    budgets = {name: int(row["budget_s"]) for name, row in summary.items()}
+    assert sum(budgets.values()) <= 450, f"step budgets add up to {sum(budgets.values())} s, over 7.5 minutes"
+    with open(SCRIPT) as f:  # the budget written at the top of the script is the one it uses
+        head = f.read().split("# Budget", 1)[1].split("\n# A step", 1)[0]
+    assert {n: int(b) for n, b in re.findall(r"([a-z-]+) (\d+)", head.split("\n", 1)[1])} == budgets
     with open(os.path.join(out, "gpu_check.log")) as f:
         log = f.read()
     assert log == res.stdout  # everything printed is in the log
@@ -211,3 +215,25 @@ def test_nccl_selftest_on_the_simulated_gpu(tmp_path):
     run = subprocess.run([exe], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "nccl self-test: ok" in run.stdout
+
+
+def test_interpreter_choice(tmp_path):
+    """$PYTHON when given, else .venv/bin/python, else python3: the first that imports torch. A venv that cannot
+    see torch (what a --system-site-packages venv of the GPU machine's python3 is) is refused, never repaired by
+    installing torch; the script then fails its Python steps and exits non-zero."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    bare = str(venv / "bin" / "python")
+    res = run_helper(tmp_path, 'pick_python; echo "rc=$?"', PYTHON=bare)
+    assert f"{bare} cannot import torch; not used" in res.stderr and "rc=1" in res.stdout
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    res = subprocess.run(["bash", "-c", f'source "{SCRIPT}"; pick_python'], capture_output=True, text=True, env=env)
+    own = os.path.join(ROOT, ".venv", "bin", "python")
+    if os.access(own, os.X_OK):
+        assert res.stdout.strip() == own
+    whole = subprocess.run(["bash", SCRIPT], cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
+                           env=script_env(tmp_path, PYTHON=bare, GPU_CHECK_STEPS="none"))
+    assert whole.returncode != 0
+    rows = read_summary(os.path.join(str(tmp_path), "out"))
+    assert rows["env"]["result"].startswith("FAILED") and rows["build"]["result"].startswith("FAILED")
+    assert "no interpreter imports torch" in whole.stdout

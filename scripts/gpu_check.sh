@@ -12,6 +12,7 @@
 #   env 10 · build 45 · info 15 · helpers 20 · nccl-selftest 25 · copy-paths 35 · dp-repeated 25 ·
 #   pytest-gpu 75 · c-gpu-ops 30 · c-memcheck 60 · c-racecheck 40 · bench-comm 30 · bench-train 40
 # A step never runs past the total: it gets what is left, and is "skipped: out of time" (a failure) under 5 s.
+# GPU_CHECK_TIME_SCALE (an integer, default 1) multiplies every limit, for slow shared machines (the CPU dry run).
 #
 # Nothing is installed from an index: fastdp is built with the chosen interpreter by
 # `pip install --no-build-isolation --no-deps --no-index --target <scratch>` (or `setup.py build_ext --inplace`
@@ -21,6 +22,7 @@ set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TOTAL_BUDGET_S=${GPU_CHECK_TOTAL_S:-450}
+TIME_SCALE=${GPU_CHECK_TIME_SCALE:-1}
 STEP_NAMES=()
 STEP_RESULTS=()
 STEP_SECONDS=()
@@ -53,7 +55,7 @@ step() {
     record "$name" "$why" 0 "$budget"
     return 0
   fi
-  local limit=$budget
+  local limit=$((budget * TIME_SCALE))
   ((limit > left)) && limit=$left
   printf '\n=== %s (budget %ss): %s\n' "$name" "$limit" "$*"
   local t0=$SECONDS rc result
@@ -91,7 +93,7 @@ summary() {
     printf '%-16s %-32s %7s %7s\n' "${STEP_NAMES[$i]}" "${STEP_RESULTS[$i]}" "${STEP_SECONDS[$i]}" "${STEP_BUDGETS[$i]}"
     echo "${STEP_NAMES[$i]},${STEP_RESULTS[$i]},${STEP_SECONDS[$i]},${STEP_BUDGETS[$i]}" >>"$OUT/summary.csv"
   done
-  printf 'total %ss of %ss; %s\n' "$SECONDS" "$TOTAL_BUDGET_S" "$([[ $ANY_FAILED == 0 ]] && echo "all ran steps ok" || echo "FAILURES above")"
+  printf 'total %ss of %ss; %s\n' "$SECONDS" "$((TOTAL_BUDGET_S * TIME_SCALE))" "$([[ $ANY_FAILED == 0 ]] && echo "all ran steps ok" || echo "FAILURES above")"
   return "$ANY_FAILED"
 }
 
@@ -227,6 +229,14 @@ step_bench_train() {
   cd "$WORK" && "$PY" -m fastdp.bench train --rounds 3 --steps 10 --out "$OUT"
 }
 
+# What the steps' child shells see: the chosen tools, the scratch build first on PYTHONPATH, the step functions.
+export_for_steps() {
+  export ROOT OUT WORK PY SANITIZER
+  export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  export -f step_env step_build step_info step_helpers c_env step_nccl_selftest step_copy_paths step_dp_repeated \
+    step_pytest_gpu step_c_gpu_ops step_c_sanitizer step_c_memcheck step_c_racecheck step_bench_comm step_bench_train
+}
+
 main() {
   cd "$ROOT" || exit 1
   OUT=${OUT:-$ROOT/gpu-out}
@@ -234,16 +244,13 @@ main() {
   OUT=$(cd "$OUT" && pwd)
   WORK=$(mktemp -d "${TMPDIR:-/tmp}/fastdp-gpu-check.XXXXXX") || exit 1
   trap 'rm -rf "$WORK"' EXIT
-  GPU_CHECK_DEADLINE=$((SECONDS + TOTAL_BUDGET_S))
+  GPU_CHECK_DEADLINE=$((SECONDS + TOTAL_BUDGET_S * TIME_SCALE))
   unset FASTDP_CUDA_DRIVER_LIBRARY FASTDP_NCCL_LIBRARY FASTDP_WERROR
   PY=$(pick_python) || echo "gpu_check: no interpreter imports torch; set PYTHON=... (steps will fail)"
   GPU_COUNT=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" \
     2>/dev/null) || GPU_COUNT=0
   SANITIZER=$(find_sanitizer)
-  export ROOT OUT WORK PY SANITIZER
-  export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-  export -f step_env step_build step_info step_helpers c_env step_nccl_selftest step_copy_paths step_dp_repeated \
-    step_pytest_gpu step_c_gpu_ops step_c_sanitizer step_c_memcheck step_c_racecheck step_bench_comm step_bench_train
+  export_for_steps
   echo "fastdp GPU check: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), GPUs: $GPU_COUNT, out: $OUT"
 
   step env 10 - step_env

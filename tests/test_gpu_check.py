@@ -33,6 +33,7 @@ def script_env(tmp_path, **extra):
     env["OUT"] = str(tmp_path / "out")
     env["TMPDIR"] = str(tmp_path)
     env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, even on a machine that has one
+    env["GPU_CHECK_TIME_SCALE"] = "4"  # a loaded 2-core CI machine builds several times slower than the GPU box
     if not os.access(os.path.join(ROOT, ".venv", "bin", "python"), os.X_OK):
         env["PYTHON"] = sys.executable  # the script's default is .venv/bin/python, then python3
     env.update(extra)
@@ -237,3 +238,25 @@ def test_interpreter_choice(tmp_path):
     rows = read_summary(os.path.join(str(tmp_path), "out"))
     assert rows["env"]["result"].startswith("FAILED") and rows["build"]["result"].startswith("FAILED")
     assert "no interpreter imports torch" in whole.stdout
+
+
+def test_gpu_steps_commands_run_here(tmp_path):
+    """The GPU steps' own commands, forced to run on this CPU machine against the installed fastdp: the paths and
+    flags are right (the GPU tests are collected and skip; the helpers start and find no CUDA device; the C
+    self-test, not built here, is looked for where the helpers step puts it)."""
+    res = run_helper(tmp_path, f"""
+PY="{sys.executable}"; WORK="{tmp_path}/work"; SANITIZER=""; GPU_COUNT=1
+mkdir -p "$WORK/site"
+export_for_steps
+step pytest-gpu 120 gpu step_pytest_gpu
+step copy-paths 60 gpu step_copy_paths
+step dp-repeated 60 gpu step_dp_repeated
+step nccl-selftest 10 gpu step_nccl_selftest
+summary
+""", CUDA_VISIBLE_DEVICES="")
+    rows = read_summary(str(tmp_path))
+    assert rows["pytest-gpu"]["result"] == "ok", res.stdout[-3000:]
+    assert re.search(r"\d+ skipped, \d+ deselected", res.stdout) and " passed" not in res.stdout
+    assert rows["copy-paths"]["result"] == rows["dp-repeated"]["result"] == "FAILED rc=2"
+    assert res.stdout.count("no CUDA device") == 2
+    assert rows["nccl-selftest"]["result"] == "FAILED rc=127" and "work/bin/nccl_selftest" in res.stderr

@@ -150,6 +150,9 @@ step_build() {
   for f in csrc cuda python setup.py pyproject.toml README.md setup.cfg MANIFEST.in; do
     [[ -e $ROOT/$f ]] && cp -r "$ROOT/$f" "$WORK/src/"
   done
+  # Nothing built elsewhere comes along (an in-place extension of another Python, stale bytecode).
+  find "$WORK/src" \( -name "*.so" -o -name __pycache__ -o -name build -o -name "*.egg-info" \) -prune \
+    -exec rm -rf {} +
   cd "$WORK/src" || return 1
   if "$PY" -m pip --version >/dev/null 2>&1; then
     PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore \

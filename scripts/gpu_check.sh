@@ -189,6 +189,12 @@ c_env() {
 step_nccl_selftest() {
   c_env
   NCCL_DEBUG=${NCCL_DEBUG:-WARN} "$WORK/bin/nccl_selftest"
+  local rc=$?
+  if ((rc != 0)); then # once more, for the log only: NCCL's own account, over loopback (one process, one rank)
+    echo "nccl self-test failed ($rc); rerunning with NCCL_DEBUG=INFO NCCL_SOCKET_IFNAME=lo for diagnosis"
+    NCCL_DEBUG=INFO NCCL_SOCKET_IFNAME=lo "$WORK/bin/nccl_selftest" 2>&1 | tail -n 60
+  fi
+  return "$rc"
 }
 
 step_copy_paths() {

@@ -248,9 +248,6 @@ export_for_steps() {
 
 main() {
   cd "$ROOT" || exit 1
-  OUT=${OUT:-$ROOT/gpu-out}
-  mkdir -p "$OUT" || exit 1
-  OUT=$(cd "$OUT" && pwd)
   WORK=$(mktemp -d "${TMPDIR:-/tmp}/fastdp-gpu-check.XXXXXX") || exit 1
   trap 'rm -rf "$WORK"' EXIT
   GPU_CHECK_DEADLINE=$((SECONDS + TOTAL_BUDGET_S * TIME_SCALE))
@@ -280,7 +277,7 @@ main() {
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
   OUT=${OUT:-$ROOT/gpu-out}
-  mkdir -p "$OUT" || exit 1
+  mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1
   main "$@" 2>&1 | tee "$OUT/gpu_check.log"
   exit "${PIPESTATUS[0]}"
 fi

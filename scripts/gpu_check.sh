@@ -93,7 +93,9 @@ summary() {
     printf '%-16s %-32s %7s %7s\n' "${STEP_NAMES[$i]}" "${STEP_RESULTS[$i]}" "${STEP_SECONDS[$i]}" "${STEP_BUDGETS[$i]}"
     echo "${STEP_NAMES[$i]},${STEP_RESULTS[$i]},${STEP_SECONDS[$i]},${STEP_BUDGETS[$i]}" >>"$OUT/summary.csv"
   done
-  printf 'total %ss of %ss; %s\n' "$SECONDS" "$((TOTAL_BUDGET_S * TIME_SCALE))" "$([[ $ANY_FAILED == 0 ]] && echo "all ran steps ok" || echo "FAILURES above")"
+  local verdict="all ran steps ok"
+  [[ $ANY_FAILED == 0 ]] || verdict="FAILURES above"
+  printf 'total %ss of %ss; %s\n' "$SECONDS" "$((TOTAL_BUDGET_S * TIME_SCALE))" "$verdict"
   return "$ANY_FAILED"
 }
 
@@ -225,7 +227,8 @@ step_c_sanitizer() {
   c_env
   # An ASan build under compute-sanitizer (which preloads its own library) needs these; build.py may set its own.
   export ASAN_OPTIONS=${ASAN_OPTIONS:-protect_shadow_gap=0:verify_asan_link_order=0}
-  "$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20 "$PY" "$ROOT/tests/c/build.py" --gpu-ops
+  "$SANITIZER" --tool "$tool" --target-processes all --error-exitcode 86 --print-limit 20 \
+    "$PY" "$ROOT/tests/c/build.py" --gpu-ops
 }
 step_c_memcheck() { step_c_sanitizer memcheck; }
 step_c_racecheck() { step_c_sanitizer racecheck; }
@@ -254,7 +257,8 @@ main() {
   unset FASTDP_CUDA_DRIVER_LIBRARY FASTDP_NCCL_LIBRARY FASTDP_WERROR
   PY=$(pick_python) || echo "gpu_check: no interpreter imports torch; set PYTHON=... (steps will fail)"
   GPU_COUNT=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" \
-    2>/dev/null) || GPU_COUNT=0
+    2>/dev/null | tail -n 1) || GPU_COUNT=0
+  [[ $GPU_COUNT =~ ^[0-9]+$ ]] || GPU_COUNT=0
   SANITIZER=$(find_sanitizer)
   export_for_steps
   echo "fastdp GPU check: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), GPUs: $GPU_COUNT, out: $OUT"

@@ -30,7 +30,8 @@ def core_sources():
 
 def empty_blob(path):
     """The kernel blob a build without nvcc has (cuda/build_kernels.py writes it)."""
-    spec = importlib.util.spec_from_file_location("fastdp_build_kernels", os.path.join(ROOT, "cuda", "build_kernels.py"))
+    spec = importlib.util.spec_from_file_location("fastdp_build_kernels",
+                                                  os.path.join(ROOT, "cuda", "build_kernels.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.build_blob(os.path.join(ROOT, "cuda"), None, path)

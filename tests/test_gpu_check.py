@@ -1,0 +1,262 @@
+"""The GPU check (scripts/gpu_check.sh) proven on CPU, so that a broken script is caught before device time is
+spent: a dry run of the whole script with no GPU visible and no package index reachable (set-up must complete,
+every GPU step reports "skipped: no GPU", the others pass, the summary and log are written); its step helper's
+failure, timeout and selection handling; and the Python and C helpers it runs, on the host (and on the simulated
+GPU where tests/sim exists), each also shown to fail when what it checks is broken."""
+
+import csv
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
+HELPERS = os.path.join(ROOT, "scripts", "gpu")
+NON_GPU_STEPS = ["env", "build", "info", "helpers"]
+GPU_STEPS = ["nccl-selftest", "copy-paths", "dp-repeated", "pytest-gpu", "c-gpu-ops", "c-memcheck", "c-racecheck",
+             "bench-comm", "bench-train"]
+# Where an index or any network use would go: nowhere (a closed local port), so a step that tried would fail.
+NO_NETWORK = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "http_proxy": "http://127.0.0.1:9",
+              "https_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+              "HTTPS_PROXY": "http://127.0.0.1:9"}
+
+
+def script_env(tmp_path, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTDP_", "GPU_CHECK_")) and k != "PYTHON"}
+    env.update(NO_NETWORK)
+    env["OUT"] = str(tmp_path / "out")
+    env["TMPDIR"] = str(tmp_path)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, even on a machine that has one
+    env["GPU_CHECK_TIME_SCALE"] = "4"  # a loaded 2-core CI machine builds several times slower than the GPU box
+    if not os.access(os.path.join(ROOT, ".venv", "bin", "python"), os.X_OK):
+        env["PYTHON"] = sys.executable  # the script's default is .venv/bin/python, then python3
+    env.update(extra)
+    return env
+
+
+def read_summary(out):
+    with open(os.path.join(out, "summary.csv"), newline="") as f:
+        return {row["step"]: row for row in csv.DictReader(f)}
+
+
+def test_script_parses():
+    subprocess.run(["bash", "-n", SCRIPT], check=True)
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck():
+    res = subprocess.run(["shellcheck", "-x", SCRIPT], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_dry_run_without_gpu_or_index(tmp_path):
+    env = script_env(tmp_path)
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", SCRIPT], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - t0
+    out = env["OUT"]
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
+    summary = read_summary(out)
+    assert list(summary) == NON_GPU_STEPS + GPU_STEPS
+    for name in NON_GPU_STEPS:
+        assert summary[name]["result"] == "ok", (name, summary[name])
+    for name in GPU_STEPS:
+        assert summary[name]["result"] == "skipped: no GPU", (name, summary[name])
+    budgets = {name: int(row["budget_s"]) for name, row in summary.items()}
+    assert sum(budgets.values()) <= 450, f"step budgets add up to {sum(budgets.values())} s, over 7.5 minutes"
+    with open(SCRIPT) as f:  # the budget written at the top of the script is the one it uses
+        head = f.read().split("# Budget", 1)[1].split("\n# A step", 1)[0]
+    assert {n: int(b) for n, b in re.findall(r"([a-z-]+) (\d+)", head.split("\n", 1)[1])} == budgets
+    with open(os.path.join(out, "gpu_check.log")) as f:
+        log = f.read()
+    assert log == res.stdout  # everything printed is in the log
+    assert "total " in log and "all ran steps ok" in log
+    assert "Successfully installed fastdp" in log or "built " in log
+    with open(os.path.join(out, "info.json")) as f:
+        assert '"backends"' in f.read()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("fastdp-gpu-check.")], "scratch folder left behind"
+    print(f"dry run: {elapsed:.1f} s")
+
+
+def run_helper(tmp_path, body, **env):
+    """Sources the script (which then only defines its functions) and runs `body` in that bash."""
+    prog = f'source "{SCRIPT}"\nOUT="{tmp_path}"\nGPU_CHECK_DEADLINE=$((SECONDS + 100))\n{body}\n'
+    return subprocess.run(["bash", "-c", prog], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env})
+
+
+def test_step_failures_timeouts_and_skips_are_recorded(tmp_path):
+    res = run_helper(tmp_path, """
+GPU_COUNT=0
+step fails 5 - false
+step slow 1 - sleep 30
+step passes 5 - true
+step needs-gpu 5 gpu false
+summary; echo "summary rc=$?"
+""")
+    rows = read_summary(str(tmp_path))
+    assert rows["fails"]["result"] == "FAILED rc=1"
+    assert rows["slow"]["result"] == "FAILED rc=124 (timeout 1s)" and int(rows["slow"]["seconds"]) < 10
+    assert rows["passes"]["result"] == "ok"  # ran after the failures
+    assert rows["needs-gpu"]["result"] == "skipped: no GPU"
+    assert "summary rc=1" in res.stdout and "FAILURES above" in res.stdout
+
+
+def test_step_selection_and_total_budget(tmp_path):
+    res = run_helper(tmp_path, """
+GPU_COUNT=1
+step first 5 - true
+step second 5 gpu true
+GPU_CHECK_DEADLINE=$SECONDS
+step third 5 - true
+summary; echo "summary rc=$?"
+""", GPU_CHECK_STEPS="second,third")
+    rows = read_summary(str(tmp_path))
+    assert rows["first"]["result"] == "skipped: not selected"
+    assert rows["second"]["result"] == "ok"
+    assert rows["third"]["result"] == "skipped: out of time"
+    assert "summary rc=1" in res.stdout  # a step that could not run is a failure
+
+
+def test_gpu_ops_step_skips_while_build_py_lacks_the_option(tmp_path):
+    res = run_helper(tmp_path, """
+GPU_COUNT=1
+step ops 5 gpu,gpu-ops true
+summary; echo "summary rc=$?"
+""")
+    with open(os.path.join(ROOT, "tests", "c", "build.py")) as f:
+        has_option = "--gpu-ops" in f.read()
+    expected = "ok" if has_option else "skipped: not available"
+    assert read_summary(str(tmp_path))["ops"]["result"] == expected
+    assert "summary rc=0" in res.stdout
+
+
+def load_helper(name):
+    spec = importlib.util.spec_from_file_location(f"gpu_check_{name}", os.path.join(HELPERS, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_copy_paths_helper_on_host(capsys):
+    mod = load_helper("copy_paths")
+    assert mod.main(["--device", "cpu"]) == 0
+    assert "FAILED" not in capsys.readouterr().out
+
+
+def test_copy_paths_helper_catches_one_wrong_element(monkeypatch, capsys):
+    mod = load_helper("copy_paths")
+    real = mod.comm.broadcast
+
+    def one_element_off(src, out):
+        res = real(src, out=out)
+        o, idx = out[0], (0,) * out[0].dim()
+        o[idx] = ~o[idx] if o.dtype == mod.torch.bool else o[idx] + 1
+        return res
+
+    monkeypatch.setattr(mod.comm, "broadcast", one_element_off)
+    assert mod.main(["--device", "cpu"]) == 1
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.rstrip().endswith(" ms")]
+    copies = [ln for ln in lines if not ln.startswith(("sum", "big sum"))]
+    assert copies and all(" FAILED " in ln for ln in copies), "\n".join(copies)
+    assert all(" ok " in ln for ln in lines if ln.startswith(("sum", "big sum")))
+
+
+def test_copy_paths_helper_catches_a_wrong_sum(monkeypatch, capsys):
+    mod = load_helper("copy_paths")
+    monkeypatch.setattr(mod.comm, "reduce_add", lambda inputs, destination=None: inputs[0] + inputs[1])
+    assert mod.main(["--device", "cpu"]) == 1
+    sums = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(("sum", "big sum"))]
+    # every sum of more than two inputs is caught (a two-input sum is right by construction here)
+    assert sums and all((" FAILED " in ln) != ("x2" in ln) for ln in sums), "\n".join(sums)
+
+
+def test_dp_repeated_helper_on_host(capsys):
+    mod = load_helper("dp_repeated")
+    assert mod.main(["--device", "cpu", "--replicas", "3"]) == 0
+    assert "FAILED" not in capsys.readouterr().out
+
+
+def test_dp_repeated_helper_catches_wrong_gradients(monkeypatch, capsys):
+    mod = load_helper("dp_repeated")
+
+    class Skewed(mod.fastdp.DataParallel):  # outputs (and so gradients) off by 1%
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            if isinstance(out, dict):
+                return {"a": out["a"] * 1.01, "pair": out["pair"]}
+            return out * 1.01
+
+    monkeypatch.setattr(mod.fastdp, "DataParallel", Skewed)
+    assert mod.main(["--device", "cpu", "--replicas", "2"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_nccl_selftest_on_the_simulated_gpu(tmp_path):
+    """The C self-test against tests/sim's libcuda.so.1/libnccl.so.2, found by the production lookup (by name,
+    through LD_LIBRARY_PATH) as the real ones are on the GPU machine."""
+    sim_build = os.path.join(ROOT, "tests", "sim", "build.py")
+    if not os.path.exists(sim_build):
+        pytest.skip("no simulated GPU in this tree (tests/sim/build.py)")
+    res = subprocess.run([sys.executable, sim_build], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    libs = [line.strip() for line in res.stdout.splitlines() if line.strip().endswith((".so.1", ".so.2"))]
+    assert libs, res.stdout
+    exe = str(tmp_path / "nccl_selftest")
+    subprocess.run([sys.executable, os.path.join(HELPERS, "build_nccl_selftest.py"), exe], check=True,
+                   capture_output=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTDP_")}
+    env["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(os.path.dirname(p) for p in libs))
+    run = subprocess.run([exe], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "nccl self-test: ok" in run.stdout
+
+
+def test_interpreter_choice(tmp_path):
+    """$PYTHON when given, else .venv/bin/python, else python3: the first that imports torch. A venv that cannot
+    see torch (what a --system-site-packages venv of the GPU machine's python3 is) is refused, never repaired by
+    installing torch; the script then fails its Python steps and exits non-zero."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    bare = str(venv / "bin" / "python")
+    res = run_helper(tmp_path, 'pick_python; echo "rc=$?"', PYTHON=bare)
+    assert f"{bare} cannot import torch; not used" in res.stderr and "rc=1" in res.stdout
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    res = subprocess.run(["bash", "-c", f'source "{SCRIPT}"; pick_python'], capture_output=True, text=True, env=env)
+    own = os.path.join(ROOT, ".venv", "bin", "python")
+    if os.access(own, os.X_OK):
+        assert res.stdout.strip() == own
+    whole = subprocess.run(["bash", SCRIPT], cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
+                           env=script_env(tmp_path, PYTHON=bare, GPU_CHECK_STEPS="none"))
+    assert whole.returncode != 0
+    rows = read_summary(os.path.join(str(tmp_path), "out"))
+    assert rows["env"]["result"].startswith("FAILED") and rows["build"]["result"].startswith("FAILED")
+    assert "no interpreter imports torch" in whole.stdout
+
+
+def test_gpu_steps_commands_run_here(tmp_path):
+    """The GPU steps' own commands, forced to run on this CPU machine against the installed fastdp: the paths and
+    flags are right (the GPU tests are collected and skip; the helpers start and find no CUDA device; the C
+    self-test, not built here, is looked for where the helpers step puts it)."""
+    res = run_helper(tmp_path, f"""
+PY="{sys.executable}"; WORK="{tmp_path}/work"; SANITIZER=""; GPU_COUNT=1
+mkdir -p "$WORK/site"
+export_for_steps
+step pytest-gpu 120 gpu step_pytest_gpu
+step copy-paths 60 gpu step_copy_paths
+step dp-repeated 60 gpu step_dp_repeated
+step nccl-selftest 10 gpu step_nccl_selftest
+summary
+""", CUDA_VISIBLE_DEVICES="")
+    rows = read_summary(str(tmp_path))
+    assert rows["pytest-gpu"]["result"] == "ok", res.stdout[-3000:]
+    assert re.search(r"\d+ skipped, \d+ deselected", res.stdout) and " passed" not in res.stdout
+    assert rows["copy-paths"]["result"] == rows["dp-repeated"]["result"] == "FAILED rc=2"
+    assert res.stdout.count("no CUDA device") == 2
+    assert rows["nccl-selftest"]["result"] == "FAILED rc=127" and "work/bin/nccl_selftest" in res.stderr

@@ -29,6 +29,7 @@ static PyObject *raise_result(module_state *st, fdp_result_t r) {
   case FDP_INVALID: type = PyExc_ValueError; break;
   case FDP_DTYPE: type = PyExc_TypeError; break;
   case FDP_NOMEM: type = PyExc_MemoryError; break;
+  case FDP_OVERLAP: type = PyExc_RuntimeError; break; /* PyTorch raises RuntimeError for overlapping writes */
   case FDP_UNAVAILABLE: type = st->BackendUnavailableError; break;
   case FDP_CUDA: type = st->CudaError; break;
   case FDP_NCCL: type = st->NcclError; break;

@@ -45,6 +45,14 @@ def _check_balance(device_ids):
             return
 
 
+def _require_module(module, what):
+    if not isinstance(module, Module):
+        raise TypeError(
+            f"{what}: module must be a torch.nn.Module (its parameters and buffers are replicated), got "
+            f"{type(module).__name__}; wrap a plain function in an nn.Module subclass"
+        )
+
+
 def _require_indexable(device_ids):
     if not (hasattr(device_ids, "__getitem__") and hasattr(device_ids, "__len__")) or isinstance(
         device_ids, (str, torch.device)
@@ -201,6 +209,7 @@ class DataParallel(Module):
         # chunk_sizes: how the batch is split (docs/balance.md); None is upstream's torch.chunk rule.
         # criterion: with it, dp(x, target=y) returns the loss, computed on each replica (docs/balance.md).
         super().__init__()
+        _require_module(module, "DataParallel")
         if criterion is not None and not callable(criterion):
             raise TypeError(f"criterion must be callable (e.g. nn.CrossEntropyLoss()), got {type(criterion).__name__}")
         # Kept out of the module tree (not a submodule): the wrapper's state_dict and parameters stay the model's.
@@ -435,6 +444,7 @@ class DataParallel(Module):
 
 def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):
     """Evaluates ``module(input)`` in parallel across ``device_ids``; the functional form of DataParallel."""
+    _require_module(module, "data_parallel")
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
     if device_ids is not None:

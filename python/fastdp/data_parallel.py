@@ -16,8 +16,7 @@ import torch
 from torch.nn.modules import Module
 
 from . import _devices, _replicas, balance
-from . import parallel_apply as _pa
-from .parallel_apply import parallel_apply
+from .parallel_apply import _HELD, parallel_apply
 from .replicate import replicate
 from .scatter_gather import gather, scatter_kwargs
 
@@ -269,7 +268,7 @@ class DataParallel(Module):
                 # A replica of a wrapper (nested wrappers): its per-call state lives in its own __dict__, and its
                 # replicas are built fresh (replicate below), so it shares nothing with other threads.
                 return self._forward(inputs, kwargs, criterion, with_loss, target if with_loss else None)
-            held = _pa._HELD
+            held = _HELD
             if id(self) in held.wrappers:
                 # Re-entered from inside its own forward (this thread or a replica's worker): the kept replicas
                 # are in use by the outer call, so this call replicates afresh and takes no lock.

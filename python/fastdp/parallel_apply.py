@@ -62,6 +62,21 @@ class _Context:
         self.wrappers = _HELD.wrappers
 
 
+class _ReplicaError(ExceptionWrapper):
+    """torch's ExceptionWrapper, whose reraise never fails on its own: a type that cannot be built from the one
+    message (exception groups, whose ``message`` attribute makes upstream call ``type(message=...)``) becomes
+    ``RuntimeError(msg)``, the fallback upstream documents, instead of a TypeError about the constructor."""
+
+    def reraise(self):
+        try:
+            super().reraise()
+        except BaseException as e:
+            if isinstance(e, self.exc_type) or (type(e) is RuntimeError and str(e).startswith("Caught ")):
+                raise
+            msg = f"Caught {self.exc_type.__name__} {self.where}.\nOriginal {self.exc_msg}"
+            raise RuntimeError(msg) from None
+
+
 def _run(index, module, args, kwargs, device, stream, context, results):
     """Runs one replica; stores its output or an ExceptionWrapper in results[index].
 
@@ -90,7 +105,7 @@ def _run(index, module, args, kwargs, device, stream, context, results):
                 args = (args,)
             results[index] = module(*args, **kwargs)
     except BaseException:
-        results[index] = ExceptionWrapper(where=f"in replica {index} on device {device}")
+        results[index] = _ReplicaError(where=f"in replica {index} on device {device}")
     finally:
         held.wrappers = outer
 

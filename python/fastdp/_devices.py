@@ -73,6 +73,11 @@ def normalize(d, what="device"):
 
 def normalize_list(devices, what="device_ids"):
     """A device list → list of ints or list of "cpu"; mixing the two raises ValueError naming the fix."""
+    if isinstance(devices, (str, torch.device, int)) or not hasattr(devices, "__iter__"):
+        raise TypeError(
+            f"{what} must be a list of devices (e.g. ['cpu'] * 2 or [0, 1]), got {type(devices).__name__} "
+            f"{devices!r}"
+        )
     devices = list(devices)
     kinds = {is_cpu(d) for d in devices}  # before normalising: a mix is named even where CUDA cannot run
     if len(kinds) > 1:

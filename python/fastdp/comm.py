@@ -477,7 +477,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     first = tensors[0]
     kinds = {t.device.type for t in tensors}
     if len(kinds) > 1 or not kinds <= {"cpu", "cuda"}:
-        i = next(i for i, t in enumerate(tensors) if t.device.type not in (first.device.type, "cpu", "cuda") or
+        i = next(i for i, t in enumerate(tensors) if t.device.type not in ("cpu", "cuda") or
                  t.device.type != first.device.type)
         raise RuntimeError(
             f"Expected all input tensors to be CUDA tensors, but input tensor at index {i} has device "

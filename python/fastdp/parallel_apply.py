@@ -256,10 +256,12 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
         done = queue.SimpleQueue()
         workers = {}
         try:
+            # Every worker is taken before any task is queued: one thread per replica, the same threads call after
+            # call (a worker done early is not handed a second replica of this call).
             for i in range(1, len(modules)):
-                w = _acquire()
+                workers[i] = _acquire()
+            for i, w in workers.items():
                 w.submit((i, modules[i], inputs[i], kwargs_tup[i], devices[i], streams[i], context, results), done)
-                workers[i] = w
             # Replica 0 runs here while the workers run the others; its thread-local state is re-entered like
             # theirs. An interrupt that reaches this thread while it runs replica 0 is stored like any exception.
             _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], context, results)

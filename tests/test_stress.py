@@ -7,16 +7,19 @@ the bare model (outputs and gradients) and torch's own results.
 """
 
 import os
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 
 PRELUDE = """
-import os, signal, sys, threading, time
+import faulthandler, os, signal, sys, threading, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack when it hangs
 import torch, torch.nn as nn
 import fastdp
 from fastdp import comm
@@ -326,15 +329,18 @@ print("NOT INTERRUPTED", flush=True)
     assert r.returncode != 0 and "KeyboardInterrupt" in r.stderr, (r.returncode, r.stderr[-2000:])
 
 
+DELAYS = (0.05, 0.13, 0.31, 0.02, 0.21, 0.08, 0.17, 0.03)  # seconds between an interrupt and the next
+
+
 def test_sigint_from_outside_at_arbitrary_points():
     """The parent interrupts a training loop at several moments; each time the child recovers and checks a step."""
-    code = PRELUDE + """
+    code = PRELUDE + f"N = {len(DELAYS)}" + """
 net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
 dp = fastdp.DataParallel(net, device_ids=["cpu"] * 3)
 x = torch.randn(48, 32)
 recovered = 0
 print("READY", flush=True)
-while recovered < 3:
+while recovered < N:
     try:
         while True:
             dp(x).sum().backward()
@@ -355,22 +361,34 @@ print("OK", flush=True)
 """
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=_env())
+    lines = queue.Queue()
+    errors = []
+    threading.Thread(target=lambda: [lines.put(l.strip()) for l in p.stdout] and None, daemon=True).start()
+    threading.Thread(target=lambda: errors.extend(p.stderr), daemon=True).start()
+
+    def next_line(timeout=60):  # never blocks the test for longer than `timeout`
+        try:
+            return lines.get(timeout=timeout)
+        except queue.Empty:
+            p.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            pytest.fail(f"hung: no output within {timeout}s; stderr:\n{''.join(errors)[-6000:]}")
+
     try:
-        assert p.stdout.readline().strip() == "READY"
-        for delay in (0.05, 0.13, 0.31):
+        assert next_line() == "READY", "".join(errors)[-3000:]
+        for delay in DELAYS:
             time.sleep(delay)
             p.send_signal(signal.SIGINT)
-            line = p.stdout.readline().strip()
-            assert line == "RECOVERED", (line, p.stderr.read() if p.poll() is not None else "")
+            assert next_line() == "RECOVERED", "".join(errors)[-3000:]
+        assert next_line() == "OK", "".join(errors)[-3000:]
         p.wait(timeout=60)
-        out, err = p.stdout.read(), p.stderr.read()  # the text wrappers may hold lines already read from the pipe
     except subprocess.TimeoutExpired:
-        pytest.fail("hung after an interrupt")
+        pytest.fail("hung after printing OK")
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert p.returncode == 0 and out.strip().splitlines()[-1:] == ["OK"], (p.returncode, out, err[-3000:])
+    assert p.returncode == 0, (p.returncode, "".join(errors)[-3000:])
 
 
 def test_overlap_matrix():

@@ -11,6 +11,7 @@ the workers, so bf16 autocast stays bf16 inside replicas.
 
 import os
 import queue
+import signal
 import threading
 from contextlib import ExitStack
 
@@ -123,13 +124,13 @@ class _Worker:
         self.thread = threading.Thread(target=self._loop, name=f"fastdp-replica-{serial}", daemon=True)
         self.thread.start()
 
-    def submit(self, args, done):
-        self._tasks.put((args, done))
+    def submit(self, args, done, finished):
+        self._tasks.put((args, done, finished))
 
     def _loop(self):
         while True:
             try:
-                args, done = self._tasks.get()
+                args, done, finished = self._tasks.get()
             except BaseException:  # an asynchronous exception while idle: keep serving
                 continue
             index = args[0]
@@ -142,8 +143,9 @@ class _Worker:
                 # Idle again before the caller is told, so its next call can reuse it (the same call may too:
                 # a worker done with its replica can take a later one, hence one report per replica).
                 kept = _release(self)
+                finished[index] = True
                 done.put(index)
-                del done
+                del done, finished
             if not kept:
                 return
 
@@ -176,34 +178,68 @@ def _release(worker):
     return False
 
 
-def _wait(done, workers):
-    """Waits until every replica in `workers` (replica index -> its worker) has been reported on `done`.
+class _HoldSigint:
+    """In the main thread, defers SIGINT (while Python's default handler is installed) to the end of the block,
+    where it is raised as KeyboardInterrupt; elsewhere, or under another handler, it does nothing."""
 
-    The wait is bounded by liveness checks: a worker whose thread ended without reporting raises RuntimeError
-    instead of blocking forever. An interrupt (KeyboardInterrupt…) arriving while waiting is re-raised once the
-    workers are done with the replicas, so the next call never rebinds modules still in use; a second interrupt
-    while draining is re-raised at once.
+    __slots__ = ("previous", "held")
+
+    def __enter__(self):
+        self.previous, self.held = None, False
+        if threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                    signal.signal(signal.SIGINT, self._hold)
+                    self.previous = signal.default_int_handler
+            except (ValueError, OSError):  # no signals here (embedded interpreter, subinterpreter)
+                pass
+        return self
+
+    def _hold(self, signum, frame):
+        self.held = True
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            if self.held and exc_type is None:
+                raise KeyboardInterrupt
+
+
+def _wait(done, workers, finished):
+    """Waits until every replica in `workers` (replica index -> its worker) is finished.
+
+    ``finished[i]`` is the truth, set by the worker before it posts to `done`, which only wakes this wait up (an
+    interrupt may land between taking a post and recording it). The wait is bounded by liveness checks: a worker
+    whose thread ended before finishing raises RuntimeError instead of blocking forever. An interrupt
+    (KeyboardInterrupt…) arriving while waiting is re-raised once the workers are done with the replicas, so the
+    next call never rebinds modules still in use; a second interrupt while draining is re-raised at once.
     """
     pending = dict(workers)
     interrupted = None
-    while pending:
+    while True:
+        dead = None
         try:
-            index = done.get(timeout=_LIVENESS_S)
-        except queue.Empty:
-            dead = [i for i, w in pending.items() if not w.thread.is_alive()]
-            if dead:
-                raise RuntimeError(
-                    f"fastdp: the worker thread(s) running replica(s) {dead} ended without reporting a result "
-                    "(interpreter shutting down?)"
-                ) from interrupted
-            continue
+            for i in [i for i in pending if finished[i]]:
+                del pending[i]
+            if not pending:
+                break
+            try:
+                done.get(timeout=_LIVENESS_S)
+                continue
+            except queue.Empty:
+                pass
+            dead = [i for i, w in pending.items() if not finished[i] and not w.thread.is_alive()]
         except BaseException as e:
             if interrupted is not None:
                 e._fastdp_abandoned = True  # workers may still run replicas: the caller must not reuse them
                 raise
             interrupted = e
             continue
-        del pending[index]
+        if dead:
+            raise RuntimeError(
+                f"fastdp: the worker thread(s) running replica(s) {dead} ended without reporting a result "
+                "(interpreter shutting down?)"
+            ) from interrupted
     if interrupted is not None:
         raise interrupted
 
@@ -254,19 +290,23 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     else:
         context = _Context(devices)
         done = queue.SimpleQueue()
+        finished = [False] * len(modules)
         workers = {}
         try:
             # Every worker is taken before any task is queued: one thread per replica, the same threads call after
-            # call (a worker done early is not handed a second replica of this call).
-            for i in range(1, len(modules)):
-                workers[i] = _acquire()
-            for i, w in workers.items():
-                w.submit((i, modules[i], inputs[i], kwargs_tup[i], devices[i], streams[i], context, results), done)
+            # call (a worker done early is not handed a second replica of this call). Ctrl-C is held back while
+            # they are handed out: every task recorded in `workers` is queued, so the wait below always ends.
+            with _HoldSigint():
+                for i in range(1, len(modules)):
+                    workers[i] = _acquire()
+                for i, w in workers.items():
+                    w.submit((i, modules[i], inputs[i], kwargs_tup[i], devices[i], streams[i], context, results),
+                             done, finished)
             # Replica 0 runs here while the workers run the others; its thread-local state is re-entered like
             # theirs. An interrupt that reaches this thread while it runs replica 0 is stored like any exception.
             _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], context, results)
         finally:
-            _wait(done, workers)
+            _wait(done, workers, finished)
 
     for output in results:
         if isinstance(output, ExceptionWrapper):

@@ -248,6 +248,16 @@ class DataParallel(Module):
     __new__.__wrapped__ = __init__  # inspect.signature(DataParallel) shows __init__'s parameters, not __new__'s
 
     def forward(self, *inputs, **kwargs):
+        grad_enabled = torch.is_grad_enabled()
+        try:
+            return self._forward_entry(inputs, kwargs)
+        except BaseException:
+            # An interrupt can land inside a grad-mode switch (torch.no_grad().__enter__ after the mode changed),
+            # which would leave the caller's thread without autograd: the caller's mode is put back.
+            torch.set_grad_enabled(grad_enabled)
+            raise
+
+    def _forward_entry(self, inputs, kwargs):
         with torch.autograd.profiler.record_function("DataParallel.forward"):
             criterion = self.__dict__.get("_criterion")
             with_loss = criterion is not None and "target" in kwargs

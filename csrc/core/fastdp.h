@@ -24,7 +24,7 @@ extern "C" {
   X(UNAVAILABLE, "backend not available")                                                                              \
   X(CUDA, "CUDA error")                                                                                                \
   X(NCCL, "NCCL error")                                                                                                \
-  X(INTERNAL, "internal error")                                                                                       \
+  X(INTERNAL, "internal error")                                                                                        \
   X(OVERLAP, "overlapping memory")
 
 typedef enum {

@@ -88,11 +88,11 @@ static int same_view(const fdp_tensor_t *a, const fdp_tensor_t *b) {
 }
 
 /* PyTorch's texts (assert_no_internal_overlap, assert_no_partial_overlap). */
-#define FDP__INTERNAL_OVERLAP                                                                                         \
-  "unsupported operation: more than one element of the written-to tensor refers to a single memory location. "     \
+#define FDP__INTERNAL_OVERLAP                                                                                          \
+  "unsupported operation: more than one element of the written-to tensor refers to a single memory location. "         \
   "Please clone() the tensor before performing the operation."
-#define FDP__PARTIAL_OVERLAP                                                                                          \
-  "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory "   \
+#define FDP__PARTIAL_OVERLAP                                                                                           \
+  "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory "       \
   "location. Please clone() the tensor before performing the operation."
 
 /* One side of a copy in the overlap sweep: its byte range, whether it is written, its copy index. */

@@ -5,8 +5,9 @@ put back when done (reused by every call instead of upstream's new threads every
 replica gets idle or new workers, never a busy one). Each worker re-enters the caller's grad mode, inference
 mode, autocast state (enabled flag and dtype), device and current stream; exceptions, BaseException included,
 come back as "Caught X in replica i on device d." with the original traceback, the lowest replica index first,
-and the worker stays in the pool. Differences from upstream: the autocast dtype (not only the enabled flag) and inference mode reach
-the workers, so bf16 autocast stays bf16 inside replicas.
+and the worker stays in the pool. Differences from upstream: the autocast dtype (not only the enabled flag) and
+inference mode reach the workers, so bf16 autocast stays bf16 inside replicas; a BaseException in a replica is
+reported instead of ending its thread.
 """
 
 import os

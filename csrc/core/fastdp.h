@@ -24,7 +24,8 @@ extern "C" {
   X(UNAVAILABLE, "backend not available")                                                                              \
   X(CUDA, "CUDA error")                                                                                                \
   X(NCCL, "NCCL error")                                                                                                \
-  X(INTERNAL, "internal error")
+  X(INTERNAL, "internal error")                                                                                        \
+  X(OVERLAP, "overlapping memory")
 
 typedef enum {
 #define FDP_X(name, msg) FDP_##name,
@@ -95,6 +96,12 @@ int fdp_tensor_is_dense(const fdp_tensor_t *t);
 int fdp_tensor_is_contiguous(const fdp_tensor_t *t);
 /* The view of `t` narrowed to [start, start + length) along dim (already wrapped). */
 void fdp_tensor_narrow(const fdp_tensor_t *t, int dim, int64_t start, int64_t length, fdp_tensor_t *out);
+/* 1 when two elements of `t` are one memory location (expanded, repeated strides), 0 when none are, -1 when a
+ * cheap test cannot tell (interleaved strides). */
+int fdp_tensor_internal_overlap(const fdp_tensor_t *t);
+/* 1 when `a` and `b` share at least one memory location, 0 when they share none, -1 when a cheap test cannot
+ * tell (different, interleaved layouts whose byte ranges intersect). */
+int fdp_tensor_overlap(const fdp_tensor_t *a, const fdp_tensor_t *b);
 
 /* ---- backends ---- */
 

@@ -91,6 +91,82 @@ static int same_view(const fdp_tensor_t *a, const fdp_tensor_t *b) {
   return 1;
 }
 
+/* PyTorch's texts (assert_no_internal_overlap, assert_no_partial_overlap). */
+#define FDP__INTERNAL_OVERLAP                                                                                          \
+  "unsupported operation: more than one element of the written-to tensor refers to a single memory location. "         \
+  "Please clone() the tensor before performing the operation."
+#define FDP__PARTIAL_OVERLAP                                                                                           \
+  "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory "       \
+  "location. Please clone() the tensor before performing the operation."
+
+/* One side of a copy in the overlap sweep: its byte range, whether it is written, its copy index. */
+typedef struct {
+  uintptr_t lo, hi;
+  const fdp_tensor_t *t;
+  int written, index;
+} span_t;
+
+static int by_lo(const void *a, const void *b) {
+  const span_t *x = a, *y = b;
+  return (x->lo > y->lo) - (x->lo < y->lo);
+}
+
+static span_t span_of(const fdp_tensor_t *t, int written, int index) {
+  int64_t last = 0;
+  for (int i = 0; i < t->ndim; i++)
+    last += (t->sizes[i] - 1) * t->strides[i];
+  uintptr_t lo = (uintptr_t)t->data;
+  return (span_t){lo, lo + (uintptr_t)((last + 1) * t->elem_size), t, written, index};
+}
+
+/* Refuses copies whose destinations hold one element twice, overlap each other or overlap a source (other than
+ * their own identical view, which is no copy at all). A sweep over byte ranges sorted by start compares only
+ * ranges that intersect; those get the exact test. Destinations whose overlap a cheap test cannot decide are let
+ * through, as PyTorch does. */
+static fdp_result_t check_writes(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const char *op) {
+  span_t *spans = malloc((size_t)2 * n * sizeof *spans), **active = malloc((size_t)2 * n * sizeof *active);
+  fdp_result_t r = FDP_OK;
+  int m = 0, nactive = 0;
+  if (!spans || !active) {
+    r = fdp__fail(FDP_NOMEM, "%s: cannot allocate %d overlap records", op, 2 * n);
+    goto done;
+  }
+  for (int i = 0; i < n; i++) {
+    if (fdp_tensor_numel(&dst[i]) == 0 || same_view(&dst[i], &src[i])) continue; /* nothing written */
+    if (fdp_tensor_internal_overlap(&dst[i]) == 1) {
+      r = fdp__fail(FDP_OVERLAP, FDP__INTERNAL_OVERLAP " (%s: destination %d)", op, i);
+      goto done;
+    }
+    spans[m++] = span_of(&dst[i], 1, i);
+    spans[m++] = span_of(&src[i], 0, i);
+  }
+  qsort(spans, (size_t)m, sizeof spans[0], by_lo);
+  for (int k = 0; k < m; k++) {
+    span_t *s = &spans[k];
+    int kept = 0;
+    for (int j = 0; j < nactive; j++) {
+      span_t *o = active[j];
+      if (o->hi <= s->lo) continue; /* ended before s starts: drop it */
+      active[kept++] = o;
+      if (!s->written && !o->written) continue;
+      if (o->t->device != s->t->device || fdp_tensor_overlap(o->t, s->t) != 1) continue;
+      if (s->written && o->written)
+        r = fdp__fail(FDP_OVERLAP, FDP__INTERNAL_OVERLAP " (%s: destinations %d and %d overlap)", op,
+                      o->index < s->index ? o->index : s->index, o->index < s->index ? s->index : o->index);
+      else
+        r = fdp__fail(FDP_OVERLAP, FDP__PARTIAL_OVERLAP " (%s: destination %d overlaps source %d)", op,
+                      s->written ? s->index : o->index, s->written ? o->index : s->index);
+      goto done;
+    }
+    nactive = kept;
+    active[nactive++] = s;
+  }
+done:
+  free(spans);
+  free(active);
+  return r;
+}
+
 /* All descriptors host, or all CUDA; returns the kind through *cuda. */
 static fdp_result_t check_kind(const fdp_tensor_t *const *ts, int n, const char *op, int *cuda) {
   int host = 0, dev = 0;
@@ -157,6 +233,7 @@ fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n
     all[2 * i + 1] = &src[i];
     if (!same_view(&dst[i], &src[i]) && fdp_tensor_numel(&src[i]) > 0) copies[k++] = (fdp_copy_t){dst[i], src[i]};
   }
+  if ((r = check_writes(dst, src, n, "copy"))) goto done;
   /* Copies may cross between host and CUDA memory (a CPU batch scattered to GPUs, outputs gathered to the
    * CPU): any CUDA side makes it the cuda backend's work, which handles host pointers too. */
   for (int i = 0; i < 2 * n; i++)
@@ -219,6 +296,8 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
       return fdp__fail(FDP_INVALID, "input %d has invalid size: got %s, but expected %s", i, a, b);
     }
     if (!fdp_tensor_is_contiguous(&inputs[i])) return fdp__fail(FDP_INVALID, "reduce: input %d must be contiguous", i);
+    if (!same_view(&inputs[i], out) && fdp_tensor_overlap(&inputs[i], out) == 1)
+      return fdp__fail(FDP_OVERLAP, FDP__PARTIAL_OVERLAP " (reduce: the output overlaps input %d)", i);
     all[i] = &inputs[i];
   }
   if (out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)

@@ -29,6 +29,7 @@ static PyObject *raise_result(module_state *st, fdp_result_t r) {
   case FDP_INVALID: type = PyExc_ValueError; break;
   case FDP_DTYPE: type = PyExc_TypeError; break;
   case FDP_NOMEM: type = PyExc_MemoryError; break;
+  case FDP_OVERLAP: type = PyExc_RuntimeError; break; /* PyTorch raises RuntimeError for overlapping writes */
   case FDP_UNAVAILABLE: type = st->BackendUnavailableError; break;
   case FDP_CUDA: type = st->CudaError; break;
   case FDP_NCCL: type = st->NcclError; break;
@@ -104,8 +105,14 @@ static int itemsize_of(module_state *st, PyObject *dtype, int *out) {
   return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* Fills `t` from a CPU or CUDA torch.Tensor. `what` names the argument in errors. */
+/* Fills `t` from a CPU or CUDA torch.Tensor. `what` names the argument in errors, as what[index] for a list
+ * element or alone when index is -1 (a single tensor argument). */
 static int describe(module_state *st, PyObject *obj, fdp_tensor_t *t, const char *what, Py_ssize_t index) {
+  char name[128];
+  if (index < 0)
+    snprintf(name, sizeof name, "%s", what);
+  else
+    snprintf(name, sizeof name, "%s[%zd]", what, index);
   memset(t, 0, sizeof *t);
   if (!st->tensor_type) {
     PyErr_SetString(PyExc_RuntimeError, "fastdp._C.set_dtypes() must be called first (import fastdp)");
@@ -114,7 +121,7 @@ static int describe(module_state *st, PyObject *obj, fdp_tensor_t *t, const char
   int is_tensor = PyObject_IsInstance(obj, st->tensor_type);
   if (is_tensor <= 0) {
     if (is_tensor == 0)
-      PyErr_Format(PyExc_TypeError, "%s[%zd] must be a torch.Tensor, got %s", what, index, Py_TYPE(obj)->tp_name);
+      PyErr_Format(PyExc_TypeError, "%s must be a torch.Tensor, got %s", name, Py_TYPE(obj)->tp_name);
     return -1;
   }
   PyObject *flag = PyObject_GetAttr(obj, st->s_is_cuda);
@@ -131,7 +138,7 @@ static int describe(module_state *st, PyObject *obj, fdp_tensor_t *t, const char
     if (!kind) return -1;
     int is_cpu = PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "cpu") == 0;
     if (!is_cpu) {
-      PyErr_Format(PyExc_ValueError, "%s[%zd] is on a %S device; fastdp moves CPU and CUDA tensors only", what, index,
+      PyErr_Format(PyExc_ValueError, "%s is on a %S device; fastdp moves CPU and CUDA tensors only", name,
                    kind);
       Py_DECREF(kind);
       return -1;
@@ -148,7 +155,7 @@ static int describe(module_state *st, PyObject *obj, fdp_tensor_t *t, const char
   Py_XDECREF(stride);
   if (bad) return -1;
   if (nd != ns) {
-    PyErr_Format(PyExc_ValueError, "%s[%zd] has %d sizes but %d strides", what, index, nd, ns);
+    PyErr_Format(PyExc_ValueError, "%s has %d sizes but %d strides", name, nd, ns);
     return -1;
   }
   PyObject *dtype = PyObject_GetAttr(obj, st->s_dtype);
@@ -276,7 +283,7 @@ static PyObject *py_broadcast(PyObject *module, PyObject *args) {
   fdp_streams_t streams;
   fdp_tensor_t src;
   Py_ssize_t nd = 0;
-  if (parse_streams(streams_obj, &streams) < 0 || describe(st, src_obj, &src, "tensor", 0) < 0) return NULL;
+  if (parse_streams(streams_obj, &streams) < 0 || describe(st, src_obj, &src, "tensor", -1) < 0) return NULL;
   PyObject *keep;
   fdp_tensor_t *d = describe_list(st, dsts, &nd, "out", &keep);
   if (!d) return NULL;
@@ -299,7 +306,7 @@ static PyObject *py_reduce(PyObject *module, PyObject *args) {
   fdp_streams_t streams;
   fdp_tensor_t out;
   Py_ssize_t n = 0;
-  if (parse_streams(streams_obj, &streams) < 0 || describe(st, out_obj, &out, "out", 0) < 0) return NULL;
+  if (parse_streams(streams_obj, &streams) < 0 || describe(st, out_obj, &out, "out", -1) < 0) return NULL;
   PyObject *keep;
   fdp_tensor_t *in = describe_list(st, ins, &n, "inputs", &keep);
   if (!in) return NULL;
@@ -323,7 +330,7 @@ static PyObject *py_scatter(PyObject *module, PyObject *args) {
   fdp_streams_t streams;
   fdp_tensor_t src;
   Py_ssize_t n = 0;
-  if (parse_streams(streams_obj, &streams) < 0 || describe(st, src_obj, &src, "tensor", 0) < 0) return NULL;
+  if (parse_streams(streams_obj, &streams) < 0 || describe(st, src_obj, &src, "tensor", -1) < 0) return NULL;
   PyObject *keep;
   fdp_tensor_t *o = describe_list(st, outs, &n, "out", &keep);
   if (!o) return NULL;
@@ -359,7 +366,7 @@ static PyObject *py_gather(PyObject *module, PyObject *args) {
   fdp_streams_t streams;
   fdp_tensor_t out;
   Py_ssize_t n = 0;
-  if (parse_streams(streams_obj, &streams) < 0 || describe(st, out_obj, &out, "out", 0) < 0) return NULL;
+  if (parse_streams(streams_obj, &streams) < 0 || describe(st, out_obj, &out, "out", -1) < 0) return NULL;
   PyObject *keep;
   fdp_tensor_t *in = describe_list(st, ins, &n, "tensors", &keep);
   if (!in) return NULL;
@@ -379,8 +386,15 @@ static PyObject *py_gather(PyObject *module, PyObject *args) {
 static PyObject *py_plan(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
   PyObject *tensors, *keys_obj;
-  unsigned long long bucket_bytes;
-  if (!PyArg_ParseTuple(args, "OOK:plan", &tensors, &keys_obj, &bucket_bytes)) return NULL;
+  PyObject *bytes_obj;
+  if (!PyArg_ParseTuple(args, "OOO!:plan", &tensors, &keys_obj, &PyLong_Type, &bytes_obj)) return NULL;
+  /* Checked, not taken modulo 2**64 as the "K" format would. */
+  unsigned long long bucket_bytes = PyLong_AsUnsignedLongLong(bytes_obj);
+  if (bucket_bytes == (unsigned long long)-1 && PyErr_Occurred()) {
+    PyErr_Format(PyExc_OverflowError, "bucket size %S bytes does not fit in 64 bits; pass at most 2**64 - 1",
+                 bytes_obj);
+    return NULL;
+  }
   Py_ssize_t n = 0;
   PyObject *keep;
   fdp_tensor_t *ts = describe_list(st, tensors, &n, "tensors", &keep);

@@ -37,7 +37,7 @@ def cuda_index(d, what="device"):
     """A CUDA device entry → its int index (upstream's _get_device_index(d, True) for CUDA devices)."""
     d = _parse(d)
     if isinstance(d, int):
-        return d
+        return _require_cuda(d, what)
     if d.type == "cpu":
         # Upstream's text, from torch._utils._get_device_index.
         raise ValueError(f"Expected a non cpu device, but got: {d}")
@@ -45,9 +45,23 @@ def cuda_index(d, what="device"):
         raise ValueError(
             f"{what}: fastdp runs replicas on CUDA devices or on emulated 'cpu' devices, got a {d.type} device ({d})"
         )
+    _require_cuda(d, what)
     if d.index is None:
         return torch.cuda.current_device()
     return d.index
+
+
+def _require_cuda(d, what):
+    """d itself when CUDA can run here; otherwise an error naming the entry (not torch's bare AssertionError)."""
+    if not cuda_available():
+        from ._C import BackendUnavailableError
+
+        why = "this torch build has no CUDA" if not torch.backends.cuda.is_built() else "no CUDA device is visible"
+        shown = f"cuda:{d}" if isinstance(d, int) else str(d)
+        raise BackendUnavailableError(
+            f"{what}: {shown} is a CUDA device, but {why}; use 'cpu' entries (emulated replicas) on this machine"
+        )
+    return d
 
 
 def normalize(d, what="device"):
@@ -59,15 +73,20 @@ def normalize(d, what="device"):
 
 def normalize_list(devices, what="device_ids"):
     """A device list → list of ints or list of "cpu"; mixing the two raises ValueError naming the fix."""
-    out = [normalize(d, what) for d in devices]
-    kinds = {x == CPU for x in out}
+    if isinstance(devices, (str, torch.device, int)) or not hasattr(devices, "__iter__"):
+        raise TypeError(
+            f"{what} must be a list of devices (e.g. ['cpu'] * 2 or [0, 1]), got {type(devices).__name__} "
+            f"{devices!r}"
+        )
+    devices = list(devices)
+    kinds = {is_cpu(d) for d in devices}  # before normalising: a mix is named even where CUDA cannot run
     if len(kinds) > 1:
         raise ValueError(
             f"{what} mixes 'cpu' entries with CUDA devices ({list(devices)!r}). fastdp emulates replicas on the "
             f"host only when every entry is 'cpu': pass {what}=['cpu'] * N for emulated replicas, or CUDA "
             "device indices only (e.g. [0, 1])."
         )
-    return out
+    return [normalize(d, what) for d in devices]
 
 
 def torch_device(d):

@@ -583,6 +583,10 @@ def memory_report(model, *, reset_peak=False):
 
     ``reset_peak=True`` resets the CUDA peak counters of the listed devices after reading them.
     """
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "device_ids"):
+        raise TypeError(
+            f"memory_report expects a fastdp.DataParallel or torch.nn.DataParallel, got {type(model).__name__}"
+        )
     device_ids = list(getattr(model, "device_ids", None) or [])
     state = getattr(model, "__dict__", {})
     notes = []

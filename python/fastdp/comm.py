@@ -10,6 +10,7 @@ returns real views); int16 and other dtypes NCCL lacks work (upstream raises "Un
 ``reduce_add`` accepts CPU tensors and defaults to their device.
 """
 
+import operator
 import warnings
 
 import torch
@@ -40,7 +41,7 @@ def _device(d, what, allow_none=False):
     if isinstance(d, int):
         if d < 0:
             raise ValueError(f"{what}: device index must be non-negative, got {d}; use \"cpu\" for the host")
-        return torch.device("cuda", d)
+        return _cuda(torch.device("cuda", d), what)
     if isinstance(d, str):
         try:
             d = torch.device(d)
@@ -52,8 +53,19 @@ def _device(d, what, allow_none=False):
         return _CPU
     if d.type != "cuda":
         raise ValueError(f"{what}: fastdp moves CPU and CUDA tensors, got a {d.type} device")
+    _cuda(d, what)
     if d.index is None:
         return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def _cuda(d, what):
+    """d itself when CUDA can run here; otherwise the error that names it (not torch's bare AssertionError)."""
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if not torch.backends.cuda.is_built() else "no CUDA device is visible"
+        raise _C.BackendUnavailableError(
+            f"{what}: {d} is a CUDA device, but {why}; use \"cpu\" devices (emulated) on this machine"
+        )
     return d
 
 
@@ -64,6 +76,13 @@ def _device_list(devices, what="devices"):
         raise TypeError(f"'{what}' must be an iterable of devices, got a single {type(devices).__name__}")
     try:
         out = [_device(d, what) for d in devices]
+    except _C.BackendUnavailableError:
+        devices = list(devices)
+        if any(isinstance(d, (str, torch.device)) and str(d).startswith("cpu") for d in devices):
+            raise ValueError(
+                f"'{what}' mixes CPU and CUDA devices ({devices}); use \"cpu\" entries only (emulated devices)"
+            ) from None
+        raise
     except TypeError as e:
         if "iterable" in str(e) or "not iterable" in str(e):
             raise TypeError(f"'{what}' must be an iterable of devices, got {type(devices).__name__}") from None
@@ -239,6 +258,11 @@ def reduce_add(inputs, destination=None):
             f"reduce_add: input {i} is on {inputs[i].device} but input 0 is on {inputs[0].device}; "
             "CPU and CUDA inputs cannot be mixed"
         )
+    for i, t in enumerate(inputs):
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"reduce_add: input {i} is on a {t.device.type} device; fastdp sums CPU and CUDA tensors only"
+            )
     if destination is None:
         destination = inputs[0].device if all(on_cpu) else torch.device("cuda", torch.cuda.current_device())
     destination = _device(destination, "destination")
@@ -262,7 +286,12 @@ def reduce_add(inputs, destination=None):
         for t in inputs[1:]:
             result = result + t.to(destination)
         return result
-    return _sum(inputs, destination)
+    try:
+        return _sum(inputs, destination)
+    except TypeError as e:
+        if "dtype not supported" not in str(e):
+            raise
+        raise TypeError(f"reduce_add: cannot sum {inputs[0].dtype} tensors ({e})") from None
 
 
 def reduce_add_coalesced(inputs, destination=None, buffer_size=10485760):
@@ -423,8 +452,9 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
                 f"and len(devices) == {len(devices)}"
             )
         for i, s in enumerate(sizes):
-            if isinstance(s, bool) or not isinstance(s, int):
+            if isinstance(s, (bool, torch.Tensor)) or not hasattr(s, "__index__"):
                 raise TypeError(f"'chunk_sizes'[{i}] must be an int, got {type(s).__name__}")
+            sizes[i] = s = operator.index(s)  # numpy integers too, as DataParallel's chunk_sizes accepts
             if s < 0:
                 raise RuntimeError(f"'chunk_sizes'[{i}] is {s}; chunk sizes must be non-negative")
         if sum(sizes) != size:
@@ -471,7 +501,8 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     first = tensors[0]
     kinds = {t.device.type for t in tensors}
     if len(kinds) > 1 or not kinds <= {"cpu", "cuda"}:
-        i = next(i for i, t in enumerate(tensors) if t.device.type != first.device.type)
+        i = next(i for i, t in enumerate(tensors) if t.device.type not in ("cpu", "cuda") or
+                 t.device.type != first.device.type)
         raise RuntimeError(
             f"Expected all input tensors to be CUDA tensors, but input tensor at index {i} has device "
             f"'{tensors[i].device}' (fastdp also accepts all-CPU inputs, not a mix)"

@@ -7,6 +7,7 @@ both forms; attributes the wrapper lacks are read from the wrapped module.
 """
 
 import contextlib
+import threading
 import warnings
 from collections import OrderedDict
 from itertools import chain
@@ -15,13 +16,14 @@ import torch
 from torch.nn.modules import Module
 
 from . import _devices, _replicas, balance
-from .parallel_apply import parallel_apply
+from .parallel_apply import _HELD, parallel_apply
 from .replicate import replicate
 from .scatter_gather import gather, scatter_kwargs
 
 __all__ = ["DataParallel", "data_parallel"]
 
 _PREFIX = "module."
+_FRESH = threading.local()  # ids of the wrappers re-entered in this thread: they replicate afresh
 
 _IMBALANCE_WARNING = (
     "There is an imbalance between your GPUs. You may want to exclude GPU {} which has less than 75% of the "
@@ -40,6 +42,14 @@ def _check_balance(device_ids):
         if values[lo] / values[hi] < 0.75:
             warnings.warn(_IMBALANCE_WARNING.format(device_ids[lo], device_ids[hi]), stacklevel=3)
             return
+
+
+def _require_module(module, what):
+    if not isinstance(module, Module):
+        raise TypeError(
+            f"{what}: module must be a torch.nn.Module (its parameters and buffers are replicated), got "
+            f"{type(module).__name__}; wrap a plain function in an nn.Module subclass"
+        )
 
 
 def _require_indexable(device_ids):
@@ -198,6 +208,7 @@ class DataParallel(Module):
         # chunk_sizes: how the batch is split (docs/balance.md); None is upstream's torch.chunk rule.
         # criterion: with it, dp(x, target=y) returns the loss, computed on each replica (docs/balance.md).
         super().__init__()
+        _require_module(module, "DataParallel")
         if criterion is not None and not callable(criterion):
             raise TypeError(f"criterion must be callable (e.g. nn.CrossEntropyLoss()), got {type(criterion).__name__}")
         # Kept out of the module tree (not a submodule): the wrapper's state_dict and parameters stay the model's.
@@ -211,6 +222,7 @@ class DataParallel(Module):
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
         self._bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
         self._replica_set = None  # persistent replicas (fastdp._replicas), built on first use
+        self.__dict__["_forward_lock"] = threading.Lock()  # one forward at a time uses the kept replicas
         self._sync_enabled = True
         torch._C._log_api_usage_once("fastdp.DataParallel")
         mode, ids, out = _resolve(device_ids, output_device)
@@ -236,6 +248,16 @@ class DataParallel(Module):
     __new__.__wrapped__ = __init__  # inspect.signature(DataParallel) shows __init__'s parameters, not __new__'s
 
     def forward(self, *inputs, **kwargs):
+        grad_enabled = torch.is_grad_enabled()
+        try:
+            return self._forward_entry(inputs, kwargs)
+        except BaseException:
+            # An interrupt can land inside a grad-mode switch (torch.no_grad().__enter__ after the mode changed),
+            # which would leave the caller's thread without autograd: the caller's mode is put back.
+            torch.set_grad_enabled(grad_enabled)
+            raise
+
+    def _forward_entry(self, inputs, kwargs):
         with torch.autograd.profiler.record_function("DataParallel.forward"):
             criterion = self.__dict__.get("_criterion")
             with_loss = criterion is not None and "target" in kwargs
@@ -251,58 +273,89 @@ class DataParallel(Module):
                 # The short path: one device and every input already there. Scattering would only wrap each
                 # tensor in a view (and an autograd node): the module gets them as they are.
                 return self.module(*inputs, **kwargs)
-            split = self.__dict__.get("_split")
-            if isinstance(split, balance.AutoSplit) and torch.is_grad_enabled() and self.module.training:
-                split.observe()
+            lock = self.__dict__.get("_forward_lock")
+            if lock is None or self.__dict__.get("_is_replica"):
+                # A replica of a wrapper (nested wrappers): its per-call state lives in its own __dict__, and its
+                # replicas are built fresh (replicate below), so it shares nothing with other threads.
+                return self._forward(inputs, kwargs, criterion, with_loss, target if with_loss else None)
+            held = _HELD
+            if id(self) in held.wrappers:
+                # Re-entered from inside its own forward (this thread or a replica's worker): the kept replicas
+                # are in use by the outer call, so this call replicates afresh and takes no lock.
+                _FRESH.ids = getattr(_FRESH, "ids", frozenset()) | {id(self)}
+                try:
+                    return self._forward(inputs, kwargs, criterion, with_loss, target if with_loss else None)
+                finally:
+                    _FRESH.ids = _FRESH.ids - {id(self)}
+            # Another thread's forward may be running: the kept replicas and the per-call attributes are used by
+            # one forward at a time (docs/data_parallel.md, "Threads").
+            with lock:
+                outer = held.wrappers
+                held.wrappers = outer | {id(self)}
+                try:
+                    return self._forward(inputs, kwargs, criterion, with_loss, target if with_loss else None)
+                finally:
+                    held.wrappers = outer
+
+    def _forward(self, inputs, kwargs, criterion, with_loss, target):
+        """forward's multi-replica path: split, replicate, run, gather."""
+        split = self.__dict__.get("_split")
+        if isinstance(split, balance.AutoSplit) and torch.is_grad_enabled() and self.module.training:
+            split.observe()
+        if with_loss:
+            balance.check_target(inputs, kwargs, target, self.dim)
+            inputs = inputs + (target,)
+        self._last_chunk_sizes = None
+        inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+        sizes = self._last_chunk_sizes
+        # A forward without inputs still runs once, on device_ids[0].
+        if not inputs and not module_kwargs:
+            inputs = ((),)
+            module_kwargs = ({},)
+        if len(self.device_ids) == 1:
             if with_loss:
-                balance.check_target(inputs, kwargs, target, self.dim)
-                inputs = inputs + (target,)
-            self._last_chunk_sizes = None
-            inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
-            sizes = self._last_chunk_sizes
-            # A forward without inputs still runs once, on device_ids[0].
-            if not inputs and not module_kwargs:
-                inputs = ((),)
-                module_kwargs = ({},)
-            if len(self.device_ids) == 1:
-                if with_loss:
-                    *args, chunk = inputs[0]
-                    return criterion(self.module(*args, **module_kwargs[0]), chunk)
-                return self.module(*inputs[0], **module_kwargs[0])
-            # Devices with an empty chunk run no replica. Replication always starts from device_ids[0], which holds
-            # the master: when device 0 has no chunk, its replica (the master itself, nothing copied) is not run.
-            run = list(range(len(inputs)))
-            if sizes is not None and 0 in sizes:
-                run = [i for i in run if sizes[i] > 0]
-                inputs = tuple(inputs[i] for i in run)
-                module_kwargs = tuple(module_kwargs[i] for i in run)
-            positions = run if run[0] == 0 else [0] + run
-            devices = [self.device_ids[i] for i in positions]
-            self._replica_positions = positions
-            replicas = self.replicate(self.module, devices)
-            skip = len(positions) - len(run)
-            replicas, devices = replicas[skip:], devices[skip:]
-            watch = balance.BufferWatch(self.module, replicas[0]) if skip else None
-            if with_loss:
-                rule = balance.loss_rule(criterion, inputs[0][-1], self.dim)
-                losses = balance.criterion_replicas(criterion, [self.device_ids[i] for i in positions], rule)[skip:]
-                replicas = [balance.ReplicaLoss(r, c, rule) for r, c in zip(replicas, losses)]
-            self._apply_devices = devices
-            try:
-                outputs = self.parallel_apply(replicas, inputs, module_kwargs)
-            finally:
-                self._apply_devices = None
-            if watch is not None:
-                watch.copy_back()
-            if not with_loss:
-                return self.gather(outputs, self.output_device)
-            self._avoided_gather_bytes = sum(o[2] for o in outputs)
-            device = _devices.CPU if self.output_device == -1 else self.output_device
-            return balance.combine(outputs, [i[-1] for i in inputs], rule, self.dim, device,
-                                   lambda losses: self.gather(losses, self.output_device))
+                *args, chunk = inputs[0]
+                return criterion(self.module(*args, **module_kwargs[0]), chunk)
+            return self.module(*inputs[0], **module_kwargs[0])
+        # Devices with an empty chunk run no replica. Replication always starts from device_ids[0], which holds
+        # the master: when device 0 has no chunk, its replica (the master itself, nothing copied) is not run.
+        run = list(range(len(inputs)))
+        if sizes is not None and 0 in sizes:
+            run = [i for i in run if sizes[i] > 0]
+            inputs = tuple(inputs[i] for i in run)
+            module_kwargs = tuple(module_kwargs[i] for i in run)
+        positions = run if run[0] == 0 else [0] + run
+        devices = [self.device_ids[i] for i in positions]
+        self._replica_positions = positions
+        replicas = self.replicate(self.module, devices)
+        skip = len(positions) - len(run)
+        replicas, devices = replicas[skip:], devices[skip:]
+        watch = balance.BufferWatch(self.module, replicas[0]) if skip else None
+        if with_loss:
+            rule = balance.loss_rule(criterion, inputs[0][-1], self.dim)
+            losses = balance.criterion_replicas(criterion, [self.device_ids[i] for i in positions], rule)[skip:]
+            replicas = [balance.ReplicaLoss(r, c, rule) for r, c in zip(replicas, losses)]
+        self._apply_devices = devices
+        try:
+            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+        except BaseException as e:
+            if getattr(e, "_fastdp_abandoned", False):
+                # Interrupted twice: workers may still run the kept replicas, so they are not reused.
+                self._replica_set = None
+            raise
+        finally:
+            self._apply_devices = None
+        if watch is not None:
+            watch.copy_back()
+        if not with_loss:
+            return self.gather(outputs, self.output_device)
+        self._avoided_gather_bytes = sum(o[2] for o in outputs)
+        device = _devices.CPU if self.output_device == -1 else self.output_device
+        return balance.combine(outputs, [i[-1] for i in inputs], rule, self.dim, device,
+                               lambda losses: self.gather(losses, self.output_device))
 
     def replicate(self, module, device_ids):
-        if module is not self.module:
+        if module is not self.module or self.__dict__.get("_is_replica") or id(self) in getattr(_FRESH, "ids", ()):
             return replicate(module, device_ids, not torch.is_grad_enabled())
         devices = _devices.normalize_list(device_ids, "device_ids")
         kept = self._replica_set
@@ -340,7 +393,12 @@ class DataParallel(Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_replica_set"] = None  # kept replicas are a cache: never pickled or deep-copied
+        state.pop("_forward_lock", None)
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__["_forward_lock"] = threading.Lock()
 
     def scatter(self, inputs, kwargs, device_ids):
         split = self.__dict__.get("_split")
@@ -395,6 +453,7 @@ class DataParallel(Module):
 
 def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):
     """Evaluates ``module(input)`` in parallel across ``device_ids``; the functional form of DataParallel."""
+    _require_module(module, "data_parallel")
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
     if device_ids is not None:

@@ -1,15 +1,18 @@
 """``parallel_apply(modules, inputs, kwargs_tup=None, devices=None)``: runs each replica on its inputs.
 
-Replica 0 runs in the calling thread; the others run on persistent worker threads (one per replica index, started
-once per process and reused by every call, instead of upstream's new threads every step). Each worker re-enters
-the caller's grad mode, inference mode, autocast state (enabled flag and dtype), device and current stream;
-exceptions come back as "Caught X in replica i on device d." with the original traceback, the lowest replica
-index first. Differences from upstream: the autocast dtype (not only the enabled flag) and inference mode reach
-the workers, so bf16 autocast stays bf16 inside replicas.
+Replica 0 runs in the calling thread; the others run on persistent worker threads taken from an idle pool and
+put back when done (reused by every call instead of upstream's new threads every step; a call made from inside a
+replica gets idle or new workers, never a busy one). Each worker re-enters the caller's grad mode, inference
+mode, autocast state (enabled flag and dtype), device and current stream; exceptions, BaseException included,
+come back as "Caught X in replica i on device d." with the original traceback, the lowest replica index first,
+and the worker stays in the pool. Differences from upstream: the autocast dtype (not only the enabled flag) and
+inference mode reach the workers, so bf16 autocast stays bf16 inside replicas; a BaseException in a replica is
+reported instead of ending its thread.
 """
 
 import os
 import queue
+import signal
 import threading
 from contextlib import ExitStack
 
@@ -19,6 +22,21 @@ from torch._utils import ExceptionWrapper
 from . import _devices
 
 __all__ = ["parallel_apply"]
+
+
+class _Held(threading.local):
+    """Per thread: the ids of the wrappers whose forward is running in this thread or in a caller waiting on it
+    (workers inherit their caller's set). DataParallel uses it to tell a re-entrant call from another thread's."""
+
+    def __init__(self):
+        self.wrappers = frozenset()
+
+
+_HELD = _Held()
+
+
+def _held():
+    return _HELD
 
 
 def _autocast_state(device_types):
@@ -33,7 +51,7 @@ def _autocast_state(device_types):
 class _Context:
     """Thread-local state captured in the caller and re-applied in each worker."""
 
-    __slots__ = ("grad_enabled", "inference", "autocast", "cache_enabled")
+    __slots__ = ("grad_enabled", "inference", "autocast", "cache_enabled", "wrappers")
 
     def __init__(self, devices):
         self.grad_enabled = torch.is_grad_enabled()
@@ -43,13 +61,37 @@ class _Context:
             types.append("cuda")
         self.autocast = _autocast_state(types)
         self.cache_enabled = torch.is_autocast_cache_enabled()
+        self.wrappers = _HELD.wrappers
+
+
+class _ReplicaError(ExceptionWrapper):
+    """torch's ExceptionWrapper, whose reraise never fails on its own: a type that cannot be built from the one
+    message (exception groups, whose ``message`` attribute makes upstream call ``type(message=...)``) becomes
+    ``RuntimeError(msg)``, the fallback upstream documents, instead of a TypeError about the constructor."""
+
+    def reraise(self):
+        try:
+            super().reraise()
+        except BaseException as e:
+            if isinstance(e, self.exc_type) or (type(e) is RuntimeError and str(e).startswith("Caught ")):
+                raise
+            msg = f"Caught {self.exc_type.__name__} {self.where}.\nOriginal {self.exc_msg}"
+            raise RuntimeError(msg) from None
 
 
 def _run(index, module, args, kwargs, device, stream, context, results):
-    """Runs one replica; stores its output or an ExceptionWrapper in results[index]."""
+    """Runs one replica; stores its output or an ExceptionWrapper in results[index].
+
+    Any exception is caught, BaseException included (KeyboardInterrupt, SystemExit, GeneratorExit raised by the
+    replica's code): it comes back to the caller as upstream's "Caught X in replica i on device d." and never
+    ends the thread it ran on.
+    """
+    held = _held()
+    outer = held.wrappers
     try:
         with ExitStack() as stack:
             if context is not None:
+                held.wrappers = context.wrappers
                 stack.enter_context(torch.inference_mode(context.inference))
                 stack.enter_context(torch.set_grad_enabled(context.grad_enabled))
             if device != _devices.CPU:
@@ -64,54 +106,157 @@ def _run(index, module, args, kwargs, device, stream, context, results):
             if not isinstance(args, (list, tuple)):
                 args = (args,)
             results[index] = module(*args, **kwargs)
-    except Exception:
-        results[index] = ExceptionWrapper(where=f"in replica {index} on device {device}")
+    except BaseException:
+        results[index] = _ReplicaError(where=f"in replica {index} on device {device}")
+    finally:
+        held.wrappers = outer
 
 
 class _Worker:
-    """One daemon thread that runs replica tasks in order; it keeps no reference to a task once it is done."""
+    """One daemon thread that runs replica tasks; between tasks it waits in the idle pool.
 
-    def __init__(self, index):
+    A worker is handed out to one call at a time (taken from the idle pool, put back when its task is done), so a
+    call made from inside a replica (nested wrappers, a wrapper called in ``forward``) never queues behind the
+    busy worker it runs on: it gets an idle one or a new one. It keeps no reference to a task once it is done.
+    """
+
+    def __init__(self, serial):
         self._tasks = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=f"fastdp-replica-{index}", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._loop, name=f"fastdp-replica-{serial}", daemon=True)
+        self.thread.start()
 
-    def submit(self, args, done):
-        self._tasks.put((args, done))
+    def submit(self, args, done, finished):
+        self._tasks.put((args, done, finished))
 
     def _loop(self):
         while True:
-            args, done = self._tasks.get()
+            try:
+                args, done, finished = self._tasks.get()
+            except BaseException:  # an asynchronous exception while idle: keep serving
+                continue
+            index = args[0]
             try:
                 _run(*args)
+            except BaseException:  # _run stores every exception; nothing may end the loop
+                pass
             finally:
                 del args
-                done.put(None)
-                del done
+                # Idle again before the caller is told, so its next call can reuse it (the same call may too:
+                # a worker done with its replica can take a later one, hence one report per replica).
+                kept = _release(self)
+                finished[index] = True
+                done.put(index)
+                del done, finished
+            if not kept:
+                return
 
 
-_WORKERS = {}
-_WORKERS_LOCK = threading.Lock()
+_IDLE = []  # workers waiting for a task
+_IDLE_MAX = 64  # more idle workers than this (after a burst of nested calls) are let go
+_POOL_LOCK = threading.Lock()
+_SERIAL = [0]
+_LIVENESS_S = 1.0  # how often a wait for replicas checks that the workers it waits on are alive
 
 
-def _worker(index):
-    """The persistent worker for replica `index`, started on first use (threads cannot outlive a fork: a child
-    process starts its own)."""
-    w = _WORKERS.get(index)
-    if w is None or not w._thread.is_alive():
-        with _WORKERS_LOCK:
-            w = _WORKERS.get(index)
-            if w is None or not w._thread.is_alive():
-                w = _WORKERS[index] = _Worker(index)
-    return w
+def _acquire():
+    """An idle live worker, or a new one; never one that is running a task."""
+    with _POOL_LOCK:
+        while _IDLE:
+            w = _IDLE.pop()
+            if w.thread.is_alive():
+                return w
+        _SERIAL[0] += 1
+        serial = _SERIAL[0]
+    return _Worker(serial)
+
+
+def _release(worker):
+    """Puts a worker back in the idle pool; False when the pool is full (the worker then ends)."""
+    with _POOL_LOCK:
+        if len(_IDLE) < _IDLE_MAX:
+            _IDLE.append(worker)
+            return True
+    return False
+
+
+class _HoldSigint:
+    """In the main thread, defers SIGINT (while Python's default handler is installed) to the end of the block,
+    where it is raised as KeyboardInterrupt; elsewhere, or under another handler, it does nothing."""
+
+    __slots__ = ("previous", "held")
+
+    def __enter__(self):
+        self.previous, self.held = None, False
+        if threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                    signal.signal(signal.SIGINT, self._hold)
+                    self.previous = signal.default_int_handler
+            except (ValueError, OSError):  # no signals here (embedded interpreter, subinterpreter)
+                pass
+        return self
+
+    def _hold(self, signum, frame):
+        self.held = True
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            if self.held and exc_type is None:
+                raise KeyboardInterrupt
+
+
+def _wait(done, workers, finished):
+    """Waits until every replica in `workers` (replica index -> its worker) is finished.
+
+    ``finished[i]`` is the truth, set by the worker before it posts to `done`, which only wakes this wait up (an
+    interrupt may land between taking a post and recording it). The wait is bounded by liveness checks: a worker
+    whose thread ended before finishing raises RuntimeError instead of blocking forever. An interrupt
+    (KeyboardInterrupt…) arriving while waiting is re-raised once the workers are done with the replicas, so the
+    next call never rebinds modules still in use; a second interrupt while draining is re-raised at once.
+    """
+    pending = dict(workers)
+    interrupted = None
+    while True:
+        dead = None
+        try:
+            for i in [i for i in pending if finished[i]]:
+                del pending[i]
+            if not pending:
+                break
+            try:
+                done.get(timeout=_LIVENESS_S)
+                continue
+            except queue.Empty:
+                pass
+            dead = [i for i, w in pending.items() if not finished[i] and not w.thread.is_alive()]
+        except BaseException as e:
+            if interrupted is not None:
+                e._fastdp_abandoned = True  # workers may still run replicas: the caller must not reuse them
+                raise
+            interrupted = e
+            continue
+        if dead:
+            raise RuntimeError(
+                f"fastdp: the worker thread(s) running replica(s) {dead} ended without reporting a result "
+                "(interpreter shutting down?)"
+            ) from interrupted
+    if interrupted is not None:
+        raise interrupted
 
 
 def _after_fork():
-    _WORKERS.clear()
+    # Threads do not survive a fork: the child starts its own workers.
+    global _POOL_LOCK
+    _IDLE.clear()
+    _POOL_LOCK = threading.Lock()
+    _HELD.wrappers = frozenset()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
+
+
 
 
 def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
@@ -146,12 +291,23 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     else:
         context = _Context(devices)
         done = queue.SimpleQueue()
-        for i in range(1, len(modules)):
-            _worker(i).submit((i, modules[i], inputs[i], kwargs_tup[i], devices[i], streams[i], context, results), done)
-        # Replica 0 runs here while the workers run the others; its thread-local state is re-entered like theirs.
-        _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], context, results)
-        for _ in range(1, len(modules)):
-            done.get()
+        finished = [False] * len(modules)
+        workers = {}
+        try:
+            # Every worker is taken before any task is queued: one thread per replica, the same threads call after
+            # call (a worker done early is not handed a second replica of this call). Ctrl-C is held back while
+            # they are handed out: every task recorded in `workers` is queued, so the wait below always ends.
+            with _HoldSigint():
+                for i in range(1, len(modules)):
+                    workers[i] = _acquire()
+                for i, w in workers.items():
+                    w.submit((i, modules[i], inputs[i], kwargs_tup[i], devices[i], streams[i], context, results),
+                             done, finished)
+            # Replica 0 runs here while the workers run the others; its thread-local state is re-entered like
+            # theirs. An interrupt that reaches this thread while it runs replica 0 is stored like any exception.
+            _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], context, results)
+        finally:
+            _wait(done, workers, finished)
 
     for output in results:
         if isinstance(output, ExceptionWrapper):

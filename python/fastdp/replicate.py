@@ -67,6 +67,8 @@ def _set_parameter(replica, key, value):
 
 def replicate(network, devices, detach=False):
     """Returns one replica of ``network`` per entry of ``devices`` (ints, "cuda:k", torch.device or "cpu")."""
+    if not isinstance(network, torch.nn.Module):
+        raise TypeError(f"replicate: network must be a torch.nn.Module, got {type(network).__name__}")
     _check_replicatable(network)
     if not devices:
         return []

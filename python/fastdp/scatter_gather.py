@@ -40,7 +40,7 @@ def _scatter_map(obj, devices, dim, sizes=None):
 
 
 def _target_list(target_gpus):
-    return _devices.normalize_list(list(target_gpus), "target_gpus")
+    return _devices.normalize_list(target_gpus, "target_gpus")
 
 
 def _sizes_for(chunk_sizes, devices):

@@ -10,7 +10,7 @@ import sys
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fastdp.bench")
-    sub = parser.add_subparsers(dest="which", required=True)
+    sub = parser.add_subparsers(dest="which", metavar="{comm,train}")
     p = sub.add_parser("comm", help="GB/s per operation and backend next to the copy limit of the same run")
     p.add_argument("--sizes-mb", default="1,4,16,64,256", help="buffer sizes in MB (comma-separated)")
     p.add_argument("--replicas", type=int, default=4, help="device entries per operation")
@@ -31,6 +31,9 @@ def main(argv=None):
     p.add_argument("--per-device-batch", action="store_true",
                    help="several GPUs: the DataParallel runs get --batch per GPU (weak scaling)")
     args = parser.parse_args(argv)
+    if args.which is None:  # argparse alone would say "arguments are required: which"
+        parser.error("choose a benchmark: 'comm' (GB/s per operation) or 'train' (training steps/s), e.g. "
+                     "python -m fastdp.bench train --replicas 4; add --help after either for its options")
     if args.which == "comm":
         from .comm import run
 

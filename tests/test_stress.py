@@ -1,0 +1,455 @@
+"""Never hang, never corrupt: nested wrappers, exceptions of every kind in replicas, one wrapper shared by threads,
+interrupts during forward and backward, overlapping destinations.
+
+Every case runs in a subprocess with a timeout, so a hang fails its test instead of blocking the run. A few
+subprocesses hold many cases each (starting Python and torch costs more than most cases). The references are
+the bare model (outputs and gradients) and torch's own results.
+"""
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+PRELUDE = """
+import faulthandler, os, signal, sys, threading, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack when it hangs
+import torch, torch.nn as nn
+import fastdp
+from fastdp import comm
+torch.set_num_threads(1)
+torch.manual_seed(0)
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+def grads(module):
+    return [p.grad.clone() for p in module.parameters()]
+"""
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("FASTDP_LOG", None)
+    return env
+
+
+def run_case(body, timeout=90):
+    """Runs PRELUDE + body in a fresh interpreter; it must print OK last and exit 0 within `timeout` seconds."""
+    code = PRELUDE + textwrap.dedent(body)
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=_env())
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"hung: no result within {timeout}s; output so far:\n{out[-3000:]}")
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
+    assert r.stdout.strip().splitlines()[-1] == "OK", r.stdout[-3000:]
+    return r.stdout
+
+
+def test_nested_wrappers_and_wrapper_in_forward():
+    run_case("""
+    def check(model, bare, x):
+        # The wrapper and the bare model share their parameters: gradients are read between the two backwards.
+        model.zero_grad(); bare.zero_grad()
+        y = model(x)
+        y.pow(2).sum().backward()
+        got = {id(p): p.grad.clone() for p in bare.parameters()}
+        bare.zero_grad()
+        ref = bare(x)
+        ref.pow(2).sum().backward()
+        close(y, ref)
+        for p in bare.parameters():
+            close(got[id(p)], p.grad)
+
+    x = torch.randn(16, 4)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    two = fastdp.DataParallel(fastdp.DataParallel(net, device_ids=["cpu"] * 2), device_ids=["cpu"] * 2)
+    three = fastdp.DataParallel(fastdp.DataParallel(fastdp.DataParallel(net, device_ids=["cpu"] * 2),
+                                                    device_ids=["cpu"] * 3), device_ids=["cpu"] * 2)
+    for _ in range(3):  # kept replicas are reused from the second step on
+        check(two, net, x)
+        check(three, net, x)
+    with torch.no_grad():
+        close(three(x), net(x))
+
+    # A wrapper called inside forward: one that is a submodule (replicated with the model) and one that is not.
+    class Calls(nn.Module):
+        def __init__(self, inner, keep_inside):
+            super().__init__()
+            self.head = nn.Linear(3, 2)
+            if keep_inside:
+                self.inner = inner
+            else:
+                self.__dict__["outside"] = inner  # not a submodule: every replica calls the same wrapper
+
+        def forward(self, x):
+            inner = self._modules.get("inner") or self.__dict__["outside"]
+            return self.head(inner(x))
+
+    for keep_inside in (True, False):
+        model = Calls(fastdp.DataParallel(net, device_ids=["cpu"] * 2), keep_inside)
+        bare = nn.Sequential(net, model.head)
+        dp = fastdp.DataParallel(model, device_ids=["cpu"] * 4)
+        for _ in range(3):
+            check(dp, bare, x)
+
+    # A wrapper whose module calls the same wrapper again (re-entered from a replica's worker thread).
+    class Recurse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, depth=0):
+            y = self.lin(x)
+            return SELF(y, depth=depth + 1) if depth < 1 else y
+
+    rec = Recurse()
+    SELF = fastdp.DataParallel(rec, device_ids=["cpu"] * 2)
+    bare_rec = nn.Sequential(rec.lin, rec.lin)
+    for _ in range(2):
+        check(SELF, bare_rec, torch.randn(8, 4))
+    print("OK")
+    """)
+
+
+def test_every_base_exception_in_every_replica_then_good_steps():
+    run_case("""
+    from fastdp import parallel_apply as _unused  # noqa: F401
+    pa = sys.modules["fastdp.parallel_apply"]
+
+    def instance(cls):
+        if issubclass(cls, BaseExceptionGroup):
+            return cls("group", [KeyboardInterrupt("inner")])  # stays a BaseExceptionGroup
+        return cls("boom")
+
+    def expected_type(cls):
+        try:
+            cls("probe")
+            return cls
+        except Exception:
+            return RuntimeError  # upstream's ExceptionWrapper falls back to RuntimeError
+
+    kinds = [c for c in BaseException.__subclasses__() if not c.__module__.startswith("_")]
+    names = {c.__name__ for c in kinds}
+    assert {"Exception", "KeyboardInterrupt", "SystemExit", "GeneratorExit"} <= names, names
+
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+            self.fail = None  # (exception class, replica index)
+
+        def forward(self, x):
+            if self.fail is not None and int(x[0, 0]) == self.fail[1]:
+                raise instance(self.fail[0])
+            return self.lin(x)
+
+    n = 4
+    model = Fails()
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * n)
+    x = torch.randn(4 * n, 4)
+    x[:, 0] = torch.arange(n).repeat_interleave(4).float()  # column 0 holds the replica index
+    for cls in kinds:
+        for r in range(n):
+            model.fail = (cls, r)
+            try:
+                dp(x)
+            except BaseException as e:
+                assert type(e) is expected_type(cls), (cls, type(e))
+                assert f"Caught {cls.__name__} in replica {r} on device cpu." in str(e), str(e)[:300]
+            else:
+                raise AssertionError(f"{cls.__name__} in replica {r} was swallowed")
+    model.fail = None
+    threads_before = threading.active_count()
+    for step in range(50):
+        model.zero_grad()
+        y = dp(x)
+        y.sum().backward()
+        g = grads(model)
+        model.zero_grad()
+        ref = model.lin(x)
+        ref.sum().backward()
+        close(y, ref)
+        for a, b in zip(g, grads(model)):
+            close(a, b)
+    assert threading.active_count() <= threads_before + n, (threads_before, threading.active_count())
+
+    # A dead worker left in the idle pool is skipped, never handed a task.
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    ghost = pa._Worker.__new__(pa._Worker)
+    ghost.thread = dead
+    ghost.submit = lambda *a: (_ for _ in ()).throw(AssertionError("task queued to a dead worker"))
+    pa._IDLE.append(ghost)
+    close(dp(x), model.lin(x))
+    assert ghost not in pa._IDLE
+
+    # A worker that dies with a task pending is noticed by the liveness check instead of waited on forever.
+    real_acquire = pa._acquire
+    pa._LIVENESS_S = 0.05
+    class Vanished:  # its thread has ended; the task it was given is never run
+        thread = dead
+
+        def submit(self, *args):
+            pass
+
+    pa._acquire = Vanished
+    t0 = time.perf_counter()
+    try:
+        dp(x)
+    except RuntimeError as e:
+        assert "ended without reporting a result" in str(e), e
+    else:
+        raise AssertionError("a dead worker's replica was not reported")
+    assert time.perf_counter() - t0 < 30
+    pa._acquire = real_acquire
+    close(dp(x), model.lin(x))
+    print("OK")
+    """)
+
+
+def test_one_wrapper_shared_by_four_threads():
+    run_case("""
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    dp = fastdp.DataParallel(net, device_ids=["cpu"] * 3)
+    params = list(net.parameters())
+    errors = []
+
+    def work(k):
+        g = torch.Generator().manual_seed(k)
+        try:
+            for step in range(200):
+                x = torch.randn(9, 6, generator=g)
+                if step % 4 == 3:
+                    with torch.no_grad():
+                        close(dp(x), net(x))
+                    continue
+                y = dp(x)
+                got = torch.autograd.grad(y.pow(2).sum(), params)
+                ref_y = net(x)
+                ref = torch.autograd.grad(ref_y.pow(2).sum(), params)
+                close(y, ref_y)
+                for a, b in zip(got, ref):
+                    close(a, b)
+        except BaseException as e:
+            errors.append(f"thread {k}: {type(e).__name__}: {str(e)[:500]}")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    print("OK")
+    """, timeout=150)
+
+
+_SIGNAL_BODY = """
+MODE = sys.argv[1] if len(sys.argv) > 1 else os.environ["STRESS_MODE"]
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fire = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.fire and int(x[0, 0]) == 1:  # replica 1 of 2
+            if MODE == "forward":
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+            elif y.requires_grad:
+                def hook(g):
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.2)
+                    return g
+                y.register_hook(hook)
+        return y
+
+model = Model()
+dp = fastdp.DataParallel(model, device_ids=["cpu"] * 2)
+x = torch.zeros(8, 4)
+x[4:, 0] = 1
+
+def good_step():
+    model.zero_grad()
+    y = dp(x)
+    y.sum().backward()
+    g = grads(model)
+    model.zero_grad()
+    ref = model.lin(x)
+    ref.sum().backward()
+    close(y, ref)
+    for a, b in zip(g, grads(model)):
+        close(a, b)
+"""
+
+
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+def test_sigint_reaches_main_thread_and_next_call_works(mode):
+    run_case(_SIGNAL_BODY.replace('os.environ["STRESS_MODE"]', repr(mode)) + """
+good_step()
+for attempt in range(3):
+    model.fire = True
+    try:
+        dp(x).sum().backward()
+        raise AssertionError("the interrupt was lost")
+    except KeyboardInterrupt:
+        pass
+    model.fire = False
+    for _ in range(5):
+        good_step()
+print("OK")
+""")
+
+
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+def test_uncaught_sigint_ends_the_process(mode):
+    code = PRELUDE + _SIGNAL_BODY.replace('os.environ["STRESS_MODE"]', repr(mode)) + """
+good_step()
+model.fire = True
+print("READY", flush=True)
+dp(x).sum().backward()
+print("NOT INTERRUPTED", flush=True)
+"""
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env())
+    except subprocess.TimeoutExpired:
+        pytest.fail("an uncaught KeyboardInterrupt left the process hanging")
+    assert "READY" in r.stdout and "NOT INTERRUPTED" not in r.stdout, r.stdout
+    assert r.returncode != 0 and "KeyboardInterrupt" in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
+DELAYS = (0.05, 0.13, 0.31, 0.02, 0.21, 0.08, 0.17, 0.03)  # seconds between an interrupt and the next
+
+
+def test_sigint_from_outside_at_arbitrary_points():
+    """The parent interrupts a training loop at several moments; each time the child recovers and checks a step."""
+    code = PRELUDE + f"N = {len(DELAYS)}" + """
+net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+dp = fastdp.DataParallel(net, device_ids=["cpu"] * 3)
+x = torch.randn(48, 32)
+recovered = 0
+print("READY", flush=True)
+while recovered < N:
+    try:
+        while True:
+            dp(x).sum().backward()
+    except KeyboardInterrupt:
+        recovered += 1
+        net.zero_grad()
+        y = dp(x)
+        y.sum().backward()
+        g = grads(net)
+        net.zero_grad()
+        ref = net(x)
+        ref.sum().backward()
+        close(y, ref)
+        for a, b in zip(g, grads(net)):
+            close(a, b)
+        print("RECOVERED", flush=True)
+print("OK", flush=True)
+"""
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env())
+    lines = queue.Queue()
+    errors = []
+    threading.Thread(target=lambda: [lines.put(l.strip()) for l in p.stdout] and None, daemon=True).start()
+    threading.Thread(target=lambda: errors.extend(p.stderr), daemon=True).start()
+
+    def next_line(timeout=60):  # never blocks the test for longer than `timeout`
+        try:
+            return lines.get(timeout=timeout)
+        except queue.Empty:
+            p.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            pytest.fail(f"hung: no output within {timeout}s; stderr:\n{''.join(errors)[-6000:]}")
+
+    try:
+        assert next_line() == "READY", "".join(errors)[-3000:]
+        for delay in DELAYS:
+            time.sleep(delay)
+            p.send_signal(signal.SIGINT)
+            assert next_line() == "RECOVERED", "".join(errors)[-3000:]
+        assert next_line() == "OK", "".join(errors)[-3000:]
+        p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("hung after printing OK")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, (p.returncode, "".join(errors)[-3000:])
+
+
+def test_overlap_matrix():
+    run_case("""
+    INTERNAL = "more than one element of the written-to tensor refers to a single memory location"
+    PARTIAL = "some elements of the input tensor and the written-to tensor refer to a single memory location"
+
+    def refused(fn, text):
+        try:
+            fn()
+        except RuntimeError as e:
+            assert text in str(e), str(e)
+            return
+        raise AssertionError(f"accepted: {fn.__doc__}")
+
+    # torch itself refuses an expanded destination with the same text.
+    try:
+        torch.add(torch.ones(4), 1, out=torch.zeros(1).expand(4))
+    except RuntimeError as e:
+        assert INTERNAL in str(e)
+
+    b = torch.zeros(12)
+    cases = [
+        # (what, call, text)
+        ("gather into an expanded out", lambda: comm.gather([torch.arange(3.)] * 2, out=torch.zeros(1).expand(6)),
+         INTERNAL),
+        ("broadcast into an expanded out", lambda: comm.broadcast(torch.arange(4.), out=[torch.empty(4),
+                                                                                     torch.zeros(1).expand(4)]),
+         INTERNAL),
+        ("scatter into an expanded out", lambda: comm.scatter(torch.arange(4.), out=[torch.zeros(1).expand(2),
+                                                                                     torch.empty(2)]), INTERNAL),
+        ("scatter outs overlap", lambda: comm.scatter(torch.arange(6.), out=[b[:3], b[1:4]]), INTERNAL),
+        ("broadcast outs overlap", lambda: comm.broadcast(torch.arange(4.), out=[b[:4], b[2:6]]), INTERNAL),
+        ("broadcast outs are one tensor", lambda: comm.broadcast(torch.arange(4.), out=[b[:4], b[:4]]), INTERNAL),
+        ("broadcast out overlaps the source", lambda: comm.broadcast(b[:4], out=[b[2:6]]), PARTIAL),
+        ("scatter out overlaps the source", lambda: comm.scatter(b[:6], out=[b[4:7], b[7:10]]), PARTIAL),
+        ("gather out overlaps an input", lambda: comm.gather([b[:3], b[3:6]], out=b[2:8]), PARTIAL),
+        ("gather out overlaps an input (columns)",
+         lambda: comm.gather([b.view(3, 4)[:, 0:1], b.view(3, 4)[:, 1:2]], out=b.view(3, 4)[:, 1:3], dim=1),
+         PARTIAL),
+    ]
+    for what, fn, text in cases:
+        fn.__doc__ = what
+        before = b.clone()
+        refused(fn, text)
+        assert torch.equal(b, before), f"{what}: memory written before refusing"
+
+    # Disjoint but interleaved destinations stay accepted, with torch's results.
+    m = torch.zeros(3, 4)
+    src = torch.arange(12.).view(3, 4)
+    outs = comm.scatter(src, out=[m[:, :2], m[:, 2:]], dim=1)
+    assert torch.equal(m, src) and all(o.data_ptr() == p.data_ptr() for o, p in zip(outs, (m[:, :2], m[:, 2:])))
+    g = torch.zeros(3, 4)
+    comm.gather([src[:, :1], src[:, 1:]], out=g, dim=1)
+    assert torch.equal(g, src)
+    even, odd = torch.zeros(8)[0::2], torch.zeros(8)[1::2]
+    comm.broadcast(torch.arange(4.), out=[even, odd])
+    assert torch.equal(even, torch.arange(4.)) and torch.equal(odd, torch.arange(4.))
+    # The identical view as source and destination is no copy at all.
+    t = torch.arange(6.)
+    comm.scatter(t, out=[t[:3], t[3:]])
+    assert torch.equal(t, torch.arange(6.))
+    print("OK")
+    """)

@@ -108,6 +108,8 @@ pick_python() {
   if [[ -n ${PYTHON:-} ]]; then cands=("$PYTHON"); else cands=("$ROOT/.venv/bin/python" python3 python); fi
   for c in "${cands[@]}"; do
     path=$(command -v "$c" 2>/dev/null) || continue
+    # Steps run in other folders: a relative path (PYTHON=.venv/bin/python) is made absolute here.
+    if [[ $path == */* && $path != /* ]]; then path="$(cd "$(dirname "$path")" && pwd)/$(basename "$path")"; fi
     if "$path" -c "import torch" >/dev/null 2>&1; then
       echo "$path"
       return 0

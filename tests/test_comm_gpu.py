@@ -1,6 +1,7 @@
-"""fastdp.comm on CUDA against torch.nn.parallel.comm: the nccl backend with one rank (device_ids=[0]) and the
-cuda backend with repeated ids ([0, 0, 0]); on two or more GPUs, nccl across distinct devices. Skipped without a
-GPU; nothing here touches CUDA at collection."""
+"""fastdp.comm on CUDA against torch.nn.parallel.comm: one device ([0]) and repeated ids ([0, 0, 0]) through the
+cuda backend; on two or more GPUs, nccl across distinct devices (a one-GPU machine reaches NCCL only through the
+one-rank self-test of scripts/gpu/nccl_selftest.c in the GPU check). Skipped without a GPU; nothing here touches
+CUDA at collection."""
 
 import functools
 

@@ -5,7 +5,6 @@ CPU dry run of scripts/gpu_check.sh proves it builds. Usage: python build_nccl_s
 import glob
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 
@@ -14,12 +13,16 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread"]
 
 
+def _c_tests_build():
+    """tests/c/build.py (the C test programs' builder): its compiler choice and kernel-blob helpers serve here too."""
+    spec = importlib.util.spec_from_file_location("fastdp_c_tests_build", os.path.join(ROOT, "tests", "c", "build.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def compiler():
-    for name in filter(None, [os.environ.get("CC"), "cc", "gcc", "clang"]):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+    return _c_tests_build().compiler()
 
 
 def core_sources():
@@ -30,11 +33,7 @@ def core_sources():
 
 def empty_blob(path):
     """The kernel blob a build without nvcc has (cuda/build_kernels.py writes it)."""
-    spec = importlib.util.spec_from_file_location("fastdp_build_kernels",
-                                                  os.path.join(ROOT, "cuda", "build_kernels.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.build_blob(os.path.join(ROOT, "cuda"), None, path)
+    _c_tests_build().build_kernels_module().build_blob(os.path.join(ROOT, "cuda"), None, path)
     return path
 
 

@@ -8,6 +8,7 @@ libnccl.so.2) with the machine's C compiler, cached under tests/sim/build/ by a 
 Both names point at one file, so the dynamic loader maps it once and the driver and NCCL halves share state."""
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -26,11 +27,11 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "
 
 
 def compiler():
-    for name in filter(None, [os.environ.get("CC"), "cc", "gcc", "clang"]):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+    """The C compiler tests/c/build.py picks ($CC, else cc, gcc or clang on PATH); None when there is none."""
+    spec = importlib.util.spec_from_file_location("fastdp_c_tests_build", os.path.join(ROOT, "tests", "c", "build.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.compiler()
 
 
 def build(sanitize=False):

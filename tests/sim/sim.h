@@ -69,6 +69,23 @@ void sim_lock(void);
 void sim_unlock(void);
 /* Counts a call; returns the injected result (nonzero) when this call is chosen to fail. Lock held. */
 int sim_enter(sim_entry_t e);
+/* The start and end of an entry point returning `rtype` (CUresult or ncclResult_t): the lock is taken, and an
+ * injected failure returns its code before the call does anything; SIM_RETURN releases the lock. */
+#define SIM_ENTER(rtype, name)                                                                                         \
+  sim_lock();                                                                                                          \
+  do {                                                                                                                 \
+    int inj_ = sim_enter(SIM_E_##name);                                                                                \
+    if (inj_) {                                                                                                        \
+      sim_unlock();                                                                                                    \
+      return (rtype)inj_;                                                                                              \
+    }                                                                                                                  \
+  } while (0)
+#define SIM_RETURN(rtype, v)                                                                                           \
+  do {                                                                                                                 \
+    rtype rv_ = (v);                                                                                                   \
+    sim_unlock();                                                                                                      \
+    return rv_;                                                                                                        \
+  } while (0)
 /* Records a misuse (an error the test fails on). Lock held. */
 void sim_misuse(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int sim_ndev(void);

@@ -554,21 +554,8 @@ static void ctx_destroy(sim_ctx_t *c) {
 
 /* ---- the driver API ---- */
 
-#define ENTER(name)                                                                                                    \
-  sim_lock();                                                                                                          \
-  do {                                                                                                                 \
-    int inj_ = sim_enter(SIM_E_##name);                                                                                \
-    if (inj_) {                                                                                                        \
-      sim_unlock();                                                                                                    \
-      return (CUresult)inj_;                                                                                           \
-    }                                                                                                                  \
-  } while (0)
-#define RETURN(v)                                                                                                      \
-  do {                                                                                                                 \
-    CUresult rv_ = (v);                                                                                                \
-    sim_unlock();                                                                                                      \
-    return rv_;                                                                                                        \
-  } while (0)
+#define ENTER(name) SIM_ENTER(CUresult, name)
+#define RETURN(v) SIM_RETURN(CUresult, v)
 #define NEED_INIT(name)                                                                                                \
   if (!g_inited) {                                                                                                     \
     sim_misuse("%s before cuInit", #name);                                                                             \

@@ -45,21 +45,8 @@ static __thread int t_npending;
 static struct ncclComm **g_all; /* every communicator made, dead ones included */
 static size_t g_nall, g_capall;
 
-#define ENTER(name)                                                                                                    \
-  sim_lock();                                                                                                          \
-  do {                                                                                                                 \
-    int inj_ = sim_enter(SIM_E_##name);                                                                                \
-    if (inj_) {                                                                                                        \
-      sim_unlock();                                                                                                    \
-      return (ncclResult_t)inj_;                                                                                       \
-    }                                                                                                                  \
-  } while (0)
-#define RETURN(v)                                                                                                      \
-  do {                                                                                                                 \
-    ncclResult_t rv_ = (v);                                                                                            \
-    sim_unlock();                                                                                                      \
-    return rv_;                                                                                                        \
-  } while (0)
+#define ENTER(name) SIM_ENTER(ncclResult_t, name)
+#define RETURN(v) SIM_RETURN(ncclResult_t, v)
 
 int sim_nccl_comms_on(const sim_ctx_t *ctx) {
   int n = 0;

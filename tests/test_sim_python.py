@@ -24,8 +24,9 @@ def _env():
     return dict(os.environ, **_simbuild.env())
 
 
-def _case(name, timeout=300):
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sim", "pycases.py"), name], env=_env(), cwd=HERE,
+def _case(name, timeout=300, **env):
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "sim", "pycases.py"), name], env=dict(_env(), **env),
+                          cwd=HERE,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     assert proc.returncode == 0 and proc.stdout.rstrip().endswith("PASS"), proc.stdout[-20000:]
 
@@ -52,3 +53,8 @@ def test_fault_injection_sweep_through_the_binding():
 ])
 def test_issue9_defect(case):
     _case(case)
+
+
+def test_no_kernels_on_simulated_devices():
+    """Issue 10: no fatbin and no NVRTC. Copies stay in the core, kernel work falls back to torch's result."""
+    _case("no_kernels", FASTDP_DISABLE_NVRTC="1", FASTDP_DISABLE_FATBIN="1")

@@ -417,6 +417,55 @@ def case_defect_shutdown_order(sim):
     sim.open()
 
 
+# ---- issue 10: a GPU for which no kernels exist (run with FASTDP_DISABLE_NVRTC=1 FASTDP_DISABLE_FATBIN=1) ----
+
+def case_no_kernels(sim):
+    """No fatbin and no NVRTC: the core still does every copy the copy engines can do, refuses kernel work with
+    BackendUnavailableError naming the kernel, and fastdp's fallback layer then gives torch's result (computed by
+    torch on the host here, since torch cannot run on simulated memory) with one FallbackWarning."""
+    import warnings
+
+    from fastdp import _fallback
+
+    assert os.environ.get("FASTDP_DISABLE_NVRTC") == "1" and os.environ.get("FASTDP_DISABLE_FATBIN") == "1"
+    assert _C.usable("cuda")[0], "the cuda backend must stay usable without kernels"
+    for s, d in ((0, 0), (0, 1)):
+        src_cpu = rand((64, 3), torch.float32)
+        src, dst = sim.tensor(src_cpu, s), sim.empty((64, 3), torch.float32, d)
+        _C.copy([dst], [src])
+        same(dst.cpu(), src_cpu, f"contiguous copy {s} -> {d} without kernels")
+        src.release()
+        dst.release()
+    ins_cpu = [rand((100,), torch.float32) for _ in range(3)]
+    ins, out = [sim.tensor(t, 0) for t in ins_cpu], sim.empty((100,), torch.float32, 0)
+    try:
+        _C.reduce(ins, out)
+        raise AssertionError("a 3-input reduce ran without any kernels")
+    except _C.BackendUnavailableError as e:
+        assert "k-way sum kernel" in str(e), str(e)
+    ran = []
+
+    def host_sum_into(inputs, o):  # torch's fallback sum, with torch on the host and a core copy back
+        ran.append(len(inputs))
+        total = functools.reduce(operator.add, [t.cpu() for t in inputs])
+        staged = sim.tensor(total, o.get_device())
+        _C.copy([o], [staged])
+        staged.release()
+
+    _fallback._sum_into = host_sum_into
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fallback.core.reduce(ins, out)
+        _fallback.core.reduce(ins, out)
+    assert ran == [3, 3], ran
+    falls = [w for w in caught if issubclass(w.category, fastdp.FallbackWarning)]
+    assert len(falls) == 1 and "k-way sum kernel" in str(falls[0].message), [str(w.message) for w in caught]
+    assert "nvidia-cuda-nvrtc" in str(falls[0].message), str(falls[0].message)
+    same(out.cpu(), functools.reduce(operator.add, ins_cpu), "reduce through the fallback")
+    for t in ins + [out]:
+        t.release()
+
+
 def main(name):
     sim = Sim().open()
     sim.reset()

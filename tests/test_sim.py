@@ -111,6 +111,28 @@ def test_simulator_exports_every_symbol_the_loaders_resolve():
     assert not missing, f"the simulated GPU lacks {missing}: add them to tests/sim (SIM_ENTRIES in sim.h, and code)"
 
 
+def _toolkit_cuda_h():
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.path.isfile(os.path.join(home, "include", "cuda.h")):
+            return os.path.join(home, "include", "cuda.h")
+    return None
+
+
+def test_simulator_signatures_match_the_toolkit():
+    """The simulated driver compiled with the toolkit's cuda.h in scope: every entry point it defines must have
+    the real prototype (a conflicting type is a compile error). Skipped where no toolkit header is found."""
+    _need_cc()
+    cuda_h = _toolkit_cuda_h()
+    if cuda_h is None:
+        pytest.skip("no CUDA toolkit cuda.h (CUDA_HOME, CUDA_PATH, /usr/local/cuda) to compare with")
+    root = os.path.dirname(HERE)
+    cmd = [_cbuild.compiler(), "-std=c11", "-D_GNU_SOURCE", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
+           "-I" + os.path.join(root, "csrc"), "-I" + os.path.join(HERE, "sim"), "-include", cuda_h,
+           os.path.join(HERE, "sim", "sim_cuda.c")]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+
+
 def test_library_knob_loads_exactly_that_file(tmp_path):
     """FASTDP_CUDA_DRIVER_LIBRARY / FASTDP_NCCL_LIBRARY naming a missing file: nothing else is loaded instead, and
     the reason names the file."""

@@ -578,7 +578,8 @@ CUresult cuDriverGetVersion(int *v) {
 
 /* Private tables of the real driver that other NVIDIA libraries (NVRTC, the runtime) ask for: none here, so that a
  * library loaded beside the simulator sees "not supported" rather than resolving nothing. */
-CUresult cuGetExportTable(const void **table, const void *id) {
+struct CUuuid_st; /* cuda.h's CUuuid; only pointed to here */
+CUresult cuGetExportTable(const void **table, const struct CUuuid_st *id) {
   (void)id;
   if (table) *table = NULL;
   return CUDA_ERROR_NOT_SUPPORTED;

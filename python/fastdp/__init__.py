@@ -51,3 +51,8 @@ from . import balance  # noqa: E402
 from .balance import AutoSplit, MemoryReport, memory_report  # noqa: E402
 
 __all__ += ["balance", "AutoSplit", "MemoryReport", "memory_report"]
+
+# ---- Code that calls torch.nn.DataParallel itself: fastdp's wrapper without editing it ----------------------------
+from .patch import is_patched, patch, patched, unpatch  # noqa: E402
+
+__all__ += ["patch", "unpatch", "patched", "is_patched"]

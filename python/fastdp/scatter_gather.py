@@ -122,11 +122,43 @@ def _gather_map(outputs, target, dim, path):
         if _is_namedtuple(out):
             return type(out)._make(gathered)
         return type(out)(gathered)
+    if _rebuildable(out):
+        return _gather_iterable(outputs, target, dim, path)
     raise TypeError(
         f"Cannot gather {path} of type {_kind(out)}: DataParallel gathers tensors, None, and tuples, lists, dicts "
-        "and namedtuples of them. Return a tensor instead (e.g. torch.tensor(value)), or keep such values out of "
-        "forward's output."
+        "and namedtuples of them, and rebuilds other iterables from their gathered items. Return a tensor instead "
+        "(e.g. torch.tensor(value)), or keep such values out of forward's output."
     )
+
+
+def _rebuildable(out):
+    """Upstream's last rule applies: an iterable that is not text (text would recurse forever upstream)."""
+    return not isinstance(out, (str, bytes, bytearray)) and hasattr(type(out), "__iter__")
+
+
+def _gather_iterable(outputs, target, dim, path):
+    """Upstream's rule for any other iterable (a transformers cache, for one): ``type(out)(gathered items)``, the
+    items gathered position by position. A type whose constructor does not take that raises a TypeError naming it."""
+    out = outputs[0]
+    items = []
+    for i, o in enumerate(outputs):
+        if type(o) is not type(out):
+            raise TypeError(f"Cannot gather {path}: replica 0 returned {_kind(out)} but replica {i} returned {_kind(o)}")
+        items.append(list(o))
+        if len(items[-1]) != len(items[0]):
+            raise ValueError(
+                f"Cannot gather {path}: replica 0 returned a {_kind(out)} of {len(items[0])} items but replica {i} "
+                f"returned {len(items[-1])}"
+            )
+    gathered = [_gather_map([it[k] for it in items], target, dim, f"{path}[{k}]") for k in range(len(items[0]))]
+    try:
+        return type(out)(gathered)
+    except Exception as e:
+        raise TypeError(
+            f"Cannot gather {path} of type {_kind(out)}: it is iterable, but {type(out).__name__}(gathered items) "
+            f"failed ({type(e).__name__}: {e}); upstream DataParallel rebuilds it the same way. Return tensors, "
+            "tuples, lists or dicts from forward instead."
+        ) from e
 
 
 def gather(outputs, target_device, dim=0):

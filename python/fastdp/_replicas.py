@@ -23,7 +23,6 @@ backward gets fresh buffers), so a graph still waiting for backward never sees i
 """
 
 import weakref
-from collections import OrderedDict
 
 import torch
 from torch.autograd import Function
@@ -32,7 +31,7 @@ from . import _devices, comm
 from ._fallback import core as _C  # _C, with torch behind every data-moving call
 from ._core import reduce_columns, streams_for, to_core_dtype
 from ._functions import ReduceAddCoalesced
-from .replicate import _check_initialized
+from .replicate import _check_initialized, is_compiled, skeletons
 
 __all__ = ["ReplicaSet", "persistable", "reduce_bucket"]
 
@@ -270,14 +269,7 @@ class ReplicaSet:
         self.modules = modules_of(network)
         self.signature = signature(self.modules)
         nrep = len(devices)
-        index = {id(m): i for i, m in enumerate(self.modules)}
-        self.replicas = [[m._replicate_for_data_parallel() for m in self.modules] for _ in range(nrep)]
-        for row in self.replicas:
-            for i, m in enumerate(self.modules):
-                replica = row[i]
-                replica._former_parameters = OrderedDict()
-                for key, child in m._modules.items():
-                    replica._modules[key] = None if child is None else row[index[id(child)]]
+        self.replicas = skeletons(self.modules, nrep)
         # Every distinct parameter, then every distinct buffer: the tensors refreshed each step.
         self.params = list(network.parameters())
         self.buffers = list(network.buffers())
@@ -307,7 +299,10 @@ class ReplicaSet:
                         keys.append(key)
                         refs.append((r, tindex[id(b)]))
         self.containers, self.keys, self.refs = containers, keys, refs
-        self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)]
+        # A compiled wrapper's replica keeps its own attributes (its forward calls its own module: see NOTE
+        # [compiled modules] in replicate.py); every other replica mirrors its master each step.
+        self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)
+                      if not is_compiled(m)]
         self.plans = {}  # grad_enabled -> (grad buckets, detached buckets)
 
     def _plan(self, grad_enabled):

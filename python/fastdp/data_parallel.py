@@ -17,7 +17,7 @@ from torch.nn.modules import Module
 
 from . import _devices, _replicas, balance
 from .parallel_apply import _HELD, parallel_apply
-from .replicate import replicate
+from .replicate import is_compiled, replicate
 from .scatter_gather import gather, scatter_kwargs
 
 __all__ = ["DataParallel", "data_parallel"]
@@ -137,30 +137,41 @@ def _raise_module_device(module, src_device_obj):
             )
 
 
-def _has_module_prefix(keys, expected):
-    """Whether checkpoint keys carry DataParallel's "module." prefix, judged against the module's own keys."""
+def _has_module_prefix(keys, expected, prefix=_PREFIX):
+    """Whether checkpoint keys carry DataParallel's "module." prefix (or torch.compile's "_orig_mod."), judged
+    against the module's own keys."""
     keys = list(keys)
-    if not keys or not all(k.startswith(_PREFIX) for k in keys):
+    if not keys or not all(k.startswith(prefix) for k in keys):
         return False
     # A module whose own child is named "module" has prefix-free keys that start with "module." too.
-    if all(k in expected for k in keys) and not all(k[len(_PREFIX) :] in expected for k in keys):
+    if all(k in expected for k in keys) and not all(k[len(prefix) :] in expected for k in keys):
         return False
     return True
 
 
-def _strip_prefix(state_dict):
-    """A copy of a "module."-prefixed state dict without the prefix, metadata included."""
-    out = OrderedDict((k[len(_PREFIX) :], v) for k, v in state_dict.items())
+def _strip_prefix(state_dict, prefix=_PREFIX):
+    """A copy of a "module."-prefixed (or other prefixed) state dict without the prefix, metadata included."""
+    out = OrderedDict((k[len(prefix) :], v) for k, v in state_dict.items())
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
         stripped = OrderedDict()
         for k, v in metadata.items():
-            if k == "module":
+            if k == prefix[:-1]:
                 stripped[""] = v
-            elif k.startswith(_PREFIX):
-                stripped[k[len(_PREFIX) :]] = v
+            elif k.startswith(prefix):
+                stripped[k[len(prefix) :]] = v
         out._metadata = stripped
     return out
+
+
+_COMPILED_PREFIX = "_orig_mod."
+
+
+def _uncompiled(module):
+    """The module under torch.compile's wrapper(s): checkpoints carry its keys, as the bare model's."""
+    while is_compiled(module):
+        module = module._orig_mod
+    return module
 
 
 def _nested_load_pre_hook(wrapper, state_dict, prefix, *unused):
@@ -178,6 +189,21 @@ def _nested_load_pre_hook(wrapper, state_dict, prefix, *unused):
         return
     for key, rel in zip(keys, relative):
         state_dict[prefix + _PREFIX + rel] = state_dict.pop(key)
+
+
+# What torch.compile keeps on the module it wraps: never answered from a wrapped compiled module, or compiling the
+# wrapper itself would find them on it and refuse ("already has a get_compiler_config attribute").
+_COMPILE_ATTRIBUTES = frozenset({"get_compiler_config", "dynamo_ctx", "_orig_mod", "_torchdynamo_orig_callable",
+                                 "_torchdynamo_wrapper_id", "_torchdynamo_inline"})
+
+
+def _compile_boundary(fn):
+    """NOTE [compile boundary]: torch.compile never traces into the wrapper (fastdp's C calls, its thread pool and
+    its replica bookkeeping are not traceable: about 30 graph breaks per step when Dynamo tries). A compiled
+    program calling the wrapper breaks its graph once there; the replicas run compiled code when the module is a
+    torch.compile module (``DataParallel(torch.compile(m))``) or with ``compile=True``."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn, recursive=True) if disable is not None else fn
 
 
 class DataParallel(Module):
@@ -247,6 +273,7 @@ class DataParallel(Module):
 
     __new__.__wrapped__ = __init__  # inspect.signature(DataParallel) shows __init__'s parameters, not __new__'s
 
+    @_compile_boundary
     def forward(self, *inputs, **kwargs):
         grad_enabled = torch.is_grad_enabled()
         try:
@@ -420,15 +447,20 @@ class DataParallel(Module):
     # Checkpoints: the wrapper's state dict is the module's (no "module." prefix).
 
     def state_dict(self, *args, **kwargs):
-        """The wrapped module's ``state_dict()``: keys carry no ``module.`` prefix."""
-        return self.module.state_dict(*args, **kwargs)
+        """The wrapped module's ``state_dict()``: keys carry no ``module.`` prefix (nor torch.compile's
+        ``_orig_mod.``: a compiled module's checkpoint loads into the bare model)."""
+        return _uncompiled(self.module).state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
-        """Loads a plain or a ``module.``-prefixed state dict into the wrapped module (errors name plain keys)."""
-        expected = set(self.module.state_dict(keep_vars=True).keys())
+        """Loads a plain or a ``module.``-prefixed state dict into the wrapped module (errors name plain keys);
+        for a compiled module, ``_orig_mod.``-prefixed keys (torch.compile's own checkpoints) are accepted too."""
+        target = _uncompiled(self.module)
+        expected = set(target.state_dict(keep_vars=True).keys())
         if _has_module_prefix(state_dict.keys(), expected):
             state_dict = _strip_prefix(state_dict)
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        while target is not self.module and _has_module_prefix(state_dict.keys(), expected, _COMPILED_PREFIX):
+            state_dict = _strip_prefix(state_dict, _COMPILED_PREFIX)
+        return target.load_state_dict(state_dict, strict=strict, assign=assign)
 
     # Attribute forwarding: what the wrapper lacks is read from the wrapped module.
 
@@ -436,7 +468,7 @@ class DataParallel(Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name.startswith("__") and name.endswith("__"):
+            if (name.startswith("__") and name.endswith("__")) or name in _COMPILE_ATTRIBUTES:
                 raise
             modules = self.__dict__.get("_modules")
             if not modules or "module" not in modules:

@@ -21,6 +21,59 @@ def _is_script_module(module):
     return isinstance(module, torch.jit.ScriptModule)
 
 
+try:  # torch.compile's module wrapper
+    from torch._dynamo.eval_frame import OptimizedModule as _CompiledModule
+except Exception:  # a torch without Dynamo
+    _CompiledModule = None
+
+
+def is_compiled(module):
+    """Whether module is the wrapper torch.compile(module) returns (an OptimizedModule)."""
+    return _CompiledModule is not None and isinstance(module, _CompiledModule)
+
+
+def _compiled_replica(modules, index, row, i):
+    """row[i], building the compiled wrapper there first when it is one (around row's replica of its module)."""
+    if row[i] is None:
+        m = modules[i]
+        row[i] = _CompiledModule(_compiled_replica(modules, index, row, index[id(m._orig_mod)]), m.dynamo_ctx)
+    return row[i]
+
+
+def skeletons(modules, count):
+    """``count`` rows of replica skeletons of ``modules`` (one list, parents before children, as ``modules()`` and
+    ``_replicas.modules_of`` give): shallow copies with their children linked, parameters and buffers still to set.
+
+    NOTE [compiled modules]: a ``torch.compile`` wrapper is not copied the usual way: its copy would share the
+    master's child dict (the wrapper forwards attribute writes to the module it wraps) and call the master's
+    compiled forward. Each row gets a new wrapper, with the master's compile settings, around that row's replica of
+    the compiled module, so replicas run compiled code: Dynamo compiles each distinct input shape once and reuses
+    it across replicas and steps (the replicas' parameters are graph inputs, not constants).
+    """
+    index = {id(m): i for i, m in enumerate(modules)}
+    rows = []
+    for _ in range(count):
+        row = [None if is_compiled(m) else m._replicate_for_data_parallel() for m in modules]
+        for i in range(len(modules)):
+            _compiled_replica(modules, index, row, i)
+        for i, m in enumerate(modules):
+            if is_compiled(m):
+                continue
+            replica = row[i]
+            script = _is_script_module(replica)
+            if not script:
+                replica._former_parameters = OrderedDict()
+            for key, child in m._modules.items():
+                if child is None:
+                    replica._modules[key] = None
+                elif script:
+                    setattr(replica, key, row[index[id(child)]])
+                else:
+                    replica._modules[key] = row[index[id(child)]]
+        rows.append(row)
+    return rows
+
+
 def _check_replicatable(network):
     """Upstream refuses a ScriptModule that has plain Python modules below it."""
     for module in network.modules():
@@ -88,21 +141,9 @@ def replicate(network, devices, detach=False):
     other_copies = _broadcast(other_buffers, devices, True)
 
     modules = list(network.modules())
-    module_index = {id(m): i for i, m in enumerate(modules)}
-    module_copies = [[m._replicate_for_data_parallel() for m in modules] for _ in range(num_replicas)]
-    for j in range(num_replicas):
-        for replica in module_copies[j]:
-            if not _is_script_module(replica):
-                replica._former_parameters = OrderedDict()
+    module_copies = skeletons(modules, num_replicas)
 
     for i, module in enumerate(modules):
-        for key, child in module._modules.items():
-            for j in range(num_replicas):
-                replica = module_copies[j][i]
-                if child is None:
-                    replica._modules[key] = None
-                else:
-                    setattr(replica, key, module_copies[j][module_index[id(child)]])
         for key, param in module._parameters.items():
             for j in range(num_replicas):
                 replica = module_copies[j][i]

@@ -31,3 +31,20 @@ def test_c_core_under_sanitizers():
     assert closing, f"no closing 'N passed, M failed' line:\n{out}"
     passed, failed = map(int, closing[-1])
     assert failed == 0 and passed > 0, f"{failed} C checks failed:\n{out}"
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_scatter_total_size_message_matches_comm(dim):
+    """The core's scatter size check says what comm.scatter (upstream's wording) says, word for word."""
+    import torch
+
+    from fastdp import _C, comm
+
+    x = torch.ones(4, 6)
+    outs = [torch.empty(*(1 if d == dim else s for d, s in enumerate(x.shape))) for _ in range(2)]
+    with pytest.raises(RuntimeError) as upstream:
+        comm.scatter(x, dim=dim, out=outs)
+    with pytest.raises(ValueError) as core:
+        _C.scatter(x, outs, dim, [1, 1])
+    assert str(core.value) == str(upstream.value)
+    assert f"scatter dim {dim} " in str(core.value)

@@ -351,8 +351,11 @@ fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chu
     start += chunk_sizes[i];
   }
   if (start != src->sizes[dim]) {
-    r = fdp__fail(FDP_INVALID, "Total size for output tensors along scatter dim %lld does not match the source's %lld",
-                  (long long)start, (long long)src->sizes[dim]);
+    /* upstream's text (torch/csrc/cuda/comm.cpp), as comm.scatter raises it */
+    r = fdp__fail(FDP_INVALID,
+                  "Total size for output tensors along scatter dim %d does not match the source tensor size at dim %d. "
+                  "Expected %lld, but got total size %lld.",
+                  dim, dim, (long long)src->sizes[dim], (long long)start);
     goto done;
   }
   r = fdp_op_copy(outs, views, n, streams);

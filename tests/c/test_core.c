@@ -942,6 +942,13 @@ static void test_scatter(void) {
         k++;
       bad[k] -= 1;
       EXPECT(fdp_op_scatter(&src, dim, bad, outs, n, NULL), FDP_INVALID);
+      /* the whole message, with the dimension where upstream puts it */
+      char want[300];
+      snprintf(want, sizeof want,
+               "Total size for output tensors along scatter dim %d does not match the source tensor size at dim %d. "
+               "Expected %lld, but got total size %lld.",
+               dim, dim, (long long)sz[dim], (long long)(sz[dim] - 1));
+      CHECKF(strcmp(fdp_last_error(), want) == 0, "got \"%s\", want \"%s\"", fdp_last_error(), want);
     }
     EXPECT(fdp_op_scatter(&src, nd, chunks, outs, n, NULL), FDP_INVALID);
     EXPECT(fdp_op_scatter(&src, -1, chunks, outs, n, NULL), FDP_INVALID);

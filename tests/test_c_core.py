@@ -48,3 +48,26 @@ def test_scatter_total_size_message_matches_comm(dim):
         _C.scatter(x, outs, dim, [1, 1])
     assert str(core.value) == str(upstream.value)
     assert f"scatter dim {dim} " in str(core.value)
+
+
+def test_debug_trail_names_the_failing_call():
+    """Under FASTDP_DEBUG a failure passing through FDP_CHECK logs file:line and the call; the line it names holds
+    that call in the source."""
+    code = (
+        "import torch\n"
+        "from fastdp import _C\n"
+        "try:\n"
+        "    _C.scatter(torch.ones(4), [torch.empty(2), torch.empty(2)], 3, [2, 2])\n"
+        "except ValueError:\n"
+        "    pass\n"
+    )
+    env = dict(os.environ, FASTDP_DEBUG="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    trail = re.findall(r"^\[fastdp\] (\S+\.c):(\d+): (.+) -> FDP_INVALID$", proc.stderr, re.MULTILINE)
+    assert trail, f"no file:line trail under FASTDP_DEBUG:\n{proc.stderr}"
+    root = os.path.dirname(HERE)
+    for path, line, call in trail:
+        with open(os.path.join(root, path)) as f:
+            source_line = f.read().splitlines()[int(line) - 1]
+        assert call in source_line, (path, line, call, source_line)

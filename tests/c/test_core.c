@@ -2,6 +2,7 @@
  * strided copies, broadcast/scatter/gather, sums of every dtype, device-kind checks and result codes. Built
  * and run under AddressSanitizer and UndefinedBehaviorSanitizer by tests/c/build.py; prints "N passed, M failed". */
 #include "core/fastdp.h"
+#include "core/backend.h" /* the FDP_CHECK forms (internal) */
 
 #include <math.h>
 #include <pthread.h>
@@ -265,6 +266,87 @@ static void *thread_error_probe(void *arg) {
   e = fdp_last_error();
   out[1] = e && e[0] ? "set" : "unset";
   return NULL;
+}
+
+/* ---- the FDP_CHECK forms of backend.h (NOTE [error trail and cleanup]) ---- */
+
+static int g_cleanups;
+
+static fdp_result_t step(fdp_result_t r, const char *what) {
+  return r == FDP_OK ? FDP_OK : fdp__fail(r, "%s failed", what);
+}
+
+static fdp_result_t cleanup_step(fdp_result_t r, const char *what) {
+  g_cleanups++;
+  return step(r, what);
+}
+
+static fdp_result_t uses_check(fdp_result_t first, fdp_result_t second, int *reached) {
+  FDP_CHECK(step(first, "first"));
+  *reached = 1;
+  FDP_CHECK(step(second, "second"));
+  return FDP_OK;
+}
+
+/* Two steps with GOTO, then two cleanups with KEEP and one with IGNORE, whatever happened. */
+static fdp_result_t uses_goto_keep(fdp_result_t a, fdp_result_t b, fdp_result_t c1, fdp_result_t c2,
+                                   fdp_result_t ign, int *reached) {
+  fdp_result_t r = FDP_OK;
+  FDP_CHECK_GOTO(step(a, "step a"), r, out);
+  *reached = 1;
+  FDP_CHECK_GOTO(step(b, "step b"), r, out);
+  *reached = 2;
+out:
+  FDP_CHECK_KEEP(cleanup_step(c1, "cleanup 1"), r);
+  FDP_CHECK_KEEP(cleanup_step(c2, "cleanup 2"), r);
+  FDP_CHECK_IGNORE(cleanup_step(ign, "ignored cleanup"));
+  return r;
+}
+
+static void test_checks(void) {
+  const fdp_result_t codes[] = {FDP_OK, FDP_INVALID, FDP_CUDA, FDP_NOMEM};
+  const int ncodes = (int)(sizeof codes / sizeof codes[0]);
+  for (int i = 0; i < ncodes; i++)
+    for (int j = 0; j < ncodes; j++) {
+      int reached = 0;
+      prime_error();
+      fdp_result_t r = uses_check(codes[i], codes[j], &reached);
+      fdp_result_t want = codes[i] != FDP_OK ? codes[i] : codes[j];
+      const char *want_detail = codes[i] != FDP_OK ? "first failed" : codes[j] != FDP_OK ? "second failed" : sentinel;
+      CHECKF(r == want && reached == (codes[i] == FDP_OK) && strcmp(fdp_last_error(), want_detail) == 0,
+             "FDP_CHECK(%s, %s): %s, reached %d, detail \"%s\"", fdp_result_name(codes[i]), fdp_result_name(codes[j]),
+             fdp_result_name(r), reached, fdp_last_error());
+    }
+  /* Every combination of two steps and three cleanups: the first failure wins, code and detail; every cleanup
+   * runs; the ignored one never shows. The reference is the same rule written out as a scan over the calls. */
+  for (int m = 0; m < ncodes * ncodes * ncodes * ncodes * ncodes; m++) {
+    fdp_result_t c[5];
+    for (int k = 0, v = m; k < 5; k++, v /= ncodes)
+      c[k] = codes[v % ncodes];
+    const char *names[4] = {"step a", "step b", "cleanup 1", "cleanup 2"};
+    int ran[4] = {1, c[0] == FDP_OK, 1, 1};
+    fdp_result_t want = FDP_OK;
+    const char *want_detail = sentinel;
+    for (int k = 0; k < 4; k++)
+      if (ran[k] && want == FDP_OK && c[k] != FDP_OK) {
+        want = c[k];
+        want_detail = names[k];
+      }
+    char detail[sizeof sentinel];
+    snprintf(detail, sizeof detail, want == FDP_OK ? "%s" : "%s failed", want_detail);
+    int reached = 0;
+    g_cleanups = 0;
+    prime_error();
+    fdp_result_t r = uses_goto_keep(c[0], c[1], c[2], c[3], c[4], &reached);
+    int want_reached = c[0] != FDP_OK ? 0 : c[1] != FDP_OK ? 1 : 2;
+    CHECKF(r == want && strcmp(fdp_last_error(), detail) == 0 && g_cleanups == 3 && reached == want_reached,
+           "GOTO/KEEP/IGNORE with %s %s %s %s %s: %s \"%s\", want %s \"%s\"; %d cleanups, reached %d",
+           fdp_result_name(c[0]), fdp_result_name(c[1]), fdp_result_name(c[2]), fdp_result_name(c[3]),
+           fdp_result_name(c[4]), fdp_result_name(r), fdp_last_error(), fdp_result_name(want), detail, g_cleanups,
+           reached);
+  }
+  /* The hold is released: a failure after the cleanups sets its detail again. */
+  EXPECT(fdp_op_copy(NULL, NULL, -1, NULL), FDP_INVALID);
 }
 
 static void test_results(void) {
@@ -1503,6 +1585,7 @@ int main(void) {
     void (*fn)(void);
   } suites[] = {
       {"results", test_results},
+      {"checks", test_checks},
       {"backends", test_backends},
       {"tensor helpers", test_tensor_helpers},
       {"plan", test_plan},

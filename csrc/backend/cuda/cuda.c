@@ -4,6 +4,7 @@
  * from NVRTC (kernel_image.c), loaded once per device. Copies the copy engines can do never need them. */
 #include "backend/cuda/kernel_image.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/layout.h"
 #include "dl/cuda_driver.h"
 
 #include <pthread.h>
@@ -20,8 +21,6 @@
 #define MEMCPY_MAX_LOOP 64
 /* Cross-device copies have no kernel alternative short of staging, so they loop longer before staging. */
 #define PEER_MAX_LOOP 1024
-/* CU_DEVICE_ATTRIBUTE_MAX_PITCH on every GPU PyTorch supports; larger pitches take the kernel path. */
-#define MAX_PITCH INT32_MAX
 
 _Static_assert(sizeof(fdp_copy_args_t) == 16 + 3 * 8 * FDP_COPY_MAX_DIMS, "kernel ABI: fdp_copy_args_t");
 _Static_assert(sizeof(fdp_sum_args_t) == 8 * FDP_SUM_MAX_INPUTS + 24, "kernel ABI: fdp_sum_args_t");
@@ -329,160 +328,13 @@ out:
   return r;
 }
 
-/* ---- layouts ---- */
-
-/* One copy as two strided views over one index space; dims outermost first, strides in elements of es bytes.
- * Dims may be permuted and merged freely because both views are permuted alike. */
-typedef struct pair {
-  int ndim;
-  int64_t es;
-  int64_t numel;
-  int64_t sizes[FDP_COPY_MAX_DIMS];
-  int64_t ss[FDP_COPY_MAX_DIMS];
-  int64_t ds[FDP_COPY_MAX_DIMS];
-  CUdeviceptr src, dst;
-} pair_t;
-
-/* Merges each dim into its outer neighbour where both views step over it contiguously. */
-static void pair_merge(pair_t *p) {
-  int n = 0;
-  for (int d = 0; d < p->ndim; d++) {
-    if (p->sizes[d] == 1) continue;
-    if (n > 0 && p->ss[n - 1] == p->ss[d] * p->sizes[d] && p->ds[n - 1] == p->ds[d] * p->sizes[d]) {
-      p->sizes[n - 1] *= p->sizes[d];
-      p->ss[n - 1] = p->ss[d];
-      p->ds[n - 1] = p->ds[d];
-      continue;
-    }
-    p->sizes[n] = p->sizes[d];
-    p->ss[n] = p->ss[d];
-    p->ds[n] = p->ds[d];
-    n++;
-  }
-  if (n == 0) { /* a single element */
-    p->sizes[0] = 1;
-    p->ss[0] = p->ds[0] = 1;
-    n = 1;
-  }
-  p->ndim = n;
-}
-
-/* Builds the pair of a copy: size-1 dims dropped, dims ordered by destination stride (then source stride),
- * largest first, so that the destination is written in address order, then merged. */
-static void pair_build(const fdp_copy_t *c, pair_t *p) {
-  memset(p, 0, sizeof *p);
-  p->es = c->dst.elem_size;
-  p->src = (CUdeviceptr)(uintptr_t)c->src.data;
-  p->dst = (CUdeviceptr)(uintptr_t)c->dst.data;
-  p->numel = 1;
-  for (int d = 0; d < c->dst.ndim; d++) {
-    p->numel *= c->dst.sizes[d];
-    if (c->dst.sizes[d] == 1) continue;
-    int i = p->ndim++;
-    while (i > 0 && (p->ds[i - 1] < c->dst.strides[d] ||
-                     (p->ds[i - 1] == c->dst.strides[d] && p->ss[i - 1] < c->src.strides[d]))) {
-      p->sizes[i] = p->sizes[i - 1];
-      p->ss[i] = p->ss[i - 1];
-      p->ds[i] = p->ds[i - 1];
-      i--;
-    }
-    p->sizes[i] = c->dst.sizes[d];
-    p->ss[i] = c->src.strides[d];
-    p->ds[i] = c->dst.strides[d];
-  }
-  pair_merge(p);
-}
-
-static int inner_contiguous(const pair_t *p) {
-  return p->ss[p->ndim - 1] == 1 && p->ds[p->ndim - 1] == 1;
-}
-static int src_flat(const pair_t *p) {
-  return p->ndim == 1 && p->ss[0] == 1;
-}
-static int dst_flat(const pair_t *p) {
-  return p->ndim == 1 && p->ds[0] == 1;
-}
-
-/* Rows for the copy engines: the innermost dim contiguous on both sides, the next one as the row pitch, and
- * `outer` calls over the remaining dims. Pitches must hold a whole row (no zero or overlapping strides). */
-static int pair_rows(const pair_t *p, size_t *width, size_t *height, size_t *spitch, size_t *dpitch, int64_t *outer) {
-  if (p->ndim < 2 || !inner_contiguous(p)) return 0;
-  int64_t w = p->sizes[p->ndim - 1] * p->es;
-  int64_t sp = p->ss[p->ndim - 2] * p->es, dp = p->ds[p->ndim - 2] * p->es;
-  if (sp < w || dp < w || sp > MAX_PITCH || dp > MAX_PITCH) return 0;
-  int64_t o = 1;
-  for (int d = 0; d < p->ndim - 2; d++)
-    o *= p->sizes[d];
-  *width = (size_t)w;
-  *height = (size_t)p->sizes[p->ndim - 2];
-  *spitch = (size_t)sp;
-  *dpitch = (size_t)dp;
-  *outer = o;
-  return 1;
-}
-
-/* Byte offsets of outer iteration `idx` (an odometer over dims [0, ndim - 2)), then advances it. */
-static void outer_next(const pair_t *p, int64_t *idx, int64_t *soff, int64_t *doff) {
-  int nouter = p->ndim - 2;
-  *soff = *doff = 0;
-  for (int d = 0; d < nouter; d++) {
-    *soff += idx[d] * p->ss[d] * p->es;
-    *doff += idx[d] * p->ds[d] * p->es;
-  }
-  for (int d = nouter - 1; d >= 0; d--) {
-    if (++idx[d] < p->sizes[d]) break;
-    idx[d] = 0;
-  }
-}
-
-/* Reshapes a pair for the kernel: wider elements where the rows allow (fewer, larger accesses), or single
- * bytes where the element size is not 1/2/4/8/16 or a pointer is not aligned to it. */
-static void pair_for_kernel(pair_t *p) {
-  int last = p->ndim - 1;
-  if (inner_contiguous(p)) {
-    for (int64_t e = 16; e > p->es; e /= 2) {
-      int64_t k = e / p->es;
-      int ok =
-          e % p->es == 0 && p->sizes[last] % k == 0 && p->src % (CUdeviceptr)e == 0 && p->dst % (CUdeviceptr)e == 0;
-      for (int d = 0; d < last && ok; d++)
-        ok = p->ss[d] % k == 0 && p->ds[d] % k == 0;
-      if (!ok) continue;
-      p->sizes[last] /= k;
-      for (int d = 0; d < last; d++) {
-        p->ss[d] /= k;
-        p->ds[d] /= k;
-      }
-      p->numel /= k;
-      p->es = e;
-      break;
-    }
-  }
-  int es_ok = p->es == 1 || p->es == 2 || p->es == 4 || p->es == 8 || p->es == 16;
-  if (!es_ok || p->src % (CUdeviceptr)p->es != 0 || p->dst % (CUdeviceptr)p->es != 0) {
-    for (int d = 0; d < p->ndim; d++) {
-      p->ss[d] *= p->es;
-      p->ds[d] *= p->es;
-    }
-    p->sizes[p->ndim] = p->es;
-    p->ss[p->ndim] = p->ds[p->ndim] = 1;
-    p->ndim++;
-    p->numel *= p->es;
-    p->es = 1;
-    pair_merge(p);
-  }
-}
-
-static int es_index(int64_t es) {
-  return es == 1 ? 0 : es == 2 ? 1 : es == 4 ? 2 : es == 8 ? 3 : 4;
-}
-
 /* Enqueues the strided-copy kernel on `stream`; the context of `dev` must be current. */
-static fdp_result_t kernel_copy(const fdp_cu_t *cu, int dev, CUstream stream, pair_t p) {
+static fdp_result_t kernel_copy(const fdp_cu_t *cu, int dev, CUstream stream, fdp_pair_t p) {
   const module_t *m = NULL;
   fdp_result_t r = get_module(cu, dev, &m);
   if (r == FDP_UNAVAILABLE) return needs_kernels("this copy's layout needs the strided-copy kernel");
   if (r != FDP_OK) return r;
-  pair_for_kernel(&p);
+  fdp__pair_for_kernel(&p);
   fdp_copy_args_t a;
   memset(&a, 0, sizeof a);
   a.numel = p.numel;
@@ -494,32 +346,24 @@ static fdp_result_t kernel_copy(const fdp_cu_t *cu, int dev, CUstream stream, pa
   }
   void *params[] = {&p.src, &p.dst, &a};
   return fdp__cu_check(
-      cu->LaunchKernel(m->copy[es_index(p.es)], grid_for(m, p.numel), 1, 1, THREADS, 1, 1, 0, stream, params, NULL),
+      cu->LaunchKernel(m->copy[fdp__pair_es_index(p.es)], grid_for(m, p.numel), 1, 1, THREADS, 1, 1, 0, stream, params,
+                       NULL),
       "cuLaunchKernel(strided copy)", dev);
-}
-
-/* Row-major contiguous strides for the pair's sizes: the layout of a staging buffer. */
-static void flat_strides(const pair_t *p, int64_t *strides) {
-  int64_t s = 1;
-  for (int d = p->ndim - 1; d >= 0; d--) {
-    strides[d] = s;
-    s *= p->sizes[d];
-  }
 }
 
 /* ---- copy ---- */
 
-static fdp_result_t copy_same_device(const fdp_cu_t *cu, int dev, CUstream stream, const pair_t *p) {
+static fdp_result_t copy_same_device(const fdp_cu_t *cu, int dev, CUstream stream, const fdp_pair_t *p) {
   size_t width, height, spitch, dpitch;
   int64_t outer;
-  if (src_flat(p) && dst_flat(p))
+  if (fdp__pair_src_flat(p) && fdp__pair_dst_flat(p))
     return fdp__cu_check(cu->MemcpyAsync(p->dst, p->src, (size_t)(p->numel * p->es), stream), "cuMemcpyAsync", dev);
-  if (pair_rows(p, &width, &height, &spitch, &dpitch, &outer) && width >= MEMCPY2D_MIN_ROW &&
+  if (fdp__pair_rows(p, &width, &height, &spitch, &dpitch, &outer) && width >= MEMCPY2D_MIN_ROW &&
       outer <= MEMCPY_MAX_LOOP) {
     int64_t idx[FDP_COPY_MAX_DIMS] = {0};
     for (int64_t it = 0; it < outer; it++) {
       int64_t so, dof;
-      outer_next(p, idx, &so, &dof);
+      fdp__pair_outer_next(p, idx, &so, &dof);
       CUDA_MEMCPY2D c;
       memset(&c, 0, sizeof c);
       c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
@@ -542,19 +386,19 @@ static fdp_result_t copy_same_device(const fdp_cu_t *cu, int dev, CUstream strea
  * (cuMemcpyPeerAsync / cuMemcpy3DPeerAsync): that is the documented cross-context path, and the driver picks
  * P2P or a host bounce itself, whether or not peer access was enabled. cuMemcpy2DAsync with unified addresses
  * would usually work too, but its cross-context behaviour is not documented. */
-static fdp_result_t copy_peer_rows(const fdp_cu_t *cu, int ddev, CUstream stream, const pair_t *p, CUcontext sctx,
+static fdp_result_t copy_peer_rows(const fdp_cu_t *cu, int ddev, CUstream stream, const fdp_pair_t *p, CUcontext sctx,
                                    CUcontext dctx) {
   size_t width, height, spitch, dpitch;
   int64_t outer;
-  if (src_flat(p) && dst_flat(p))
+  if (fdp__pair_src_flat(p) && fdp__pair_dst_flat(p))
     return fdp__cu_check(cu->MemcpyPeerAsync(p->dst, dctx, p->src, sctx, (size_t)(p->numel * p->es), stream),
                          "cuMemcpyPeerAsync", ddev);
-  if (!pair_rows(p, &width, &height, &spitch, &dpitch, &outer))
+  if (!fdp__pair_rows(p, &width, &height, &spitch, &dpitch, &outer))
     return fdp__fail(FDP_INTERNAL, "cuda backend: peer copy of a layout without rows");
   int64_t idx[FDP_COPY_MAX_DIMS] = {0};
   for (int64_t it = 0; it < outer; it++) {
     int64_t so, dof;
-    outer_next(p, idx, &so, &dof);
+    fdp__pair_outer_next(p, idx, &so, &dof);
     CUDA_MEMCPY3D_PEER c;
     memset(&c, 0, sizeof c);
     c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
@@ -577,17 +421,17 @@ static fdp_result_t copy_peer_rows(const fdp_cu_t *cu, int ddev, CUstream stream
 
 /* Copies between a pair's destination-ordered view and a flat staging buffer `buf` on `dev` with the strided-copy
  * kernel: pack (view → buf) or unpack (buf → view). The context of `dev` must be current. */
-static fdp_result_t stage_kernel(const fdp_cu_t *cu, int dev, CUstream stream, const pair_t *p, CUdeviceptr buf,
+static fdp_result_t stage_kernel(const fdp_cu_t *cu, int dev, CUstream stream, const fdp_pair_t *p, CUdeviceptr buf,
                                  int pack) {
-  pair_t q = *p;
+  fdp_pair_t q = *p;
   if (pack) {
-    flat_strides(p, q.ds);
+    fdp__pair_flat_strides(p, q.ds);
     q.dst = buf;
   } else {
-    flat_strides(p, q.ss);
+    fdp__pair_flat_strides(p, q.ss);
     q.src = buf;
   }
-  pair_merge(&q);
+  fdp__pair_merge(&q);
   return kernel_copy(cu, dev, stream, q);
 }
 
@@ -595,7 +439,7 @@ static fdp_result_t stage_kernel(const fdp_cu_t *cu, int dev, CUstream stream, c
 
 /* One cross-device copy in flight: the devices, their streams and contexts, and the staging buffers. */
 typedef struct peer_copy {
-  const pair_t *p;
+  const fdp_pair_t *p;
   int sdev, ddev;
   CUstream sstream, dstream;
   CUcontext sctx, dctx;
@@ -603,7 +447,7 @@ typedef struct peer_copy {
   size_t bytes;
   scratch_t ta; /* on the source, the packed source (held until the source stream has waited for the copy) */
   scratch_t tb; /* on the destination, to unpack from (destination stream only) */
-  pair_t flat;  /* the transfer itself: between the staging buffers, or the views themselves */
+  fdp_pair_t flat;  /* the transfer itself: between the staging buffers, or the views themselves */
 } peer_copy_t;
 
 /* Packs a strided source into ta on the source device, on the source stream. ta is not held on failure
@@ -625,7 +469,7 @@ fail: /* nothing but the pack (ordered on sstream) touched ta */
  * the destination is strided. tb is freed on that stream after them, whatever happened. */
 static fdp_result_t peer_transfer(const fdp_cu_t *cu, peer_copy_t *x) {
   fdp_result_t r = FDP_OK;
-  if (x->staged && !dst_flat(x->p)) {
+  if (x->staged && !fdp__pair_dst_flat(x->p)) {
     FDP_CHECK_GOTO(scratch_alloc(cu, x->ddev, x->dstream, x->bytes, "staging for a strided peer copy", &x->tb), r,
                    out);
     x->flat.dst = x->tb.ptr;
@@ -675,7 +519,7 @@ static void peer_release_unread(const fdp_cu_t *cu, peer_copy_t *x) {
  * scratch memory (see NOTE [scratch memory]). Peer access from the destination's context (the one that runs
  * the copy) to the source's is enabled first where the hardware allows, so that the copy goes P2P. */
 static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, const fdp_streams_t *streams,
-                                      const pair_t *p) {
+                                      const fdp_pair_t *p) {
   peer_copy_t x;
   memset(&x, 0, sizeof x);
   x.p = p;
@@ -690,10 +534,10 @@ static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, co
   FDP_CHECK(fdp__cu_peer_enable(ddev, sdev, NULL));
   size_t width, height, spitch, dpitch;
   int64_t outer = 0;
-  int rows = pair_rows(p, &width, &height, &spitch, &dpitch, &outer) && outer <= PEER_MAX_LOOP;
-  x.staged = !(src_flat(p) && dst_flat(p)) && !rows;
+  int rows = fdp__pair_rows(p, &width, &height, &spitch, &dpitch, &outer) && outer <= PEER_MAX_LOOP;
+  x.staged = !(fdp__pair_src_flat(p) && fdp__pair_dst_flat(p)) && !rows;
   fdp_result_t r = FDP_OK;
-  if (x.staged && !src_flat(p)) FDP_CHECK_GOTO(peer_pack(cu, &x), r, unread);
+  if (x.staged && !fdp__pair_src_flat(p)) FDP_CHECK_GOTO(peer_pack(cu, &x), r, unread);
   if (x.staged) {
     x.flat.ndim = 1;
     x.flat.sizes[0] = p->numel;
@@ -707,7 +551,8 @@ static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, co
   int drained;
   FDP_CHECK_KEEP(peer_fence_back(cu, &x, &drained), r);
   if (drained) goto unread;
-  if (x.ta.ptr) fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d after a failed fence", x.bytes, sdev);
+  if (x.ta.ptr)
+    fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d after a failed fence", x.bytes, sdev);
   return r;
 unread:
   peer_release_unread(cu, &x);
@@ -717,7 +562,7 @@ unread:
 /* ---- between host memory and one device ---- */
 
 /* A host descriptor over a pair's index space (for the host backend's strided copy). */
-static void host_view(fdp_tensor_t *t, uintptr_t addr, const pair_t *p, const int64_t *strides) {
+static void host_view(fdp_tensor_t *t, uintptr_t addr, const fdp_pair_t *p, const int64_t *strides) {
   memset(t, 0, sizeof *t);
   t->data = (char *)addr;
   t->device = FDP_HOST;
@@ -732,7 +577,7 @@ static void host_view(fdp_tensor_t *t, uintptr_t addr, const pair_t *p, const in
 
 /* One host/device copy in flight: the direction, the device, and where each side's flat bytes live. */
 typedef struct host_copy {
-  pair_t p;
+  fdp_pair_t p;
   int h2d; /* host to device, else device to host */
   int dev;
   CUstream stream;
@@ -788,14 +633,14 @@ out:
 /* Fills x for copy c: its pair, direction, device, stream and which sides are flat (no buffers yet). */
 static void host_copy_init(const fdp_copy_t *c, const fdp_streams_t *streams, host_copy_t *x) {
   memset(x, 0, sizeof *x);
-  pair_build(c, &x->p);
+  fdp__pair_build(c, &x->p);
   x->h2d = c->src.device == FDP_HOST;
   x->dev = x->h2d ? c->dst.device : c->src.device;
   x->stream = (CUstream)fdp__stream_for(streams, x->dev);
   x->bytes = (size_t)(x->p.numel * x->p.es);
-  flat_strides(&x->p, x->fs);
-  x->host_flat = x->h2d ? src_flat(&x->p) : dst_flat(&x->p);
-  x->dev_flat = x->h2d ? dst_flat(&x->p) : src_flat(&x->p);
+  fdp__pair_flat_strides(&x->p, x->fs);
+  x->host_flat = x->h2d ? fdp__pair_src_flat(&x->p) : fdp__pair_dst_flat(&x->p);
+  x->dev_flat = x->h2d ? fdp__pair_dst_flat(&x->p) : fdp__pair_src_flat(&x->p);
   x->dbuf = x->dev_flat ? (x->h2d ? x->p.dst : x->p.src) : 0;
 }
 
@@ -835,8 +680,8 @@ static fdp_result_t cuda_copy(const fdp_copy_t *copies, int n, const fdp_streams
       FDP_CHECK(copy_host_device(cu, c, streams));
       continue;
     }
-    pair_t p;
-    pair_build(c, &p);
+    fdp_pair_t p;
+    fdp__pair_build(c, &p);
     if (p.numel == 0) continue;
     fdp_result_t r;
     if (sdev == ddev) {

@@ -1,5 +1,7 @@
-"""Runs the C test program of the core (tests/c/test_core.c) under AddressSanitizer and UBSan via tests/c/build.py."""
+"""Runs the C test program of the core (tests/c/test_core.c) under AddressSanitizer and UBSan via tests/c/build.py,
+one pytest item per suite the program lists; and checks of the core's messages and debug trail from Python."""
 
+import functools
 import importlib.util
 import os
 import re
@@ -15,11 +17,38 @@ _build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_build)
 
 
-def test_c_core_under_sanitizers():
+@functools.lru_cache(maxsize=None)
+def _suites():
+    """The C suites, as the program lists them (`test_core --list`); builds it once per session. None when there is
+    no C compiler, or the build failed (then the text says why)."""
     if _build.compiler() is None:
-        pytest.skip("no C compiler found (cc, gcc or clang; or set CC): the C core tests need one")
+        return None, "no C compiler found (cc, gcc or clang; or set CC): the C core tests need one"
+    proc = subprocess.run([sys.executable, BUILD_SCRIPT, "--list"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=900)
+    names = [line for line in proc.stdout.splitlines() if re.fullmatch(r"[a-z][a-z0-9_]*", line)]
+    if proc.returncode != 0 or not names:
+        return None, f"tests/c/build.py --list exited {proc.returncode}:\n{proc.stdout}"
+    return names, ""
+
+
+def pytest_generate_tests(metafunc):
+    if "c_suite" not in metafunc.fixturenames:
+        return
+    names = _suites()[0]
+    # Without a program there is one item that says why: skipped (no compiler) or failing (a broken build).
+    params = names or [pytest.param(None, id="build")]
+    metafunc.parametrize("c_suite", params)
+
+
+def test_c_suite_under_sanitizers(c_suite):
+    """One C suite of tests/c/test_core.c, in its own process, under AddressSanitizer and UBSan."""
+    if c_suite is None:
+        why = _suites()[1]
+        if _build.compiler() is None:
+            pytest.skip(why)
+        pytest.fail(why)
     proc = subprocess.run(
-        [sys.executable, BUILD_SCRIPT],
+        [sys.executable, BUILD_SCRIPT, "--no-build", c_suite],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -27,7 +56,7 @@ def test_c_core_under_sanitizers():
     )
     out = proc.stdout
     closing = re.findall(r"^(\d+) passed, (\d+) failed$", out, re.MULTILINE)
-    assert proc.returncode == 0, f"tests/c/build.py exited {proc.returncode}:\n{out}"
+    assert proc.returncode == 0, f"tests/c/build.py --no-build {c_suite} exited {proc.returncode}:\n{out}"
     assert closing, f"no closing 'N passed, M failed' line:\n{out}"
     passed, failed = map(int, closing[-1])
     assert failed == 0 and passed > 0, f"{failed} C checks failed:\n{out}"

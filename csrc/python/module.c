@@ -265,9 +265,13 @@ static PyObject *py_copy(PyObject *module, PyObject *args) {
     goto done;
   }
   fdp_result_t r;
-  Py_BEGIN_ALLOW_THREADS r = fdp_op_copy(d, s, (int)nd, &streams);
-  Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
-  else ret = Py_NewRef(Py_None);
+  Py_BEGIN_ALLOW_THREADS
+  r = fdp_op_copy(d, s, (int)nd, &streams);
+  Py_END_ALLOW_THREADS
+  if (r != FDP_OK)
+    raise_result(st, r);
+  else
+    ret = Py_NewRef(Py_None);
 done:
   PyMem_Free(d);
   PyMem_Free(s);
@@ -290,9 +294,13 @@ static PyObject *py_broadcast(PyObject *module, PyObject *args) {
   PyObject *ret = NULL;
   if (check_count(nd) == 0) {
     fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS r = fdp_op_broadcast(&src, d, (int)nd, &streams);
-    Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
-    else ret = Py_NewRef(Py_None);
+    Py_BEGIN_ALLOW_THREADS
+    r = fdp_op_broadcast(&src, d, (int)nd, &streams);
+    Py_END_ALLOW_THREADS
+    if (r != FDP_OK)
+      raise_result(st, r);
+    else
+      ret = Py_NewRef(Py_None);
   }
   PyMem_Free(d);
   Py_DECREF(keep);
@@ -313,9 +321,13 @@ static PyObject *py_reduce(PyObject *module, PyObject *args) {
   PyObject *ret = NULL;
   if (check_count(n) == 0) {
     fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS r = fdp_op_reduce(in, (int)n, &out, &streams);
-    Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
-    else ret = Py_NewRef(Py_None);
+    Py_BEGIN_ALLOW_THREADS
+    r = fdp_op_reduce(in, (int)n, &out, &streams);
+    Py_END_ALLOW_THREADS
+    if (r != FDP_OK)
+      raise_result(st, r);
+    else
+      ret = Py_NewRef(Py_None);
   }
   PyMem_Free(in);
   Py_DECREF(keep);
@@ -347,9 +359,13 @@ static PyObject *py_scatter(PyObject *module, PyObject *args) {
     if (sizes[i] == -1 && PyErr_Occurred()) goto done;
   }
   fdp_result_t r;
-  Py_BEGIN_ALLOW_THREADS r = fdp_op_scatter(&src, dim, sizes, o, (int)n, &streams);
-  Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
-  else ret = Py_NewRef(Py_None);
+  Py_BEGIN_ALLOW_THREADS
+  r = fdp_op_scatter(&src, dim, sizes, o, (int)n, &streams);
+  Py_END_ALLOW_THREADS
+  if (r != FDP_OK)
+    raise_result(st, r);
+  else
+    ret = Py_NewRef(Py_None);
 done:
   Py_XDECREF(fast);
   PyMem_Free(sizes);
@@ -373,9 +389,13 @@ static PyObject *py_gather(PyObject *module, PyObject *args) {
   PyObject *ret = NULL;
   if (check_count(n) == 0) {
     fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS r = fdp_op_gather(in, (int)n, dim, &out, &streams);
-    Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
-    else ret = Py_NewRef(Py_None);
+    Py_BEGIN_ALLOW_THREADS
+    r = fdp_op_gather(in, (int)n, dim, &out, &streams);
+    Py_END_ALLOW_THREADS
+    if (r != FDP_OK)
+      raise_result(st, r);
+    else
+      ret = Py_NewRef(Py_None);
   }
   PyMem_Free(in);
   Py_DECREF(keep);
@@ -853,15 +873,22 @@ static int exec_module(PyObject *m) {
 #define FDP_INTERN(name)                                                                                               \
   if (!(st->s_##name = PyUnicode_InternFromString(#name))) return -1;
   FDP_INTERN(data_ptr)
-  FDP_INTERN(shape) FDP_INTERN(stride) FDP_INTERN(dtype) FDP_INTERN(is_cuda) FDP_INTERN(get_device) FDP_INTERN(device)
-      FDP_INTERN(type) FDP_INTERN(itemsize)
+  FDP_INTERN(shape)
+  FDP_INTERN(stride)
+  FDP_INTERN(dtype)
+  FDP_INTERN(is_cuda)
+  FDP_INTERN(get_device)
+  FDP_INTERN(device)
+  FDP_INTERN(type)
+  FDP_INTERN(itemsize)
 #undef FDP_INTERN
-          if (add_error(m, &st->FastDPError, "FastDPError", PyExc_RuntimeError,
-                        "A CUDA, NCCL or internal failure in fastdp's core; .code names the result.") < 0 ||
-              add_error(m, &st->CudaError, "CudaError", st->FastDPError, "A CUDA driver call failed.") < 0 ||
-              add_error(m, &st->NcclError, "NcclError", st->FastDPError, "An NCCL call failed.") < 0 ||
-              add_error(m, &st->BackendUnavailableError, "BackendUnavailableError", st->FastDPError,
-                        "The backend an operation needs is not compiled or cannot run here.") < 0) return -1;
+  if (add_error(m, &st->FastDPError, "FastDPError", PyExc_RuntimeError,
+                "A CUDA, NCCL or internal failure in fastdp's core; .code names the result.") < 0 ||
+      add_error(m, &st->CudaError, "CudaError", st->FastDPError, "A CUDA driver call failed.") < 0 ||
+      add_error(m, &st->NcclError, "NcclError", st->FastDPError, "An NCCL call failed.") < 0 ||
+      add_error(m, &st->BackendUnavailableError, "BackendUnavailableError", st->FastDPError,
+                "The backend an operation needs is not compiled or cannot run here.") < 0)
+    return -1;
   return 0;
 }
 

@@ -290,8 +290,8 @@ static fdp_result_t uses_check(fdp_result_t first, fdp_result_t second, int *rea
 }
 
 /* Two steps with GOTO, then two cleanups with KEEP and one with IGNORE, whatever happened. */
-static fdp_result_t uses_goto_keep(fdp_result_t a, fdp_result_t b, fdp_result_t c1, fdp_result_t c2,
-                                   fdp_result_t ign, int *reached) {
+static fdp_result_t uses_goto_keep(fdp_result_t a, fdp_result_t b, fdp_result_t c1, fdp_result_t c2, fdp_result_t ign,
+                                   int *reached) {
   fdp_result_t r = FDP_OK;
   FDP_CHECK_GOTO(step(a, "step a"), r, out);
   *reached = 1;
@@ -409,8 +409,8 @@ static void map_of_pair(const fdp_pair_t *p, uint64_t src0, uint64_t dst0, bytem
 }
 
 /* The same through the copy engines' rows (fdp__pair_rows and fdp__pair_outer_next), as cuda.c issues them. */
-static void map_of_rows(const fdp_pair_t *p, size_t width, size_t height, size_t spitch, size_t dpitch,
-                        int64_t outer, bytemap_t *m) {
+static void map_of_rows(const fdp_pair_t *p, size_t width, size_t height, size_t spitch, size_t dpitch, int64_t outer,
+                        bytemap_t *m) {
   int64_t idx[FDP_COPY_MAX_DIMS] = {0};
   for (int64_t it = 0; it < outer; it++) {
     int64_t so, dof;
@@ -504,8 +504,8 @@ static int layout_case(int iter, char *msg, size_t msglen) {
   /* The flat tests say what they claim: one contiguous run on that side. */
   ok = ok && (!fdp__pair_src_flat(&p) || (p.ndim == 1 && p.ss[0] == 1));
   ok = ok && (!fdp__pair_dst_flat(&p) || (p.ndim == 1 && p.ds[0] == 1));
-  snprintf(msg, msglen, "iter %d: es %d nd %d, pair ndim %d numel %lld, kernel es %lld ndim %d, rows %d", iter, es,
-           nd, p.ndim, (long long)p.numel, (long long)k.es, k.ndim, has_rows);
+  snprintf(msg, msglen, "iter %d: es %d nd %d, pair ndim %d numel %lld, kernel es %lld ndim %d, rows %d", iter, es, nd,
+           p.ndim, (long long)p.numel, (long long)k.es, k.ndim, has_rows);
   free(ref.src_of);
   free(got.src_of);
   free(kern.src_of);
@@ -533,8 +533,8 @@ static void test_layout(void) {
     widened += p.es > 4;
     split += p.es == 1;
   }
-  CHECKF(with_rows > 0 && widened > 0 && split > 0, "paths reached: rows %d, widened %d, bytes %d", with_rows,
-         widened, split);
+  CHECKF(with_rows > 0 && widened > 0 && split > 0, "paths reached: rows %d, widened %d, bytes %d", with_rows, widened,
+         split);
   /* Pitches past CU_DEVICE_ATTRIBUTE_MAX_PITCH have no rows. */
   fdp_pair_t big;
   memset(&big, 0, sizeof big);

@@ -345,10 +345,9 @@ static fdp_result_t kernel_copy(const fdp_cu_t *cu, int dev, CUstream stream, fd
     a.dst_strides[d] = p.ds[d];
   }
   void *params[] = {&p.src, &p.dst, &a};
-  return fdp__cu_check(
-      cu->LaunchKernel(m->copy[fdp__pair_es_index(p.es)], grid_for(m, p.numel), 1, 1, THREADS, 1, 1, 0, stream, params,
-                       NULL),
-      "cuLaunchKernel(strided copy)", dev);
+  return fdp__cu_check(cu->LaunchKernel(m->copy[fdp__pair_es_index(p.es)], grid_for(m, p.numel), 1, 1, THREADS, 1, 1, 0,
+                                        stream, params, NULL),
+                       "cuLaunchKernel(strided copy)", dev);
 }
 
 /* ---- copy ---- */
@@ -443,11 +442,11 @@ typedef struct peer_copy {
   int sdev, ddev;
   CUstream sstream, dstream;
   CUcontext sctx, dctx;
-  int staged;  /* neither flat nor rows: go through flat staging buffers */
+  int staged; /* neither flat nor rows: go through flat staging buffers */
   size_t bytes;
-  scratch_t ta; /* on the source, the packed source (held until the source stream has waited for the copy) */
-  scratch_t tb; /* on the destination, to unpack from (destination stream only) */
-  fdp_pair_t flat;  /* the transfer itself: between the staging buffers, or the views themselves */
+  scratch_t ta;    /* on the source, the packed source (held until the source stream has waited for the copy) */
+  scratch_t tb;    /* on the destination, to unpack from (destination stream only) */
+  fdp_pair_t flat; /* the transfer itself: between the staging buffers, or the views themselves */
 } peer_copy_t;
 
 /* Packs a strided source into ta on the source device, on the source stream. ta is not held on failure
@@ -470,8 +469,7 @@ fail: /* nothing but the pack (ordered on sstream) touched ta */
 static fdp_result_t peer_transfer(const fdp_cu_t *cu, peer_copy_t *x) {
   fdp_result_t r = FDP_OK;
   if (x->staged && !fdp__pair_dst_flat(x->p)) {
-    FDP_CHECK_GOTO(scratch_alloc(cu, x->ddev, x->dstream, x->bytes, "staging for a strided peer copy", &x->tb), r,
-                   out);
+    FDP_CHECK_GOTO(scratch_alloc(cu, x->ddev, x->dstream, x->bytes, "staging for a strided peer copy", &x->tb), r, out);
     x->flat.dst = x->tb.ptr;
   }
   FDP_CHECK_GOTO(copy_peer_rows(cu, x->ddev, x->dstream, &x->flat, x->sctx, x->dctx), r, out);
@@ -497,8 +495,8 @@ static fdp_result_t peer_fence_back(const fdp_cu_t *cu, peer_copy_t *x, int *dra
 out:
   fdp__detail_release(held);
   *drained = rs == FDP_OK;
-  if (!*drained) fdp__log("cuda copy: device %d may still read device %d's memory after a failed fence", x->ddev,
-                          x->sdev);
+  if (!*drained)
+    fdp__log("cuda copy: device %d may still read device %d's memory after a failed fence", x->ddev, x->sdev);
   return r;
 }
 
@@ -616,9 +614,9 @@ static fdp_result_t host_transfer(const fdp_cu_t *cu, const host_copy_t *x) {
 static fdp_result_t host_device_part(const fdp_cu_t *cu, host_copy_t *x) {
   fdp_result_t r = FDP_OK;
   if (!x->dev_flat) {
-    FDP_CHECK_GOTO(scratch_alloc(cu, x->dev, x->stream, x->bytes, "staging for a strided copy between host and device",
-                                 &x->ds),
-                   r, out);
+    FDP_CHECK_GOTO(
+        scratch_alloc(cu, x->dev, x->stream, x->bytes, "staging for a strided copy between host and device", &x->ds), r,
+        out);
     x->dbuf = x->ds.ptr;
   }
   if (!x->h2d && !x->dev_flat) FDP_CHECK_GOTO(stage_kernel(cu, x->dev, x->stream, &x->p, x->dbuf, 1), r, out);

@@ -63,8 +63,7 @@ int fdp__pair_dst_flat(const fdp_pair_t *p) {
   return p->ndim == 1 && p->ds[0] == 1;
 }
 
-int fdp__pair_rows(const fdp_pair_t *p, size_t *width, size_t *height, size_t *spitch, size_t *dpitch,
-                   int64_t *outer) {
+int fdp__pair_rows(const fdp_pair_t *p, size_t *width, size_t *height, size_t *spitch, size_t *dpitch, int64_t *outer) {
   if (p->ndim < 2 || !fdp__pair_inner_contiguous(p)) return 0;
   int64_t w = p->sizes[p->ndim - 1] * p->es;
   int64_t sp = p->ss[p->ndim - 2] * p->es, dp = p->ds[p->ndim - 2] * p->es;

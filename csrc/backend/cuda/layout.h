@@ -40,8 +40,7 @@ int fdp__pair_dst_flat(const fdp_pair_t *p);
 /* Rows for the copy engines: the innermost dim contiguous on both sides, the next one as the row pitch, and
  * *outer calls over the remaining dims. Pitches must hold a whole row (no zero or overlapping strides) and stay
  * within FDP_PAIR_MAX_PITCH. Returns 0 (outputs untouched) when the layout has no such rows. */
-int fdp__pair_rows(const fdp_pair_t *p, size_t *width, size_t *height, size_t *spitch, size_t *dpitch,
-                   int64_t *outer);
+int fdp__pair_rows(const fdp_pair_t *p, size_t *width, size_t *height, size_t *spitch, size_t *dpitch, int64_t *outer);
 /* Byte offsets of outer iteration `idx` (an odometer over dims [0, ndim - 2), zeroed before the first call),
  * then advances it. */
 void fdp__pair_outer_next(const fdp_pair_t *p, int64_t *idx, int64_t *soff, int64_t *doff);

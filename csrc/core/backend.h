@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The contract between the core and its transports: one table of function pointers per backend, plus the
  * internal helpers (errors, knobs, logging) that core and backends share. Not installed, not for bindings. */
 #ifndef FASTDP_CORE_BACKEND_H

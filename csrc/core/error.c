@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Result codes, their names and messages (from FDP_RESULT_MAP), and the thread-local detail string that says
  * what the last failing call on this thread was doing. */
 #include "backend.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The one engine behind every entry point: validates descriptors once, picks the backend for the device
  * list (host, nccl, or cuda copies and kernels) and hands the work over. */
 #include "backend.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Bucket plans for the coalesced operations: tensors grouped by type, in order, into flat buffers of about
  * bucket_bytes each, with the upstream rule that a bucket closes once it reaches the limit. */
 #include "backend.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Descriptor arithmetic: element counts, density, narrowing, dtype names. No memory is touched here. */
 #include "backend.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The only place that loads the CUDA driver: dlopen of the libcuda.so.1 PyTorch already mapped (or a plain
  * dlopen), explicit versioned symbol names, one cuInit, and a per-device cache of retained primary contexts. */
 #include "dl/cuda_driver.h"

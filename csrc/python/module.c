@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* fastdp._C: the only C that includes Python.h. Turns tensors into core descriptors through the tensor's public
  * Python API (no PyTorch C++ ABI, so one build serves every torch 2.x), releases the GIL around the core, and
  * turns result codes into exceptions in one place. */

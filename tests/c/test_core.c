@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Tests of the fastdp core and its host backend against naive reference loops written here: bucket plans,
  * strided copies, broadcast/scatter/gather, sums of every dtype, device-kind checks and result codes. Built
  * and run under AddressSanitizer and UndefinedBehaviorSanitizer by tests/c/build.py; prints "N passed, M failed". */

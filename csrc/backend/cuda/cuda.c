@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The cuda backend: strided copies between CUDA tensors on any devices (copy engines where the layout allows,
  * the strided-copy kernel otherwise) and the in-order k-way sum kernel, all through the driver API, ordered on
  * the streams the caller lists. Kernels come from the fatbin embedded at build time when it fits the GPU, else

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The cuda backend's layout math (layout.h): building, merging and reshaping the index space of one strided
  * copy. No CUDA calls and no memory reads, only arithmetic on sizes, strides and addresses. */
 #include "backend/cuda/layout.h"

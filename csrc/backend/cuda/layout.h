@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The cuda backend's layout math: a copy between two strided views as one index space with two stride lists,
  * simplified for the copy engines (flat, rows) or reshaped for the strided-copy kernel. Pure arithmetic on
  * addresses, no CUDA: tests/c/test_core.c checks it against element-by-element references on any machine. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The nccl backend: broadcast and sum-reduce across distinct CUDA devices of this process, one grouped NCCL
  * launch per call from the calling thread, over communicators cached per ordered device list until shutdown.
  * Anything NCCL cannot do exactly is declined with FDP_UNAVAILABLE so that the core falls back. */

@@ -496,10 +496,14 @@ static PyObject *py_reduce_many(PyObject *module, PyObject *args) {
     if (!ins[j] || check_count(counts[j]) < 0) goto done;
   }
   fdp_result_t r = FDP_OK;
-  Py_BEGIN_ALLOW_THREADS for (Py_ssize_t j = 0; j < ncol && r == FDP_OK; j++) r =
-      fdp_op_reduce(ins[j], (int)counts[j], &outs[j], &streams);
-  Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
-  else ret = Py_NewRef(Py_None);
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t j = 0; j < ncol && r == FDP_OK; j++)
+    r = fdp_op_reduce(ins[j], (int)counts[j], &outs[j], &streams);
+  Py_END_ALLOW_THREADS
+  if (r != FDP_OK)
+    raise_result(st, r);
+  else
+    ret = Py_NewRef(Py_None);
 done:
   for (Py_ssize_t j = 0; ins && j < ncol; j++)
     PyMem_Free(ins[j]);
@@ -632,8 +636,10 @@ static PyObject *py_usable(PyObject *module, PyObject *arg) {
     if (strcmp(name, fdp_backend_name((fdp_backend_id_t)i)) != 0) continue;
     const char *why = "";
     int ok;
-    Py_BEGIN_ALLOW_THREADS ok = fdp_backend_usable((fdp_backend_id_t)i, &why);
-    Py_END_ALLOW_THREADS return Py_BuildValue("(Os)", ok ? Py_True : Py_False, ok ? "" : why);
+    Py_BEGIN_ALLOW_THREADS
+    ok = fdp_backend_usable((fdp_backend_id_t)i, &why);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(Os)", ok ? Py_True : Py_False, ok ? "" : why);
   }
   PyErr_Format(PyExc_ValueError, "usable: unknown backend %R (expected \"host\", \"cuda\" or \"nccl\")", arg);
   return NULL;
@@ -651,8 +657,10 @@ static PyObject *py_info(PyObject *module, PyObject *args, PyObject *kwargs) {
   for (int i = 0; backends && i < FDP_BACKEND_COUNT; i++) {
     const char *why = "";
     int usable;
-    Py_BEGIN_ALLOW_THREADS usable = fdp_backend_usable((fdp_backend_id_t)i, &why);
-    Py_END_ALLOW_THREADS PyObject *v =
+    Py_BEGIN_ALLOW_THREADS
+    usable = fdp_backend_usable((fdp_backend_id_t)i, &why);
+    Py_END_ALLOW_THREADS
+    PyObject *v =
         Py_BuildValue("{s:O,s:O,s:s}", "compiled", fdp_backend_compiled((fdp_backend_id_t)i) ? Py_True : Py_False,
                       "usable", usable ? Py_True : Py_False, "why", why);
     if (!v || PyDict_SetItemString(backends, fdp_backend_name((fdp_backend_id_t)i), v) < 0) Py_CLEAR(backends);
@@ -660,20 +668,24 @@ static PyObject *py_info(PyObject *module, PyObject *args, PyObject *kwargs) {
   }
   if (!backends) return NULL;
   int ndev;
-  Py_BEGIN_ALLOW_THREADS ndev = fdp_cuda_device_count();
-  Py_END_ALLOW_THREADS PyObject *devices = PyList_New(0);
+  Py_BEGIN_ALLOW_THREADS
+  ndev = fdp_cuda_device_count();
+  Py_END_ALLOW_THREADS
+  PyObject *devices = PyList_New(0);
   for (int d = 0; devices && d < ndev; d++) {
     char name[256] = "";
     size_t total = 0, free_b = 0;
     int read_free = 0;
     fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS read_free = memory || fdp_cuda_device_active(d);
+    Py_BEGIN_ALLOW_THREADS
+    read_free = memory || fdp_cuda_device_active(d);
     r = fdp_cuda_device_info(d, name, sizeof name, &total, read_free ? &free_b : NULL);
-    Py_END_ALLOW_THREADS PyObject *peers = PyList_New(ndev);
+    Py_END_ALLOW_THREADS
+    PyObject *peers = PyList_New(ndev);
     for (int p = 0; peers && p < ndev; p++)
       PyList_SET_ITEM(peers, p, PyBool_FromLong(p == d || fdp_cuda_can_access_peer(d, p)));
-    PyObject *free_obj = peers ? (read_free && r == FDP_OK ? PyLong_FromUnsignedLongLong(free_b) : Py_NewRef(Py_None))
-                               : NULL;
+    PyObject *free_obj =
+        peers ? (read_free && r == FDP_OK ? PyLong_FromUnsignedLongLong(free_b) : Py_NewRef(Py_None)) : NULL;
     PyObject *v = free_obj ? Py_BuildValue("{s:i,s:s,s:K,s:N,s:N,s:s}", "index", d, "name", name, "total_bytes",
                                            (unsigned long long)total, "free_bytes", free_obj, "peer_access", peers,
                                            "error", r == FDP_OK ? "" : fdp_last_error())
@@ -704,8 +716,10 @@ static PyObject *py_shutdown(PyObject *module, PyObject *unused) {
   (void)module;
   (void)unused;
   if (is_finalizing()) Py_RETURN_FALSE;
-  Py_BEGIN_ALLOW_THREADS fdp_shutdown();
-  Py_END_ALLOW_THREADS Py_RETURN_TRUE;
+  Py_BEGIN_ALLOW_THREADS
+  fdp_shutdown();
+  Py_END_ALLOW_THREADS
+  Py_RETURN_TRUE;
 }
 
 /* ---- device scratch memory from PyTorch (see fdp_set_device_allocator) ----
@@ -798,9 +812,11 @@ static PyObject *py_kernels_info(PyObject *module, PyObject *unused) {
   (void)unused;
   fdp_kernels_facts_t f;
   int ndev;
-  Py_BEGIN_ALLOW_THREADS fdp_kernels_facts(&f);
+  Py_BEGIN_ALLOW_THREADS
+  fdp_kernels_facts(&f);
   ndev = fdp_cuda_device_count();
-  Py_END_ALLOW_THREADS PyObject *devices = PyList_New(ndev);
+  Py_END_ALLOW_THREADS
+  PyObject *devices = PyList_New(ndev);
   for (int d = 0; devices && d < ndev; d++) {
     PyObject *v = PyUnicode_FromString(fdp_cuda_kernels_source(d));
     if (!v) Py_CLEAR(devices);
@@ -825,8 +841,10 @@ static PyObject *py_kernels_image(PyObject *module, PyObject *args) {
   if (!PyArg_ParseTuple(args, "i|p:kernels_image", &cc, &forget)) return NULL;
   fdp_kernels_image_info_t info;
   fdp_result_t r;
-  Py_BEGIN_ALLOW_THREADS r = fdp_kernels_image(cc, forget, &info);
-  Py_END_ALLOW_THREADS if (r != FDP_OK) return raise_result(get_state(module), r);
+  Py_BEGIN_ALLOW_THREADS
+  r = fdp_kernels_image(cc, forget, &info);
+  Py_END_ALLOW_THREADS
+  if (r != FDP_OK) return raise_result(get_state(module), r);
   static const char *const origins[] = {"disk", "compiled", "memory"};
   return Py_BuildValue("{s:n,s:s,s:i,s:s,s:d,s:s,s:s}", "bytes", (Py_ssize_t)info.bytes, "target",
                        info.ptx ? "ptx" : "cubin", "arch", info.arch, "origin", origins[info.origin], "seconds",

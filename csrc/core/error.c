@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Result codes, their names and messages (from FDP_RESULT_MAP), and the thread-local detail string that says
  * what the last failing call on this thread was doing. */
 #include "backend.h"
@@ -6,6 +7,7 @@
 #include <string.h>
 
 static _Thread_local char last_error[1024];
+static _Thread_local int detail_held; /* see NOTE [error trail and cleanup] in backend.h */
 
 static const char *const names[] = {
 #define FDP_X(name, msg) "FDP_" #name,
@@ -34,10 +36,30 @@ const char *fdp_last_error(void) {
 fdp_result_t fdp__fail(fdp_result_t r, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(last_error, sizeof last_error, fmt, ap);
+  if (detail_held) {
+    char line[sizeof last_error];
+    vsnprintf(line, sizeof line, fmt, ap);
+    fdp__log("%s (during cleanup, after an earlier failure): %s", fdp_result_name(r), line);
+  } else {
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    fdp__log("%s: %s", fdp_result_name(r), last_error);
+  }
   va_end(ap);
-  fdp__log("%s: %s", fdp_result_name(r), last_error);
   return r;
+}
+
+void fdp__trail(const char *file, int line, const char *call, fdp_result_t r) {
+  fdp__log("%s:%d: %s -> %s", file, line, call, fdp_result_name(r));
+}
+
+int fdp__detail_hold(int hold) {
+  int previous = detail_held;
+  detail_held = previous || hold;
+  return previous;
+}
+
+void fdp__detail_release(int previous) {
+  detail_held = previous;
 }
 
 void fdp__log(const char *fmt, ...) {

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* fastdp core: the data movement of data-parallel training (broadcast, reduce, scatter, gather, coalesced
  * buckets) over strided tensor descriptors, dispatched to one backend per device list. Pure C11: no Python,
  * no CUDA headers. Every fallible function returns an fdp_result_t; fdp_last_error() says what failed. */

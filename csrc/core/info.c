@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Machine facts for `python -m fastdp info`: driver and NCCL versions, devices, memory, peer access. Every
  * fact reads as absent where the driver or NCCL cannot be loaded. Only the free-memory query touches a GPU. */
 #include "fastdp.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The one engine behind every entry point: validates descriptors once, picks the backend for the device
  * list (host, nccl, or cuda copies and kernels) and hands the work over. */
 #include "backend.h"
@@ -118,6 +119,32 @@ static span_t span_of(const fdp_tensor_t *t, int written, int index) {
   return (span_t){lo, lo + (uintptr_t)((last + 1) * t->elem_size), t, written, index};
 }
 
+/* The byte ranges of every copy that writes something: destination and source, in copy order. FDP_OVERLAP when
+ * a destination holds one element twice. */
+static fdp_result_t collect_spans(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const char *op,
+                                  span_t *spans, int *m) {
+  *m = 0;
+  for (int i = 0; i < n; i++) {
+    if (fdp_tensor_numel(&dst[i]) == 0 || same_view(&dst[i], &src[i])) continue; /* nothing written */
+    if (fdp_tensor_internal_overlap(&dst[i]) == 1)
+      return fdp__fail(FDP_OVERLAP, FDP__INTERNAL_OVERLAP " (%s: destination %d)", op, i);
+    spans[(*m)++] = span_of(&dst[i], 1, i);
+    spans[(*m)++] = span_of(&src[i], 0, i);
+  }
+  return FDP_OK;
+}
+
+/* The exact test for two ranges that intersect: FDP_OK, or the overlap failure naming the copies. */
+static fdp_result_t check_span_pair(const span_t *s, const span_t *o, const char *op) {
+  if (!s->written && !o->written) return FDP_OK;
+  if (o->t->device != s->t->device || fdp_tensor_overlap(o->t, s->t) != 1) return FDP_OK;
+  if (s->written && o->written)
+    return fdp__fail(FDP_OVERLAP, FDP__INTERNAL_OVERLAP " (%s: destinations %d and %d overlap)", op,
+                     o->index < s->index ? o->index : s->index, o->index < s->index ? s->index : o->index);
+  return fdp__fail(FDP_OVERLAP, FDP__PARTIAL_OVERLAP " (%s: destination %d overlaps source %d)", op,
+                   s->written ? s->index : o->index, s->written ? o->index : s->index);
+}
+
 /* Refuses copies whose destinations hold one element twice, overlap each other or overlap a source (other than
  * their own identical view, which is no copy at all). A sweep over byte ranges sorted by start compares only
  * ranges that intersect; those get the exact test. Destinations whose overlap a cheap test cannot decide are let
@@ -130,32 +157,15 @@ static fdp_result_t check_writes(const fdp_tensor_t *dst, const fdp_tensor_t *sr
     r = fdp__fail(FDP_NOMEM, "%s: cannot allocate %d overlap records", op, 2 * n);
     goto done;
   }
-  for (int i = 0; i < n; i++) {
-    if (fdp_tensor_numel(&dst[i]) == 0 || same_view(&dst[i], &src[i])) continue; /* nothing written */
-    if (fdp_tensor_internal_overlap(&dst[i]) == 1) {
-      r = fdp__fail(FDP_OVERLAP, FDP__INTERNAL_OVERLAP " (%s: destination %d)", op, i);
-      goto done;
-    }
-    spans[m++] = span_of(&dst[i], 1, i);
-    spans[m++] = span_of(&src[i], 0, i);
-  }
+  FDP_CHECK_GOTO(collect_spans(dst, src, n, op, spans, &m), r, done);
   qsort(spans, (size_t)m, sizeof spans[0], by_lo);
   for (int k = 0; k < m; k++) {
     span_t *s = &spans[k];
     int kept = 0;
     for (int j = 0; j < nactive; j++) {
-      span_t *o = active[j];
-      if (o->hi <= s->lo) continue; /* ended before s starts: drop it */
-      active[kept++] = o;
-      if (!s->written && !o->written) continue;
-      if (o->t->device != s->t->device || fdp_tensor_overlap(o->t, s->t) != 1) continue;
-      if (s->written && o->written)
-        r = fdp__fail(FDP_OVERLAP, FDP__INTERNAL_OVERLAP " (%s: destinations %d and %d overlap)", op,
-                      o->index < s->index ? o->index : s->index, o->index < s->index ? s->index : o->index);
-      else
-        r = fdp__fail(FDP_OVERLAP, FDP__PARTIAL_OVERLAP " (%s: destination %d overlaps source %d)", op,
-                      s->written ? s->index : o->index, s->written ? o->index : s->index);
-      goto done;
+      if (active[j]->hi <= s->lo) continue; /* ended before s starts: drop it */
+      active[kept++] = active[j];
+      FDP_CHECK_GOTO(check_span_pair(s, active[j], op), r, done);
     }
     nactive = kept;
     active[nactive++] = s;
@@ -204,6 +214,83 @@ static int nccl_ready(void) {
   return !fdp__param(FDP_PARAM_DISABLE_NCCL) && fdp_backend_usable(FDP_BACKEND_NCCL, NULL);
 }
 
+/* One copy's descriptors: each valid, and both of one shape and element size. */
+static fdp_result_t check_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int i) {
+  FDP_CHECK(check_tensor(dst, "destination", i));
+  FDP_CHECK(check_tensor(src, "source", i));
+  if (same_shape(dst, src) && dst->elem_size == src->elem_size) return FDP_OK;
+  char a[256], b[256];
+  shape_str(dst, a, sizeof a);
+  shape_str(src, b, sizeof b);
+  return fdp__fail(FDP_INVALID, "copy %d: destination %s (element size %d) does not match source %s (%d)", i, a,
+                   dst->elem_size, b, src->elem_size);
+}
+
+/* A broadcast destination NCCL can write: on a CUDA device, with the source's shape, element size and strides. */
+static int nccl_destination(const fdp_tensor_t *d, const fdp_tensor_t *src) {
+  if (d->device == FDP_HOST || !same_shape(d, src) || d->elem_size != src->elem_size) return 0;
+  for (int k = 0; k < src->ndim; k++)
+    if (src->sizes[k] > 1 && d->strides[k] != src->strides[k]) return 0;
+  return 1;
+}
+
+/* *fits = 1 when NCCL can take this broadcast: one dense layout everywhere, one buffer per device, NCCL usable.
+ * Fails when a destination descriptor it looks at is invalid. */
+static fdp_result_t nccl_broadcast_fits(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst, int *fits) {
+  *fits = 0;
+  if (src->device == FDP_HOST || !nccl_ready() || ndst + 1 > FDP_MAX_DEVICES || !fdp_tensor_is_dense(src))
+    return FDP_OK;
+  const fdp_tensor_t *all[FDP_MAX_DEVICES];
+  int ok = 1, n = 0;
+  all[n++] = src;
+  for (int i = 0; i < ndst && ok; i++) {
+    FDP_CHECK(check_tensor(&dst[i], "destination", i));
+    ok = nccl_destination(&dst[i], src);
+    all[n++] = &dst[i];
+  }
+  *fits = ok && distinct_devices(all, n) && fdp_tensor_numel(src) > 0;
+  return FDP_OK;
+}
+
+/* One reduce input against the output: valid, same dtype and shape, contiguous, not partly the output. */
+static fdp_result_t check_reduce_input(const fdp_tensor_t *in, int i, const fdp_tensor_t *out) {
+  FDP_CHECK(check_tensor(in, "input", i));
+  if (in->dtype != out->dtype || in->elem_size != out->elem_size)
+    return fdp__fail(FDP_INVALID, "reduce: input %d is %s but the output is %s", i, fdp_dtype_name(in->dtype),
+                     fdp_dtype_name(out->dtype));
+  if (!same_shape(in, out)) {
+    char a[256], b[256];
+    shape_str(in, a, sizeof a);
+    shape_str(out, b, sizeof b);
+    return fdp__fail(FDP_INVALID, "input %d has invalid size: got %s, but expected %s", i, a, b);
+  }
+  if (!fdp_tensor_is_contiguous(in)) return fdp__fail(FDP_INVALID, "reduce: input %d must be contiguous", i);
+  if (!same_view(in, out) && fdp_tensor_overlap(in, out) == 1)
+    return fdp__fail(FDP_OVERLAP, FDP__PARTIAL_OVERLAP " (reduce: the output overlaps input %d)", i);
+  return FDP_OK;
+}
+
+/* A checked reduce of CUDA tensors: NCCL's collective when the inputs span devices (one each), else the cuda
+ * backend's kernel on the output's device. */
+static fdp_result_t reduce_cuda(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
+                                const fdp_tensor_t *const *all, const fdp_streams_t *streams) {
+  int local = 1;
+  for (int i = 0; i < n; i++)
+    local &= inputs[i].device == out->device;
+  if (!local && nccl_ready() && distinct_devices(all, n)) {
+    fdp_result_t r = backends[FDP_BACKEND_NCCL]->reduce_collective(inputs, n, out, streams);
+    if (r != FDP_UNAVAILABLE) return r;
+    fdp__log("reduce: nccl declined (%s)", fdp_last_error());
+  }
+  if (!local)
+    return fdp__fail(FDP_UNAVAILABLE,
+                     "reduce: inputs on several CUDA devices need NCCL (or must first be copied to device %d)",
+                     out->device);
+  const fdp_backend_t *be;
+  FDP_CHECK(pick_copy_backend(1, &be));
+  return be->reduce(inputs, n, out, streams);
+}
+
 /* ---- operations ---- */
 
 fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const fdp_streams_t *streams) {
@@ -219,25 +306,17 @@ fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n
     goto done;
   }
   for (int i = 0; i < n; i++) {
-    if ((r = check_tensor(&dst[i], "destination", i)) || (r = check_tensor(&src[i], "source", i))) goto done;
-    if (!same_shape(&dst[i], &src[i]) || dst[i].elem_size != src[i].elem_size) {
-      char a[256], b[256];
-      shape_str(&dst[i], a, sizeof a);
-      shape_str(&src[i], b, sizeof b);
-      r = fdp__fail(FDP_INVALID, "copy %d: destination %s (element size %d) does not match source %s (%d)", i, a,
-                    dst[i].elem_size, b, src[i].elem_size);
-      goto done;
-    }
+    FDP_CHECK_GOTO(check_copy(&dst[i], &src[i], i), r, done);
     all[2 * i] = &dst[i];
     all[2 * i + 1] = &src[i];
     if (!same_view(&dst[i], &src[i]) && fdp_tensor_numel(&src[i]) > 0) copies[k++] = (fdp_copy_t){dst[i], src[i]};
   }
-  if ((r = check_writes(dst, src, n, "copy"))) goto done;
+  FDP_CHECK_GOTO(check_writes(dst, src, n, "copy"), r, done);
   /* Copies may cross between host and CUDA memory (a CPU batch scattered to GPUs, outputs gathered to the
    * CPU): any CUDA side makes it the cuda backend's work, which handles host pointers too. */
   for (int i = 0; i < 2 * n; i++)
     cuda |= all[i]->device != FDP_HOST;
-  if ((r = pick_copy_backend(cuda, &be))) goto done;
+  FDP_CHECK_GOTO(pick_copy_backend(cuda, &be), r, done);
   if (k) r = be->copy(copies, k, streams);
 done:
   free(copies);
@@ -250,23 +329,12 @@ fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, 
   if (!src || ndst < 0 || (ndst > 0 && !dst)) return fdp__fail(FDP_INVALID, "broadcast: bad arguments");
   if (ndst == 0) return FDP_OK;
   FDP_CHECK(check_tensor(src, "source", 0));
-  if (src->device != FDP_HOST && nccl_ready() && ndst + 1 <= FDP_MAX_DEVICES && fdp_tensor_is_dense(src)) {
-    /* NCCL needs one dense layout everywhere and one buffer per device. */
-    const fdp_tensor_t *all[FDP_MAX_DEVICES];
-    int ok = 1, n = 0;
-    all[n++] = src;
-    for (int i = 0; i < ndst && ok; i++) {
-      FDP_CHECK(check_tensor(&dst[i], "destination", i));
-      ok = dst[i].device != FDP_HOST && same_shape(&dst[i], src) && dst[i].elem_size == src->elem_size;
-      for (int d = 0; d < src->ndim && ok; d++)
-        ok = src->sizes[d] <= 1 || dst[i].strides[d] == src->strides[d];
-      all[n++] = &dst[i];
-    }
-    if (ok && distinct_devices(all, n) && fdp_tensor_numel(src) > 0) {
-      fdp_result_t r = backends[FDP_BACKEND_NCCL]->broadcast(src, dst, ndst, streams);
-      if (r != FDP_UNAVAILABLE) return r;
-      fdp__log("broadcast: nccl declined (%s); using device copies", fdp_last_error());
-    }
+  int fits = 0;
+  FDP_CHECK(nccl_broadcast_fits(src, dst, ndst, &fits));
+  if (fits) {
+    fdp_result_t r = backends[FDP_BACKEND_NCCL]->broadcast(src, dst, ndst, streams);
+    if (r != FDP_UNAVAILABLE) return r;
+    fdp__log("broadcast: nccl declined (%s); using device copies", fdp_last_error());
   }
   fdp_tensor_t *srcs = malloc((size_t)ndst * sizeof *srcs);
   if (!srcs) return fdp__fail(FDP_NOMEM, "broadcast: cannot allocate %d descriptors", ndst);
@@ -284,19 +352,7 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
   FDP_CHECK(check_tensor(out, "output", 0));
   if (!fdp_tensor_is_contiguous(out)) return fdp__fail(FDP_INVALID, "reduce: the output must be contiguous");
   for (int i = 0; i < n; i++) {
-    FDP_CHECK(check_tensor(&inputs[i], "input", i));
-    if (inputs[i].dtype != out->dtype || inputs[i].elem_size != out->elem_size)
-      return fdp__fail(FDP_INVALID, "reduce: input %d is %s but the output is %s", i, fdp_dtype_name(inputs[i].dtype),
-                       fdp_dtype_name(out->dtype));
-    if (!same_shape(&inputs[i], out)) {
-      char a[256], b[256];
-      shape_str(&inputs[i], a, sizeof a);
-      shape_str(out, b, sizeof b);
-      return fdp__fail(FDP_INVALID, "input %d has invalid size: got %s, but expected %s", i, a, b);
-    }
-    if (!fdp_tensor_is_contiguous(&inputs[i])) return fdp__fail(FDP_INVALID, "reduce: input %d must be contiguous", i);
-    if (!same_view(&inputs[i], out) && fdp_tensor_overlap(&inputs[i], out) == 1)
-      return fdp__fail(FDP_OVERLAP, FDP__PARTIAL_OVERLAP " (reduce: the output overlaps input %d)", i);
+    FDP_CHECK(check_reduce_input(&inputs[i], i, out));
     all[i] = &inputs[i];
   }
   if (out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
@@ -307,22 +363,7 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
   FDP_CHECK(check_kind(all, n + 1, "reduce", &cuda));
   if (fdp_tensor_numel(out) == 0) return FDP_OK;
   if (!cuda) return backends[FDP_BACKEND_HOST]->reduce(inputs, n, out, streams);
-
-  int local = 1;
-  for (int i = 0; i < n; i++)
-    local &= inputs[i].device == out->device;
-  if (!local && nccl_ready() && distinct_devices(all, n)) {
-    fdp_result_t r = backends[FDP_BACKEND_NCCL]->reduce_collective(inputs, n, out, streams);
-    if (r != FDP_UNAVAILABLE) return r;
-    fdp__log("reduce: nccl declined (%s)", fdp_last_error());
-  }
-  if (!local)
-    return fdp__fail(FDP_UNAVAILABLE,
-                     "reduce: inputs on several CUDA devices need NCCL (or must first be copied to device %d)",
-                     out->device);
-  const fdp_backend_t *be;
-  FDP_CHECK(pick_copy_backend(1, &be));
-  return be->reduce(inputs, n, out, streams);
+  return reduce_cuda(inputs, n, out, all, streams);
 }
 
 static fdp_result_t check_dim(const fdp_tensor_t *t, int dim, const char *op) {
@@ -351,8 +392,11 @@ fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chu
     start += chunk_sizes[i];
   }
   if (start != src->sizes[dim]) {
-    r = fdp__fail(FDP_INVALID, "Total size for output tensors along scatter dim %lld does not match the source's %lld",
-                  (long long)start, (long long)src->sizes[dim]);
+    /* upstream's text (torch/csrc/cuda/comm.cpp), as comm.scatter raises it */
+    r = fdp__fail(FDP_INVALID,
+                  "Total size for output tensors along scatter dim %d does not match the source tensor size at dim %d. "
+                  "Expected %lld, but got total size %lld.",
+                  dim, dim, (long long)src->sizes[dim], (long long)start);
     goto done;
   }
   r = fdp_op_copy(outs, views, n, streams);

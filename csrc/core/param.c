@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Every FASTDP_* environment knob, declared once with its default, read once per process. */
 #include "backend.h"
 

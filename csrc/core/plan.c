@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Bucket plans for the coalesced operations: tensors grouped by type, in order, into flat buffers of about
  * bucket_bytes each, with the upstream rule that a bucket closes once it reaches the limit. */
 #include "backend.h"
@@ -8,6 +9,45 @@ typedef struct {
   int key, elem_size, dtype;
   int bucket; /* open bucket of this group, -1 when none */
 } group_t;
+
+/* Pass 1 for tensor t: its group (type key, dtype and element size), that group's open bucket (opened here when
+ * none is), and the bucket's size so far; the bucket closes once it holds bucket_bytes. Returns the bucket. */
+static int assign_bucket(fdp_plan_t *plan, group_t *groups, int *ngroups, size_t *bytes, const fdp_tensor_t *t,
+                         int key, size_t bucket_bytes) {
+  int g = 0;
+  while (g < *ngroups && !(groups[g].key == key && groups[g].dtype == t->dtype && groups[g].elem_size == t->elem_size))
+    g++;
+  if (g == *ngroups) groups[(*ngroups)++] = (group_t){key, t->elem_size, t->dtype, -1};
+  if (groups[g].bucket < 0) {
+    int b = plan->nbuckets++;
+    plan->buckets[b] = (fdp_bucket_t){t->dtype, t->elem_size, 0, 0, 0};
+    groups[g].bucket = b;
+  }
+  int b = groups[g].bucket;
+  plan->buckets[b].numel += fdp_tensor_numel(t);
+  plan->buckets[b].count++;
+  bytes[b] += (size_t)fdp_tensor_numel(t) * (size_t)t->elem_size;
+  if (bytes[b] >= bucket_bytes) groups[g].bucket = -1;
+  return b;
+}
+
+/* Pass 2: lays members out bucket by bucket, tensors in input order within a bucket. */
+static void lay_out(fdp_plan_t *plan, const fdp_tensor_t *tensors, const int *order, int n) {
+  int next = 0;
+  for (int b = 0; b < plan->nbuckets; b++) {
+    plan->buckets[b].first = next;
+    next += plan->buckets[b].count;
+    plan->buckets[b].count = 0;
+    plan->buckets[b].numel = 0;
+  }
+  for (int i = 0; i < n; i++) {
+    fdp_bucket_t *bk = &plan->buckets[order[i]];
+    int64_t numel = fdp_tensor_numel(&tensors[i]);
+    plan->members[bk->first + bk->count++] = (fdp_member_t){i, bk->numel, numel};
+    bk->numel += numel;
+  }
+  plan->nmembers = n;
+}
 
 fdp_result_t fdp_plan_build(const fdp_tensor_t *tensors, const int *type_key, int n, size_t bucket_bytes,
                             fdp_plan_t **out) {
@@ -30,42 +70,11 @@ fdp_result_t fdp_plan_build(const fdp_tensor_t *tensors, const int *type_key, in
   /* Pass 1: assign each tensor to a bucket and size the buckets. */
   size_t *bytes = calloc((size_t)n + 1, sizeof *bytes);
   if (!bytes) goto nomem;
-  for (int i = 0; i < n; i++) {
-    const fdp_tensor_t *t = &tensors[i];
-    int key = type_key ? type_key[i] : t->dtype;
-    int g = 0;
-    while (g < ngroups && !(groups[g].key == key && groups[g].dtype == t->dtype && groups[g].elem_size == t->elem_size))
-      g++;
-    if (g == ngroups) groups[ngroups++] = (group_t){key, t->elem_size, t->dtype, -1};
-    if (groups[g].bucket < 0) {
-      int b = plan->nbuckets++;
-      plan->buckets[b] = (fdp_bucket_t){t->dtype, t->elem_size, 0, 0, 0};
-      groups[g].bucket = b;
-    }
-    int b = groups[g].bucket;
-    order[i] = b;
-    plan->buckets[b].numel += fdp_tensor_numel(t);
-    plan->buckets[b].count++;
-    bytes[b] += (size_t)fdp_tensor_numel(t) * (size_t)t->elem_size;
-    if (bytes[b] >= bucket_bytes) groups[g].bucket = -1;
-  }
+  for (int i = 0; i < n; i++)
+    order[i] = assign_bucket(plan, groups, &ngroups, bytes, &tensors[i], type_key ? type_key[i] : tensors[i].dtype,
+                             bucket_bytes);
   free(bytes);
-
-  /* Pass 2: lay members out bucket by bucket, tensors in input order within a bucket. */
-  int next = 0;
-  for (int b = 0; b < plan->nbuckets; b++) {
-    plan->buckets[b].first = next;
-    next += plan->buckets[b].count;
-    plan->buckets[b].count = 0;
-    plan->buckets[b].numel = 0;
-  }
-  for (int i = 0; i < n; i++) {
-    fdp_bucket_t *bk = &plan->buckets[order[i]];
-    int64_t numel = fdp_tensor_numel(&tensors[i]);
-    plan->members[bk->first + bk->count++] = (fdp_member_t){i, bk->numel, numel};
-    bk->numel += numel;
-  }
-  plan->nmembers = n;
+  lay_out(plan, tensors, order, n);
   free(groups);
   free(order);
   *out = plan;

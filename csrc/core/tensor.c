@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Descriptor arithmetic: element counts, density, narrowing, dtype names. No memory is touched here. */
 #include "backend.h"
 
@@ -129,6 +130,20 @@ int fdp_tensor_internal_overlap(const fdp_tensor_t *t) {
   return -1;
 }
 
+/* The dims of two views of one ndim as one grid (dims of size 1 on both sides dropped; a size-1 dim takes the
+ * other view's stride). 0 when a stride differs or is 0: then no cheap exact test exists. */
+static int shared_grid(const fdp_tensor_t *a, const fdp_tensor_t *b, grid_dim *dims, int *n) {
+  *n = 0;
+  for (int i = 0; i < a->ndim; i++) {
+    if (a->sizes[i] == 1 && b->sizes[i] == 1) continue;
+    int64_t sa = a->sizes[i] == 1 ? b->strides[i] : a->strides[i];
+    int64_t sb = b->sizes[i] == 1 ? a->strides[i] : b->strides[i];
+    if (sa != sb || sa == 0) return 0;
+    dims[(*n)++] = (grid_dim){sa, a->sizes[i], b->sizes[i], 0};
+  }
+  return 1;
+}
+
 int fdp_tensor_overlap(const fdp_tensor_t *a, const fdp_tensor_t *b) {
   if (a->device != b->device || fdp_tensor_numel(a) == 0 || fdp_tensor_numel(b) == 0) return 0;
   uintptr_t alo, ahi, blo, bhi;
@@ -143,14 +158,7 @@ int fdp_tensor_overlap(const fdp_tensor_t *a, const fdp_tensor_t *b) {
   if (off % a->elem_size) return -1;
   grid_dim dims[FDP_MAX_DIMS];
   int n = 0;
-  for (int i = 0; i < a->ndim; i++) {
-    if (a->sizes[i] == 1 && b->sizes[i] == 1) continue;
-    int64_t sa = a->sizes[i] == 1 ? b->strides[i] : a->strides[i];
-    int64_t sb = b->sizes[i] == 1 ? a->strides[i] : b->strides[i];
-    if (sa != sb || sa == 0) return -1;
-    dims[n++] = (grid_dim){sa, a->sizes[i], b->sizes[i], 0};
-  }
-  if (!nest(dims, n)) return -1;
+  if (!shared_grid(a, b, dims, &n) || !nest(dims, n)) return -1;
   /* b's element j sits at off + j.s; a's element i at i.s: they meet when off = (i - j).s. */
   return grid_reaches(dims, n - 1, off / a->elem_size);
 }

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The part of the CUDA driver API (cuda.h) that fastdp uses: types, enum values and parameter structs, written
  * here so that the build needs no CUDA toolkit. Values and layouts are the driver's ABI (stable across CUDA 11,
  * 12 and 13); tests/test_cuda_api_header.py compares them with the toolkit's cuda.h wherever one is installed. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The only place that loads the CUDA driver: dlopen of the libcuda.so.1 PyTorch already mapped (or a plain
  * dlopen), explicit versioned symbol names, one cuInit, and a per-device cache of retained primary contexts. */
 #include "dl/cuda_driver.h"
@@ -78,6 +79,39 @@ static const struct {
     {"cuLaunchKernel", offsetof(fdp_cu_t, LaunchKernel), 0},
 };
 
+/* Fills g_cu from the library's symbols; 0 (g_why says which) when a required one is missing. */
+static int bind_symbols(void *h) {
+  for (size_t i = 0; i < sizeof k_syms / sizeof k_syms[0]; i++) {
+    void *sym = dlsym(h, k_syms[i].name);
+    if (sym == NULL && !k_syms[i].optional) {
+      snprintf(g_why, sizeof g_why, "the CUDA driver lacks %s (driver too old?)", k_syms[i].name);
+      return 0;
+    }
+    memcpy((char *)&g_cu + k_syms[i].offset, &sym, sizeof sym);
+  }
+  return 1;
+}
+
+/* cuInit and the device count; 0 (g_why says why) when either fails. */
+static int init_driver(void) {
+  CUresult r = g_cu.Init(0);
+  if (r != CUDA_SUCCESS) {
+    const char *s = NULL, *n = NULL;
+    if (g_cu.GetErrorString(r, &s) != CUDA_SUCCESS || s == NULL) s = "unknown error";
+    if (g_cu.GetErrorName(r, &n) != CUDA_SUCCESS || n == NULL) n = "?";
+    snprintf(g_why, sizeof g_why, "cuInit failed: %s (%s)", s, n);
+    return 0;
+  }
+  int count = 0;
+  r = g_cu.DeviceGetCount(&count);
+  if (r != CUDA_SUCCESS) {
+    snprintf(g_why, sizeof g_why, "cuDeviceGetCount failed (CUresult %d)", (int)r);
+    return 0;
+  }
+  g_count = count;
+  return 1;
+}
+
 static void load_once(void) {
   /* FASTDP_CUDA_DRIVER_LIBRARY (tests: the simulated GPU) names exactly the file to load, and nothing else is
    * looked up. Otherwise RTLD_NOLOAD first: inside PyTorch the driver is already mapped and we must share that
@@ -91,29 +125,8 @@ static void load_once(void) {
              path ? path : "libcuda.so.1", e ? e : "not found");
     return;
   }
-  for (size_t i = 0; i < sizeof k_syms / sizeof k_syms[0]; i++) {
-    void *sym = dlsym(h, k_syms[i].name);
-    if (sym == NULL && !k_syms[i].optional) {
-      snprintf(g_why, sizeof g_why, "the CUDA driver lacks %s (driver too old?)", k_syms[i].name);
-      return; /* the handle stays open: dlclose of a library PyTorch shares is never worth the risk */
-    }
-    memcpy((char *)&g_cu + k_syms[i].offset, &sym, sizeof sym);
-  }
-  CUresult r = g_cu.Init(0);
-  if (r != CUDA_SUCCESS) {
-    const char *s = NULL, *n = NULL;
-    if (g_cu.GetErrorString(r, &s) != CUDA_SUCCESS || s == NULL) s = "unknown error";
-    if (g_cu.GetErrorName(r, &n) != CUDA_SUCCESS || n == NULL) n = "?";
-    snprintf(g_why, sizeof g_why, "cuInit failed: %s (%s)", s, n);
-    return;
-  }
-  int count = 0;
-  r = g_cu.DeviceGetCount(&count);
-  if (r != CUDA_SUCCESS) {
-    snprintf(g_why, sizeof g_why, "cuDeviceGetCount failed (CUresult %d)", (int)r);
-    return;
-  }
-  g_count = count;
+  /* On failure the handle stays open: dlclose of a library PyTorch shares is never worth the risk. */
+  if (!bind_symbols(h) || !init_driver()) return;
   g_why[0] = '\0';
   g_status = FDP_OK;
 }

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The CUDA driver API as fastdp uses it: one table of entry points resolved once from the libcuda.so.1 that
  * PyTorch already loaded (or loaded here), CUresult → fdp_result_t conversion, and the primary context of each
  * device. Nothing here links against CUDA or needs its headers. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The part of the NCCL 2 C API fastdp calls, declared here because the build never needs nccl.h, and the loader
  * that binds it at run time to the libnccl.so.2 PyTorch already loaded. */
 #ifndef FASTDP_DL_NCCL_API_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The only place that loads NCCL: binds the libnccl.so.2 already in the process (PyTorch's), never a second
  * copy next to it, and finds PyTorch's allocator free mutex for the multi-device launch hazard. */
 #include "dl/nccl_api.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The only place that loads NVRTC: the copy already in the process (PyTorch's, from nvidia-cuda-nvrtc), then
  * FASTDP_NVRTC_LIBRARY, the folders the Python layer names (site-packages' nvidia/cu13/lib, .../cuda_nvrtc/lib)
  * and the system's search path; and the one function that compiles fastdp's kernel source with it. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* NVRTC, the CUDA run-time compiler, as fastdp uses it: the library found and loaded at run time (the copy
  * PyTorch's CUDA wheels bring as nvidia-cuda-nvrtc, or the system's), and one compile call that turns the
  * embedded kernel source into an image for one GPU architecture. Needs no GPU and no CUDA headers. */

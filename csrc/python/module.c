@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* fastdp._C: the only C that includes Python.h. Turns tensors into core descriptors through the tensor's public
  * Python API (no PyTorch C++ ABI, so one build serves every torch 2.x), releases the GIL around the core, and
  * turns result codes into exceptions in one place. */
@@ -105,6 +106,58 @@ static int itemsize_of(module_state *st, PyObject *dtype, int *out) {
   return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* The device ordinal of a tensor: its CUDA index, or FDP_HOST for a CPU tensor; ValueError for any other device. */
+static int tensor_device(module_state *st, PyObject *obj, const char *name, long long *dev) {
+  PyObject *flag = PyObject_GetAttr(obj, st->s_is_cuda);
+  if (!flag) return -1;
+  int is_cuda = PyObject_IsTrue(flag);
+  Py_DECREF(flag);
+  *dev = FDP_HOST;
+  if (is_cuda) return call_int(obj, st->s_get_device, dev);
+  PyObject *device = PyObject_GetAttr(obj, st->s_device);
+  PyObject *kind = device ? PyObject_GetAttr(device, st->s_type) : NULL;
+  Py_XDECREF(device);
+  if (!kind) return -1;
+  int is_cpu = PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "cpu") == 0;
+  if (!is_cpu)
+    PyErr_Format(PyExc_ValueError, "%s is on a %S device; fastdp moves CPU and CUDA tensors only", name, kind);
+  Py_DECREF(kind);
+  return is_cpu ? 0 : -1;
+}
+
+/* Sizes, strides and ndim of a tensor into t. */
+static int tensor_layout(module_state *st, PyObject *obj, const char *name, fdp_tensor_t *t) {
+  PyObject *shape = PyObject_GetAttr(obj, st->s_shape);
+  PyObject *stride = shape ? PyObject_CallMethodNoArgs(obj, st->s_stride) : NULL;
+  int nd = 0, ns = 0;
+  int bad = !stride || int_tuple(shape, t->sizes, &nd, "shape") < 0 || int_tuple(stride, t->strides, &ns, "stride") < 0;
+  Py_XDECREF(shape);
+  Py_XDECREF(stride);
+  if (bad) return -1;
+  if (nd != ns) {
+    PyErr_Format(PyExc_ValueError, "%s has %d sizes but %d strides", name, nd, ns);
+    return -1;
+  }
+  t->ndim = nd;
+  return 0;
+}
+
+/* The core's dtype code (FDP_DTYPE_OTHER for a dtype it does not sum) and the element size of a tensor into t. */
+static int tensor_dtype(module_state *st, PyObject *obj, fdp_tensor_t *t) {
+  PyObject *dtype = PyObject_GetAttr(obj, st->s_dtype);
+  if (!dtype) return -1;
+  PyObject *code = PyDict_GetItemWithError(st->dtypes, dtype);
+  int esz = 0;
+  if ((!code && PyErr_Occurred()) || itemsize_of(st, dtype, &esz) < 0) {
+    Py_DECREF(dtype);
+    return -1;
+  }
+  Py_DECREF(dtype);
+  t->dtype = code ? (int)PyLong_AsLong(code) : FDP_DTYPE_OTHER;
+  t->elem_size = esz;
+  return 0;
+}
+
 /* Fills `t` from a CPU or CUDA torch.Tensor. `what` names the argument in errors, as what[index] for a list
  * element or alone when index is -1 (a single tensor argument). */
 static int describe(module_state *st, PyObject *obj, fdp_tensor_t *t, const char *what, Py_ssize_t index) {
@@ -124,54 +177,11 @@ static int describe(module_state *st, PyObject *obj, fdp_tensor_t *t, const char
       PyErr_Format(PyExc_TypeError, "%s must be a torch.Tensor, got %s", name, Py_TYPE(obj)->tp_name);
     return -1;
   }
-  PyObject *flag = PyObject_GetAttr(obj, st->s_is_cuda);
-  if (!flag) return -1;
-  int is_cuda = PyObject_IsTrue(flag);
-  Py_DECREF(flag);
-  long long dev = FDP_HOST;
-  if (is_cuda) {
-    if (call_int(obj, st->s_get_device, &dev) < 0) return -1;
-  } else {
-    PyObject *device = PyObject_GetAttr(obj, st->s_device);
-    PyObject *kind = device ? PyObject_GetAttr(device, st->s_type) : NULL;
-    Py_XDECREF(device);
-    if (!kind) return -1;
-    int is_cpu = PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "cpu") == 0;
-    if (!is_cpu) {
-      PyErr_Format(PyExc_ValueError, "%s is on a %S device; fastdp moves CPU and CUDA tensors only", name,
-                   kind);
-      Py_DECREF(kind);
-      return -1;
-    }
-    Py_DECREF(kind);
-  }
-  long long ptr;
-  if (call_int(obj, st->s_data_ptr, &ptr) < 0) return -1;
-  PyObject *shape = PyObject_GetAttr(obj, st->s_shape);
-  PyObject *stride = shape ? PyObject_CallMethodNoArgs(obj, st->s_stride) : NULL;
-  int nd = 0, ns = 0;
-  int bad = !stride || int_tuple(shape, t->sizes, &nd, "shape") < 0 || int_tuple(stride, t->strides, &ns, "stride") < 0;
-  Py_XDECREF(shape);
-  Py_XDECREF(stride);
-  if (bad) return -1;
-  if (nd != ns) {
-    PyErr_Format(PyExc_ValueError, "%s has %d sizes but %d strides", name, nd, ns);
-    return -1;
-  }
-  PyObject *dtype = PyObject_GetAttr(obj, st->s_dtype);
-  if (!dtype) return -1;
-  PyObject *code = PyDict_GetItemWithError(st->dtypes, dtype);
-  int esz = 0;
-  if ((!code && PyErr_Occurred()) || itemsize_of(st, dtype, &esz) < 0) {
-    Py_DECREF(dtype);
-    return -1;
-  }
-  Py_DECREF(dtype);
-  t->dtype = code ? (int)PyLong_AsLong(code) : FDP_DTYPE_OTHER;
+  long long dev, ptr;
+  if (tensor_device(st, obj, name, &dev) < 0 || call_int(obj, st->s_data_ptr, &ptr) < 0) return -1;
+  if (tensor_layout(st, obj, name, t) < 0 || tensor_dtype(st, obj, t) < 0) return -1;
   t->data = (char *)(intptr_t)ptr;
   t->device = (int)dev;
-  t->elem_size = esz;
-  t->ndim = nd;
   return 0;
 }
 
@@ -265,9 +275,13 @@ static PyObject *py_copy(PyObject *module, PyObject *args) {
     goto done;
   }
   fdp_result_t r;
-  Py_BEGIN_ALLOW_THREADS r = fdp_op_copy(d, s, (int)nd, &streams);
-  Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
-  else ret = Py_NewRef(Py_None);
+  Py_BEGIN_ALLOW_THREADS
+  r = fdp_op_copy(d, s, (int)nd, &streams);
+  Py_END_ALLOW_THREADS
+  if (r != FDP_OK)
+    raise_result(st, r);
+  else
+    ret = Py_NewRef(Py_None);
 done:
   PyMem_Free(d);
   PyMem_Free(s);
@@ -290,9 +304,13 @@ static PyObject *py_broadcast(PyObject *module, PyObject *args) {
   PyObject *ret = NULL;
   if (check_count(nd) == 0) {
     fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS r = fdp_op_broadcast(&src, d, (int)nd, &streams);
-    Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
-    else ret = Py_NewRef(Py_None);
+    Py_BEGIN_ALLOW_THREADS
+    r = fdp_op_broadcast(&src, d, (int)nd, &streams);
+    Py_END_ALLOW_THREADS
+    if (r != FDP_OK)
+      raise_result(st, r);
+    else
+      ret = Py_NewRef(Py_None);
   }
   PyMem_Free(d);
   Py_DECREF(keep);
@@ -313,9 +331,13 @@ static PyObject *py_reduce(PyObject *module, PyObject *args) {
   PyObject *ret = NULL;
   if (check_count(n) == 0) {
     fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS r = fdp_op_reduce(in, (int)n, &out, &streams);
-    Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
-    else ret = Py_NewRef(Py_None);
+    Py_BEGIN_ALLOW_THREADS
+    r = fdp_op_reduce(in, (int)n, &out, &streams);
+    Py_END_ALLOW_THREADS
+    if (r != FDP_OK)
+      raise_result(st, r);
+    else
+      ret = Py_NewRef(Py_None);
   }
   PyMem_Free(in);
   Py_DECREF(keep);
@@ -347,9 +369,13 @@ static PyObject *py_scatter(PyObject *module, PyObject *args) {
     if (sizes[i] == -1 && PyErr_Occurred()) goto done;
   }
   fdp_result_t r;
-  Py_BEGIN_ALLOW_THREADS r = fdp_op_scatter(&src, dim, sizes, o, (int)n, &streams);
-  Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
-  else ret = Py_NewRef(Py_None);
+  Py_BEGIN_ALLOW_THREADS
+  r = fdp_op_scatter(&src, dim, sizes, o, (int)n, &streams);
+  Py_END_ALLOW_THREADS
+  if (r != FDP_OK)
+    raise_result(st, r);
+  else
+    ret = Py_NewRef(Py_None);
 done:
   Py_XDECREF(fast);
   PyMem_Free(sizes);
@@ -373,12 +399,62 @@ static PyObject *py_gather(PyObject *module, PyObject *args) {
   PyObject *ret = NULL;
   if (check_count(n) == 0) {
     fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS r = fdp_op_gather(in, (int)n, dim, &out, &streams);
-    Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
-    else ret = Py_NewRef(Py_None);
+    Py_BEGIN_ALLOW_THREADS
+    r = fdp_op_gather(in, (int)n, dim, &out, &streams);
+    Py_END_ALLOW_THREADS
+    if (r != FDP_OK)
+      raise_result(st, r);
+    else
+      ret = Py_NewRef(Py_None);
   }
   PyMem_Free(in);
   Py_DECREF(keep);
+  return ret;
+}
+
+/* One int type key per tensor from a sequence of n. */
+static int parse_keys(PyObject *keys_obj, Py_ssize_t n, int *keys) {
+  PyObject *fast = PySequence_Fast(keys_obj, "type_keys must be a sequence");
+  if (!fast) return -1;
+  int rc = 0;
+  if (PySequence_Fast_GET_SIZE(fast) != n) {
+    PyErr_SetString(PyExc_ValueError, "plan: one type key per tensor");
+    rc = -1;
+  }
+  for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
+    keys[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+    if (keys[i] == -1 && PyErr_Occurred()) rc = -1;
+  }
+  Py_DECREF(fast);
+  return rc;
+}
+
+/* A bucket's members as [(index, offset, numel), ...]. */
+static PyObject *bucket_members(const fdp_plan_t *plan, const fdp_bucket_t *bk) {
+  PyObject *members = PyList_New(bk->count);
+  for (int m = 0; members && m < bk->count; m++) {
+    const fdp_member_t *mb = &plan->members[bk->first + m];
+    PyObject *item = Py_BuildValue("(iLL)", mb->tensor, (long long)mb->offset, (long long)mb->numel);
+    if (!item)
+      Py_CLEAR(members);
+    else
+      PyList_SET_ITEM(members, m, item);
+  }
+  return members;
+}
+
+/* The plan as [(numel, [(index, offset, numel), ...]), ...]. */
+static PyObject *plan_to_list(const fdp_plan_t *plan) {
+  PyObject *ret = PyList_New(plan->nbuckets);
+  for (int b = 0; ret && b < plan->nbuckets; b++) {
+    const fdp_bucket_t *bk = &plan->buckets[b];
+    PyObject *members = bucket_members(plan, bk);
+    PyObject *entry = members ? Py_BuildValue("(LN)", (long long)bk->numel, members) : NULL;
+    if (!entry)
+      Py_CLEAR(ret);
+    else
+      PyList_SET_ITEM(ret, b, entry);
+  }
   return ret;
 }
 
@@ -399,50 +475,66 @@ static PyObject *py_plan(PyObject *module, PyObject *args) {
   PyObject *keep;
   fdp_tensor_t *ts = describe_list(st, tensors, &n, "tensors", &keep);
   if (!ts) return NULL;
-  PyObject *ret = NULL, *fast = NULL;
+  PyObject *ret = NULL;
   fdp_plan_t *plan = NULL;
   int *keys = PyMem_Calloc((size_t)(n ? n : 1), sizeof *keys);
-  if (!keys || check_count(n) < 0) goto done;
-  fast = PySequence_Fast(keys_obj, "type_keys must be a sequence");
-  if (!fast) goto done;
-  if (PySequence_Fast_GET_SIZE(fast) != n) {
-    PyErr_SetString(PyExc_ValueError, "plan: one type key per tensor");
-    goto done;
-  }
-  for (Py_ssize_t i = 0; i < n; i++) {
-    keys[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
-    if (keys[i] == -1 && PyErr_Occurred()) goto done;
-  }
+  if (!keys || check_count(n) < 0 || parse_keys(keys_obj, n, keys) < 0) goto done;
   fdp_result_t r = fdp_plan_build(ts, keys, (int)n, (size_t)bucket_bytes, &plan);
   if (r != FDP_OK) {
     raise_result(st, r);
     goto done;
   }
-  ret = PyList_New(plan->nbuckets);
-  for (int b = 0; ret && b < plan->nbuckets; b++) {
-    const fdp_bucket_t *bk = &plan->buckets[b];
-    PyObject *members = PyList_New(bk->count);
-    for (int m = 0; members && m < bk->count; m++) {
-      const fdp_member_t *mb = &plan->members[bk->first + m];
-      PyObject *item = Py_BuildValue("(iLL)", mb->tensor, (long long)mb->offset, (long long)mb->numel);
-      if (!item)
-        Py_CLEAR(members);
-      else
-        PyList_SET_ITEM(members, m, item);
-    }
-    PyObject *entry = members ? Py_BuildValue("(LN)", (long long)bk->numel, members) : NULL;
-    if (!entry)
-      Py_CLEAR(ret);
-    else
-      PyList_SET_ITEM(ret, b, entry);
-  }
+  ret = plan_to_list(plan);
 done:
   fdp_plan_free(plan);
-  Py_XDECREF(fast);
   PyMem_Free(keys);
   PyMem_Free(ts);
   Py_DECREF(keep);
   return ret;
+}
+
+/* The input columns of reduce_many: per column its descriptors (PyMem_Free), their count, and the tuple keeping
+ * the tensors alive. */
+typedef struct columns {
+  Py_ssize_t n;
+  fdp_tensor_t **ins;
+  PyObject **keeps;
+  Py_ssize_t *counts;
+} columns_t;
+
+static void columns_free(columns_t *c) {
+  for (Py_ssize_t j = 0; c->ins && j < c->n; j++)
+    PyMem_Free(c->ins[j]);
+  for (Py_ssize_t j = 0; c->keeps && j < c->n; j++)
+    Py_XDECREF(c->keeps[j]);
+  PyMem_Free(c->ins);
+  PyMem_Free(c->keeps);
+  PyMem_Free(c->counts);
+}
+
+/* Describes every column of the sequence `cols` (of c->n items); columns_free releases what was made. */
+static int columns_describe(module_state *st, PyObject *cols, columns_t *c) {
+  size_t n = (size_t)(c->n ? c->n : 1);
+  c->ins = PyMem_Calloc(n, sizeof *c->ins);
+  c->keeps = PyMem_Calloc(n, sizeof *c->keeps);
+  c->counts = PyMem_Calloc(n, sizeof *c->counts);
+  if (!c->ins || !c->counts || !c->keeps) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  for (Py_ssize_t j = 0; j < c->n; j++) {
+    c->ins[j] = describe_list(st, PySequence_Fast_GET_ITEM(cols, j), &c->counts[j], "columns[j]", &c->keeps[j]);
+    if (!c->ins[j] || check_count(c->counts[j]) < 0) return -1;
+  }
+  return 0;
+}
+
+/* outs[j] = sum of column j, for every column, stopping at the first failure (no GIL needed). */
+static fdp_result_t reduce_columns(const columns_t *c, const fdp_tensor_t *outs, const fdp_streams_t *streams) {
+  fdp_result_t r = FDP_OK;
+  for (Py_ssize_t j = 0; j < c->n && r == FDP_OK; j++)
+    r = fdp_op_reduce(c->ins[j], (int)c->counts[j], &outs[j], streams);
+  return r;
 }
 
 /* reduce_many(columns, outs, streams=None): outs[j] = sum of columns[j], one core reduce per column, with the GIL
@@ -455,42 +547,58 @@ static PyObject *py_reduce_many(PyObject *module, PyObject *args) {
   if (parse_streams(streams_obj, &streams) < 0) return NULL;
   PyObject *cols = PySequence_Fast(cols_obj, "columns must be a sequence of sequences of tensors");
   if (!cols) return NULL;
-  Py_ssize_t ncol = PySequence_Fast_GET_SIZE(cols), nout = 0;
+  columns_t c = {PySequence_Fast_GET_SIZE(cols), NULL, NULL, NULL};
+  Py_ssize_t nout = 0;
   PyObject *ret = NULL;
   PyObject *keep_outs = NULL;
   fdp_tensor_t *outs = describe_list(st, outs_obj, &nout, "outs", &keep_outs);
-  fdp_tensor_t **ins = PyMem_Calloc((size_t)(ncol ? ncol : 1), sizeof *ins);
-  PyObject **keeps = PyMem_Calloc((size_t)(ncol ? ncol : 1), sizeof *keeps);
-  Py_ssize_t *counts = PyMem_Calloc((size_t)(ncol ? ncol : 1), sizeof *counts);
-  if (!outs || !ins || !counts || !keeps) {
-    if (!PyErr_Occurred()) PyErr_NoMemory();
+  if (!outs) goto done;
+  if (nout != c.n || check_count(c.n) < 0) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "reduce_many: %zd outputs for %zd columns", nout, c.n);
     goto done;
   }
-  if (nout != ncol || check_count(ncol) < 0) {
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "reduce_many: %zd outputs for %zd columns", nout, ncol);
-    goto done;
-  }
-  for (Py_ssize_t j = 0; j < ncol; j++) {
-    ins[j] = describe_list(st, PySequence_Fast_GET_ITEM(cols, j), &counts[j], "columns[j]", &keeps[j]);
-    if (!ins[j] || check_count(counts[j]) < 0) goto done;
-  }
-  fdp_result_t r = FDP_OK;
-  Py_BEGIN_ALLOW_THREADS for (Py_ssize_t j = 0; j < ncol && r == FDP_OK; j++) r =
-      fdp_op_reduce(ins[j], (int)counts[j], &outs[j], &streams);
-  Py_END_ALLOW_THREADS if (r != FDP_OK) raise_result(st, r);
-  else ret = Py_NewRef(Py_None);
+  if (columns_describe(st, cols, &c) < 0) goto done;
+  fdp_result_t r;
+  Py_BEGIN_ALLOW_THREADS
+  r = reduce_columns(&c, outs, &streams);
+  Py_END_ALLOW_THREADS
+  if (r != FDP_OK)
+    raise_result(st, r);
+  else
+    ret = Py_NewRef(Py_None);
 done:
-  for (Py_ssize_t j = 0; ins && j < ncol; j++)
-    PyMem_Free(ins[j]);
-  for (Py_ssize_t j = 0; keeps && j < ncol; j++)
-    Py_XDECREF(keeps[j]);
-  PyMem_Free(ins);
-  PyMem_Free(keeps);
+  columns_free(&c);
   Py_XDECREF(keep_outs);
-  PyMem_Free(counts);
   PyMem_Free(outs);
   Py_DECREF(cols);
   return ret;
+}
+
+/* One pair of refresh(): pairs[i], a (master, replica) tuple of dicts; at most 32 owned keys. */
+static int refresh_pair(PyObject *pair, PyObject *owned, Py_ssize_t nowned, Py_ssize_t i) {
+  PyObject *saved[32];
+  if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyDict_Check(PyTuple_GET_ITEM(pair, 0)) ||
+      !PyDict_Check(PyTuple_GET_ITEM(pair, 1))) {
+    PyErr_Format(PyExc_TypeError, "refresh: pairs[%zd] must be a (dict, dict) tuple", i);
+    return -1;
+  }
+  PyObject *master = PyTuple_GET_ITEM(pair, 0), *replica = PyTuple_GET_ITEM(pair, 1);
+  for (Py_ssize_t k = 0; k < nowned; k++) {
+    saved[k] = PyDict_GetItemWithError(replica, PySequence_Fast_GET_ITEM(owned, k));
+    if (!saved[k] && PyErr_Occurred()) {
+      for (Py_ssize_t q = 0; q < k; q++)
+        Py_XDECREF(saved[q]);
+      return -1;
+    }
+    Py_XINCREF(saved[k]);
+  }
+  PyDict_Clear(replica);
+  int bad = PyDict_Update(replica, master) < 0;
+  for (Py_ssize_t k = 0; k < nowned; k++) {
+    if (saved[k] && !bad) bad = PyDict_SetItem(replica, PySequence_Fast_GET_ITEM(owned, k), saved[k]) < 0;
+    Py_XDECREF(saved[k]);
+  }
+  return bad ? -1 : 0;
 }
 
 /* refresh(pairs, owned): for each (master_dict, replica_dict), makes the replica's __dict__ a fresh shallow copy of
@@ -508,37 +616,13 @@ static PyObject *py_refresh(PyObject *module, PyObject *args) {
     return NULL;
   }
   Py_ssize_t nowned = PySequence_Fast_GET_SIZE(owned);
-  PyObject *saved[32];
   PyObject *ret = NULL;
   if (nowned > 32) {
     PyErr_SetString(PyExc_ValueError, "refresh: at most 32 owned keys");
     goto done;
   }
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(pairs); i++) {
-    PyObject *pair = PySequence_Fast_GET_ITEM(pairs, i);
-    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyDict_Check(PyTuple_GET_ITEM(pair, 0)) ||
-        !PyDict_Check(PyTuple_GET_ITEM(pair, 1))) {
-      PyErr_Format(PyExc_TypeError, "refresh: pairs[%zd] must be a (dict, dict) tuple", i);
-      goto done;
-    }
-    PyObject *master = PyTuple_GET_ITEM(pair, 0), *replica = PyTuple_GET_ITEM(pair, 1);
-    for (Py_ssize_t k = 0; k < nowned; k++) {
-      saved[k] = PyDict_GetItemWithError(replica, PySequence_Fast_GET_ITEM(owned, k));
-      if (!saved[k] && PyErr_Occurred()) {
-        for (Py_ssize_t q = 0; q < k; q++)
-          Py_XDECREF(saved[q]);
-        goto done;
-      }
-      Py_XINCREF(saved[k]);
-    }
-    PyDict_Clear(replica);
-    int bad = PyDict_Update(replica, master) < 0;
-    for (Py_ssize_t k = 0; k < nowned; k++) {
-      if (saved[k] && !bad) bad = PyDict_SetItem(replica, PySequence_Fast_GET_ITEM(owned, k), saved[k]) < 0;
-      Py_XDECREF(saved[k]);
-    }
-    if (bad) goto done;
-  }
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(pairs); i++)
+    if (refresh_pair(PySequence_Fast_GET_ITEM(pairs, i), owned, nowned, i) < 0) goto done;
   ret = Py_NewRef(Py_None);
 done:
   Py_DECREF(pairs);
@@ -611,8 +695,10 @@ static PyObject *py_usable(PyObject *module, PyObject *arg) {
     if (strcmp(name, fdp_backend_name((fdp_backend_id_t)i)) != 0) continue;
     const char *why = "";
     int ok;
-    Py_BEGIN_ALLOW_THREADS ok = fdp_backend_usable((fdp_backend_id_t)i, &why);
-    Py_END_ALLOW_THREADS return Py_BuildValue("(Os)", ok ? Py_True : Py_False, ok ? "" : why);
+    Py_BEGIN_ALLOW_THREADS
+    ok = fdp_backend_usable((fdp_backend_id_t)i, &why);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(Os)", ok ? Py_True : Py_False, ok ? "" : why);
   }
   PyErr_Format(PyExc_ValueError, "usable: unknown backend %R (expected \"host\", \"cuda\" or \"nccl\")", arg);
   return NULL;
@@ -621,43 +707,61 @@ static PyObject *py_usable(PyObject *module, PyObject *arg) {
 /* info(memory=False): free memory is read only on devices whose primary context is already active (PyTorch or
  * fastdp used them), unless memory=True, which creates a context on every other device for the query (seconds and
  * hundreds of MB per GPU while it lives; fails under exclusive-process mode). free_bytes is None where not read. */
-static PyObject *py_info(PyObject *module, PyObject *args, PyObject *kwargs) {
-  (void)module;
-  static char *kwlist[] = {"memory", NULL};
-  int memory = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|p:info", kwlist, &memory)) return NULL;
+/* {name: {"compiled", "usable", "why"}} for every backend. */
+static PyObject *backends_info(void) {
   PyObject *backends = PyDict_New();
   for (int i = 0; backends && i < FDP_BACKEND_COUNT; i++) {
     const char *why = "";
     int usable;
-    Py_BEGIN_ALLOW_THREADS usable = fdp_backend_usable((fdp_backend_id_t)i, &why);
-    Py_END_ALLOW_THREADS PyObject *v =
+    Py_BEGIN_ALLOW_THREADS
+    usable = fdp_backend_usable((fdp_backend_id_t)i, &why);
+    Py_END_ALLOW_THREADS
+    PyObject *v =
         Py_BuildValue("{s:O,s:O,s:s}", "compiled", fdp_backend_compiled((fdp_backend_id_t)i) ? Py_True : Py_False,
                       "usable", usable ? Py_True : Py_False, "why", why);
     if (!v || PyDict_SetItemString(backends, fdp_backend_name((fdp_backend_id_t)i), v) < 0) Py_CLEAR(backends);
     Py_XDECREF(v);
   }
+  return backends;
+}
+
+/* One device's entry of info(): index, name, memory, peer access from it, and the error of the query. */
+static PyObject *device_info(int d, int ndev, int memory) {
+  char name[256] = "";
+  size_t total = 0, free_b = 0;
+  int read_free = 0;
+  fdp_result_t r;
+  Py_BEGIN_ALLOW_THREADS
+  read_free = memory || fdp_cuda_device_active(d);
+  r = fdp_cuda_device_info(d, name, sizeof name, &total, read_free ? &free_b : NULL);
+  Py_END_ALLOW_THREADS
+  PyObject *peers = PyList_New(ndev);
+  for (int p = 0; peers && p < ndev; p++)
+    PyList_SET_ITEM(peers, p, PyBool_FromLong(p == d || fdp_cuda_can_access_peer(d, p)));
+  PyObject *free_obj =
+      peers ? (read_free && r == FDP_OK ? PyLong_FromUnsignedLongLong(free_b) : Py_NewRef(Py_None)) : NULL;
+  PyObject *v = free_obj ? Py_BuildValue("{s:i,s:s,s:K,s:N,s:N,s:s}", "index", d, "name", name, "total_bytes",
+                                         (unsigned long long)total, "free_bytes", free_obj, "peer_access", peers,
+                                         "error", r == FDP_OK ? "" : fdp_last_error())
+                         : NULL;
+  if (!free_obj) Py_XDECREF(peers);
+  return v;
+}
+
+static PyObject *py_info(PyObject *module, PyObject *args, PyObject *kwargs) {
+  (void)module;
+  static char *kwlist[] = {"memory", NULL};
+  int memory = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|p:info", kwlist, &memory)) return NULL;
+  PyObject *backends = backends_info();
   if (!backends) return NULL;
   int ndev;
-  Py_BEGIN_ALLOW_THREADS ndev = fdp_cuda_device_count();
-  Py_END_ALLOW_THREADS PyObject *devices = PyList_New(0);
+  Py_BEGIN_ALLOW_THREADS
+  ndev = fdp_cuda_device_count();
+  Py_END_ALLOW_THREADS
+  PyObject *devices = PyList_New(0);
   for (int d = 0; devices && d < ndev; d++) {
-    char name[256] = "";
-    size_t total = 0, free_b = 0;
-    int read_free = 0;
-    fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS read_free = memory || fdp_cuda_device_active(d);
-    r = fdp_cuda_device_info(d, name, sizeof name, &total, read_free ? &free_b : NULL);
-    Py_END_ALLOW_THREADS PyObject *peers = PyList_New(ndev);
-    for (int p = 0; peers && p < ndev; p++)
-      PyList_SET_ITEM(peers, p, PyBool_FromLong(p == d || fdp_cuda_can_access_peer(d, p)));
-    PyObject *free_obj = peers ? (read_free && r == FDP_OK ? PyLong_FromUnsignedLongLong(free_b) : Py_NewRef(Py_None))
-                               : NULL;
-    PyObject *v = free_obj ? Py_BuildValue("{s:i,s:s,s:K,s:N,s:N,s:s}", "index", d, "name", name, "total_bytes",
-                                           (unsigned long long)total, "free_bytes", free_obj, "peer_access", peers,
-                                           "error", r == FDP_OK ? "" : fdp_last_error())
-                           : NULL;
-    if (!free_obj) Py_XDECREF(peers);
+    PyObject *v = device_info(d, ndev, memory);
     if (!v || PyList_Append(devices, v) < 0) Py_CLEAR(devices);
     Py_XDECREF(v);
   }
@@ -683,8 +787,10 @@ static PyObject *py_shutdown(PyObject *module, PyObject *unused) {
   (void)module;
   (void)unused;
   if (is_finalizing()) Py_RETURN_FALSE;
-  Py_BEGIN_ALLOW_THREADS fdp_shutdown();
-  Py_END_ALLOW_THREADS Py_RETURN_TRUE;
+  Py_BEGIN_ALLOW_THREADS
+  fdp_shutdown();
+  Py_END_ALLOW_THREADS
+  Py_RETURN_TRUE;
 }
 
 /* ---- device scratch memory from PyTorch (see fdp_set_device_allocator) ----
@@ -777,9 +883,11 @@ static PyObject *py_kernels_info(PyObject *module, PyObject *unused) {
   (void)unused;
   fdp_kernels_facts_t f;
   int ndev;
-  Py_BEGIN_ALLOW_THREADS fdp_kernels_facts(&f);
+  Py_BEGIN_ALLOW_THREADS
+  fdp_kernels_facts(&f);
   ndev = fdp_cuda_device_count();
-  Py_END_ALLOW_THREADS PyObject *devices = PyList_New(ndev);
+  Py_END_ALLOW_THREADS
+  PyObject *devices = PyList_New(ndev);
   for (int d = 0; devices && d < ndev; d++) {
     PyObject *v = PyUnicode_FromString(fdp_cuda_kernels_source(d));
     if (!v) Py_CLEAR(devices);
@@ -804,8 +912,10 @@ static PyObject *py_kernels_image(PyObject *module, PyObject *args) {
   if (!PyArg_ParseTuple(args, "i|p:kernels_image", &cc, &forget)) return NULL;
   fdp_kernels_image_info_t info;
   fdp_result_t r;
-  Py_BEGIN_ALLOW_THREADS r = fdp_kernels_image(cc, forget, &info);
-  Py_END_ALLOW_THREADS if (r != FDP_OK) return raise_result(get_state(module), r);
+  Py_BEGIN_ALLOW_THREADS
+  r = fdp_kernels_image(cc, forget, &info);
+  Py_END_ALLOW_THREADS
+  if (r != FDP_OK) return raise_result(get_state(module), r);
   static const char *const origins[] = {"disk", "compiled", "memory"};
   return Py_BuildValue("{s:n,s:s,s:i,s:s,s:d,s:s,s:s}", "bytes", (Py_ssize_t)info.bytes, "target",
                        info.ptx ? "ptx" : "cubin", "arch", info.arch, "origin", origins[info.origin], "seconds",
@@ -853,15 +963,22 @@ static int exec_module(PyObject *m) {
 #define FDP_INTERN(name)                                                                                               \
   if (!(st->s_##name = PyUnicode_InternFromString(#name))) return -1;
   FDP_INTERN(data_ptr)
-  FDP_INTERN(shape) FDP_INTERN(stride) FDP_INTERN(dtype) FDP_INTERN(is_cuda) FDP_INTERN(get_device) FDP_INTERN(device)
-      FDP_INTERN(type) FDP_INTERN(itemsize)
+  FDP_INTERN(shape)
+  FDP_INTERN(stride)
+  FDP_INTERN(dtype)
+  FDP_INTERN(is_cuda)
+  FDP_INTERN(get_device)
+  FDP_INTERN(device)
+  FDP_INTERN(type)
+  FDP_INTERN(itemsize)
 #undef FDP_INTERN
-          if (add_error(m, &st->FastDPError, "FastDPError", PyExc_RuntimeError,
-                        "A CUDA, NCCL or internal failure in fastdp's core; .code names the result.") < 0 ||
-              add_error(m, &st->CudaError, "CudaError", st->FastDPError, "A CUDA driver call failed.") < 0 ||
-              add_error(m, &st->NcclError, "NcclError", st->FastDPError, "An NCCL call failed.") < 0 ||
-              add_error(m, &st->BackendUnavailableError, "BackendUnavailableError", st->FastDPError,
-                        "The backend an operation needs is not compiled or cannot run here.") < 0) return -1;
+  if (add_error(m, &st->FastDPError, "FastDPError", PyExc_RuntimeError,
+                "A CUDA, NCCL or internal failure in fastdp's core; .code names the result.") < 0 ||
+      add_error(m, &st->CudaError, "CudaError", st->FastDPError, "A CUDA driver call failed.") < 0 ||
+      add_error(m, &st->NcclError, "NcclError", st->FastDPError, "An NCCL call failed.") < 0 ||
+      add_error(m, &st->BackendUnavailableError, "BackendUnavailableError", st->FastDPError,
+                "The backend an operation needs is not compiled or cannot run here.") < 0)
+    return -1;
   return 0;
 }
 

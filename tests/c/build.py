@@ -1,8 +1,10 @@
 """Builds a C test program with the core and every backend under AddressSanitizer and UndefinedBehaviorSanitizer,
 runs it, and exits with its status.
 
-    python tests/c/build.py [--build-only]
-        tests/c/test_core.c: the core and the host backend (no CUDA toolkit needed; an empty kernel blob).
+    python tests/c/build.py [--build-only | --no-build] [--list | SUITE...]
+        tests/c/test_core.c: the core and the host backend (no CUDA toolkit needed; an empty kernel blob). Runs
+        every suite, or the SUITEs named; --list prints the suite names, one a line (tests/test_c_core.py makes
+        one pytest item of each); --no-build reuses the program built before.
     python tests/c/build.py --gpu-ops [--sim] [--sweep] [--build-only] [--no-sanitize]
         tests/c/test_gpu_ops.c: every operation through the cuda and nccl backends. Against the driver and NCCL
         that FASTDP_CUDA_DRIVER_LIBRARY / FASTDP_NCCL_LIBRARY name, or the system's libcuda.so.1/libnccl.so.2
@@ -121,16 +123,19 @@ def main(argv):
     if gpu_ops and "--sim" in argv:
         use_simulator(sanitize="--no-sanitize" not in argv)
     simulated = gpu_ops and bool(os.environ.get("FASTDP_CUDA_DRIVER_LIBRARY"))
-    rc = build(cc, gpu_ops, simulated, sanitize="--no-sanitize" not in argv)
+    exe = GPU_EXE if gpu_ops else EXE
+    reuse = "--no-build" in argv and os.path.exists(exe)
+    rc = 0 if reuse else build(cc, gpu_ops, simulated, sanitize="--no-sanitize" not in argv)
     if rc != 0:
         print(f"build failed ({rc})", flush=True)
         return rc or 1
     if "--build-only" in argv:
         return 0
-    exe = GPU_EXE if gpu_ops else EXE
     args = [a for a in argv if a in ("--sweep",)]
     if "--only" in argv and argv.index("--only") + 1 < len(argv):
         args += ["--only", argv[argv.index("--only") + 1]]
+    if not gpu_ops:
+        args = ["--list"] if "--list" in argv else [a for a in argv if not a.startswith("--")]
     # The real driver keeps allocations to process exit that LeakSanitizer would report: leaks are checked on
     # the simulated GPU only.
     leaks = 0 if gpu_ops and not simulated else 1

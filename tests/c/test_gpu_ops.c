@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Every core operation through the cuda and nccl backends on CUDA devices, compared bit for bit with a host
  * reference computed here: copies (row copies, strided sources and destinations on both sides, host<->device,
  * peer), broadcast, scatter, gather, reduce (collective and local, 70 inputs with the output aliasing one),

@@ -1,9 +1,11 @@
+/* SPDX-License-Identifier: MIT */
 /* The cuda backend: strided copies between CUDA tensors on any devices (copy engines where the layout allows,
  * the strided-copy kernel otherwise) and the in-order k-way sum kernel, all through the driver API, ordered on
  * the streams the caller lists. Kernels come from the fatbin embedded at build time when it fits the GPU, else
  * from NVRTC (kernel_image.c), loaded once per device. Copies the copy engines can do never need them. */
 #include "backend/cuda/kernel_image.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/layout.h"
 #include "dl/cuda_driver.h"
 
 #include <pthread.h>
@@ -20,8 +22,6 @@
 #define MEMCPY_MAX_LOOP 64
 /* Cross-device copies have no kernel alternative short of staging, so they loop longer before staging. */
 #define PEER_MAX_LOOP 1024
-/* CU_DEVICE_ATTRIBUTE_MAX_PITCH on every GPU PyTorch supports; larger pitches take the kernel path. */
-#define MAX_PITCH INT32_MAX
 
 _Static_assert(sizeof(fdp_copy_args_t) == 16 + 3 * 8 * FDP_COPY_MAX_DIMS, "kernel ABI: fdp_copy_args_t");
 _Static_assert(sizeof(fdp_sum_args_t) == 8 * FDP_SUM_MAX_INPUTS + 24, "kernel ABI: fdp_sum_args_t");
@@ -51,13 +51,6 @@ static atomic_int g_mod_state[FDP_MAX_DEVICES];
 static char g_mod_err[FDP_MAX_DEVICES][1024];
 static char g_mod_src[FDP_MAX_DEVICES][160]; /* where the loaded kernels came from, for `python -m fastdp info` */
 static pthread_mutex_t g_mod_lock = PTHREAD_MUTEX_INITIALIZER;
-
-/* Pops the context pushed for `dev`, keeping the first failure's detail when there already is one. */
-static fdp_result_t pop_keep(const fdp_cu_t *cu, int dev, fdp_result_t r) {
-  CUcontext c;
-  CUresult e = cu->CtxPopCurrent(&c);
-  return r != FDP_OK ? r : fdp__cu_check(e, "cuCtxPopCurrent", dev);
-}
 
 /* The driver's verdict that an image does not fit this GPU or driver: deterministic, so worth remembering. Any
  * other failure (out of memory, a lost context...) may pass and is retried by the next call. */
@@ -179,7 +172,7 @@ static fdp_result_t get_module(const fdp_cu_t *cu, int dev, const module_t **out
           }
         }
         loaded = r;
-        r = pop_keep(cu, dev, r);
+        FDP_CHECK_KEEP(fdp__cu_ctx_pop(dev), r);
       }
       /* A module that loaded is kept even when the pop after it failed: it lives in the primary context, not on
        * this thread's stack, and dropping it would leak it. The call still reports the failed pop. */
@@ -321,179 +314,28 @@ static fdp_result_t scratch_free(const fdp_cu_t *cu, scratch_t *s) {
 static fdp_result_t stream_wait(const fdp_cu_t *cu, int from_dev, CUstream from, int to_dev, CUstream to,
                                 scratch_t *release) {
   CUevent ev = NULL;
+  fdp_result_t r = FDP_OK;
   FDP_CHECK(fdp__cu_ctx_push(from_dev, NULL));
-  fdp_result_t r = fdp__cu_check(cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate", from_dev);
-  if (r == FDP_OK) r = fdp__cu_check(cu->EventRecord(ev, from), "cuEventRecord", from_dev);
-  if (r == FDP_OK) {
-    /* A stream may wait on another device's event; its own context must be current (NULL = its default). */
-    r = fdp__cu_ctx_push(to_dev, NULL);
-    if (r == FDP_OK) {
-      r = fdp__cu_check(cu->StreamWaitEvent(to, ev, 0), "cuStreamWaitEvent", to_dev);
-      if (r == FDP_OK && release != NULL) r = scratch_free(cu, release);
-      r = pop_keep(cu, to_dev, r);
-    }
-  }
-  if (ev != NULL) {
-    CUresult e = cu->EventDestroy(ev);
-    if (r == FDP_OK) r = fdp__cu_check(e, "cuEventDestroy", from_dev);
-  }
-  return pop_keep(cu, from_dev, r);
-}
-
-/* ---- layouts ---- */
-
-/* One copy as two strided views over one index space; dims outermost first, strides in elements of es bytes.
- * Dims may be permuted and merged freely because both views are permuted alike. */
-typedef struct pair {
-  int ndim;
-  int64_t es;
-  int64_t numel;
-  int64_t sizes[FDP_COPY_MAX_DIMS];
-  int64_t ss[FDP_COPY_MAX_DIMS];
-  int64_t ds[FDP_COPY_MAX_DIMS];
-  CUdeviceptr src, dst;
-} pair_t;
-
-/* Merges each dim into its outer neighbour where both views step over it contiguously. */
-static void pair_merge(pair_t *p) {
-  int n = 0;
-  for (int d = 0; d < p->ndim; d++) {
-    if (p->sizes[d] == 1) continue;
-    if (n > 0 && p->ss[n - 1] == p->ss[d] * p->sizes[d] && p->ds[n - 1] == p->ds[d] * p->sizes[d]) {
-      p->sizes[n - 1] *= p->sizes[d];
-      p->ss[n - 1] = p->ss[d];
-      p->ds[n - 1] = p->ds[d];
-      continue;
-    }
-    p->sizes[n] = p->sizes[d];
-    p->ss[n] = p->ss[d];
-    p->ds[n] = p->ds[d];
-    n++;
-  }
-  if (n == 0) { /* a single element */
-    p->sizes[0] = 1;
-    p->ss[0] = p->ds[0] = 1;
-    n = 1;
-  }
-  p->ndim = n;
-}
-
-/* Builds the pair of a copy: size-1 dims dropped, dims ordered by destination stride (then source stride),
- * largest first, so that the destination is written in address order, then merged. */
-static void pair_build(const fdp_copy_t *c, pair_t *p) {
-  memset(p, 0, sizeof *p);
-  p->es = c->dst.elem_size;
-  p->src = (CUdeviceptr)(uintptr_t)c->src.data;
-  p->dst = (CUdeviceptr)(uintptr_t)c->dst.data;
-  p->numel = 1;
-  for (int d = 0; d < c->dst.ndim; d++) {
-    p->numel *= c->dst.sizes[d];
-    if (c->dst.sizes[d] == 1) continue;
-    int i = p->ndim++;
-    while (i > 0 && (p->ds[i - 1] < c->dst.strides[d] ||
-                     (p->ds[i - 1] == c->dst.strides[d] && p->ss[i - 1] < c->src.strides[d]))) {
-      p->sizes[i] = p->sizes[i - 1];
-      p->ss[i] = p->ss[i - 1];
-      p->ds[i] = p->ds[i - 1];
-      i--;
-    }
-    p->sizes[i] = c->dst.sizes[d];
-    p->ss[i] = c->src.strides[d];
-    p->ds[i] = c->dst.strides[d];
-  }
-  pair_merge(p);
-}
-
-static int inner_contiguous(const pair_t *p) {
-  return p->ss[p->ndim - 1] == 1 && p->ds[p->ndim - 1] == 1;
-}
-static int src_flat(const pair_t *p) {
-  return p->ndim == 1 && p->ss[0] == 1;
-}
-static int dst_flat(const pair_t *p) {
-  return p->ndim == 1 && p->ds[0] == 1;
-}
-
-/* Rows for the copy engines: the innermost dim contiguous on both sides, the next one as the row pitch, and
- * `outer` calls over the remaining dims. Pitches must hold a whole row (no zero or overlapping strides). */
-static int pair_rows(const pair_t *p, size_t *width, size_t *height, size_t *spitch, size_t *dpitch, int64_t *outer) {
-  if (p->ndim < 2 || !inner_contiguous(p)) return 0;
-  int64_t w = p->sizes[p->ndim - 1] * p->es;
-  int64_t sp = p->ss[p->ndim - 2] * p->es, dp = p->ds[p->ndim - 2] * p->es;
-  if (sp < w || dp < w || sp > MAX_PITCH || dp > MAX_PITCH) return 0;
-  int64_t o = 1;
-  for (int d = 0; d < p->ndim - 2; d++)
-    o *= p->sizes[d];
-  *width = (size_t)w;
-  *height = (size_t)p->sizes[p->ndim - 2];
-  *spitch = (size_t)sp;
-  *dpitch = (size_t)dp;
-  *outer = o;
-  return 1;
-}
-
-/* Byte offsets of outer iteration `idx` (an odometer over dims [0, ndim - 2)), then advances it. */
-static void outer_next(const pair_t *p, int64_t *idx, int64_t *soff, int64_t *doff) {
-  int nouter = p->ndim - 2;
-  *soff = *doff = 0;
-  for (int d = 0; d < nouter; d++) {
-    *soff += idx[d] * p->ss[d] * p->es;
-    *doff += idx[d] * p->ds[d] * p->es;
-  }
-  for (int d = nouter - 1; d >= 0; d--) {
-    if (++idx[d] < p->sizes[d]) break;
-    idx[d] = 0;
-  }
-}
-
-/* Reshapes a pair for the kernel: wider elements where the rows allow (fewer, larger accesses), or single
- * bytes where the element size is not 1/2/4/8/16 or a pointer is not aligned to it. */
-static void pair_for_kernel(pair_t *p) {
-  int last = p->ndim - 1;
-  if (inner_contiguous(p)) {
-    for (int64_t e = 16; e > p->es; e /= 2) {
-      int64_t k = e / p->es;
-      int ok =
-          e % p->es == 0 && p->sizes[last] % k == 0 && p->src % (CUdeviceptr)e == 0 && p->dst % (CUdeviceptr)e == 0;
-      for (int d = 0; d < last && ok; d++)
-        ok = p->ss[d] % k == 0 && p->ds[d] % k == 0;
-      if (!ok) continue;
-      p->sizes[last] /= k;
-      for (int d = 0; d < last; d++) {
-        p->ss[d] /= k;
-        p->ds[d] /= k;
-      }
-      p->numel /= k;
-      p->es = e;
-      break;
-    }
-  }
-  int es_ok = p->es == 1 || p->es == 2 || p->es == 4 || p->es == 8 || p->es == 16;
-  if (!es_ok || p->src % (CUdeviceptr)p->es != 0 || p->dst % (CUdeviceptr)p->es != 0) {
-    for (int d = 0; d < p->ndim; d++) {
-      p->ss[d] *= p->es;
-      p->ds[d] *= p->es;
-    }
-    p->sizes[p->ndim] = p->es;
-    p->ss[p->ndim] = p->ds[p->ndim] = 1;
-    p->ndim++;
-    p->numel *= p->es;
-    p->es = 1;
-    pair_merge(p);
-  }
-}
-
-static int es_index(int64_t es) {
-  return es == 1 ? 0 : es == 2 ? 1 : es == 4 ? 2 : es == 8 ? 3 : 4;
+  FDP_CHECK_GOTO(fdp__cu_check(cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate", from_dev), r, out);
+  FDP_CHECK_GOTO(fdp__cu_check(cu->EventRecord(ev, from), "cuEventRecord", from_dev), r, out);
+  /* A stream may wait on another device's event; its own context must be current (NULL = its default). */
+  FDP_CHECK_GOTO(fdp__cu_ctx_push(to_dev, NULL), r, out);
+  r = fdp__cu_check(cu->StreamWaitEvent(to, ev, 0), "cuStreamWaitEvent", to_dev);
+  if (r == FDP_OK && release != NULL) r = scratch_free(cu, release);
+  FDP_CHECK_KEEP(fdp__cu_ctx_pop(to_dev), r);
+out:
+  if (ev != NULL) FDP_CHECK_KEEP(fdp__cu_check(cu->EventDestroy(ev), "cuEventDestroy", from_dev), r);
+  FDP_CHECK_KEEP(fdp__cu_ctx_pop(from_dev), r);
+  return r;
 }
 
 /* Enqueues the strided-copy kernel on `stream`; the context of `dev` must be current. */
-static fdp_result_t kernel_copy(const fdp_cu_t *cu, int dev, CUstream stream, pair_t p) {
+static fdp_result_t kernel_copy(const fdp_cu_t *cu, int dev, CUstream stream, fdp_pair_t p) {
   const module_t *m = NULL;
   fdp_result_t r = get_module(cu, dev, &m);
   if (r == FDP_UNAVAILABLE) return needs_kernels("this copy's layout needs the strided-copy kernel");
   if (r != FDP_OK) return r;
-  pair_for_kernel(&p);
+  fdp__pair_for_kernel(&p);
   fdp_copy_args_t a;
   memset(&a, 0, sizeof a);
   a.numel = p.numel;
@@ -504,33 +346,24 @@ static fdp_result_t kernel_copy(const fdp_cu_t *cu, int dev, CUstream stream, pa
     a.dst_strides[d] = p.ds[d];
   }
   void *params[] = {&p.src, &p.dst, &a};
-  return fdp__cu_check(
-      cu->LaunchKernel(m->copy[es_index(p.es)], grid_for(m, p.numel), 1, 1, THREADS, 1, 1, 0, stream, params, NULL),
-      "cuLaunchKernel(strided copy)", dev);
-}
-
-/* Row-major contiguous strides for the pair's sizes: the layout of a staging buffer. */
-static void flat_strides(const pair_t *p, int64_t *strides) {
-  int64_t s = 1;
-  for (int d = p->ndim - 1; d >= 0; d--) {
-    strides[d] = s;
-    s *= p->sizes[d];
-  }
+  return fdp__cu_check(cu->LaunchKernel(m->copy[fdp__pair_es_index(p.es)], grid_for(m, p.numel), 1, 1, THREADS, 1, 1, 0,
+                                        stream, params, NULL),
+                       "cuLaunchKernel(strided copy)", dev);
 }
 
 /* ---- copy ---- */
 
-static fdp_result_t copy_same_device(const fdp_cu_t *cu, int dev, CUstream stream, const pair_t *p) {
+static fdp_result_t copy_same_device(const fdp_cu_t *cu, int dev, CUstream stream, const fdp_pair_t *p) {
   size_t width, height, spitch, dpitch;
   int64_t outer;
-  if (src_flat(p) && dst_flat(p))
+  if (fdp__pair_src_flat(p) && fdp__pair_dst_flat(p))
     return fdp__cu_check(cu->MemcpyAsync(p->dst, p->src, (size_t)(p->numel * p->es), stream), "cuMemcpyAsync", dev);
-  if (pair_rows(p, &width, &height, &spitch, &dpitch, &outer) && width >= MEMCPY2D_MIN_ROW &&
+  if (fdp__pair_rows(p, &width, &height, &spitch, &dpitch, &outer) && width >= MEMCPY2D_MIN_ROW &&
       outer <= MEMCPY_MAX_LOOP) {
     int64_t idx[FDP_COPY_MAX_DIMS] = {0};
     for (int64_t it = 0; it < outer; it++) {
       int64_t so, dof;
-      outer_next(p, idx, &so, &dof);
+      fdp__pair_outer_next(p, idx, &so, &dof);
       CUDA_MEMCPY2D c;
       memset(&c, 0, sizeof c);
       c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
@@ -553,19 +386,19 @@ static fdp_result_t copy_same_device(const fdp_cu_t *cu, int dev, CUstream strea
  * (cuMemcpyPeerAsync / cuMemcpy3DPeerAsync): that is the documented cross-context path, and the driver picks
  * P2P or a host bounce itself, whether or not peer access was enabled. cuMemcpy2DAsync with unified addresses
  * would usually work too, but its cross-context behaviour is not documented. */
-static fdp_result_t copy_peer_rows(const fdp_cu_t *cu, int ddev, CUstream stream, const pair_t *p, CUcontext sctx,
+static fdp_result_t copy_peer_rows(const fdp_cu_t *cu, int ddev, CUstream stream, const fdp_pair_t *p, CUcontext sctx,
                                    CUcontext dctx) {
   size_t width, height, spitch, dpitch;
   int64_t outer;
-  if (src_flat(p) && dst_flat(p))
+  if (fdp__pair_src_flat(p) && fdp__pair_dst_flat(p))
     return fdp__cu_check(cu->MemcpyPeerAsync(p->dst, dctx, p->src, sctx, (size_t)(p->numel * p->es), stream),
                          "cuMemcpyPeerAsync", ddev);
-  if (!pair_rows(p, &width, &height, &spitch, &dpitch, &outer))
+  if (!fdp__pair_rows(p, &width, &height, &spitch, &dpitch, &outer))
     return fdp__fail(FDP_INTERNAL, "cuda backend: peer copy of a layout without rows");
   int64_t idx[FDP_COPY_MAX_DIMS] = {0};
   for (int64_t it = 0; it < outer; it++) {
     int64_t so, dof;
-    outer_next(p, idx, &so, &dof);
+    fdp__pair_outer_next(p, idx, &so, &dof);
     CUDA_MEMCPY3D_PEER c;
     memset(&c, 0, sizeof c);
     c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
@@ -586,6 +419,97 @@ static fdp_result_t copy_peer_rows(const fdp_cu_t *cu, int ddev, CUstream stream
   return FDP_OK;
 }
 
+/* Copies between a pair's destination-ordered view and a flat staging buffer `buf` on `dev` with the strided-copy
+ * kernel: pack (view → buf) or unpack (buf → view). The context of `dev` must be current. */
+static fdp_result_t stage_kernel(const fdp_cu_t *cu, int dev, CUstream stream, const fdp_pair_t *p, CUdeviceptr buf,
+                                 int pack) {
+  fdp_pair_t q = *p;
+  if (pack) {
+    fdp__pair_flat_strides(p, q.ds);
+    q.dst = buf;
+  } else {
+    fdp__pair_flat_strides(p, q.ss);
+    q.src = buf;
+  }
+  fdp__pair_merge(&q);
+  return kernel_copy(cu, dev, stream, q);
+}
+
+/* ---- between two devices ---- */
+
+/* One cross-device copy in flight: the devices, their streams and contexts, and the staging buffers. */
+typedef struct peer_copy {
+  const fdp_pair_t *p;
+  int sdev, ddev;
+  CUstream sstream, dstream;
+  CUcontext sctx, dctx;
+  int staged; /* neither flat nor rows: go through flat staging buffers */
+  size_t bytes;
+  scratch_t ta;    /* on the source, the packed source (held until the source stream has waited for the copy) */
+  scratch_t tb;    /* on the destination, to unpack from (destination stream only) */
+  fdp_pair_t flat; /* the transfer itself: between the staging buffers, or the views themselves */
+} peer_copy_t;
+
+/* Packs a strided source into ta on the source device, on the source stream. ta is not held on failure
+ * unless only the final context pop failed (the caller frees it then). */
+static fdp_result_t peer_pack(const fdp_cu_t *cu, peer_copy_t *x) {
+  fdp_result_t r = FDP_OK;
+  FDP_CHECK(fdp__cu_ctx_push(x->sdev, NULL));
+  FDP_CHECK_GOTO(scratch_alloc(cu, x->sdev, x->sstream, x->bytes, "staging for a strided peer copy", &x->ta), r, out);
+  FDP_CHECK_GOTO(stage_kernel(cu, x->sdev, x->sstream, x->p, x->ta.ptr, 1), r, fail);
+out:
+  FDP_CHECK_KEEP(fdp__cu_ctx_pop(x->sdev), r);
+  return r;
+fail: /* nothing but the pack (ordered on sstream) touched ta */
+  FDP_CHECK_KEEP(scratch_free(cu, &x->ta), r);
+  goto out;
+}
+
+/* On the destination stream, with the destination's context current: the transfer, then the unpack from tb when
+ * the destination is strided. tb is freed on that stream after them, whatever happened. */
+static fdp_result_t peer_transfer(const fdp_cu_t *cu, peer_copy_t *x) {
+  fdp_result_t r = FDP_OK;
+  if (x->staged && !fdp__pair_dst_flat(x->p)) {
+    FDP_CHECK_GOTO(scratch_alloc(cu, x->ddev, x->dstream, x->bytes, "staging for a strided peer copy", &x->tb), r, out);
+    x->flat.dst = x->tb.ptr;
+  }
+  FDP_CHECK_GOTO(copy_peer_rows(cu, x->ddev, x->dstream, &x->flat, x->sctx, x->dctx), r, out);
+  if (x->tb.ptr) FDP_CHECK_GOTO(stage_kernel(cu, x->ddev, x->dstream, x->p, x->tb.ptr, 0), r, out);
+out:
+  FDP_CHECK_KEEP(scratch_free(cu, &x->tb), r);
+  return r;
+}
+
+/* The source stream waits for the destination stream (something there may read the source or ta now, even after
+ * a failure), and ta is freed behind that wait. When the fence fails, the destination stream is waited for on the
+ * host instead: *drained says that worked (nothing reads the source or ta any more); otherwise ta is leaked
+ * rather than freed early. */
+static fdp_result_t peer_fence_back(const fdp_cu_t *cu, peer_copy_t *x, int *drained) {
+  *drained = 0;
+  fdp_result_t r = stream_wait(cu, x->ddev, x->dstream, x->sdev, x->sstream, x->ta.ptr ? &x->ta : NULL);
+  if (r == FDP_OK) return r;
+  fdp_result_t rs = FDP_OK;
+  int held = fdp__detail_hold(1); /* the failed fence is what the caller reports */
+  FDP_CHECK_GOTO(fdp__cu_ctx_push(x->ddev, NULL), rs, out);
+  FDP_CHECK_KEEP(fdp__cu_check(cu->StreamSynchronize(x->dstream), "cuStreamSynchronize", x->ddev), rs);
+  FDP_CHECK_IGNORE(fdp__cu_ctx_pop(x->ddev));
+out:
+  fdp__detail_release(held);
+  *drained = rs == FDP_OK;
+  if (!*drained)
+    fdp__log("cuda copy: device %d may still read device %d's memory after a failed fence", x->ddev, x->sdev);
+  return r;
+}
+
+/* Frees ta on the source stream once nothing beyond the pack (or only finished work) reads it. */
+static void peer_release_unread(const fdp_cu_t *cu, peer_copy_t *x) {
+  if (x->ta.ptr && fdp__cu_ctx_push(x->sdev, NULL) == FDP_OK) {
+    FDP_CHECK_IGNORE(scratch_free(cu, &x->ta));
+    FDP_CHECK_IGNORE(fdp__cu_ctx_pop(x->sdev));
+  }
+  if (x->ta.ptr) fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d", x->bytes, x->sdev);
+}
+
 /* A copy between two devices, on the destination's stream, fenced both ways against the source's stream:
  * the copy starts after the work already queued there (which produced the source), and the source stream
  * waits for the copy, so PyTorch's allocator cannot hand the source to new work while it is still read.
@@ -594,100 +518,50 @@ static fdp_result_t copy_peer_rows(const fdp_cu_t *cu, int ddev, CUstream stream
  * scratch memory (see NOTE [scratch memory]). Peer access from the destination's context (the one that runs
  * the copy) to the source's is enabled first where the hardware allows, so that the copy goes P2P. */
 static fdp_result_t copy_cross_device(const fdp_cu_t *cu, int sdev, int ddev, const fdp_streams_t *streams,
-                                      const pair_t *p) {
-  CUstream sstream = (CUstream)fdp__stream_for(streams, sdev);
-  CUstream dstream = (CUstream)fdp__stream_for(streams, ddev);
-  CUcontext sctx = NULL, dctx = NULL;
-  FDP_CHECK(fdp__cu_ctx_get(sdev, &sctx));
-  FDP_CHECK(fdp__cu_ctx_get(ddev, &dctx));
+                                      const fdp_pair_t *p) {
+  peer_copy_t x;
+  memset(&x, 0, sizeof x);
+  x.p = p;
+  x.sdev = sdev;
+  x.ddev = ddev;
+  x.sstream = (CUstream)fdp__stream_for(streams, sdev);
+  x.dstream = (CUstream)fdp__stream_for(streams, ddev);
+  x.bytes = (size_t)(p->numel * p->es);
+  x.flat = *p;
+  FDP_CHECK(fdp__cu_ctx_get(sdev, &x.sctx));
+  FDP_CHECK(fdp__cu_ctx_get(ddev, &x.dctx));
   FDP_CHECK(fdp__cu_peer_enable(ddev, sdev, NULL));
   size_t width, height, spitch, dpitch;
   int64_t outer = 0;
-  int rows = pair_rows(p, &width, &height, &spitch, &dpitch, &outer) && outer <= PEER_MAX_LOOP;
-  int staged = !(src_flat(p) && dst_flat(p)) && !rows;
-  size_t bytes = (size_t)(p->numel * p->es);
-  scratch_t ta, tb; /* staging on the source (packed source) and on the destination (to unpack) */
-  memset(&ta, 0, sizeof ta);
-  memset(&tb, 0, sizeof tb);
-  pair_t flat = *p; /* the flat copy between the staging buffers (or the views themselves when flat) */
+  int rows = fdp__pair_rows(p, &width, &height, &spitch, &dpitch, &outer) && outer <= PEER_MAX_LOOP;
+  x.staged = !(fdp__pair_src_flat(p) && fdp__pair_dst_flat(p)) && !rows;
   fdp_result_t r = FDP_OK;
-
-  if (staged && !src_flat(p)) {
-    pair_t pack = *p;
-    FDP_CHECK(fdp__cu_ctx_push(sdev, NULL));
-    r = scratch_alloc(cu, sdev, sstream, bytes, "staging for a strided peer copy", &ta);
-    if (r == FDP_OK) {
-      flat_strides(p, pack.ds);
-      pack.dst = ta.ptr;
-      pair_merge(&pack);
-      r = kernel_copy(cu, sdev, sstream, pack);
-    }
-    if (r != FDP_OK) {
-      fdp_result_t rf = scratch_free(cu, &ta); /* nothing but the pack (ordered on sstream) touched it */
-      if (rf != FDP_OK) fdp__log("cuda copy: a staging buffer on device %d is leaked", sdev);
-    }
-    if ((r = pop_keep(cu, sdev, r)) != FDP_OK) goto unread;
+  if (x.staged && !fdp__pair_src_flat(p)) FDP_CHECK_GOTO(peer_pack(cu, &x), r, unread);
+  if (x.staged) {
+    x.flat.ndim = 1;
+    x.flat.sizes[0] = p->numel;
+    x.flat.ss[0] = x.flat.ds[0] = 1;
+    x.flat.src = x.ta.ptr ? x.ta.ptr : p->src;
   }
-  if (staged) {
-    flat.ndim = 1;
-    flat.sizes[0] = p->numel;
-    flat.ss[0] = flat.ds[0] = 1;
-    flat.src = ta.ptr ? ta.ptr : p->src;
-  }
-
-  if ((r = stream_wait(cu, sdev, sstream, ddev, dstream, NULL)) != FDP_OK) goto unread;
-  if ((r = fdp__cu_ctx_push(ddev, NULL)) != FDP_OK) goto unread;
-  if (staged && !dst_flat(p)) {
-    r = scratch_alloc(cu, ddev, dstream, bytes, "staging for a strided peer copy", &tb);
-    flat.dst = tb.ptr;
-  }
-  if (r == FDP_OK) r = copy_peer_rows(cu, ddev, dstream, &flat, sctx, dctx);
-  if (r == FDP_OK && tb.ptr) {
-    pair_t unpack = *p;
-    flat_strides(p, unpack.ss);
-    unpack.src = tb.ptr;
-    pair_merge(&unpack);
-    r = kernel_copy(cu, ddev, dstream, unpack);
-  }
-  {
-    /* tb lives on the destination stream only: freed there, after the unpack, whatever happened. */
-    fdp_result_t rf = scratch_free(cu, &tb);
-    if (r == FDP_OK) r = rf;
-  }
-  r = pop_keep(cu, ddev, r);
-  {
-    /* Something on the destination stream may read the source (or ta) now, even after a failure above: the
-     * source stream waits for it, and ta is freed behind that wait. Without the wait ta is leaked rather than
-     * freed early. */
-    fdp_result_t rf = stream_wait(cu, ddev, dstream, sdev, sstream, ta.ptr ? &ta : NULL);
-    if (r == FDP_OK) r = rf;
-    if (rf != FDP_OK) {
-      /* The fence failed: wait for the destination stream on the host instead, so that nothing reads the source
-       * (or ta, which may go then) once this returns. */
-      CUresult e = CUDA_ERROR_UNKNOWN;
-      if (fdp__cu_ctx_push(ddev, NULL) == FDP_OK) {
-        e = cu->StreamSynchronize(dstream);
-        pop_keep(cu, ddev, FDP_OK);
-      }
-      if (e == CUDA_SUCCESS) goto unread;
-      fdp__log("cuda copy: device %d may still read device %d's memory after a failed fence", ddev, sdev);
-    }
-  }
-  if (ta.ptr) fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d after a failed fence", bytes, sdev);
+  FDP_CHECK_GOTO(stream_wait(cu, sdev, x.sstream, ddev, x.dstream, NULL), r, unread);
+  FDP_CHECK_GOTO(fdp__cu_ctx_push(ddev, NULL), r, unread);
+  r = peer_transfer(cu, &x);
+  FDP_CHECK_KEEP(fdp__cu_ctx_pop(ddev), r);
+  int drained;
+  FDP_CHECK_KEEP(peer_fence_back(cu, &x, &drained), r);
+  if (drained) goto unread;
+  if (x.ta.ptr)
+    fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d after a failed fence", x.bytes, sdev);
   return r;
-
-unread: /* nothing beyond the pack (or only finished work) read ta: free it on the source stream */
-  if (ta.ptr && fdp__cu_ctx_push(sdev, NULL) == FDP_OK) {
-    fdp_result_t rf = scratch_free(cu, &ta);
-    if (rf != FDP_OK) fdp__log("cuda copy: freeing a staging buffer on device %d failed", sdev);
-    pop_keep(cu, sdev, FDP_OK);
-  }
-  if (ta.ptr) fdp__log("cuda copy: leaking a %zu-byte staging buffer on device %d", bytes, sdev);
+unread:
+  peer_release_unread(cu, &x);
   return r;
 }
 
+/* ---- between host memory and one device ---- */
+
 /* A host descriptor over a pair's index space (for the host backend's strided copy). */
-static void host_view(fdp_tensor_t *t, uintptr_t addr, const pair_t *p, const int64_t *strides) {
+static void host_view(fdp_tensor_t *t, uintptr_t addr, const fdp_pair_t *p, const int64_t *strides) {
   memset(t, 0, sizeof *t);
   t->data = (char *)addr;
   t->device = FDP_HOST;
@@ -700,76 +574,94 @@ static void host_view(fdp_tensor_t *t, uintptr_t addr, const pair_t *p, const in
   }
 }
 
+/* One host/device copy in flight: the direction, the device, and where each side's flat bytes live. */
+typedef struct host_copy {
+  fdp_pair_t p;
+  int h2d; /* host to device, else device to host */
+  int dev;
+  CUstream stream;
+  size_t bytes;
+  int64_t fs[FDP_COPY_MAX_DIMS]; /* flat strides of the staging buffers */
+  int host_flat, dev_flat;       /* that side is flat: no staging buffer */
+  void *hbuf;                    /* the flat host bytes: the host view itself or a malloc'ed buffer */
+  CUdeviceptr dbuf;              /* the flat device bytes: the device view itself or ds */
+  scratch_t ds;
+} host_copy_t;
+
+/* Packs (h2d) the strided host source into hbuf, or unpacks (d2h) hbuf into the strided host destination, on the
+ * host backend. */
+static fdp_result_t host_stage(const host_copy_t *x) {
+  fdp_copy_t c;
+  if (x->h2d) {
+    host_view(&c.dst, (uintptr_t)x->hbuf, &x->p, x->fs);
+    host_view(&c.src, (uintptr_t)x->p.src, &x->p, x->p.ss);
+  } else {
+    host_view(&c.dst, (uintptr_t)x->p.dst, &x->p, x->p.ds);
+    host_view(&c.src, (uintptr_t)x->hbuf, &x->p, x->fs);
+  }
+  return fdp__backend_host.copy(&c, 1, NULL);
+}
+
+/* The flat transfer between hbuf and dbuf, on the device's stream. */
+static fdp_result_t host_transfer(const fdp_cu_t *cu, const host_copy_t *x) {
+  if (x->h2d)
+    return fdp__cu_check(cu->MemcpyHtoDAsync(x->dbuf, x->hbuf, x->bytes, x->stream), "cuMemcpyHtoDAsync", x->dev);
+  return fdp__cu_check(cu->MemcpyDtoHAsync(x->hbuf, x->dbuf, x->bytes, x->stream), "cuMemcpyDtoHAsync", x->dev);
+}
+
+/* The device part, with the device's context current: a strided device side packed (d2h) or unpacked (h2d)
+ * through scratch memory around the transfer. Returns with the stream finished, also after a failure: the caller
+ * frees the host buffer next, so nothing enqueued may still use it. */
+static fdp_result_t host_device_part(const fdp_cu_t *cu, host_copy_t *x) {
+  fdp_result_t r = FDP_OK;
+  if (!x->dev_flat) {
+    FDP_CHECK_GOTO(
+        scratch_alloc(cu, x->dev, x->stream, x->bytes, "staging for a strided copy between host and device", &x->ds), r,
+        out);
+    x->dbuf = x->ds.ptr;
+  }
+  if (!x->h2d && !x->dev_flat) FDP_CHECK_GOTO(stage_kernel(cu, x->dev, x->stream, &x->p, x->dbuf, 1), r, out);
+  FDP_CHECK_GOTO(host_transfer(cu, x), r, out);
+  if (x->h2d && !x->dev_flat) FDP_CHECK_GOTO(stage_kernel(cu, x->dev, x->stream, &x->p, x->dbuf, 0), r, out);
+out:
+  FDP_CHECK_KEEP(scratch_free(cu, &x->ds), r); /* stream-ordered: after the work above */
+  FDP_CHECK_KEEP(fdp__cu_check(cu->StreamSynchronize(x->stream), "cuStreamSynchronize", x->dev), r);
+  return r;
+}
+
+/* Fills x for copy c: its pair, direction, device, stream and which sides are flat (no buffers yet). */
+static void host_copy_init(const fdp_copy_t *c, const fdp_streams_t *streams, host_copy_t *x) {
+  memset(x, 0, sizeof *x);
+  fdp__pair_build(c, &x->p);
+  x->h2d = c->src.device == FDP_HOST;
+  x->dev = x->h2d ? c->dst.device : c->src.device;
+  x->stream = (CUstream)fdp__stream_for(streams, x->dev);
+  x->bytes = (size_t)(x->p.numel * x->p.es);
+  fdp__pair_flat_strides(&x->p, x->fs);
+  x->host_flat = x->h2d ? fdp__pair_src_flat(&x->p) : fdp__pair_dst_flat(&x->p);
+  x->dev_flat = x->h2d ? fdp__pair_dst_flat(&x->p) : fdp__pair_src_flat(&x->p);
+  x->dbuf = x->dev_flat ? (x->h2d ? x->p.dst : x->p.src) : 0;
+}
+
 /* Between host memory and one device, on that device's stream. The transfer itself is one flat
  * cuMemcpyHtoDAsync / cuMemcpyDtoHAsync; a strided host side is packed or unpacked on the host (a malloc'ed
  * buffer), a strided device side through a scratch buffer (see NOTE [scratch memory]) and the copy kernel. The
  * stream is synchronised before returning: host memory is complete (and reusable) when the call returns, as with
  * upstream's blocking copies to and from the CPU, whether or not the host memory is pinned. */
 static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, const fdp_streams_t *streams) {
-  pair_t p;
-  pair_build(c, &p);
-  if (p.numel == 0) return FDP_OK;
-  int h2d = c->src.device == FDP_HOST;
-  int dev = h2d ? c->dst.device : c->src.device;
-  CUstream stream = (CUstream)fdp__stream_for(streams, dev);
-  size_t bytes = (size_t)(p.numel * p.es);
-  int64_t fs[FDP_COPY_MAX_DIMS];
-  flat_strides(&p, fs);
-  int host_flat = h2d ? src_flat(&p) : dst_flat(&p);
-  int dev_flat = h2d ? dst_flat(&p) : src_flat(&p);
-  void *hbuf = host_flat ? (void *)(uintptr_t)(h2d ? p.src : p.dst) : malloc(bytes);
-  scratch_t ds;
-  memset(&ds, 0, sizeof ds);
-  CUdeviceptr dbuf = dev_flat ? (h2d ? p.dst : p.src) : 0;
+  host_copy_t x;
+  host_copy_init(c, streams, &x);
+  if (x.p.numel == 0) return FDP_OK;
+  x.hbuf = x.host_flat ? (void *)(uintptr_t)(x.h2d ? x.p.src : x.p.dst) : malloc(x.bytes);
+  if (!x.hbuf) return fdp__fail(FDP_NOMEM, "cuda backend: no host memory for a %zu-byte staging buffer", x.bytes);
   fdp_result_t r = FDP_OK;
-  if (!hbuf) return fdp__fail(FDP_NOMEM, "cuda backend: no host memory for a %zu-byte staging buffer", bytes);
-  if (h2d && !host_flat) {
-    fdp_copy_t pack;
-    host_view(&pack.dst, (uintptr_t)hbuf, &p, fs);
-    host_view(&pack.src, (uintptr_t)p.src, &p, p.ss);
-    r = fdp__backend_host.copy(&pack, 1, NULL);
-  }
-  if (r == FDP_OK) r = fdp__cu_ctx_push(dev, NULL);
-  if (r != FDP_OK) goto done;
-  if (!dev_flat) {
-    r = scratch_alloc(cu, dev, stream, bytes, "staging for a strided copy between host and device", &ds);
-    dbuf = ds.ptr;
-  }
-  if (r == FDP_OK && !h2d && !dev_flat) {
-    pair_t pack = p;
-    pack.dst = dbuf;
-    memcpy(pack.ds, fs, sizeof fs);
-    pair_merge(&pack);
-    r = kernel_copy(cu, dev, stream, pack);
-  }
-  if (r == FDP_OK)
-    r = h2d ? fdp__cu_check(cu->MemcpyHtoDAsync(dbuf, hbuf, bytes, stream), "cuMemcpyHtoDAsync", dev)
-            : fdp__cu_check(cu->MemcpyDtoHAsync(hbuf, dbuf, bytes, stream), "cuMemcpyDtoHAsync", dev);
-  if (r == FDP_OK && h2d && !dev_flat) {
-    pair_t unpack = p;
-    unpack.src = dbuf;
-    memcpy(unpack.ss, fs, sizeof fs);
-    pair_merge(&unpack);
-    r = kernel_copy(cu, dev, stream, unpack);
-  }
-  {
-    fdp_result_t rf = scratch_free(cu, &ds); /* stream-ordered: after the work above */
-    if (r == FDP_OK) r = rf;
-  }
-  {
-    /* Also after a failure: the host buffer is freed below, so whatever was enqueued must be finished. */
-    CUresult e = cu->StreamSynchronize(stream);
-    if (r == FDP_OK) r = fdp__cu_check(e, "cuStreamSynchronize", dev);
-  }
-  r = pop_keep(cu, dev, r);
-  if (r == FDP_OK && !h2d && !host_flat) {
-    fdp_copy_t unpack;
-    host_view(&unpack.dst, (uintptr_t)p.dst, &p, p.ds);
-    host_view(&unpack.src, (uintptr_t)hbuf, &p, fs);
-    r = fdp__backend_host.copy(&unpack, 1, NULL);
-  }
-done:
-  if (!host_flat) free(hbuf);
+  if (x.h2d && !x.host_flat) FDP_CHECK_GOTO(host_stage(&x), r, out);
+  FDP_CHECK_GOTO(fdp__cu_ctx_push(x.dev, NULL), r, out);
+  r = host_device_part(cu, &x);
+  FDP_CHECK_KEEP(fdp__cu_ctx_pop(x.dev), r);
+  if (r == FDP_OK && !x.h2d && !x.host_flat) r = host_stage(&x);
+out:
+  if (!x.host_flat) free(x.hbuf);
   return r;
 }
 
@@ -787,14 +679,15 @@ static fdp_result_t cuda_copy(const fdp_copy_t *copies, int n, const fdp_streams
       FDP_CHECK(copy_host_device(cu, c, streams));
       continue;
     }
-    pair_t p;
-    pair_build(c, &p);
+    fdp_pair_t p;
+    fdp__pair_build(c, &p);
     if (p.numel == 0) continue;
     fdp_result_t r;
     if (sdev == ddev) {
       CUstream stream = (CUstream)fdp__stream_for(streams, ddev);
       FDP_CHECK(fdp__cu_ctx_push(ddev, NULL));
-      r = pop_keep(cu, ddev, copy_same_device(cu, ddev, stream, &p));
+      r = copy_same_device(cu, ddev, stream, &p);
+      FDP_CHECK_KEEP(fdp__cu_ctx_pop(ddev), r);
     } else {
       r = copy_cross_device(cu, sdev, ddev, streams, &p);
     }
@@ -839,8 +732,8 @@ static fdp_result_t sum_passes(const fdp_cu_t *cu, int dev, CUstream stream, con
   return FDP_OK;
 }
 
-static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
-                                const fdp_streams_t *streams) {
+/* The backend's own preconditions on a reduce (the core checked the user's arguments before). */
+static fdp_result_t reduce_check(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out) {
   if (n < 1) return fdp__fail(FDP_INVALID, "cuda backend: reduce of no inputs");
   int dev = out->device;
   int64_t numel = fdp_tensor_numel(out);
@@ -857,6 +750,14 @@ static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
   if (!fdp_tensor_is_contiguous(out)) return fdp__fail(FDP_INVALID, "cuda backend: reduce output not contiguous");
   if (out->dtype < 0 || out->dtype >= FDP_DTYPE_COUNT || k_sum_names[out->dtype] == NULL)
     return fdp__fail(FDP_DTYPE, "cuda backend: no sum kernel for dtype %s", fdp_dtype_name(out->dtype));
+  return FDP_OK;
+}
+
+static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
+                                const fdp_streams_t *streams) {
+  FDP_CHECK(reduce_check(inputs, n, out));
+  int dev = out->device;
+  int64_t numel = fdp_tensor_numel(out);
   if (numel == 0) return FDP_OK;
 
   const fdp_cu_t *cu;
@@ -869,7 +770,8 @@ static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
     if (inputs[0].data == out->data) return FDP_OK;
     FDP_CHECK(fdp__cu_ctx_push(dev, NULL));
     r = fdp__cu_check(cu->MemcpyAsync(o, (CUdeviceptr)(uintptr_t)inputs[0].data, bytes, stream), "cuMemcpyAsync", dev);
-    return pop_keep(cu, dev, r);
+    FDP_CHECK_KEEP(fdp__cu_ctx_pop(dev), r);
+    return r;
   }
   /* The running sum lives in out unless out is an input that a later pass still has to read; then in scratch
    * memory (see NOTE [scratch memory]) allocated and freed on this one stream. */
@@ -877,21 +779,22 @@ static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
   for (int i = FDP_SUM_MAX_INPUTS; i < n; i++)
     if (inputs[i].data == out->data) acc = 0;
   const module_t *m = NULL;
+  scratch_t tmp;
+  memset(&tmp, 0, sizeof tmp);
   FDP_CHECK(fdp__cu_ctx_push(dev, NULL));
   r = get_module(cu, dev, &m);
   if (r == FDP_UNAVAILABLE) r = needs_kernels("a sum of several inputs needs the k-way sum kernel");
-  scratch_t tmp;
-  memset(&tmp, 0, sizeof tmp);
-  if (r == FDP_OK && acc == 0) {
-    r = scratch_alloc(cu, dev, stream, bytes, "partial sums of a reduce into one of its inputs", &tmp);
+  if (r != FDP_OK) goto out;
+  if (acc == 0) {
+    FDP_CHECK_GOTO(scratch_alloc(cu, dev, stream, bytes, "partial sums of a reduce into one of its inputs", &tmp), r,
+                   out);
     acc = tmp.ptr;
   }
-  if (r == FDP_OK) r = sum_passes(cu, dev, stream, m, m->sum[out->dtype], inputs, n, o, acc, numel);
-  {
-    fdp_result_t rf = scratch_free(cu, &tmp);
-    if (r == FDP_OK) r = rf;
-  }
-  return pop_keep(cu, dev, r);
+  FDP_CHECK_GOTO(sum_passes(cu, dev, stream, m, m->sum[out->dtype], inputs, n, o, acc, numel), r, out);
+out:
+  FDP_CHECK_KEEP(scratch_free(cu, &tmp), r);
+  FDP_CHECK_KEEP(fdp__cu_ctx_pop(dev), r);
+  return r;
 }
 
 /* ---- backend ---- */
@@ -923,7 +826,7 @@ static void cuda_shutdown(void) {
       CUresult e = cu->CtxSynchronize();
       if (e == CUDA_SUCCESS) e = cu->ModuleUnload(g_mod[d].mod);
       if (e != CUDA_SUCCESS) fdp__log("cuda shutdown: unloading the kernels on device %d: CUresult %d", d, (int)e);
-      pop_keep(cu, d, FDP_OK);
+      FDP_CHECK_IGNORE(fdp__cu_ctx_pop(d));
     }
     memset(&g_mod[d], 0, sizeof g_mod[d]);
     g_mod_src[d][0] = g_mod_err[d][0] = '\0';

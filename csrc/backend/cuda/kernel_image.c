@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* NVRTC kernel images, once per process and cached on disk: one file per (source hash, NVRTC version,
  * architecture), written atomically (temporary file + rename) and checked on read (header with key, length
  * and checksum), so a torn, corrupt or foreign file is rebuilt rather than handed to the driver. */

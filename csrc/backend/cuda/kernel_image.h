@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Kernel images compiled at run time: NVRTC's output for one GPU architecture, made once per process and kept
  * on disk across processes (keyed by kernel source hash, NVRTC version and architecture). Needs no GPU. */
 #ifndef FASTDP_BACKEND_CUDA_KERNEL_IMAGE_H

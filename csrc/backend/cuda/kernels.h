@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The ABI between the cuda backend (C, host) and the kernels in the cuda/ folder (nvcc, device): kernel
  * names, parameter layouts, and the embedded source and fatbin that cuda/build_kernels.py generates. Included by
  * both sides (nvcc, and NVRTC through the embedded source, which has no other header), so it stays plain C with

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The nccl backend: broadcast and sum-reduce across distinct CUDA devices of this process, one grouped NCCL
  * launch per call from the calling thread, over communicators cached per ordered device list until shutdown.
  * Anything NCCL cannot do exactly is declined with FDP_UNAVAILABLE so that the core falls back. */
@@ -127,6 +128,43 @@ typedef struct rank_op {
   void *stream;
 } rank_op_t;
 
+/* One NCCL group holding the collective on every rank; the group is closed even after a failed call inside it.
+ * The context current on entry is the caller's to save and restore. */
+static fdp_result_t group_enqueue(const fdp_nccl_api_t *api, const comm_set_t *set, const int *devs, int n,
+                                  const rank_op_t *ops, size_t count, ncclDataType_t type, int reduce) {
+  const char *op = reduce ? "ncclReduce" : "ncclBroadcast";
+  ncclResult_t r = api->GroupStart();
+  if (r != ncclSuccess) return nccl_fail(api, r, NULL, "ncclGroupStart", devs, n);
+  ncclResult_t first = ncclSuccess;
+  ncclComm_t bad = NULL;
+  for (int i = 0; i < n && first == ncclSuccess; i++) {
+    ncclResult_t e = reduce
+                         ? api->Reduce(ops[i].send, ops[i].recv, count, type, ncclSum, 0, set->comms[i], ops[i].stream)
+                         : api->Broadcast(ops[i].send, ops[i].recv, count, type, 0, set->comms[i], ops[i].stream);
+    if (e != ncclSuccess) {
+      first = e;
+      bad = set->comms[i];
+    }
+  }
+  r = api->GroupEnd();
+  if (first != ncclSuccess) return nccl_fail(api, first, bad, op, devs, n);
+  if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(api, r, set->comms[0], op, devs, n);
+  return FDP_OK;
+}
+
+/* After a failed collective: evicts the communicators when one of them reports an asynchronous error (or cannot
+ * say), so that the next call builds fresh ones. g_lock is held. */
+static void evict_if_broken(const fdp_nccl_api_t *api, const fdp_cu_t *cu, comm_set_t *set) {
+  if (api->CommGetAsyncError == NULL) return;
+  for (int i = 0; i < set->n; i++) {
+    ncclResult_t st = ncclSuccess;
+    if (api->CommGetAsyncError(set->comms[i], &st) != ncclSuccess || (st != ncclSuccess && st != ncclInProgress)) {
+      comms_evict(api, cu, set);
+      return;
+    }
+  }
+}
+
 /* Launches one collective on every rank of `devs` inside one NCCL group, holding g_lock (and PyTorch's free
  * mutex when several devices are involved). `reduce` selects ncclReduce(sum) over ncclBroadcast. */
 static fdp_result_t launch(const int *devs, int n, const rank_op_t *ops, size_t count, ncclDataType_t type,
@@ -134,50 +172,18 @@ static fdp_result_t launch(const int *devs, int n, const rank_op_t *ops, size_t 
   const fdp_nccl_api_t *api;
   const fdp_cu_t *cu;
   comm_set_t *set = NULL;
-  const char *op = reduce ? "ncclReduce" : "ncclBroadcast";
   FDP_CHECK(fdp__cu_load(&cu, NULL));
   FDP_CHECK(fdp__nccl_load(&api, NULL));
   pthread_mutex_lock(&g_lock);
   fdp_result_t res = comms_get(api, cu, devs, n, &set);
-  if (res != FDP_OK) {
-    pthread_mutex_unlock(&g_lock);
-    return res;
-  }
-  pthread_mutex_t *free_mutex = n > 1 ? fdp__torch_free_mutex() : NULL;
-  if (free_mutex) pthread_mutex_lock(free_mutex);
-  saved_ctx_t saved = ctx_save(cu);
-  ncclResult_t r = api->GroupStart();
-  if (r != ncclSuccess) {
-    res = nccl_fail(api, r, NULL, "ncclGroupStart", devs, n);
-  } else {
-    ncclResult_t first = ncclSuccess;
-    ncclComm_t bad = NULL;
-    for (int i = 0; i < n && first == ncclSuccess; i++) {
-      ncclResult_t e =
-          reduce ? api->Reduce(ops[i].send, ops[i].recv, count, type, ncclSum, 0, set->comms[i], ops[i].stream)
-                 : api->Broadcast(ops[i].send, ops[i].recv, count, type, 0, set->comms[i], ops[i].stream);
-      if (e != ncclSuccess) {
-        first = e;
-        bad = set->comms[i];
-      }
-    }
-    /* The group must be closed even after a failed call inside it. */
-    r = api->GroupEnd();
-    if (first != ncclSuccess)
-      res = nccl_fail(api, first, bad, op, devs, n);
-    else if (r != ncclSuccess && r != ncclInProgress)
-      res = nccl_fail(api, r, set->comms[0], op, devs, n);
-  }
-  ctx_restore(cu, saved);
-  if (free_mutex) pthread_mutex_unlock(free_mutex);
-  if (res != FDP_OK && api->CommGetAsyncError != NULL) {
-    for (int i = 0; i < set->n; i++) {
-      ncclResult_t st = ncclSuccess;
-      if (api->CommGetAsyncError(set->comms[i], &st) != ncclSuccess || (st != ncclSuccess && st != ncclInProgress)) {
-        comms_evict(api, cu, set);
-        break;
-      }
-    }
+  if (res == FDP_OK) {
+    pthread_mutex_t *free_mutex = n > 1 ? fdp__torch_free_mutex() : NULL;
+    if (free_mutex) pthread_mutex_lock(free_mutex);
+    saved_ctx_t saved = ctx_save(cu);
+    res = group_enqueue(api, set, devs, n, ops, count, type, reduce);
+    ctx_restore(cu, saved);
+    if (free_mutex) pthread_mutex_unlock(free_mutex);
+    if (res != FDP_OK) evict_if_broken(api, cu, set);
   }
   pthread_mutex_unlock(&g_lock);
   return res;
@@ -237,6 +243,18 @@ static fdp_result_t nccl_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *
   return launch(devs, n, ops, count, type, 0);
 }
 
+/* The first input on the output's device (it becomes rank 0); every input must be a contiguous CUDA tensor. */
+static fdp_result_t find_root(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out, int *root) {
+  *root = -1;
+  for (int i = 0; i < n; i++) {
+    if (inputs[i].device < 0 || !fdp_tensor_is_contiguous(&inputs[i]))
+      return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: input %d is not a contiguous CUDA tensor", i);
+    if (inputs[i].device == out->device && *root < 0) *root = i;
+  }
+  if (*root < 0) return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: no input is on the output's device %d", out->device);
+  return FDP_OK;
+}
+
 static fdp_result_t nccl_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
                                 const fdp_streams_t *streams) {
   const fdp_nccl_api_t *api;
@@ -250,12 +268,7 @@ static fdp_result_t nccl_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
   if (out->device < 0 || !fdp_tensor_is_contiguous(out))
     return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: the output must be a contiguous CUDA tensor");
   int root = -1;
-  for (int i = 0; i < n; i++) {
-    if (inputs[i].device < 0 || !fdp_tensor_is_contiguous(&inputs[i]))
-      return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: input %d is not a contiguous CUDA tensor", i);
-    if (inputs[i].device == out->device && root < 0) root = i;
-  }
-  if (root < 0) return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: no input is on the output's device %d", out->device);
+  FDP_CHECK(find_root(inputs, n, out, &root));
   int devs[FDP_MAX_DEVICES];
   rank_op_t ops[FDP_MAX_DEVICES];
   int k = 0;

@@ -2,6 +2,7 @@
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -320,8 +321,14 @@ def test_scatter_errors():
         comm.scatter(x, out=[])
     with pytest.raises(RuntimeError, match="Output tensor at index 0 has incorrect shape"):
         comm.scatter(x, out=[torch.empty(3, 5), torch.empty(3, 4)])
-    with pytest.raises(RuntimeError, match=r"Total size for output tensors along scatter dim \d+ does not match"):
+    with pytest.raises(RuntimeError, match="^" + re.escape(
+            "Total size for output tensors along scatter dim 0 does not match the source tensor size at dim 0. "
+            "Expected 6, but got total size 5.") + "$"):
         comm.scatter(x, out=[torch.empty(3, 4), torch.empty(2, 4)])
+    with pytest.raises(RuntimeError, match="^" + re.escape(
+            "Total size for output tensors along scatter dim 1 does not match the source tensor size at dim 1. "
+            "Expected 4, but got total size 3.") + "$"):
+        comm.scatter(x, dim=1, out=[torch.empty(6, 2), torch.empty(6, 1)])
     with pytest.raises(RuntimeError, match="add up to 5"):
         comm.scatter(x, ["cpu", "cpu"], chunk_sizes=(2, 3))
     with pytest.raises(RuntimeError, match="must be non-negative"):

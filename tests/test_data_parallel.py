@@ -20,6 +20,9 @@ import torch.nn as nn
 
 import fastdp
 
+# Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
+pytestmark = pytest.mark.usefixtures("cpu_apply")
+
 KINDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -882,6 +885,24 @@ def test_parallel_apply_two_modules():
             torch.testing.assert_close(out, exp)
     with pytest.raises(AssertionError, match="The number of modules 2 is not equal to the number of inputs 1"):
         fastdp.parallel_apply((l1, l2), (i1,))
+
+
+def test_each_replica_starts_from_the_callers_grad_mode():
+    # A replica that switches autograd off does not change what the next replica (same thread or not) or the
+    # caller sees afterwards.
+    seen = []
+
+    class Switches(nn.Module):
+        def forward(self, x):
+            seen.append(torch.is_grad_enabled())
+            torch.set_grad_enabled(False)
+            return x * 2
+
+    x = torch.ones(2, requires_grad=True)
+    outs = fastdp.parallel_apply([Switches() for _ in range(3)], [(x,)] * 3, None, ["cpu"] * 3)
+    assert seen == [True] * 3 and torch.is_grad_enabled()
+    for out in outs:
+        torch.testing.assert_close(out, x * 2)
 
 
 def test_parallel_apply_passes_exception():

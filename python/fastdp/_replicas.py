@@ -136,7 +136,8 @@ class _FlatPool:
             # .data: each buffer copy gets a version counter of its own, as upstream's broadcast copies do, so an
             # in-place update of one (BatchNorm statistics) never invalidates another saved for backward.
             views = [v.data for v in views]
-        entry[1] = [weakref.ref(v) for v in views]
+        if _use_count is None:  # liveness by weak references only where the storage use count is missing
+            entry[1] = [weakref.ref(v) for v in views]
         return entry[0], views
 
 
@@ -232,7 +233,8 @@ def reduce_bucket(bucket, grads):
     dest = state.tdevs[0]
     result = [None] * k
     columns, outs = [], []
-    flat = None
+    views = None
+    complex_ = bucket.dtype.is_complex  # one dtype per bucket: only complex buckets need the real-pair views
     for j in range(k):
         column = [row[j] for row in rows if row[j] is not None]
         if not column:
@@ -240,12 +242,16 @@ def reduce_bucket(bucket, grads):
         if any(g.is_sparse for g in column):
             result[j] = comm.reduce_add([g.to(dest) if g.device != dest else g for g in column], dest)
             continue
-        if flat is None:
-            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=dest)
-            pieces = flat.split(bucket.sizes)
-        result[j] = pieces[j].view(bucket.shapes[j])
-        columns.append([to_core_dtype(_dense(g)) for g in column])
-        outs.append(to_core_dtype(result[j]))
+        if views is None:  # every member's view of one flat result, in one call
+            views = _unflatten(torch.empty(bucket.numel, dtype=bucket.dtype, device=dest), bucket.like,
+                               bucket.sizes, bucket.shapes)
+        out = result[j] = views[j]
+        if complex_:
+            columns.append([to_core_dtype(_dense(g)) for g in column])
+            outs.append(to_core_dtype(out))
+        else:
+            columns.append([g if g.is_contiguous() else g.contiguous() for g in column])
+            outs.append(out)
     if columns:
         reduce_columns(columns, outs)
     return tuple(result)
@@ -344,9 +350,10 @@ class ReplicaSet:
         for bucket in grad_buckets:
             outs = _BucketBroadcast.apply(bucket, *(self.tensors[i] for i in bucket.members))
             k = len(bucket.members)
-            # Autograd may return new tensor objects for views made in forward: liveness follows those.
-            for r, pool in enumerate(bucket.pools, start=1):
-                pool.last[1] = [weakref.ref(o) for o in outs[r * k : (r + 1) * k]]
+            if _use_count is None:
+                # Autograd may return new tensor objects for views made in forward: liveness follows those.
+                for r, pool in enumerate(bucket.pools, start=1):
+                    pool.last[1] = [weakref.ref(o) for o in outs[r * k : (r + 1) * k]]
             for r in range(nrep):
                 for j, i in enumerate(bucket.members):
                     values[r][i] = outs[r * k + j]

@@ -22,6 +22,7 @@ A flat buffer is reused only when none of the views it handed out is alive any m
 backward gets fresh buffers), so a graph still waiting for backward never sees its tensors overwritten.
 """
 
+import operator
 import weakref
 from collections import OrderedDict
 
@@ -305,8 +306,10 @@ class ReplicaSet:
                         keys.append(key)
                         refs.append((r, tindex[id(b)]))
         self.containers, self.keys, self.refs = containers, keys, refs
+        self.nones = [None] * len(containers)
         self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)]
         self.plans = {}  # grad_enabled -> (grad buckets, detached buckets)
+        self.picks = {}  # grad_enabled -> what step installs, picked from what it gathers (_picker)
 
     def _plan(self, grad_enabled):
         plan = self.plans.get(grad_enabled)
@@ -322,7 +325,30 @@ class ReplicaSet:
             plan = (_buckets(self.state, self.tensors, diff, self.bucket_bytes, False),
                     _buckets(self.state, self.tensors, rest, self.bucket_bytes, True))
             self.plans[grad_enabled] = plan
+            self.picks[grad_enabled] = self._picker(*plan)
         return plan
+
+    def _picker(self, grad_buckets, rest_buckets):
+        """What step installs, as one C-level pick from the tensors it gathers in order: the master tensors
+        (replica 0's default), then each grad bucket's node outputs (every replica, replica 0's aliases included),
+        then each other bucket's views (replicas 1 and up)."""
+        nrep = len(self.replicas)
+        where = {(0, t): t for t in range(len(self.tensors))}
+        at = len(self.tensors)
+        for bucket in grad_buckets:
+            for r in range(nrep):
+                for i in bucket.members:
+                    where[(r, i)] = at
+                    at += 1
+        for bucket in rest_buckets:
+            for r in range(1, nrep):
+                for i in bucket.members:
+                    where[(r, i)] = at
+                    at += 1
+        indices = [where[ref] for ref in self.refs]
+        if len(indices) > 1:
+            return operator.itemgetter(*indices)
+        return lambda got: [got[i] for i in indices]  # itemgetter of one index returns the item, not a tuple
 
     def matches(self, network, devices):
         return network is self.network and list(devices) == self.state.devices and walk(network)[1] == self.signature
@@ -332,27 +358,24 @@ class ReplicaSet:
 
     def step(self):
         """Refreshes the kept replicas for one forward and returns their root modules."""
-        grad_buckets, rest_buckets = self._plan(torch.is_grad_enabled())
+        grad_enabled = torch.is_grad_enabled()
+        grad_buckets, rest_buckets = self._plan(grad_enabled)
+        pick = self.picks[grad_enabled]
         _C.refresh(self.pairs, _OWNED)
         # Drop last step's tensors first, so that flat buffers nobody else holds can be reused.
-        _C.rebind(self.containers, self.keys, [None] * len(self.containers))
-        nrep = len(self.replicas)
-        values = [list(self.tensors)] + [[None] * len(self.tensors) for _ in range(nrep - 1)]
+        _C.rebind(self.containers, self.keys, self.nones)
+        got = list(self.tensors)  # gathered in the order _picker expects
         for bucket in grad_buckets:
             outs = _BucketBroadcast.apply(bucket, *(self.tensors[i] for i in bucket.members))
-            k = len(bucket.members)
             if _use_count is None:
                 # Autograd may return new tensor objects for views made in forward: liveness follows those.
+                k = len(bucket.members)
                 for r, pool in enumerate(bucket.pools, start=1):
                     pool.last[1] = [weakref.ref(o) for o in outs[r * k : (r + 1) * k]]
-            for r in range(nrep):
-                for j, i in enumerate(bucket.members):
-                    values[r][i] = outs[r * k + j]
+            got.extend(outs)
         with torch.no_grad():
             for bucket in rest_buckets:
-                views = bucket.fill([self.tensors[i].detach() for i in bucket.members])
-                for r, vs in enumerate(views, start=1):
-                    for i, v in zip(bucket.members, vs):
-                        values[r][i] = v
-        _C.rebind(self.containers, self.keys, [values[r][t] for r, t in self.refs])
+                for vs in bucket.fill([self.tensors[i].detach() for i in bucket.members]):
+                    got.extend(vs)
+        _C.rebind(self.containers, self.keys, pick(got))
         return [row[0] for row in self.replicas]

@@ -881,7 +881,8 @@ def _sweep_main(args, kind, started):
         writer = csv.DictWriter(f, fieldnames=SWEEP_COLUMNS, restval="")
         writer.writeheader()
         for r in rows:
-            writer.writerow({k: (round(r[k], 4) if isinstance(r.get(k), float) else r.get(k, "")) for k in SWEEP_COLUMNS})
+            writer.writerow({k: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k, "")
+                             for k in SWEEP_COLUMNS})
     print(f"wrote {path}")
     png = _write_sweep_png(rows, os.path.join(args.out, "params.png"))
     if png:

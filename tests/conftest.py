@@ -14,3 +14,16 @@ def pytest_runtest_setup(item):
         pytest.skip("needs two or more CUDA GPUs")
     if item.get_closest_marker("gpu") and _cuda_count() < 1:
         pytest.skip("needs a CUDA GPU")
+
+
+@pytest.fixture(params=["in-thread", "threads"])
+def cpu_apply(request, monkeypatch):
+    """Runs a test with emulated "cpu" replicas one after another in the calling thread (the default) and again on
+    worker threads (the path CUDA replicas always take), so that path stays covered without a GPU. Child
+    processes started by the test read TEST_CPU_THREADS (1: threads)."""
+    import importlib
+
+    threads = request.param == "threads"
+    monkeypatch.setattr(importlib.import_module("fastdp.parallel_apply"), "_CPU_THREADS", threads)
+    monkeypatch.setenv("TEST_CPU_THREADS", "1" if threads else "0")
+    return request.param

@@ -31,3 +31,38 @@ def test_train_bench_runs_on_cpu_and_writes_csv(tmp_path):
     assert {r["model"] for r in rows} == {"mlp", "cnn", "transformer"}
     assert {r["wrapper"] for r in rows} == {"bare", "fastdp"}
     assert all(r["error"] == "" and float(r["steps_per_s"]) > 0 for r in rows)
+    # The x1 split measures the path users run: fastdp's one-device short path calls no scatter.
+    x1 = [r for r in rows if r["wrapper"] == "fastdp" and r["replicas"] == "1"]
+    assert len(x1) == 3 and all(r["scatter_ms"] == "n/a" and r["replicate_ms"] == "n/a" for r in x1)
+    multi = [r for r in rows if r["wrapper"] == "fastdp" and r["replicas"] == "2"]
+    assert all(float(r["scatter_ms"]) > 0 and float(r["replicate_ms"]) > 0 for r in multi)
+    assert "1 torch threads" in proc.stdout  # --threads defaults to 1 on the CPU
+
+
+def _bench(args, cwd):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(fastdp.__file__))] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    return subprocess.run([sys.executable, "-m", "fastdp.bench", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_params_sweep_prints_per_tensor_cost_and_writes_csv(tmp_path):
+    proc = _bench(["--device", "cpu", "--params", "3,12", "--replicas", "2", "--steps", "2", "--warmup", "1",
+                   "--rounds", "1", "--threads", "2", "--out", str(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 torch threads" in proc.stdout and "only fastdp is measured" in proc.stdout
+    with open(tmp_path / "params.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["tensors"], r["wrapper"]) for r in rows] == [("3", "fastdp"), ("12", "fastdp")]
+    for r in rows:
+        assert r["error"] == ""
+        rep, red, per = float(r["replicate_ms"]), float(r["reduction_ms"]), float(r["us_per_tensor"])
+        assert rep > 0 and red > 0
+        assert abs(per - 1e3 * (rep + red) / int(r["tensors"])) <= 0.05 + 1e-3 * per  # CSV rounds to 1e-4 ms
+
+
+def test_params_sweep_rejects_bad_counts(tmp_path):
+    proc = _bench(["--device", "cpu", "--params", "10,zero", "--out", str(tmp_path)], tmp_path)
+    assert proc.returncode == 2 and "--params takes positive tensor counts" in proc.stderr, proc.stderr
+    proc = _bench(["--device", "cpu", "--threads", "-1", "--out", str(tmp_path)], tmp_path)
+    assert proc.returncode == 2 and "--threads" in proc.stderr, proc.stderr

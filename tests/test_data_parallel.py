@@ -20,6 +20,9 @@ import torch.nn as nn
 
 import fastdp
 
+# Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
+pytestmark = pytest.mark.usefixtures("cpu_apply")
+
 KINDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -884,6 +887,24 @@ def test_parallel_apply_two_modules():
         fastdp.parallel_apply((l1, l2), (i1,))
 
 
+def test_each_replica_starts_from_the_callers_grad_mode():
+    # A replica that switches autograd off does not change what the next replica (same thread or not) or the
+    # caller sees afterwards.
+    seen = []
+
+    class Switches(nn.Module):
+        def forward(self, x):
+            seen.append(torch.is_grad_enabled())
+            torch.set_grad_enabled(False)
+            return x * 2
+
+    x = torch.ones(2, requires_grad=True)
+    outs = fastdp.parallel_apply([Switches() for _ in range(3)], [(x,)] * 3, None, ["cpu"] * 3)
+    assert seen == [True] * 3 and torch.is_grad_enabled()
+    for out in outs:
+        torch.testing.assert_close(out, x * 2)
+
+
 def test_parallel_apply_passes_exception():
     class TestModule(nn.Module):
         def forward(self, *args):
@@ -937,6 +958,34 @@ def test_parameters_on_wrong_device_raise_upstream_message():
             dp(torch.randn(2, 2))
     with pytest.raises(RuntimeError, match="module must have its parameters and buffers on device cpu"):
         fastdp.data_parallel(m, torch.randn(2, 2), ["cpu", "cpu"])
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_forward_label_is_recorded_only_while_a_profiler_runs(n, monkeypatch):
+    # The label appears in both profilers' events, as upstream's does.
+    dp = fastdp.DataParallel(nn.Linear(3, 2), device_ids=ids("cpu", n))
+    x = torch.randn(4, 3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dp(x).sum().backward()
+    assert "DataParallel.forward" in [e.name for e in prof.events()]
+    with torch.autograd.profiler.profile() as legacy:
+        dp(x)
+    assert "DataParallel.forward" in [e.name for e in legacy.function_events]
+    # With no profiler, record_function (about 25 µs per step) is not entered at all; under one it is, once.
+    entered = []
+    real = torch.autograd.profiler.record_function
+
+    class Counting(real):
+        def __enter__(self):
+            entered.append(self.name)
+            return super().__enter__()
+
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", Counting)
+    dp(x).sum().backward()
+    assert entered == []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        dp(x)
+    assert entered == ["DataParallel.forward"]
 
 
 @pytest.mark.gpu

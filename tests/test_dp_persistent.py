@@ -14,6 +14,9 @@ import torch.nn as nn
 import fastdp
 from fastdp import _replicas
 
+# Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
+pytestmark = pytest.mark.usefixtures("cpu_apply")
+
 R = 3
 
 
@@ -273,7 +276,9 @@ def test_no_sync_pending_blocks_structure_change():
         dp(torch.randn(6, 6, dtype=torch.float64))
 
 
-def test_worker_threads_are_reused():
+def test_worker_threads_are_reused(cpu_apply):
+    # Threads (CUDA's path, forced for "cpu" replicas): one worker per replica but the first, the same ones call
+    # after call. In the calling thread (the "cpu" default): every replica runs there and no worker is started.
     seen = []
 
     class Probe(nn.Module):
@@ -299,7 +304,11 @@ def test_worker_threads_are_reused():
     for _ in range(5):
         dp(x)
     assert workers() == before
+    if cpu_apply == "in-thread":
+        assert set(first) == set(seen) == {threading.get_ident()} and len(first) == 3
+        return
     assert sorted(set(seen)) == sorted(set(first)) and len(set(first)) == 3
+    assert set(first) - {threading.get_ident()} <= workers()
 
 
 def test_grad_keeps_memory_format_and_matches_bare():

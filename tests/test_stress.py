@@ -17,6 +17,9 @@ import time
 
 import pytest
 
+# Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
+pytestmark = pytest.mark.usefixtures("cpu_apply")
+
 PRELUDE = """
 import faulthandler, os, signal, sys, threading, time
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack when it hangs
@@ -25,6 +28,7 @@ import fastdp
 from fastdp import comm
 torch.set_num_threads(1)
 torch.manual_seed(0)
+sys.modules["fastdp.parallel_apply"]._CPU_THREADS = os.environ.get("TEST_CPU_THREADS") == "1"
 
 def close(a, b):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -181,7 +185,8 @@ def test_every_base_exception_in_every_replica_then_good_steps():
             close(a, b)
     assert threading.active_count() <= threads_before + n, (threads_before, threading.active_count())
 
-    # A dead worker left in the idle pool is skipped, never handed a task.
+    # A dead worker left in the idle pool is skipped, never handed a task (the worker pool: threads forced).
+    pa._CPU_THREADS = True
     dead = threading.Thread(target=lambda: None)
     dead.start()
     dead.join()

@@ -22,6 +22,7 @@ A flat buffer is reused only when none of the views it handed out is alive any m
 backward gets fresh buffers), so a graph still waiting for backward never sees its tensors overwritten.
 """
 
+import operator
 import weakref
 
 import torch
@@ -40,18 +41,6 @@ __all__ = ["ReplicaSet", "persistable", "reduce_bucket"]
 _OWNED = ("_parameters", "_buffers", "_modules", "_is_replica", "_former_parameters", "_flat_weights",
           "_flat_weights_names")
 _POOL = 3  # flat buffers kept per bucket and device; beyond that (views held elsewhere) buffers are not kept
-
-
-def modules_of(root):
-    """Every distinct module under root, root first (breadth-first over the modules' own dicts: no names built,
-    about four times cheaper than ``root.modules()``, which matters on every step)."""
-    todo, seen = [root], {id(root)}
-    for m in todo:
-        for c in m._modules.values():
-            if c is not None and id(c) not in seen:
-                seen.add(id(c))
-                todo.append(c)
-    return todo
 
 
 def persistable(network):
@@ -73,21 +62,26 @@ def check_replicatable(network):
     _check_initialized(network.buffers())
 
 
-def _tensor_sig(t):
-    return None if t is None else (id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout)
-
-
-def signature(modules):
-    """Everything whose change makes kept skeletons or bucket layouts stale."""
-    sig = []
-    for m in modules:
-        sig.append((id(m), type(m)))
-        sig.extend((k, _tensor_sig(p)) for k, p in m._parameters.items())
-        sig.append(None)
-        sig.extend((k, _tensor_sig(b)) for k, b in m._buffers.items())
-        sig.append(None)
-        sig.extend((k, id(c)) for k, c in m._modules.items())
-    return sig
+def walk(root):
+    """(every distinct module under root, root first; the structure signature: everything whose change makes kept
+    skeletons or bucket layouts stale). One breadth-first pass over the modules' own dicts (no names built, unlike
+    ``root.modules()``), the per-tensor tuples built inline: this runs every step."""
+    todo, seen, sig = [root], {id(root)}, []
+    append = sig.append
+    for m in todo:  # grows while walked
+        append((id(m), type(m)))
+        for k, t in m._parameters.items():
+            append((k, None) if t is None else (k, id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout))
+        append(None)
+        for k, t in m._buffers.items():
+            append((k, None) if t is None else (k, id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout))
+        append(None)
+        for k, c in m._modules.items():
+            append((k, id(c)))
+            if c is not None and id(c) not in seen:
+                seen.add(id(c))
+                todo.append(c)
+    return todo, sig
 
 
 def _unflatten(flat, like, sizes, shapes):
@@ -135,7 +129,8 @@ class _FlatPool:
             # .data: each buffer copy gets a version counter of its own, as upstream's broadcast copies do, so an
             # in-place update of one (BatchNorm statistics) never invalidates another saved for backward.
             views = [v.data for v in views]
-        entry[1] = [weakref.ref(v) for v in views]
+        if _use_count is None:  # liveness by weak references only where the storage use count is missing
+            entry[1] = [weakref.ref(v) for v in views]
         return entry[0], views
 
 
@@ -231,7 +226,8 @@ def reduce_bucket(bucket, grads):
     dest = state.tdevs[0]
     result = [None] * k
     columns, outs = [], []
-    flat = None
+    views = None
+    complex_ = bucket.dtype.is_complex  # one dtype per bucket: only complex buckets need the real-pair views
     for j in range(k):
         column = [row[j] for row in rows if row[j] is not None]
         if not column:
@@ -239,12 +235,16 @@ def reduce_bucket(bucket, grads):
         if any(g.is_sparse for g in column):
             result[j] = comm.reduce_add([g.to(dest) if g.device != dest else g for g in column], dest)
             continue
-        if flat is None:
-            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=dest)
-            pieces = flat.split(bucket.sizes)
-        result[j] = pieces[j].view(bucket.shapes[j])
-        columns.append([to_core_dtype(_dense(g)) for g in column])
-        outs.append(to_core_dtype(result[j]))
+        if views is None:  # every member's view of one flat result, in one call
+            views = _unflatten(torch.empty(bucket.numel, dtype=bucket.dtype, device=dest), bucket.like,
+                               bucket.sizes, bucket.shapes)
+        out = result[j] = views[j]
+        if complex_:
+            columns.append([to_core_dtype(_dense(g)) for g in column])
+            outs.append(to_core_dtype(out))
+        else:
+            columns.append([g if g.is_contiguous() else g.contiguous() for g in column])
+            outs.append(out)
     if columns:
         reduce_columns(columns, outs)
     return tuple(result)
@@ -266,8 +266,7 @@ class ReplicaSet:
         self.network = network
         self.state = _State(devices)
         self.bucket_bytes = bucket_bytes
-        self.modules = modules_of(network)
-        self.signature = signature(self.modules)
+        self.modules, self.signature = walk(network)
         nrep = len(devices)
         self.replicas = skeletons(self.modules, nrep)
         # Every distinct parameter, then every distinct buffer: the tensors refreshed each step.
@@ -299,11 +298,13 @@ class ReplicaSet:
                         keys.append(key)
                         refs.append((r, tindex[id(b)]))
         self.containers, self.keys, self.refs = containers, keys, refs
+        self.nones = [None] * len(containers)
         # A compiled wrapper's replica keeps its own attributes (its forward calls its own module: see NOTE
         # [compiled modules] in replicate.py); every other replica mirrors its master each step.
         self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)
                       if not is_compiled(m)]
         self.plans = {}  # grad_enabled -> (grad buckets, detached buckets)
+        self.picks = {}  # grad_enabled -> what step installs, picked from what it gathers (_picker)
 
     def _plan(self, grad_enabled):
         plan = self.plans.get(grad_enabled)
@@ -319,37 +320,57 @@ class ReplicaSet:
             plan = (_buckets(self.state, self.tensors, diff, self.bucket_bytes, False),
                     _buckets(self.state, self.tensors, rest, self.bucket_bytes, True))
             self.plans[grad_enabled] = plan
+            self.picks[grad_enabled] = self._picker(*plan)
         return plan
 
+    def _picker(self, grad_buckets, rest_buckets):
+        """What step installs, as one C-level pick from the tensors it gathers in order: the master tensors
+        (replica 0's default), then each grad bucket's node outputs (every replica, replica 0's aliases included),
+        then each other bucket's views (replicas 1 and up)."""
+        nrep = len(self.replicas)
+        where = {(0, t): t for t in range(len(self.tensors))}
+        at = len(self.tensors)
+        for bucket in grad_buckets:
+            for r in range(nrep):
+                for i in bucket.members:
+                    where[(r, i)] = at
+                    at += 1
+        for bucket in rest_buckets:
+            for r in range(1, nrep):
+                for i in bucket.members:
+                    where[(r, i)] = at
+                    at += 1
+        indices = [where[ref] for ref in self.refs]
+        if len(indices) > 1:
+            return operator.itemgetter(*indices)
+        return lambda got: [got[i] for i in indices]  # itemgetter of one index returns the item, not a tuple
+
     def matches(self, network, devices):
-        return network is self.network and list(devices) == self.state.devices and signature(
-            modules_of(network)) == self.signature
+        return network is self.network and list(devices) == self.state.devices and walk(network)[1] == self.signature
 
     def has_pending(self):
         return any(b.pending is not None for plan in self.plans.values() for b in plan[0])
 
     def step(self):
         """Refreshes the kept replicas for one forward and returns their root modules."""
-        grad_buckets, rest_buckets = self._plan(torch.is_grad_enabled())
+        grad_enabled = torch.is_grad_enabled()
+        grad_buckets, rest_buckets = self._plan(grad_enabled)
+        pick = self.picks[grad_enabled]
         _C.refresh(self.pairs, _OWNED)
         # Drop last step's tensors first, so that flat buffers nobody else holds can be reused.
-        _C.rebind(self.containers, self.keys, [None] * len(self.containers))
-        nrep = len(self.replicas)
-        values = [list(self.tensors)] + [[None] * len(self.tensors) for _ in range(nrep - 1)]
+        _C.rebind(self.containers, self.keys, self.nones)
+        got = list(self.tensors)  # gathered in the order _picker expects
         for bucket in grad_buckets:
             outs = _BucketBroadcast.apply(bucket, *(self.tensors[i] for i in bucket.members))
-            k = len(bucket.members)
-            # Autograd may return new tensor objects for views made in forward: liveness follows those.
-            for r, pool in enumerate(bucket.pools, start=1):
-                pool.last[1] = [weakref.ref(o) for o in outs[r * k : (r + 1) * k]]
-            for r in range(nrep):
-                for j, i in enumerate(bucket.members):
-                    values[r][i] = outs[r * k + j]
+            if _use_count is None:
+                # Autograd may return new tensor objects for views made in forward: liveness follows those.
+                k = len(bucket.members)
+                for r, pool in enumerate(bucket.pools, start=1):
+                    pool.last[1] = [weakref.ref(o) for o in outs[r * k : (r + 1) * k]]
+            got.extend(outs)
         with torch.no_grad():
             for bucket in rest_buckets:
-                views = bucket.fill([self.tensors[i].detach() for i in bucket.members])
-                for r, vs in enumerate(views, start=1):
-                    for i, v in zip(bucket.members, vs):
-                        values[r][i] = v
-        _C.rebind(self.containers, self.keys, [values[r][t] for r, t in self.refs])
+                for vs in bucket.fill([self.tensors[i].detach() for i in bucket.members]):
+                    got.extend(vs)
+        _C.rebind(self.containers, self.keys, pick(got))
         return [row[0] for row in self.replicas]

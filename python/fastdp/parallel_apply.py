@@ -1,8 +1,10 @@
 """``parallel_apply(modules, inputs, kwargs_tup=None, devices=None)``: runs each replica on its inputs.
 
-Replica 0 runs in the calling thread; the others run on persistent worker threads taken from an idle pool and
-put back when done (reused by every call instead of upstream's new threads every step; a call made from inside a
-replica gets idle or new workers, never a busy one). Each worker re-enters the caller's grad mode, inference
+Emulated "cpu" replicas run one after another in the calling thread (measured faster than threads: they contend
+for the GIL, and their backward runs in the calling thread anyway). Otherwise replica 0 runs in the calling
+thread and the others run on persistent worker threads taken from an idle pool and put back when done (reused
+by every call instead of upstream's new threads every step; a call made from inside a replica gets idle or new
+workers, never a busy one). Each worker re-enters the caller's grad mode, inference
 mode, autocast state (enabled flag and dtype), device and current stream; exceptions, BaseException included,
 come back as "Caught X in replica i on device d." with the original traceback, the lowest replica index first,
 and the worker stays in the pool. Differences from upstream: the autocast dtype (not only the enabled flag) and
@@ -257,6 +259,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
 
 
+# Whether emulated "cpu" replicas run on worker threads (as CUDA replicas always do) rather than one after another
+# in the calling thread. Internal: tests set it to cover the threaded path on machines without a GPU.
+_CPU_THREADS = False
 
 
 def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
@@ -288,6 +293,15 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     if len(modules) == 1:
         # Inline in the caller's thread: its grad mode and autocast state apply as they are.
         _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], None, results)
+    elif not _CPU_THREADS and all(d == _devices.CPU for d in devices):
+        # Emulated host replicas: one after another in the caller's thread, each under the caller's thread-local
+        # state as a worker would be. Threads would buy nothing (their backward runs in the caller's thread
+        # anyway, and the forwards contend for the GIL); the first failing replica ends the call.
+        context = _Context(devices)
+        for i in range(len(modules)):
+            _run(i, modules[i], inputs[i], kwargs_tup[i], devices[i], None, context, results)
+            if isinstance(results[i], ExceptionWrapper):
+                break
     else:
         context = _Context(devices)
         done = queue.SimpleQueue()

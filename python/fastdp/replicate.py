@@ -42,7 +42,7 @@ def _compiled_replica(modules, index, row, i):
 
 def skeletons(modules, count):
     """``count`` rows of replica skeletons of ``modules`` (one list, parents before children, as ``modules()`` and
-    ``_replicas.modules_of`` give): shallow copies with their children linked, parameters and buffers still to set.
+    ``_replicas.walk`` give): shallow copies with their children linked, parameters and buffers still to set.
 
     NOTE [compiled modules]: a ``torch.compile`` wrapper is not copied the usual way: its copy would share the
     master's child dict (the wrapper forwards attribute writes to the module it wraps) and call the master's

@@ -1,7 +1,8 @@
 """Benchmarks: programs that print tables and write CSV files, never timed assertions.
 
 python -m fastdp.bench comm [--sizes-mb 1,4,16,64,256] [--replicas 4] [--out bench-out]
-python -m fastdp.bench train [--models mlp,cnn,transformer] [--replicas 4] [--rounds 5] [--split] [--out bench-out]
+python -m fastdp.bench train [--models mlp,cnn,transformer] [--replicas 4] [--rounds 5] [--threads 1] [--split]
+                             [--params 10,100,1000] [--out bench-out]
 """
 
 import argparse
@@ -25,6 +26,12 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed run")
     p.add_argument("--rounds", type=int, default=9, help="interleaved rounds; medians over rounds are reported")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (torch.set_num_threads); 0: 1 on the CPU, torch's default with a GPU")
+    p.add_argument("--params", default="", metavar="N[,N...]",
+                   help="instead of the models: per parameter tensor and step, the cost of replicate and of the "
+                   "gradient reduction for N x Linear(8, 8) (fastdp, and torch.nn.DataParallel on a GPU); "
+                   "writes params.csv and params.png")
     p.add_argument("--out", default="bench-out", help="folder for train.csv and train.png")
     p.add_argument("--split", action="store_true",
                    help="synchronise the GPUs around each timed region of the instrumented pass")

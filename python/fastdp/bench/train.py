@@ -8,7 +8,8 @@ the median of every timed step (steps are synchronous, so a preempted step is on
 over rounds of each round's mean step (steps are queued, so only whole blocks are timed).
 
 How the split is approximated:
-- scatter / replicate / gather: wall time of the wrapper's method (``super()`` call in a subclass);
+- scatter / replicate / gather: wall time of the wrapper's method (timed wrappers set on the instance, so the
+  class, and with it fastdp's one-device short path, is the one users run; a method not called reports n/a);
 - replica forward: the union of the intervals during which at least one replica was inside the module's forward
   (a forward pre-hook and a forward hook on the master module, which every replica shares); what else
   ``parallel_apply`` spends (thread hand-off, joins) is reported as "apply other";
@@ -181,24 +182,24 @@ class _Probe:
     split = None
 
 
-def _timed(base):
-    """A subclass of a DataParallel class whose overridable methods report their time to ``_Probe.split``."""
+_PHASES = ("scatter", "replicate", "parallel_apply", "gather")
 
-    class Timed(base):
-        def scatter(self, *args, **kwargs):
-            return _call("scatter", super().scatter, args, kwargs)
 
-        def replicate(self, *args, **kwargs):
-            return _call("replicate", super().replicate, args, kwargs)
+def _timed(model):
+    """`model` with its overridable methods reporting their time to ``_Probe.split``.
 
-        def parallel_apply(self, *args, **kwargs):
-            return _call("parallel_apply", super().parallel_apply, args, kwargs)
+    The timed methods are set on the instance, not in a subclass: the class stays the one users run, so paths
+    that depend on it (fastdp's one-device short path is taken only when ``scatter`` is not overridden) are the
+    ones measured. A method the wrapper does not call (no scatter on that short path) reports nothing.
+    """
+    for phase in _PHASES:
+        bound = getattr(type(model), phase).__get__(model)
 
-        def gather(self, *args, **kwargs):
-            return _call("gather", super().gather, args, kwargs)
+        def timed(*args, _phase=phase, _bound=bound, **kwargs):
+            return _call(_phase, _bound, args, kwargs)
 
-    Timed.__name__ = Timed.__qualname__ = f"Timed{base.__name__}"
-    return Timed
+        model.__dict__[phase] = timed
+    return model
 
 
 def _call(phase, fn, args, kwargs):
@@ -264,7 +265,7 @@ class _Config:
         if self.wrapper == "bare":
             return module, module
         base = torch.nn.DataParallel if self.wrapper == "upstream" else fastdp.DataParallel
-        return base(module, device_ids=self.device_ids), _timed(base)(module, device_ids=self.device_ids)
+        return base(module, device_ids=self.device_ids), _timed(base(module, device_ids=self.device_ids))
 
 
 def _configs(kind, replicas, per_device_batch):
@@ -301,11 +302,11 @@ def _train_step(model, x, y, opt):
     opt.step()
 
 
-def _timed_step(model, x, y, opt, split):
+def _timed_step(model, x, y, opt, split, loss=nn.functional.cross_entropy):
     t0 = time.perf_counter()
     split.timed("optimizer", opt.zero_grad, set_to_none=True)
     out = split.timed("forward", model, x)
-    loss = split.timed("loss", nn.functional.cross_entropy, out, y)
+    loss = split.timed("loss", loss, out, y)
     split.timed("backward", loss.backward)
     split.timed("optimizer", opt.step)
     if split.sync:
@@ -584,6 +585,10 @@ def _command_line(args):
              "--replicas", str(args.replicas), "--batch", str(args.batch), "--steps", str(args.steps),
              "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--device", args.device,
              "--out", args.out]
+    if args.threads:
+        parts += ["--threads", str(args.threads)]
+    if args.params:
+        parts += ["--params", args.params]
     if args.split:
         parts.append("--split")
     if args.per_device_batch:
@@ -646,6 +651,15 @@ def run(args):
         print("--device cuda: no CUDA device is available", file=sys.stderr)
         return 2
     kind = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if args.threads < 0:
+        print("--threads must be 0 (1 on the CPU, torch's default with a GPU) or a positive count", file=sys.stderr)
+        return 2
+    if args.threads or kind == "cpu":
+        # One torch thread on the CPU by default: on a small shared machine every configuration is faster and
+        # far less noisy with it.
+        torch.set_num_threads(args.threads or 1)
+    if args.params:
+        return _sweep_main(args, kind, started)
     replicas = max(2, args.replicas)
     configs = _configs(kind, replicas, args.per_device_batch)
     sync = _device_sync(kind, configs)
@@ -696,6 +710,181 @@ def run(args):
             writer.writerow({k: _csv_value(k, r) for k in COLUMNS})
     print(f"wrote {path}")
     png = _write_png(rows, os.path.join(args.out, "train.png"))
+    if png:
+        print(f"wrote {png}")
+    print("load average at end: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
+    print(f"total time {time.perf_counter() - started:.0f} s")
+    return 1 if any(r["error"] for r in rows) else 0
+
+
+# The --params sweep: what replicate and the gradient reduction cost per parameter tensor and step.
+
+
+class _Chain(nn.Module):
+    """n bias-free Linear(8, 8) layers with tanh between: n parameter tensors of 64 values, so replicate and the
+    reduction grow with the tensor count while the bytes and the compute stay small."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _parse_counts(text):
+    try:
+        counts = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 1 for n in counts):
+        return None
+    return counts
+
+
+def _sweep_ids(kind, replicas):
+    if kind == "cpu":
+        return ["cpu"] * replicas, f"{replicas} emulated 'cpu' replicas"
+    n = torch.cuda.device_count()
+    if n == 1:
+        return [0] * replicas, f"{replicas} repeated ids on GPU 0"
+    return list(range(n)), f"{n} GPUs"
+
+
+def _sweep(counts, kind, args, sync):
+    """Rows of per-step replicate and reduction time for every tensor count and wrapper (medians over rounds)."""
+    replicas = max(2, args.replicas)
+    ids, _ = _sweep_ids(kind, replicas)
+    wrappers = ["fastdp"] + (["upstream"] if kind == "cuda" else [])
+    dev0 = torch.device("cuda:0") if kind == "cuda" else torch.device("cpu")
+    batch = args.batch or 4 * len(ids)
+    rows = []
+    for n in counts:
+        torch.manual_seed(0)
+        module = _Chain(n).to(dev0)
+        x = torch.randn(batch, 8, device=dev0)
+        opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+        models, errors = {}, {}
+        for w in wrappers:
+            base = torch.nn.DataParallel if w == "upstream" else fastdp.DataParallel
+            try:
+                models[w] = _timed(base(module, device_ids=ids))
+            except Exception as e:
+                errors[w] = f"{type(e).__name__}: {e}"
+        per_round = {w: {"replicate": [], "reduction": [], "step": []} for w in wrappers}
+        split = _Split(sync if args.split else None)
+        for r in range(args.rounds):
+            live = [w for w in wrappers if w not in errors]
+            for w in live[r % max(1, len(live)):] + live[: r % max(1, len(live))]:
+                try:
+                    with _instrumented(split, module, w):
+                        for _ in range(args.warmup):
+                            _timed_step(models[w], x, None, opt, split, loss=_sum_loss)
+                        if sync:
+                            sync()
+                        split.reset()
+                        total = sum(_timed_step(models[w], x, None, opt, split, loss=_sum_loss)
+                                    for _ in range(args.steps))
+                    for phase in ("replicate", "reduction"):
+                        per_round[w][phase].append(split.phases.get(phase, 0.0) / args.steps)
+                    per_round[w]["step"].append(total / args.steps)
+                except Exception as e:
+                    errors[w] = f"{type(e).__name__}: {e}"
+                    print(f"  {n} tensors / {w}: failed: {errors[w]}", flush=True)
+        for w in wrappers:
+            row = {"tensors": n, "wrapper": w, "device_ids": ",".join(str(d) for d in ids), "replicas": len(ids),
+                   "error": errors.get(w, "")}
+            if w not in errors and per_round[w]["step"]:
+                rep = 1e3 * statistics.median(per_round[w]["replicate"])
+                red = 1e3 * statistics.median(per_round[w]["reduction"])
+                row.update(replicate_ms=rep, reduction_ms=red, step_ms=1e3 * statistics.median(per_round[w]["step"]),
+                           replicate_us_per_tensor=1e3 * rep / n, reduction_us_per_tensor=1e3 * red / n,
+                           us_per_tensor=1e3 * (rep + red) / n)
+            rows.append(row)
+        del models, opt, module
+    return rows
+
+
+def _sum_loss(out, _target):
+    return out.sum()
+
+
+SWEEP_COLUMNS = ["tensors", "wrapper", "device_ids", "replicas", "replicate_ms", "reduction_ms", "step_ms",
+                 "replicate_us_per_tensor", "reduction_us_per_tensor", "us_per_tensor", "error"]
+
+
+def _write_sweep_png(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'fastdp[bench]'): no chart written")
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for w in dict.fromkeys(r["wrapper"] for r in rows):
+        pts = [(r["tensors"], r["us_per_tensor"]) for r in rows if r["wrapper"] == w and not r["error"]]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=w)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameter tensors")
+    ax.set_ylabel("µs per tensor per step (replicate + reduction)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _sweep_main(args, kind, started):
+    counts = _parse_counts(args.params)
+    if counts is None:
+        print(f"--params takes positive tensor counts, comma-separated (e.g. 10,100,1000), got {args.params!r}",
+              file=sys.stderr)
+        return 2
+    replicas = max(2, args.replicas)
+    _, label = _sweep_ids(kind, replicas)
+    sync = None
+    if kind == "cuda":
+        ids, _ = _sweep_ids(kind, replicas)
+        devices = sorted(set(ids))
+        sync = lambda: [torch.cuda.synchronize(d) for d in devices]  # noqa: E731
+    where = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if kind == "cuda"
+             else f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads")
+    print(f"fastdp per-tensor sweep on {where}; torch {torch.__version__}, fastdp {fastdp.__version__}")
+    print(f"model: N x Linear(8, 8, bias=False) with tanh (N parameter tensors), {label}, loss = output sum, SGD; "
+          f"{args.rounds} interleaved rounds x {args.steps} steps (+{args.warmup} warm-up); medians over rounds of "
+          "each round's mean per step; replicate = the wrapper's replicate method, reduction = the gradient "
+          "reduction calls (" + ("devices synchronised around each" if args.split and sync else "host-side times")
+          + ")")
+    if kind == "cpu":
+        print("no GPU: torch.nn.DataParallel cannot run on the CPU, so only fastdp is measured")
+    print("load average at start: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
+    rows = _sweep(counts, kind, args, sync)
+    print()
+    print(f"{'tensors':>8}  {'wrapper':<10}{'replicate':>11}{'reduction':>11}{'step':>9}"
+          f"{'rep/tensor':>12}{'red/tensor':>12}{'per tensor':>12}")
+    print(f"{'':>8}  {'':<10}{'ms':>11}{'ms':>11}{'ms':>9}{'µs':>12}{'µs':>12}{'µs':>12}")
+    for r in rows:
+        if r["error"]:
+            print(f"{r['tensors']:>8}  {r['wrapper']:<10}  failed: {r['error']}")
+            continue
+        print(f"{r['tensors']:>8}  {r['wrapper']:<10}{r['replicate_ms']:>11.3f}{r['reduction_ms']:>11.3f}"
+              f"{r['step_ms']:>9.2f}{r['replicate_us_per_tensor']:>12.2f}{r['reduction_us_per_tensor']:>12.2f}"
+              f"{r['us_per_tensor']:>12.2f}")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "params.csv")
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=SWEEP_COLUMNS, restval="")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k, "")
+                             for k in SWEEP_COLUMNS})
+    print(f"wrote {path}")
+    png = _write_sweep_png(rows, os.path.join(args.out, "params.png"))
     if png:
         print(f"wrote {png}")
     print("load average at end: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))

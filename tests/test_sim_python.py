@@ -58,3 +58,9 @@ def test_issue9_defect(case):
 def test_no_kernels_on_simulated_devices():
     """Issue 10: no fatbin and no NVRTC. Copies stay in the core, kernel work falls back to torch's result."""
     _case("no_kernels", FASTDP_DISABLE_NVRTC="1", FASTDP_DISABLE_FATBIN="1")
+
+
+def test_library_status_and_out_of_memory():
+    """Issue 14: .status carries the CUresult / ncclResult_t; CUDA out of memory (the driver's pool or PyTorch's
+    allocator) is fastdp.CudaOutOfMemoryError, a torch.OutOfMemoryError."""
+    _case("status")

@@ -44,6 +44,13 @@ fdp_result_t fdp__fail(fdp_result_t r, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
+/* fdp__fail for a failure of a library call: also records the library's own code (CUresult, ncclResult_t), which
+ * fdp_last_status() returns and the binding puts on the exception. */
+fdp_result_t fdp__fail_status(fdp_result_t r, int status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
 
 /* Writes one line to stderr when FASTDP_DEBUG is set; the only output fastdp's C code ever makes. */
 void fdp__log(const char *fmt, ...)

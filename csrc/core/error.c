@@ -8,6 +8,7 @@
 
 static _Thread_local char last_error[1024];
 static _Thread_local int detail_held; /* see NOTE [error trail and cleanup] in backend.h */
+static _Thread_local int last_status; /* the library's own code of the failure whose detail is kept (0: none) */
 
 static const char *const names[] = {
 #define FDP_X(name, msg) "FDP_" #name,
@@ -33,19 +34,37 @@ const char *fdp_last_error(void) {
   return last_error;
 }
 
-fdp_result_t fdp__fail(fdp_result_t r, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
+static fdp_result_t vfail(fdp_result_t r, int status, const char *fmt, va_list ap) {
   if (detail_held) {
     char line[sizeof last_error];
     vsnprintf(line, sizeof line, fmt, ap);
     fdp__log("%s (during cleanup, after an earlier failure): %s", fdp_result_name(r), line);
   } else {
     vsnprintf(last_error, sizeof last_error, fmt, ap);
+    last_status = status;
     fdp__log("%s: %s", fdp_result_name(r), last_error);
   }
+  return r;
+}
+
+fdp_result_t fdp__fail(fdp_result_t r, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vfail(r, 0, fmt, ap);
   va_end(ap);
   return r;
+}
+
+fdp_result_t fdp__fail_status(fdp_result_t r, int status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vfail(r, status, fmt, ap);
+  va_end(ap);
+  return r;
+}
+
+int fdp_last_status(void) {
+  return last_status;
 }
 
 void fdp__trail(const char *file, int line, const char *call, fdp_result_t r) {

@@ -86,6 +86,9 @@ const char *fdp_result_message(fdp_result_t r);
 /* Detail of the last failure on this thread (what failed, with which arguments); valid until the next
  * failing call on the same thread. Never NULL. */
 const char *fdp_last_error(void);
+/* The CUDA driver's CUresult or NCCL's ncclResult_t behind the last failure on this thread (the one
+ * fdp_last_error describes); 0 when that failure was not a library call's. */
+int fdp_last_status(void);
 
 /* ---- tensors ---- */
 
@@ -198,13 +201,18 @@ int fdp_cuda_device_active(int device);
  *
  * alloc(ctx, device, bytes, stream, &ptr, &handle, err, err_len): returns 0 with *ptr, device memory of `device`
  *   usable by work enqueued on `stream` from now on (stream-ordered, like cuMemAllocAsync on that stream), and an
- *   opaque *handle for free; or nonzero with a NUL-terminated reason in err.
+ *   opaque *handle for free; or nonzero with a NUL-terminated reason in err: FDP_ALLOC_OUT_OF_MEMORY when the
+ *   allocator is out of memory (the failure then reports CUDA_ERROR_OUT_OF_MEMORY as its status), 1 otherwise.
  * free(ctx, device, stream, handle): gives the memory back ordered after the work already enqueued on `stream`,
  *   the stream it was allocated on (like cuMemFreeAsync). Never fails.
  * Both are called with the primary context of `device` current (pushed by fastdp: an allocator that switches
  * devices must restore it, as PyTorch's device guards do) and without any fastdp lock held, from whatever thread
  * runs the operation. Register (or unregister with NULL) only while no operation runs; the table is copied.
  */
+#define FDP_ALLOC_OUT_OF_MEMORY 2
+/* CUresult CUDA_ERROR_OUT_OF_MEMORY, as fdp_last_status() reports it (this header has no CUDA declarations). */
+#define FDP_CUDA_OUT_OF_MEMORY 2
+
 typedef struct fdp_allocator {
   int (*alloc)(void *ctx, int device, size_t bytes, void *stream, void **ptr, void **handle, char *err,
                size_t err_len);

@@ -150,8 +150,9 @@ fdp_result_t fdp__cu_check(CUresult r, const char *op, int device) {
   const char *s = NULL, *n = NULL;
   if (g_cu.GetErrorString == NULL || g_cu.GetErrorString(r, &s) != CUDA_SUCCESS || s == NULL) s = "unknown error";
   if (g_cu.GetErrorName == NULL || g_cu.GetErrorName(r, &n) != CUDA_SUCCESS || n == NULL) n = "?";
-  if (device >= 0) return fdp__fail(FDP_CUDA, "%s on device %d: %s (%s, CUresult %d)", op, device, s, n, (int)r);
-  return fdp__fail(FDP_CUDA, "%s: %s (%s, CUresult %d)", op, s, n, (int)r);
+  if (device >= 0)
+    return fdp__fail_status(FDP_CUDA, (int)r, "%s on device %d: %s (%s, CUresult %d)", op, device, s, n, (int)r);
+  return fdp__fail_status(FDP_CUDA, (int)r, "%s: %s (%s, CUresult %d)", op, s, n, (int)r);
 }
 
 int fdp__cu_device_count(void) {

@@ -24,6 +24,8 @@ static module_state *get_state(PyObject *module) {
 
 /* ---- errors ---- */
 
+static PyObject *g_oom_error; /* see set_oom_error below */
+
 static PyObject *raise_result(module_state *st, fdp_result_t r) {
   PyObject *type;
   switch (r) {
@@ -32,7 +34,7 @@ static PyObject *raise_result(module_state *st, fdp_result_t r) {
   case FDP_NOMEM: type = PyExc_MemoryError; break;
   case FDP_OVERLAP: type = PyExc_RuntimeError; break; /* PyTorch raises RuntimeError for overlapping writes */
   case FDP_UNAVAILABLE: type = st->BackendUnavailableError; break;
-  case FDP_CUDA: type = st->CudaError; break;
+  case FDP_CUDA: type = fdp_last_status() == FDP_CUDA_OUT_OF_MEMORY && g_oom_error ? g_oom_error : st->CudaError; break;
   case FDP_NCCL: type = st->NcclError; break;
   default: type = st->FastDPError; break;
   }
@@ -41,6 +43,11 @@ static PyObject *raise_result(module_state *st, fdp_result_t r) {
   PyObject *code = PyUnicode_FromString(fdp_result_name(r));
   if (!code || PyObject_SetAttrString(exc, "code", code) < 0) PyErr_Clear();
   Py_XDECREF(code);
+  /* .status: the library's own code (CUresult, ncclResult_t), as CuPy's CUDADriverError.status; None otherwise. */
+  PyObject *status = (r == FDP_CUDA || r == FDP_NCCL) && fdp_last_status() != 0 ? PyLong_FromLong(fdp_last_status())
+                                                                                  : Py_NewRef(Py_None);
+  if (!status || PyObject_SetAttrString(exc, "status", status) < 0) PyErr_Clear();
+  Py_XDECREF(status);
   PyErr_SetObject(type, exc);
   Py_DECREF(exc);
   return NULL;
@@ -801,6 +808,10 @@ static PyObject *py_shutdown(PyObject *module, PyObject *unused) {
  * PyTorch uses there, so its device guard has nothing to switch); taking the GIL here cannot deadlock. One
  * allocator per process, as in the core: a static, not module state. */
 static PyObject *g_alloc_fn;
+/* set_oom_error(cls, torch_oom): fastdp's CUDA out-of-memory exception (a CudaError that is also PyTorch's
+ * OutOfMemoryError) and PyTorch's own class, which the allocator callback recognises. Process-wide, like the
+ * allocator. */
+static PyObject *g_torch_oom;
 
 static void exception_text(char *err, size_t len) {
 #if PY_VERSION_HEX >= 0x030C0000
@@ -845,7 +856,10 @@ static int scratch_alloc_cb(void *ctx, int device, size_t bytes, void *stream, v
       rc = 0;
     }
   }
-  if (rc != 0) exception_text(err, err_len);
+  if (rc != 0) {
+    if (g_torch_oom != NULL && PyErr_ExceptionMatches(g_torch_oom)) rc = FDP_ALLOC_OUT_OF_MEMORY;
+    exception_text(err, err_len);
+  }
 out:
   Py_XDECREF(p);
   Py_XDECREF(t);
@@ -861,6 +875,22 @@ static void scratch_free_cb(void *ctx, int device, void *stream, void *handle) {
   PyGILState_STATE gil = PyGILState_Ensure();
   Py_DECREF((PyObject *)handle);
   PyGILState_Release(gil);
+}
+
+/* set_oom_error(cls, torch_oom): see g_torch_oom above. */
+static PyObject *py_set_oom_error(PyObject *module, PyObject *args) {
+  PyObject *cls, *torch_oom;
+  if (!PyArg_ParseTuple(args, "OO:set_oom_error", &cls, &torch_oom)) return NULL;
+  module_state *st = get_state(module);
+  if (!PyType_Check(cls) || !PyType_Check(torch_oom) || !PyObject_IsSubclass(cls, st->CudaError) ||
+      !PyObject_IsSubclass(cls, torch_oom)) {
+    PyErr_SetString(PyExc_TypeError,
+                    "set_oom_error(cls, torch_oom): cls must subclass both CudaError and torch_oom");
+    return NULL;
+  }
+  Py_XSETREF(g_oom_error, Py_NewRef(cls));
+  Py_XSETREF(g_torch_oom, Py_NewRef(torch_oom));
+  Py_RETURN_NONE;
 }
 
 /* set_device_allocator(alloc or None): see the note above. */
@@ -939,6 +969,8 @@ static PyMethodDef methods[] = {
     {"usable", py_usable, METH_O, "usable(name) -> (bool, why): whether a backend can run now; touches no GPU"},
     {"shutdown", py_shutdown, METH_NOARGS,
      "release communicators and device state; False (nothing done) while the interpreter finalizes"},
+    {"set_oom_error", py_set_oom_error, METH_VARARGS,
+     "set_oom_error(cls, torch_oom): the exception raised for CUDA out of memory, and PyTorch's OutOfMemoryError"},
     {"set_device_allocator", py_set_device_allocator, METH_O,
      "set_device_allocator(alloc or None): alloc(device, nbytes, stream) -> uint8 CUDA tensor for core scratch"},
     {"kernels_info", py_kernels_info, METH_NOARGS, "fatbin size, NVRTC library and version, cache folder, sources"},

@@ -5,11 +5,21 @@
 
 __version__ = "0.1.0"
 
-import torch  # noqa: F401  (loaded first: the GPU backends reuse the CUDA libraries torch brings)
+import torch  # loaded first: the GPU backends reuse the CUDA libraries torch brings
 
 from . import _C
 from . import _libs  # noqa: F401  (tells the core where pip's NVRTC is, before its first use)
 from ._C import BackendUnavailableError, CudaError, FastDPError, NcclError
+
+_TORCH_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+class CudaOutOfMemoryError(CudaError, _TORCH_OOM):
+    """CUDA ran out of memory inside fastdp's core: a ``CudaError`` (``.status`` is CUDA_ERROR_OUT_OF_MEMORY, 2)
+    and PyTorch's ``OutOfMemoryError``, so ``except torch.OutOfMemoryError`` handles it as PyTorch's own."""
+
+
+_C.set_oom_error(CudaOutOfMemoryError, _TORCH_OOM)
 from ._fallback import FallbackWarning
 from . import comm
 
@@ -17,6 +27,7 @@ __all__ = [
     "comm",
     "FastDPError",
     "CudaError",
+    "CudaOutOfMemoryError",
     "NcclError",
     "BackendUnavailableError",
     "FallbackWarning",
@@ -32,7 +43,7 @@ def info(memory=False):
     return collect(memory=memory)
 
 
-# ---- DataParallel layer (issue 3): torch.nn.parallel's public names --------------------------------------------
+# ---- DataParallel layer: torch.nn.parallel's public names --------------------------------------------
 from .data_parallel import DataParallel, data_parallel  # noqa: E402
 from .parallel_apply import parallel_apply  # noqa: E402
 from .replicate import replicate  # noqa: E402
@@ -40,13 +51,13 @@ from .scatter_gather import gather, scatter, scatter_kwargs  # noqa: E402
 
 __all__ += ["DataParallel", "data_parallel", "replicate", "scatter", "scatter_kwargs", "gather", "parallel_apply"]
 
-# ---- torch.distributed layer (issue 6): the wrapper under torchrun, and the helpers for one script everywhere ------
+# ---- torch.distributed layer: the wrapper under torchrun, and the helpers for one script everywhere ------
 from . import distributed  # noqa: E402
 from .distributed import DistributedDataParallel, RankZeroFilter, print0, save, shard  # noqa: E402
 
 __all__ += ["distributed", "DistributedDataParallel", "shard", "save", "print0", "RankZeroFilter"]
 
-# ---- Balancing device 0 (issue 5): batch split, per-replica loss, memory report ------------------------------------
+# ---- Balancing device 0: batch split, per-replica loss, memory report ------------------------------------
 from . import balance  # noqa: E402
 from .balance import AutoSplit, MemoryReport, memory_report  # noqa: E402
 

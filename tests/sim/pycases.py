@@ -417,6 +417,72 @@ def case_defect_shutdown_order(sim):
     sim.open()
 
 
+# ---- issue 14: the library's own code on the exception; CUDA out of memory is PyTorch's OutOfMemoryError ----
+
+def _staged_copy(sim):
+    """A strided cross-device copy: it needs scratch memory (staging) on both devices."""
+    src_cpu = rand((8, 300), torch.float32).t()
+    return src_cpu, sim.tensor(src_cpu, 0), sim.tensor(torch.zeros(300, 10)[:, 1:9], 1)
+
+
+def case_status(sim):
+    src_cpu, src, dst = _staged_copy(sim)
+    # Out of memory in the driver's pool, with no retry (the device sync before it fails too).
+    sim.fail_at("cuMemAllocAsync", 1, CUDA_ERROR_OUT_OF_MEMORY)
+    sim.fail_at("cuCtxSynchronize", 1, CUDA_ERROR_UNKNOWN)
+    try:
+        _C.copy([dst], [src])
+        raise AssertionError("the copy succeeded with no memory")
+    except torch.OutOfMemoryError as e:
+        assert isinstance(e, fastdp.CudaOutOfMemoryError) and isinstance(e, fastdp.CudaError), type(e)
+        assert e.status == CUDA_ERROR_OUT_OF_MEMORY and e.code == "FDP_CUDA", (e.status, e.code)
+        assert "CUDA_ERROR_OUT_OF_MEMORY" in str(e), str(e)
+    sim.reset()
+    _C.copy([dst], [src])
+    same(dst.cpu(), src_cpu, "the copy after out of memory")
+    # Any other driver failure: a plain CudaError with its CUresult.
+    ins = [sim.tensor(rand((100,), torch.float32), 0) for _ in range(3)]
+    out = sim.empty((100,), torch.float32, 0)
+    sim.fail_at("cuLaunchKernel", 1, CUDA_ERROR_LAUNCH_FAILED)
+    try:
+        _C.reduce(ins, out)
+        raise AssertionError("the reduce succeeded with a failed launch")
+    except fastdp.CudaError as e:
+        assert not isinstance(e, torch.OutOfMemoryError) and e.status == CUDA_ERROR_LAUNCH_FAILED, (type(e), e.status)
+    sim.reset()
+    # NCCL: an NcclError with its ncclResult_t.
+    bsrc = sim.tensor(rand((50,), torch.float32), 0)
+    bouts = [sim.empty((50,), torch.float32, d) for d in range(1, sim.ndev)]
+    sim.fail_at("ncclBroadcast", 1, NCCL_INTERNAL_ERROR)
+    try:
+        _C.broadcast(bsrc, bouts)
+        raise AssertionError("the broadcast succeeded with a failed ncclBroadcast")
+    except fastdp.NcclError as e:
+        assert e.status == NCCL_INTERNAL_ERROR and e.code == "FDP_NCCL", (e.status, e.code)
+    sim.reset()
+    # An allocator (PyTorch's, registered where torch has CUDA) that is out of memory: the same exception.
+    def torch_out_of_memory(device, nbytes, stream):
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes (test)")
+
+    _C.set_device_allocator(torch_out_of_memory)
+    try:
+        _C.copy([dst], [src])
+        raise AssertionError("the copy succeeded with an allocator out of memory")
+    except fastdp.CudaOutOfMemoryError as e:
+        assert e.status == CUDA_ERROR_OUT_OF_MEMORY and "Tried to allocate" in str(e), (e.status, str(e))
+    finally:
+        _C.set_device_allocator(None)
+    # Failures that are not a library's carry no status.
+    small, big = sim.tensor(rand((3,), torch.float32), 0), sim.empty((4,), torch.float32, 0)
+    try:
+        _C.reduce([small], big)
+        raise AssertionError("a reduce of mismatched sizes succeeded")
+    except ValueError as e:
+        assert getattr(e, "status", None) is None
+    for t in ins + [out, bsrc, src, dst, small, big] + bouts:
+        t.release()
+
+
 # ---- issue 10: a GPU for which no kernels exist (run with FASTDP_DISABLE_NVRTC=1 FASTDP_DISABLE_FATBIN=1) ----
 
 def case_no_kernels(sim):

@@ -242,6 +242,8 @@ typedef struct scratch {
   fdp_allocator_t via;
 } scratch_t;
 
+_Static_assert(FDP_CUDA_OUT_OF_MEMORY == CUDA_ERROR_OUT_OF_MEMORY, "fastdp.h's copy of CUDA_ERROR_OUT_OF_MEMORY");
+
 /* `bytes` of device memory on `dev`, usable by work enqueued on `stream` from now on; dev's context is current.
  * Nothing is held on failure. */
 static fdp_result_t scratch_alloc(const fdp_cu_t *cu, int dev, CUstream stream, size_t bytes, const char *what,
@@ -255,10 +257,12 @@ static fdp_result_t scratch_alloc(const fdp_cu_t *cu, int dev, CUstream stream, 
   if (s->via.alloc != NULL) {
     char err[256] = "";
     void *ptr = NULL, *handle = NULL;
-    if (s->via.alloc(s->via.ctx, dev, bytes, (void *)stream, &ptr, &handle, err, sizeof err) != 0) {
+    int rc = s->via.alloc(s->via.ctx, dev, bytes, (void *)stream, &ptr, &handle, err, sizeof err);
+    if (rc != 0) {
       err[sizeof err - 1] = '\0';
-      return fdp__fail(FDP_CUDA, "cuda backend: %s: %zu bytes on device %d could not be allocated: %s", what, bytes,
-                       dev, err[0] ? err : "the registered allocator failed");
+      return fdp__fail_status(FDP_CUDA, rc == FDP_ALLOC_OUT_OF_MEMORY ? CUDA_ERROR_OUT_OF_MEMORY : 0,
+                              "cuda backend: %s: %zu bytes on device %d could not be allocated: %s", what, bytes,
+                              dev, err[0] ? err : "the registered allocator failed");
     }
     s->ptr = (CUdeviceptr)(uintptr_t)ptr;
     s->handle = handle;

@@ -60,8 +60,8 @@ static fdp_result_t nccl_fail(const fdp_nccl_api_t *api, ncclResult_t r, ncclCom
   char d[FDP_MAX_DEVICES * 5 + 8];
   devs_str(devs, n, d, sizeof d);
   const char *last = (comm != NULL && api->GetLastError != NULL) ? api->GetLastError(comm) : NULL;
-  return fdp__fail(FDP_NCCL, "%s on devices [%s]: %s%s%s", op, d, api->GetErrorString(r), last && *last ? ": " : "",
-                   last && *last ? last : "");
+  return fdp__fail_status(FDP_NCCL, (int)r, "%s on devices [%s]: %s%s%s", op, d, api->GetErrorString(r),
+                          last && *last ? ": " : "", last && *last ? last : "");
 }
 
 /* Finds or builds the communicators of `devs`; called with g_lock held. */

@@ -27,6 +27,7 @@ static module_state *get_state(PyObject *module) {
 static PyObject *g_oom_error; /* see set_oom_error below */
 
 static PyObject *raise_result(module_state *st, fdp_result_t r) {
+  int status = r == FDP_CUDA || r == FDP_NCCL ? fdp_last_status() : 0; /* the library's code; 0: none */
   PyObject *type;
   switch (r) {
   case FDP_INVALID: type = PyExc_ValueError; break;
@@ -34,7 +35,7 @@ static PyObject *raise_result(module_state *st, fdp_result_t r) {
   case FDP_NOMEM: type = PyExc_MemoryError; break;
   case FDP_OVERLAP: type = PyExc_RuntimeError; break; /* PyTorch raises RuntimeError for overlapping writes */
   case FDP_UNAVAILABLE: type = st->BackendUnavailableError; break;
-  case FDP_CUDA: type = fdp_last_status() == FDP_CUDA_OUT_OF_MEMORY && g_oom_error ? g_oom_error : st->CudaError; break;
+  case FDP_CUDA: type = status == FDP_CUDA_OUT_OF_MEMORY && g_oom_error ? g_oom_error : st->CudaError; break;
   case FDP_NCCL: type = st->NcclError; break;
   default: type = st->FastDPError; break;
   }
@@ -44,10 +45,9 @@ static PyObject *raise_result(module_state *st, fdp_result_t r) {
   if (!code || PyObject_SetAttrString(exc, "code", code) < 0) PyErr_Clear();
   Py_XDECREF(code);
   /* .status: the library's own code (CUresult, ncclResult_t), as CuPy's CUDADriverError.status; None otherwise. */
-  PyObject *status = (r == FDP_CUDA || r == FDP_NCCL) && fdp_last_status() != 0 ? PyLong_FromLong(fdp_last_status())
-                                                                                  : Py_NewRef(Py_None);
-  if (!status || PyObject_SetAttrString(exc, "status", status) < 0) PyErr_Clear();
-  Py_XDECREF(status);
+  PyObject *status_obj = status != 0 ? PyLong_FromLong(status) : Py_NewRef(Py_None);
+  if (!status_obj || PyObject_SetAttrString(exc, "status", status_obj) < 0) PyErr_Clear();
+  Py_XDECREF(status_obj);
   PyErr_SetObject(type, exc);
   Py_DECREF(exc);
   return NULL;

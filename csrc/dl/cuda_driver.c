@@ -2,6 +2,7 @@
 /* The only place that loads the CUDA driver: dlopen of the libcuda.so.1 PyTorch already mapped (or a plain
  * dlopen), explicit versioned symbol names, one cuInit, and a per-device cache of retained primary contexts. */
 #include "dl/cuda_driver.h"
+#include "dl/dl_once.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -131,16 +132,12 @@ static void load_once(void) {
   g_status = FDP_OK;
 }
 
+static const fdp_dl_lib_t k_lib = {
+    FDP_PARAM_DISABLE_CUDA, "CUDA", "disabled by FASTDP_DISABLE_CUDA", &g_once, load_once, &g_status, g_why,
+};
+
 fdp_result_t fdp__cu_load(const fdp_cu_t **out, const char **why) {
-  if (fdp__param(FDP_PARAM_DISABLE_CUDA)) {
-    if (why) *why = "disabled by FASTDP_DISABLE_CUDA";
-    return fdp__fail(FDP_UNAVAILABLE, "CUDA is disabled by FASTDP_DISABLE_CUDA");
-  }
-  pthread_once(&g_once, load_once);
-  if (g_status != FDP_OK) {
-    if (why) *why = g_why; /* written once inside pthread_once, never again: effectively static */
-    return fdp__fail(FDP_UNAVAILABLE, "%s", g_why);
-  }
+  FDP_CHECK(fdp__dl_ready(&k_lib, why));
   if (out) *out = &g_cu;
   return FDP_OK;
 }

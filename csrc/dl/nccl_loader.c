@@ -2,6 +2,7 @@
 /* The only place that loads NCCL: binds the libnccl.so.2 already in the process (PyTorch's), never a second
  * copy next to it, and finds PyTorch's allocator free mutex for the multi-device launch hazard. */
 #include "dl/nccl_api.h"
+#include "dl/dl_once.h"
 
 #include <dlfcn.h>
 #include <stddef.h>
@@ -112,16 +113,12 @@ static void bind(void *h) {
   g_status = FDP_OK;
 }
 
+static const fdp_dl_lib_t k_lib = {
+    FDP_PARAM_DISABLE_NCCL, "NCCL", "disabled by FASTDP_DISABLE_NCCL", &g_once, load_once, &g_status, g_why,
+};
+
 fdp_result_t fdp__nccl_load(const fdp_nccl_api_t **out, const char **why) {
-  if (fdp__param(FDP_PARAM_DISABLE_NCCL)) {
-    if (why) *why = "disabled by FASTDP_DISABLE_NCCL";
-    return fdp__fail(FDP_UNAVAILABLE, "NCCL is disabled by FASTDP_DISABLE_NCCL");
-  }
-  pthread_once(&g_once, load_once);
-  if (g_status != FDP_OK) {
-    if (why) *why = g_why; /* written once inside pthread_once */
-    return fdp__fail(FDP_UNAVAILABLE, "%s", g_why);
-  }
+  FDP_CHECK(fdp__dl_ready(&k_lib, why));
   if (out) *out = &g_nccl;
   return FDP_OK;
 }

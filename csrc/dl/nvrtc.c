@@ -3,6 +3,7 @@
  * FASTDP_NVRTC_LIBRARY, the folders the Python layer names (site-packages' nvidia/cu13/lib, .../cuda_nvrtc/lib)
  * and the system's search path; and the one function that compiles fastdp's kernel source with it. */
 #include "dl/nvrtc.h"
+#include "dl/dl_once.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -153,16 +154,12 @@ static void load_once(void) {
   g_status = FDP_OK;
 }
 
+static const fdp_dl_lib_t k_lib = {
+    FDP_PARAM_DISABLE_NVRTC, "NVRTC", "disabled by FASTDP_DISABLE_NVRTC", &g_once, load_once, &g_status, g_why,
+};
+
 fdp_result_t fdp__nvrtc_load(const fdp_nvrtc_t **out, const char **why) {
-  if (fdp__param(FDP_PARAM_DISABLE_NVRTC)) {
-    if (why) *why = "disabled by FASTDP_DISABLE_NVRTC";
-    return fdp__fail(FDP_UNAVAILABLE, "NVRTC is disabled by FASTDP_DISABLE_NVRTC");
-  }
-  pthread_once(&g_once, load_once);
-  if (g_status != FDP_OK) {
-    if (why) *why = g_why; /* written once inside pthread_once */
-    return fdp__fail(FDP_UNAVAILABLE, "%s", g_why);
-  }
+  FDP_CHECK(fdp__dl_ready(&k_lib, why));
   if (out) *out = &g_nv;
   return FDP_OK;
 }

@@ -67,3 +67,8 @@ __all__ += ["balance", "AutoSplit", "MemoryReport", "memory_report"]
 from .patch import is_patched, patch, patched, unpatch  # noqa: E402
 
 __all__ += ["patch", "unpatch", "patched", "is_patched"]
+
+# ---- SyncBatchNorm across the replicas of one forward --------------------------------------------------------------
+from .sync_batchnorm import convert_sync_batchnorm  # noqa: E402
+
+__all__ += ["convert_sync_batchnorm"]

@@ -33,6 +33,7 @@ from ._fallback import core as _C  # _C, with torch behind every data-moving cal
 from ._core import reduce_columns, streams_for, to_core_dtype
 from ._functions import ReduceAddCoalesced
 from .replicate import _check_initialized, is_compiled, skeletons
+from .sync_batchnorm import layer_indices
 
 __all__ = ["ReplicaSet", "persistable", "reduce_bucket"]
 
@@ -303,6 +304,7 @@ class ReplicaSet:
         # [compiled modules] in replicate.py); every other replica mirrors its master each step.
         self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)
                       if not is_compiled(m)]
+        self.synced = layer_indices(self.modules)  # SyncBatchNorm layers (fastdp.sync_batchnorm)
         self.plans = {}  # grad_enabled -> (grad buckets, detached buckets)
         self.picks = {}  # grad_enabled -> what step installs, picked from what it gathers (_picker)
 

@@ -15,7 +15,7 @@ from itertools import chain
 import torch
 from torch.nn.modules import Module
 
-from . import _devices, _replicas, balance
+from . import _devices, _replicas, balance, sync_batchnorm
 from .parallel_apply import _HELD, parallel_apply
 from .replicate import is_compiled, replicate
 from .scatter_gather import gather, scatter_kwargs
@@ -388,10 +388,13 @@ class DataParallel(Module):
         skip = len(positions) - len(run)
         replicas, devices = replicas[skip:], devices[skip:]
         watch = balance.BufferWatch(self.module, replicas[0]) if skip else None
+        synced = sync_batchnorm.begin(self.module, replicas, devices, self._replica_set)  # None: no SyncBatchNorm
         if with_loss:
             rule = balance.loss_rule(criterion, inputs[0][-1], self.dim)
             losses = balance.criterion_replicas(criterion, [self.device_ids[i] for i in positions], rule)[skip:]
             replicas = [balance.ReplicaLoss(r, c, rule) for r, c in zip(replicas, losses)]
+        if synced is not None:
+            replicas = synced.track(replicas)
         self._apply_devices = devices
         try:
             outputs = self.parallel_apply(replicas, inputs, module_kwargs)
@@ -402,6 +405,8 @@ class DataParallel(Module):
             raise
         finally:
             self._apply_devices = None
+            if synced is not None:
+                synced.end()
         if watch is not None:
             watch.copy_back()
         if not with_loss:
@@ -534,6 +539,11 @@ def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, mo
         return module(*inputs[0], **module_kwargs[0])
     used = ids[: len(inputs)]
     replicas = replicate(module, used)
-    outputs = parallel_apply(replicas, inputs, module_kwargs, used)
+    synced = sync_batchnorm.begin(module, replicas, used)
+    try:
+        outputs = parallel_apply(synced.track(replicas) if synced else replicas, inputs, module_kwargs, used)
+    finally:
+        if synced is not None:
+            synced.end()
     return gather(outputs, out, dim)
 

@@ -22,6 +22,7 @@ import torch
 from torch._utils import ExceptionWrapper
 
 from . import _devices
+from .sync_batchnorm import needs_threads
 
 __all__ = ["parallel_apply"]
 
@@ -293,7 +294,7 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     if len(modules) == 1:
         # Inline in the caller's thread: its grad mode and autocast state apply as they are.
         _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], None, results)
-    elif not _CPU_THREADS and all(d == _devices.CPU for d in devices):
+    elif not _CPU_THREADS and all(d == _devices.CPU for d in devices) and not needs_threads(modules):
         # Emulated host replicas: one after another in the caller's thread, each under the caller's thread-local
         # state as a worker would be. Threads would buy nothing (their backward runs in the caller's thread
         # anyway, and the forwards contend for the GIL); the first failing replica ends the call.

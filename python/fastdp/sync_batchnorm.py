@@ -1,0 +1,271 @@
+"""Synchronised BatchNorm across the replicas of one ``fastdp.DataParallel`` forward (no process group needed).
+
+Every ``nn.SyncBatchNorm`` layer normalises with the statistics of the whole batch, all replicas' chunks together,
+so training equals the bare model's ``BatchNorm`` on the full batch whatever the split. See NOTE [synced layers].
+"""
+
+import functools
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import Function
+from torch.autograd.function import once_differentiable
+
+from . import comm
+
+__all__ = ["convert_sync_batchnorm"]
+
+# NOTE [synced layers]: for one forward the wrapper opens a _Session over the replicas it runs. Each replica's
+# SyncBatchNorm layers get an instance ``forward`` (removed again by end(), and wiped anyway by the next refresh of
+# a kept replica) that meets the other replicas' calls of the same layer at a rendezvous (one per layer and call
+# number). The last replica to arrive runs one autograd node (_SyncNorm) over every replica's input: per-replica
+# mean and variance are gathered onto device_ids[0] through fastdp.comm, combined there (Chan's formula, float64,
+# each replica weighted by its count, so uneven chunk sizes give the full-batch result) and broadcast back; the
+# node's backward sees every replica's gradient at once, sums (sum dy, sum dy * x_hat) onto device_ids[0] and
+# broadcasts them back. Per layer: one small exchange (3 x C values) in forward and one (2 x C) in backward.
+# Replicas must run at the same time: emulated "cpu" replicas then run on worker threads (parallel_apply asks
+# needs_threads). A replica that raises, or ends without reaching a layer the others wait in, releases them with
+# an error. Running statistics are updated on every replica's buffers with the full-batch values (replica 0's
+# are the master's; the copy-back used when device 0 runs no chunk sees the same values).
+
+
+def convert_sync_batchnorm(module):
+    """``module`` with every ``BatchNorm1d/2d/3d`` replaced by ``nn.SyncBatchNorm`` (parameters, buffers and
+    settings kept; the module itself when it has none, a new one when it is a BatchNorm). Under
+    ``fastdp.DataParallel`` these layers normalise over the whole batch across replicas."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"convert_sync_batchnorm: module must be a torch.nn.Module, got {type(module).__name__}")
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+
+
+def layer_indices(modules):
+    """Positions of the SyncBatchNorm layers in a module list (fastdp._replicas keeps it per kept structure)."""
+    return [i for i, m in enumerate(modules) if isinstance(m, torch.nn.SyncBatchNorm)]
+
+
+def needs_threads(modules):
+    """Whether parallel_apply must run these replicas at the same time (they meet in synced layers)."""
+    return bool(modules) and type(modules[0]) is _Tracked
+
+
+def begin(master, replicas, devices, kept=None):
+    """A _Session for one forward over `replicas` (their roots) on `devices`, or None when nothing is synced
+    (no SyncBatchNorm layer, or a single replica, which is plain batch norm)."""
+    if len(replicas) < 2 or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None  # one replica: plain BatchNorm; a process group: torch's own SyncBatchNorm runs
+    if kept is not None and kept.network is master and kept.replicas[-1][0] is replicas[-1]:
+        if not kept.synced:
+            return None
+        roots = {id(r): i for i, r in enumerate(replicas)}
+        rows = [None] * len(replicas)
+        for row in kept.replicas:
+            if id(row[0]) in roots:
+                rows[roots[id(row[0])]] = [row[i] for i in kept.synced]
+        masters = [kept.modules[i] for i in kept.synced]
+    else:
+        modules = list(master.modules())
+        index = layer_indices(modules)
+        if not index:
+            return None
+        masters = [modules[i] for i in index]
+        rows = []
+        for r in replicas:
+            mods = list(r.modules())
+            rows.append([mods[i] for i in index])
+    return _Session(masters, rows, list(devices))
+
+
+class _Slot:
+    """One layer call's rendezvous: every replica's input, then the node's outputs (or the error)."""
+
+    __slots__ = ("inputs", "arrived", "outputs", "error")
+
+    def __init__(self, n):
+        self.inputs = [None] * n
+        self.arrived = 0
+        self.outputs = None
+        self.error = None
+
+
+class _Session:
+    """The synced layers of one forward: their replica overrides, the rendezvous and who has left."""
+
+    def __init__(self, masters, rows, devices):
+        self.n = len(rows)
+        self.devices = devices
+        self.cond = threading.Condition()
+        self.slots = {}
+        self.left = [None] * self.n  # per replica: None while running, else "" or the error it raised
+        self.calls = [[0] * len(masters) for _ in range(self.n)]
+        self.names = [type(m).__name__ for m in masters]
+        self.patched = []
+        for r, row in enumerate(rows):
+            for j, layer in enumerate(row):
+                if "forward" in layer.__dict__:  # already overridden here (one layer object twice)
+                    continue
+                layer.__dict__["forward"] = functools.partial(_synced_forward, self, j, r, layer)
+                self.patched.append(layer)
+
+    def track(self, callables):
+        """What parallel_apply runs: each replica's callable, reporting to the session when it ends."""
+        return [_Tracked(self, r, c) for r, c in enumerate(callables)]
+
+    def end(self):
+        for layer in self.patched:
+            layer.__dict__.pop("forward", None)
+        self.patched = []
+
+    def leave(self, r, error):
+        with self.cond:
+            self.left[r] = "" if error is None else f"{type(error).__name__}: {error}"
+            self.cond.notify_all()
+
+    def meet(self, j, r, x, eps):
+        """Replica r's normalised input at layer j (this call): (x_hat, (mean, invstd, unbiased var) on its
+        device), once every replica has brought its input."""
+        key = (j, self.calls[r][j])
+        self.calls[r][j] += 1
+        with self.cond:
+            slot = self.slots.get(key)
+            if slot is None:
+                slot = self.slots[key] = _Slot(self.n)
+            slot.inputs[r] = x
+            slot.arrived += 1
+            last = slot.arrived == self.n
+            while not last and slot.outputs is None and slot.error is None:
+                gone = [q for q in range(self.n) if slot.inputs[q] is None and self.left[q] is not None]
+                if gone:
+                    q = gone[0]
+                    why = f" (it raised {self.left[q]})" if self.left[q] else ""
+                    raise RuntimeError(
+                        f"fastdp: replica {q} ended its forward without reaching call {key[1]} of "
+                        f"{self.names[j]} layer {j}{why}; every replica must run the same synced layers"
+                    )
+                self.cond.wait()
+        if last:
+            try:
+                outs = _SyncNorm.apply(self.devices, eps, *slot.inputs)
+            except BaseException as e:
+                with self.cond:
+                    slot.error = f"{type(e).__name__}: {e}"
+                    self.cond.notify_all()
+                raise
+            with self.cond:
+                slot.outputs = outs
+                slot.inputs = None  # the node holds what backward needs
+                self.cond.notify_all()
+        elif slot.error is not None:
+            raise RuntimeError(f"fastdp: the exchange of {self.names[j]} layer {j} failed in another replica: "
+                               f"{slot.error}")
+        n = self.n
+        return slot.outputs[r], slot.outputs[n + r]
+
+
+class _Tracked:
+    """One replica's callable for parallel_apply; tells the session when the replica's forward ends."""
+
+    __slots__ = ("session", "index", "fn")
+
+    def __init__(self, session, index, fn):
+        self.session, self.index, self.fn = session, index, fn
+
+    def __call__(self, *args, **kwargs):
+        try:
+            out = self.fn(*args, **kwargs)
+        except BaseException as e:
+            self.session.leave(self.index, e)
+            raise
+        self.session.leave(self.index, None)
+        return out
+
+
+def _shape(x):
+    return (1, -1) + (1,) * (x.dim() - 2)
+
+
+def _stat_dtype(x):
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _synced_forward(session, j, r, layer, input):
+    """SyncBatchNorm.forward for replica r of synced layer j (torch's steps, the statistics exchanged)."""
+    layer._check_input_dim(input)
+    layer._check_non_zero_input_channels(input)
+    factor = 0.0 if layer.momentum is None else layer.momentum
+    if layer.training and layer.track_running_stats:
+        layer.num_batches_tracked.add_(1)
+        factor = 1.0 / layer.num_batches_tracked.item() if layer.momentum is None else layer.momentum
+    bn_training = layer.training or (layer.running_mean is None and layer.running_var is None)
+    if not bn_training:  # eval with running statistics: nothing to exchange
+        return F.batch_norm(input, layer.running_mean, layer.running_var, layer.weight, layer.bias, False, factor,
+                            layer.eps)
+    x_hat, stats = session.meet(j, r, input, layer.eps)
+    if layer.training and layer.track_running_stats and layer.running_mean is not None:
+        with torch.no_grad():
+            mean, unbiased = stats[0], stats[2]
+            layer.running_mean.mul_(1 - factor).add_(mean.to(layer.running_mean.dtype), alpha=factor)
+            layer.running_var.mul_(1 - factor).add_(unbiased.to(layer.running_var.dtype), alpha=factor)
+    if layer.weight is not None:
+        x_hat = x_hat * layer.weight.view(_shape(x_hat)) + layer.bias.view(_shape(x_hat))
+    return x_hat
+
+
+class _SyncNorm(Function):
+    """N replicas' inputs -> N normalised outputs (then N stat packs, not differentiable): one node over all
+    replicas, so its backward sees every replica's gradient at once."""
+
+    @staticmethod
+    def forward(ctx, devices, eps, *xs):
+        n = len(xs)
+        dest = xs[0].device
+        dtype = _stat_dtype(xs[0])
+        counts, parts = [], []
+        for x in xs:
+            dims = [d for d in range(x.dim()) if d != 1]
+            var, mean = torch.var_mean(x.to(dtype), dim=dims, correction=0)
+            counts.append(x.numel() // x.size(1))
+            parts.append(torch.stack([mean, var]).unsqueeze(0))
+        total = sum(counts)
+        if total <= 1:
+            size = list(xs[0].shape)
+            size[0] = sum(x.size(0) for x in xs)
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
+        both = comm.gather(parts, 0, dest).to(torch.float64)  # (N, 2, C)
+        weights = torch.tensor(counts, dtype=torch.float64, device=dest).view(n, 1)
+        mean = (weights * both[:, 0]).sum(0) / total
+        m2 = (weights * (both[:, 1] + (both[:, 0] - mean) ** 2)).sum(0)
+        pack = torch.stack([mean, (m2 / total + eps).rsqrt(), m2 / (total - 1)]).to(dtype)
+        packs = comm.broadcast(pack, devices)
+        outs = []
+        for x, p in zip(xs, packs):
+            shape = _shape(x)
+            outs.append(((x.to(dtype) - p[0].view(shape)) * p[1].view(shape)).to(x.dtype))
+        ctx.save_for_backward(*xs, *packs)
+        ctx.devices, ctx.total = devices, total
+        for p in packs:
+            ctx.mark_non_differentiable(p)
+        return tuple(outs) + tuple(packs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        n = len(saved) // 2
+        xs, packs = saved[:n], saved[n:]
+        dtype = packs[0].dtype
+        sums, hats = [], []
+        for x, g, p in zip(xs, grads[:n], packs):
+            dims = [d for d in range(x.dim()) if d != 1]
+            shape = _shape(x)
+            x_hat = (x.to(dtype) - p[0].view(shape)) * p[1].view(shape)
+            g = g.to(dtype)
+            hats.append((x_hat, g))
+            sums.append(torch.stack([g.sum(dims), (g * x_hat).sum(dims)]))
+        total = comm.reduce_add(sums, xs[0].device) / ctx.total
+        means = comm.broadcast(total, ctx.devices)
+        dxs = []
+        for x, (x_hat, g), m, p in zip(xs, hats, means, packs):
+            shape = _shape(x)
+            dxs.append((p[1].view(shape) * (g - m[0].view(shape) - x_hat * m[1].view(shape))).to(x.dtype))
+        return (None, None) + tuple(dxs)

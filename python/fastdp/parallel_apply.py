@@ -22,7 +22,7 @@ import torch
 from torch._utils import ExceptionWrapper
 
 from . import _devices
-from .sync_batchnorm import needs_threads
+from .sync_batchnorm import first_cause, needs_threads
 
 __all__ = ["parallel_apply"]
 
@@ -326,5 +326,5 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
 
     for output in results:
         if isinstance(output, ExceptionWrapper):
-            output.reraise()
+            first_cause(results).reraise()
     return results

@@ -10,6 +10,7 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch.autograd import Function
+from torch._utils import ExceptionWrapper
 from torch.autograd.function import once_differentiable
 
 from . import comm
@@ -47,6 +48,17 @@ def layer_indices(modules):
 def needs_threads(modules):
     """Whether parallel_apply must run these replicas at the same time (they meet in synced layers)."""
     return bool(modules) and type(modules[0]) is _Tracked
+
+
+class ReplicaReleased(RuntimeError):
+    """Raised in a replica waiting in a synced layer when another replica failed or ended: parallel_apply
+    reports the other replica's error first (the cause), whatever the replica order."""
+
+
+def first_cause(results):
+    """The error parallel_apply re-raises: the first replica's that is not a ReplicaReleased, else the first."""
+    errors = [o for o in results if isinstance(o, ExceptionWrapper)]
+    return next((e for e in errors if e.exc_type is not ReplicaReleased), errors[0])
 
 
 def begin(master, replicas, devices, kept=None):
@@ -138,7 +150,7 @@ class _Session:
                 if gone:
                     q = gone[0]
                     why = f" (it raised {self.left[q]})" if self.left[q] else ""
-                    raise RuntimeError(
+                    raise ReplicaReleased(
                         f"fastdp: replica {q} ended its forward without reaching call {key[1]} of "
                         f"{self.names[j]} layer {j}{why}; every replica must run the same synced layers"
                     )
@@ -156,7 +168,7 @@ class _Session:
                 slot.inputs = None  # the node holds what backward needs
                 self.cond.notify_all()
         elif slot.error is not None:
-            raise RuntimeError(f"fastdp: the exchange of {self.names[j]} layer {j} failed in another replica: "
+            raise ReplicaReleased(f"fastdp: the exchange of {self.names[j]} layer {j} failed in another replica: "
                                f"{slot.error}")
         n = self.n
         return slot.outputs[r], slot.outputs[n + r]

@@ -1,0 +1,267 @@
+"""SyncBatchNorm across emulated replicas: training equals the bare model's BatchNorm on the full batch."""
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fastdp
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+
+
+class Net(nn.Module):
+    """A convolution (or linear layer), a BatchNorm, a non-linearity, a head: the BatchNorm sees each replica's
+    chunk, the loss the whole batch."""
+
+    def __init__(self, dims, bn_kwargs, seq=False):
+        super().__init__()
+        c = 4
+        if dims == 1 and not seq:
+            self.pre = nn.Linear(5, c)
+        else:
+            conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+            self.pre = conv(3, c, 3, padding=1)
+        self.bn = BN[dims](c, **bn_kwargs)
+        self.head = nn.Linear(c, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.bn(self.pre(x)))
+        if h.dim() > 2:
+            h = h.flatten(2).mean(2)
+        return self.head(h)
+
+
+def _input(dims, batch, dtype, seq=False, gen=None):
+    if dims == 1 and not seq:
+        shape = (batch, 5)
+    else:
+        shape = (batch, 3) + (6,) * dims
+    return torch.randn(shape, dtype=dtype, generator=gen)
+
+
+def _close(a, b, tol, what):
+    assert (a is None) == (b is None), what
+    if a is None:
+        return
+    err = (a - b).abs().max().item()
+    assert err <= tol * max(1.0, b.abs().max().item()), f"{what}: max error {err}"
+
+
+def _train_and_compare(bare, n, dtype, dims, chunk_sizes=None, steps=5, batch=10, seq=False, eval_after=True,
+                       channels_last=False):
+    tol = TOL[dtype]
+    bare = bare.to(dtype)
+    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
+    dp = fastdp.DataParallel(synced, device_ids=["cpu"] * n, chunk_sizes=chunk_sizes)
+    opt_b = torch.optim.SGD(bare.parameters(), lr=0.05)
+    opt_d = torch.optim.SGD(synced.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = _input(dims, batch, dtype, seq, gen)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        xb = x.clone().requires_grad_()
+        xd = x.clone().requires_grad_()
+        yb, yd = bare(xb), dp(xd)
+        _close(yd, yb, tol, f"step {step} output")
+        yb.square().mean().backward()
+        yd.square().mean().backward()
+        _close(xd.grad, xb.grad, tol, f"step {step} input grad")
+        for (name, pb), pd in zip(bare.named_parameters(), synced.parameters()):
+            _close(pd.grad, pb.grad, tol, f"step {step} grad of {name}")
+        opt_b.step()
+        opt_d.step()
+        opt_b.zero_grad()
+        opt_d.zero_grad()
+        for (name, bb), bd in zip(bare.named_buffers(), synced.buffers()):
+            if bb.is_floating_point():
+                _close(bd, bb, tol, f"step {step} buffer {name}")
+            else:
+                assert torch.equal(bd, bb), name
+    if eval_after:
+        bare.eval()
+        dp.eval()
+        x = _input(dims, batch, dtype, seq, gen)
+        _close(dp(x), bare(x), tol, "eval output")
+    return bare, synced, dp
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("n", [2, 3])
+def test_training_equals_full_batch(dims, n, dtype):
+    torch.manual_seed(0)
+    _train_and_compare(Net(dims, {}), n, dtype, dims)
+
+
+@pytest.mark.parametrize("chunk_sizes", [[2, 5, 3], [1, 1, 8], [0, 6, 4]])
+def test_uneven_chunks(chunk_sizes):
+    # [0, 6, 4]: device 0 runs no chunk; its statistics come back from the first running replica.
+    torch.manual_seed(0)
+    _train_and_compare(Net(2, {}), 3, torch.float64, 2, chunk_sizes=chunk_sizes)
+
+
+@pytest.mark.parametrize(
+    "bn_kwargs",
+    [{"momentum": None}, {"affine": False}, {"track_running_stats": False}, {"eps": 1e-2, "momentum": 0.5}],
+    ids=["momentum-None", "affine-False", "no-running-stats", "eps-momentum"],
+)
+def test_layer_settings(bn_kwargs):
+    torch.manual_seed(0)
+    _train_and_compare(Net(2, bn_kwargs), 2, torch.float64, 2, chunk_sizes=[3, 7])
+
+
+def test_sequence_input_batchnorm1d():
+    torch.manual_seed(0)
+    _train_and_compare(Net(1, {}, seq=True), 2, torch.float64, 1, seq=True)
+
+
+def test_channels_last():
+    torch.manual_seed(0)
+    _train_and_compare(Net(2, {}), 2, torch.float32, 2, channels_last=True)
+
+
+def test_threads_forced_even_when_cpu_replicas_run_in_thread(cpu_apply):
+    torch.manual_seed(0)
+    _train_and_compare(Net(2, {}), 3, torch.float64, 2, steps=2)
+
+
+def test_layer_called_twice_and_no_grad():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.bn = nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(self.lin(self.bn(x)))
+
+    torch.manual_seed(0)
+    bare = Twice().double()
+    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
+    dp = fastdp.DataParallel(synced, device_ids=["cpu"] * 2)
+    x = torch.randn(9, 4, dtype=torch.float64)
+    _close(dp(x), bare(x), 1e-10, "output")
+    with torch.no_grad():
+        _close(dp(x), bare(x), 1e-10, "no_grad output")
+    _close(synced.bn.running_var, bare.bn.running_var, 1e-10, "running_var")
+    assert synced.bn.num_batches_tracked.item() == bare.bn.num_batches_tracked.item() == 4
+
+
+def test_data_parallel_function():
+    torch.manual_seed(0)
+    bare = Net(2, {}).double()
+    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
+    x = torch.randn(8, 3, 6, 6, dtype=torch.float64)
+    out = fastdp.data_parallel(synced, x, device_ids=["cpu"] * 2)
+    _close(out, bare(x), 1e-10, "output")
+    _close(synced.bn.running_mean, bare.bn.running_mean, 1e-10, "running_mean")
+
+
+def test_criterion_path():
+    torch.manual_seed(0)
+    bare = Net(2, {}).double()
+    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
+    loss_fn = nn.MSELoss()
+    dp = fastdp.DataParallel(synced, device_ids=["cpu"] * 2, criterion=loss_fn, chunk_sizes=[3, 5])
+    x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    lb, ld = loss_fn(bare(x), y), dp(x, target=y)
+    _close(ld, lb, 1e-10, "loss")
+    lb.backward()
+    ld.backward()
+    _close(synced.pre.weight.grad, bare.pre.weight.grad, 1e-10, "grad")
+
+
+def test_one_replica_is_plain_batchnorm():
+    torch.manual_seed(0)
+    _train_and_compare(Net(2, {}), 1, torch.float64, 2, steps=2)
+
+
+def test_batch_of_one_raises_like_batchnorm():
+    bare = nn.BatchNorm1d(3)
+    dp = fastdp.DataParallel(fastdp.convert_sync_batchnorm(copy.deepcopy(bare)), device_ids=["cpu"] * 2,
+                             chunk_sizes=[1, 0])
+    x = torch.randn(1, 3)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        bare(x)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        dp(x)
+
+
+def test_convert_sync_batchnorm_keeps_values():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, momentum=0.3), nn.Sequential(nn.BatchNorm1d(4)))
+    with torch.no_grad():
+        model[1].running_mean.uniform_()
+        model[1].weight.uniform_()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    converted = fastdp.convert_sync_batchnorm(model)
+    assert type(converted[1]) is nn.SyncBatchNorm and type(converted[2][0]) is nn.SyncBatchNorm
+    assert type(converted[0]) is nn.Conv2d
+    assert converted[1].momentum == 0.3
+    got = converted.state_dict()
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
+    assert type(fastdp.convert_sync_batchnorm(nn.BatchNorm3d(2))) is nn.SyncBatchNorm
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        fastdp.convert_sync_batchnorm(lambda x: x)
+
+
+def _no_hang(fn, timeout=60):
+    """Runs fn in a thread; fails the test instead of hanging when it does not return in time."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "the forward hung"
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+class Picky(nn.Module):
+    """Raises (or skips its BatchNorm) in the replica whose chunk has `bad` samples, before or after the BN."""
+
+    def __init__(self, bad, where):
+        super().__init__()
+        self.bn = nn.SyncBatchNorm(3)
+        self.bn2 = nn.SyncBatchNorm(3)
+        self.bad, self.where = bad, where
+
+    def forward(self, x):
+        chosen = x.size(0) == self.bad
+        if chosen and self.where == "before":
+            raise KeyError("chosen replica fails")
+        x = self.bn(x)
+        if chosen and self.where == "skip":
+            return x
+        if chosen and self.where == "between":
+            raise KeyError("chosen replica fails")
+        return self.bn2(x)
+
+
+@pytest.mark.parametrize("bad", [2, 4], ids=["replica0", "replica1"])
+@pytest.mark.parametrize("where", ["before", "between", "skip"])
+def test_failing_replica_releases_the_others(where, bad):
+    dp = fastdp.DataParallel(Picky(bad, where), device_ids=["cpu"] * 3, chunk_sizes=[2, 4, 3])
+    x = torch.randn(9, 3)
+    expected = KeyError if where != "skip" else RuntimeError
+    with pytest.raises(expected) as info:
+        _no_hang(lambda: dp(x))
+    if where == "skip":
+        assert "ended its forward without reaching" in str(info.value)
+    # The wrapper still works afterwards.
+    dp.module.bad = -1
+    _no_hang(lambda: dp(x))

@@ -581,8 +581,24 @@ done:
   return ret;
 }
 
-/* One pair of refresh(): pairs[i], a (master, replica) tuple of dicts; at most 32 owned keys. */
-static int refresh_pair(PyObject *pair, PyObject *owned, Py_ssize_t nowned, Py_ssize_t i) {
+/* Refills the replica's own hook dict `rd` with the master's `md` entries. Two empty dicts, the common case, cost
+ * two size reads; otherwise clear() and update() are called as methods: hook dicts are OrderedDicts, whose order
+ * the PyDict_* calls would not maintain. */
+static int mirror_dict(PyObject *md, PyObject *rd) {
+  if (!md || !rd || md == rd || !PyDict_Check(md) || !PyDict_Check(rd)) return 0;
+  if (PyDict_GET_SIZE(md) == 0 && PyDict_GET_SIZE(rd) == 0) return 0;
+  PyObject *r = PyObject_CallMethod(rd, "clear", NULL);
+  if (!r) return -1;
+  Py_DECREF(r);
+  r = PyObject_CallMethod(rd, "update", "O", md);
+  if (!r) return -1;
+  Py_DECREF(r);
+  return 0;
+}
+
+/* One pair of refresh(): pairs[i], a (master, replica) tuple of dicts; at most 32 owned keys, the last `nmirrored`
+ * of them mirrored. */
+static int refresh_pair(PyObject *pair, PyObject *owned, Py_ssize_t nowned, Py_ssize_t nmirrored, Py_ssize_t i) {
   PyObject *saved[32];
   if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyDict_Check(PyTuple_GET_ITEM(pair, 0)) ||
       !PyDict_Check(PyTuple_GET_ITEM(pair, 1))) {
@@ -602,20 +618,28 @@ static int refresh_pair(PyObject *pair, PyObject *owned, Py_ssize_t nowned, Py_s
   PyDict_Clear(replica);
   int bad = PyDict_Update(replica, master) < 0;
   for (Py_ssize_t k = 0; k < nowned; k++) {
-    if (saved[k] && !bad) bad = PyDict_SetItem(replica, PySequence_Fast_GET_ITEM(owned, k), saved[k]) < 0;
+    PyObject *key = PySequence_Fast_GET_ITEM(owned, k);
+    if (saved[k] && !bad && k >= nowned - nmirrored) {
+      PyObject *md = PyDict_GetItemWithError(master, key);  /* borrowed; the master dict holds it */
+      bad = (!md && PyErr_Occurred()) || mirror_dict(md, saved[k]) < 0;
+    }
+    if (saved[k] && !bad) bad = PyDict_SetItem(replica, key, saved[k]) < 0;
     Py_XDECREF(saved[k]);
   }
   return bad ? -1 : 0;
 }
 
-/* refresh(pairs, owned): for each (master_dict, replica_dict), makes the replica's __dict__ a fresh shallow copy of
- * the master's, as Module._replicate_for_data_parallel would, except for the keys in `owned`, which keep the
- * replica's own values (its parameter, buffer and child dicts). Persistent replicas thus see every attribute,
- * hook dict and training flag the master has now. */
+/* refresh(pairs, owned, nmirrored=0): for each (master_dict, replica_dict), makes the replica's __dict__ a fresh
+ * shallow copy of the master's, as Module._replicate_for_data_parallel would, except for the keys in `owned`, which
+ * keep the replica's own values (its parameter, buffer and child dicts). The last `nmirrored` owned keys name the
+ * replica's own hook dicts: they keep their objects, refilled with the master's entries, so a hook a replica
+ * registers during forward never lands on the master and is gone at the next refresh. Persistent replicas thus
+ * see every attribute, hook and training flag the master has now. */
 static PyObject *py_refresh(PyObject *module, PyObject *args) {
   (void)module;
   PyObject *pairs_obj, *owned_obj;
-  if (!PyArg_ParseTuple(args, "OO:refresh", &pairs_obj, &owned_obj)) return NULL;
+  Py_ssize_t nmirrored = 0;
+  if (!PyArg_ParseTuple(args, "OO|n:refresh", &pairs_obj, &owned_obj, &nmirrored)) return NULL;
   PyObject *pairs = PySequence_Fast(pairs_obj, "pairs must be a sequence of (dict, dict)");
   PyObject *owned = pairs ? PySequence_Fast(owned_obj, "owned must be a sequence of keys") : NULL;
   if (!owned) {
@@ -628,8 +652,13 @@ static PyObject *py_refresh(PyObject *module, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "refresh: at most 32 owned keys");
     goto done;
   }
+  if (nmirrored < 0 || nmirrored > nowned) {
+    PyErr_Format(PyExc_ValueError, "refresh: nmirrored must be between 0 and len(owned) (%zd), got %zd", nowned,
+                 nmirrored);
+    goto done;
+  }
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(pairs); i++)
-    if (refresh_pair(PySequence_Fast_GET_ITEM(pairs, i), owned, nowned, i) < 0) goto done;
+    if (refresh_pair(PySequence_Fast_GET_ITEM(pairs, i), owned, nowned, nmirrored, i) < 0) goto done;
   ret = Py_NewRef(Py_None);
 done:
   Py_DECREF(pairs);
@@ -959,7 +988,8 @@ static PyMethodDef methods[] = {
     {"scatter", py_scatter, METH_VARARGS, "scatter(src, outs, dim, chunk_sizes, streams=None)"},
     {"gather", py_gather, METH_VARARGS, "gather(inputs, out, dim, streams=None)"},
     {"reduce_many", py_reduce_many, METH_VARARGS, "reduce_many(columns, outs, streams=None)"},
-    {"refresh", py_refresh, METH_VARARGS, "refresh(pairs, owned): replica __dict__ = master's, owned keys kept"},
+    {"refresh", py_refresh, METH_VARARGS,
+     "refresh(pairs, owned, nmirrored=0): replica __dict__ = master's, owned kept, the last nmirrored refilled"},
     {"rebind", py_rebind, METH_VARARGS, "rebind(containers, keys, values): containers[i][keys[i]] = values[i]"},
     {"plan", py_plan, METH_VARARGS, "plan(tensors, type_keys, bucket_bytes) -> buckets"},
     {"set_dtypes", py_set_dtypes, METH_VARARGS, "set_dtypes({torch.dtype: code}, torch.Tensor)"},

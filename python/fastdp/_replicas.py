@@ -28,7 +28,7 @@ import weakref
 import torch
 from torch.autograd import Function
 
-from . import _devices, comm
+from . import _devices, _hooks, comm
 from ._fallback import core as _C  # _C, with torch behind every data-moving call
 from ._core import reduce_columns, streams_for, to_core_dtype
 from ._functions import ReduceAddCoalesced
@@ -41,6 +41,8 @@ __all__ = ["ReplicaSet", "persistable", "reduce_bucket"]
 # override give the replica its own copies of these); everything else mirrors the master every step.
 _OWNED = ("_parameters", "_buffers", "_modules", "_is_replica", "_former_parameters", "_flat_weights",
           "_flat_weights_names")
+_MIRRORED = _hooks.KEYS  # the replica's own hook dicts, refilled from the master's every step (fastdp._hooks)
+_KEPT = _OWNED + _MIRRORED  # refresh mirrors the last len(_MIRRORED) kept keys
 _POOL = 3  # flat buffers kept per bucket and device; beyond that (views held elsewhere) buffers are not kept
 
 
@@ -358,7 +360,7 @@ class ReplicaSet:
         grad_enabled = torch.is_grad_enabled()
         grad_buckets, rest_buckets = self._plan(grad_enabled)
         pick = self.picks[grad_enabled]
-        _C.refresh(self.pairs, _OWNED)
+        _C.refresh(self.pairs, _KEPT, len(_MIRRORED))
         # Drop last step's tensors first, so that flat buffers nobody else holds can be reused.
         _C.rebind(self.containers, self.keys, self.nones)
         got = list(self.tensors)  # gathered in the order _picker expects

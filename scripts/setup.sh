@@ -21,3 +21,12 @@ FASTDP_WERROR=${FASTDP_WERROR:-1} "$VPY" -m pip install -q --no-build-isolation 
 if ! "$VPY" -c "import sys; from fastdp import _C; sys.exit(not _C.kernels_info()['nvrtc_version'][0])" >/dev/null 2>&1; then
   "$VPY" -m pip install -q nvidia-cuda-nvrtc==13.0.88 || echo "setup.sh: nvidia-cuda-nvrtc not installed; NVRTC tests will skip" >&2
 fi
+# transformers for tests/test_transformers.py, pinned, installed after torch so pip keeps torch as it is (the tests
+# skip where no index has it). --no-deps would not do: it needs its own small dependencies (tokenizers,
+# safetensors, huggingface-hub); torch is not among them, and the check below says so if that ever changes.
+if need transformers; then
+  before=$("$VPY" -c "import torch; print(torch.__version__)")
+  "$VPY" -m pip install -q transformers==5.24.0 || echo "setup.sh: transformers not installed; its tests will skip" >&2
+  after=$("$VPY" -c "import torch; print(torch.__version__)")
+  if [ "$before" != "$after" ]; then echo "setup.sh: installing transformers changed torch $before -> $after" >&2; exit 1; fi
+fi

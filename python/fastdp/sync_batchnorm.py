@@ -91,10 +91,11 @@ def begin(master, replicas, devices, kept=None):
 class _Slot:
     """One layer call's rendezvous: every replica's input, then the node's outputs (or the error)."""
 
-    __slots__ = ("inputs", "arrived", "outputs", "error")
+    __slots__ = ("inputs", "arrived", "outputs", "error", "taken")
 
     def __init__(self, n):
         self.inputs = [None] * n
+        self.taken = [False] * n  # per replica: it has its output
         self.arrived = 0
         self.outputs = None
         self.error = None
@@ -166,10 +167,19 @@ class _Session:
             with self.cond:
                 slot.outputs = outs
                 slot.inputs = None  # the node holds what backward needs
+                slot.taken[r] = True
                 self.cond.notify_all()
+                # Wait until the others have their outputs: a thread that just woke up needs the GIL, which this
+                # one would otherwise keep for up to sys.getswitchinterval() (5 ms) per layer.
+                while not all(slot.taken[q] or self.left[q] is not None for q in range(self.n)):
+                    self.cond.wait()
         elif slot.error is not None:
             raise ReplicaReleased(f"fastdp: the exchange of {self.names[j]} layer {j} failed in another replica: "
-                               f"{slot.error}")
+                                  f"{slot.error}")
+        else:
+            with self.cond:
+                slot.taken[r] = True
+                self.cond.notify_all()
         n = self.n
         return slot.outputs[r], slot.outputs[n + r]
 
@@ -223,6 +233,23 @@ def _synced_forward(session, j, r, layer, input):
     return x_hat
 
 
+def _normalise(x, mean, var, eps):
+    """(x - mean) / sqrt(var + eps) per channel, with torch's batch-norm kernel where the dtypes allow."""
+    if x.dtype == mean.dtype:
+        return F.batch_norm(x, mean, var, None, None, False, 0.0, eps)
+    shape = _shape(x)
+    return ((x.to(mean.dtype) - mean.view(shape)) * (var + eps).rsqrt().view(shape)).to(x.dtype)
+
+
+def _local_stats(x, dtype):
+    """This replica's per-channel mean and biased variance, with torch's batch-norm statistics kernel."""
+    if x.dtype == dtype:
+        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        return mean.to(dtype), var.to(dtype)
+    var, mean = torch.var_mean(x.to(dtype), dim=[d for d in range(x.dim()) if d != 1], correction=0)
+    return mean, var
+
+
 class _SyncNorm(Function):
     """N replicas' inputs -> N normalised outputs (then N stat packs, not differentiable): one node over all
     replicas, so its backward sees every replica's gradient at once."""
@@ -234,27 +261,23 @@ class _SyncNorm(Function):
         dtype = _stat_dtype(xs[0])
         counts, parts = [], []
         for x in xs:
-            dims = [d for d in range(x.dim()) if d != 1]
-            var, mean = torch.var_mean(x.to(dtype), dim=dims, correction=0)
             counts.append(x.numel() // x.size(1))
-            parts.append(torch.stack([mean, var]).unsqueeze(0))
+            parts.append(torch.stack(_local_stats(x, dtype)).unsqueeze(0))
         total = sum(counts)
         if total <= 1:
             size = list(xs[0].shape)
             size[0] = sum(x.size(0) for x in xs)
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
-        both = comm.gather(parts, 0, dest).to(torch.float64)  # (N, 2, C)
+        both = comm.gather(parts, 0, dest).to(torch.float64)  # (N, 2, C): each replica's mean and variance
         weights = torch.tensor(counts, dtype=torch.float64, device=dest).view(n, 1)
         mean = (weights * both[:, 0]).sum(0) / total
-        m2 = (weights * (both[:, 1] + (both[:, 0] - mean) ** 2)).sum(0)
-        pack = torch.stack([mean, (m2 / total + eps).rsqrt(), m2 / (total - 1)]).to(dtype)
+        m2 = (weights * (both[:, 1] + (both[:, 0] - mean) ** 2)).sum(0)  # Chan et al.: exact for any split
+        # mean, biased variance (normalisation), unbiased variance (running_var), as BatchNorm uses them.
+        pack = torch.stack([mean, m2 / total, m2 / (total - 1)]).to(dtype)
         packs = comm.broadcast(pack, devices)
-        outs = []
-        for x, p in zip(xs, packs):
-            shape = _shape(x)
-            outs.append(((x.to(dtype) - p[0].view(shape)) * p[1].view(shape)).to(x.dtype))
+        outs = [_normalise(x, p[0], p[1], eps) for x, p in zip(xs, packs)]
         ctx.save_for_backward(*xs, *packs)
-        ctx.devices, ctx.total = devices, total
+        ctx.devices, ctx.total, ctx.eps = devices, total, eps
         for p in packs:
             ctx.mark_non_differentiable(p)
         return tuple(outs) + tuple(packs)
@@ -265,19 +288,27 @@ class _SyncNorm(Function):
         saved = ctx.saved_tensors
         n = len(saved) // 2
         xs, packs = saved[:n], saved[n:]
-        dtype = packs[0].dtype
+        eps = ctx.eps
         sums, hats = [], []
         for x, g, p in zip(xs, grads[:n], packs):
-            dims = [d for d in range(x.dim()) if d != 1]
-            shape = _shape(x)
-            x_hat = (x.to(dtype) - p[0].view(shape)) * p[1].view(shape)
-            g = g.to(dtype)
-            hats.append((x_hat, g))
-            sums.append(torch.stack([g.sum(dims), (g * x_hat).sum(dims)]))
+            g = g.contiguous()
+            if x.dtype == p.dtype:
+                # Eval-mode batch-norm backward without weight: per channel, sum(g * x_hat) and sum(g).
+                _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
+                    g, x, None, p[0], p[1], None, None, False, eps, [False, True, True])
+            else:
+                dims = [d for d in range(x.dim()) if d != 1]
+                gf = g.to(p.dtype)
+                sum_gx = (gf * _normalise(x, p[0], p[1], eps).to(p.dtype)).sum(dims)
+                sum_g = gf.sum(dims)
+            hats.append(g)
+            sums.append(torch.stack([sum_g.to(p.dtype), sum_gx.to(p.dtype)]))
         total = comm.reduce_add(sums, xs[0].device) / ctx.total
         means = comm.broadcast(total, ctx.devices)
         dxs = []
-        for x, (x_hat, g), m, p in zip(xs, hats, means, packs):
+        for x, g, m, p in zip(xs, hats, means, packs):
             shape = _shape(x)
-            dxs.append((p[1].view(shape) * (g - m[0].view(shape) - x_hat * m[1].view(shape))).to(x.dtype))
+            x_hat = _normalise(x, p[0], p[1], eps)
+            dx = (g.to(p.dtype) - m[0].view(shape)).addcmul_(x_hat.to(p.dtype), m[1].view(shape), value=-1)
+            dxs.append(dx.mul_((p[1] + eps).rsqrt().view(shape)).to(x.dtype))
         return (None, None) + tuple(dxs)

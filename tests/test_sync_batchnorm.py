@@ -265,3 +265,16 @@ def test_failing_replica_releases_the_others(where, bad):
     # The wrapper still works afterwards.
     dp.module.bad = -1
     _no_hang(lambda: dp(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_statistics_of_offset_data(dtype):
+    # Channels far from zero (100 standard deviations): variances from plain sums of squares would lose about
+    # three digits in float32 (mean^2 = 1e4 against a variance of 1).
+    torch.manual_seed(0)
+    bare = nn.BatchNorm2d(3).to(dtype)
+    dp = fastdp.DataParallel(fastdp.convert_sync_batchnorm(copy.deepcopy(bare)), device_ids=["cpu"] * 3,
+                             chunk_sizes=[2, 3, 4])
+    x = torch.randn(9, 3, 5, 5, dtype=dtype) + torch.tensor([100.0, -50.0, 7.0], dtype=dtype).view(1, 3, 1, 1)
+    _close(dp(x), bare(x), TOL[dtype], "output")
+    _close(dp.module.running_var, bare.running_var, TOL[dtype], "running_var")

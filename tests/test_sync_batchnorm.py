@@ -278,3 +278,17 @@ def test_statistics_of_offset_data(dtype):
     x = torch.randn(9, 3, 5, 5, dtype=dtype) + torch.tensor([100.0, -50.0, 7.0], dtype=dtype).view(1, 3, 1, 1)
     _close(dp(x), bare(x), TOL[dtype], "output")
     _close(dp.module.running_var, bare.running_var, TOL[dtype], "running_var")
+
+
+def test_bench_sync_bn_option(tmp_path):
+    from fastdp.bench import main
+
+    assert main(["train", "--sync-bn", "2", "--steps", "1", "--warmup", "0", "--rounds", "1", "--batch", "8",
+                 "--out", str(tmp_path)]) == 0
+    import csv
+
+    with open(tmp_path / "syncbn.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["config"] for r in rows] == ["BatchNorm", "BatchNorm, threads", "SyncBatchNorm"]
+    assert all(float(r["step_ms"]) > 0 for r in rows) and rows[2]["extra_ms"] != ""
+    assert main(["train", "--sync-bn", "1", "--out", str(tmp_path)]) == 2

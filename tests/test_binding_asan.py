@@ -22,7 +22,10 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.ReLU(), torch.nn.Linear(7, 2))
 dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, bucket_cap_mb=1e-4)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
+hook = model[0].register_forward_hook(lambda m, args, out: out * 1)  # refresh refills the replicas' hook dicts
 for step in range(4):
+    if step == 2:
+        hook.remove()  # ... and empties them
     x = torch.randn(12 - step, 5)
     with dp.no_sync() if step == 1 else torch.enable_grad():
         dp(x).square().mean().backward()

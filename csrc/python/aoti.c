@@ -40,7 +40,8 @@ static struct {
 } shim;
 
 static fdp__tensor_path_t g_path = FDP_TENSOR_PATH_PYTHON;
-static char g_why[320] = "fastdp._C.set_dtypes() not called yet";
+static char g_why[320] = "fastdp._C.set_dtypes() not called yet"; /* why g_path */
+static char g_shim_why[256] = "not resolved yet"; /* why the shim cannot be used */
 
 fdp__tensor_path_t fdp__tensor_path(void) {
   return g_path;
@@ -52,9 +53,10 @@ const char *fdp__tensor_path_why(void) {
 
 int fdp__set_tensor_path(fdp__tensor_path_t path) {
   if (path == FDP_TENSOR_PATH_AOTI && !shim.resolved) {
-    PyErr_Format(PyExc_RuntimeError, "the C shim path cannot be used here: %s", g_why);
+    PyErr_Format(PyExc_RuntimeError, "the C shim path cannot be used here: %s", g_shim_why);
     return -1;
   }
+  if (path != g_path) snprintf(g_why, sizeof g_why, "chosen by fastdp._C.set_tensor_path()");
   g_path = path;
   return 0;
 }
@@ -71,11 +73,11 @@ static void *torch_library(const char *torch_c_file) {
   return dlopen(path, RTLD_NOLOAD | RTLD_NOW);
 }
 
-/* Resolves one symbol into *slot; records the first missing name in g_why. */
+/* Resolves one symbol into *slot; records the first missing name in g_shim_why. */
 static int need(void *lib, const char *name, void *slot) {
   void *sym = dlsym(lib, name);
   memcpy(slot, &sym, sizeof sym);
-  if (!sym) snprintf(g_why, sizeof g_why, "libtorch has no %s (torch too old for the C shim path)", name);
+  if (!sym) snprintf(g_shim_why, sizeof g_shim_why, "libtorch has no %s (torch too old for the C shim path)", name);
   return sym != NULL;
 }
 
@@ -151,21 +153,26 @@ void fdp__aoti_init(module_state *st, const char *torch_c_file) {
   const char *want = fdp__param_str(FDP_PARAM_TENSOR_PATH);
   void *lib = torch_library(torch_c_file);
   if (!lib)
-    snprintf(g_why, sizeof g_why, "libtorch_cpu.so is not loaded in this process (dlopen RTLD_NOLOAD: %s)", dlerror());
+    snprintf(g_shim_why, sizeof g_shim_why, "libtorch_cpu.so is not loaded in this process (dlopen RTLD_NOLOAD: %s)", dlerror());
   else if (!st->to_handles)
-    snprintf(g_why, sizeof g_why, "torch has no torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors");
+    snprintf(g_shim_why, sizeof g_shim_why, "torch has no torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors");
   shim.resolved = lib && st->to_handles && resolve(lib);
   if (lib) dlclose(lib); /* RTLD_NOLOAD took a reference; torch's own keeps the library loaded */
   if (want && strcmp(want, "python") == 0) {
     g_path = FDP_TENSOR_PATH_PYTHON;
     snprintf(g_why, sizeof g_why, "FASTDP_TENSOR_PATH=python");
   } else if (shim.resolved) {
+    /* The default because it is the faster one: about 4x less time per tensor (python -m fastdp.bench.tensor_path). */
     g_path = FDP_TENSOR_PATH_AOTI;
-    snprintf(g_why, sizeof g_why, "libtorch's C shim (aoti_torch_*) resolved%s",
-             want && *want ? "" : "; FASTDP_TENSOR_PATH=python reads tensors through their Python API instead");
+    snprintf(g_why, sizeof g_why, "the faster path where libtorch has the shim; FASTDP_TENSOR_PATH=python reads "
+                                  "tensors through their Python API instead");
   } else {
     g_path = FDP_TENSOR_PATH_PYTHON;
+    snprintf(g_why, sizeof g_why, "the C shim cannot be used: %s", g_shim_why);
   }
+  if (want && *want && strcmp(want, "python") != 0 && strcmp(want, "aoti") != 0)
+    snprintf(g_why + strlen(g_why), sizeof g_why - strlen(g_why), " (FASTDP_TENSOR_PATH=%.40s ignored: not \"python\" "
+             "or \"aoti\")", want);
 }
 
 /* 1 for objects the shim path reads: exact torch.Tensor and torch.nn.Parameter (a subclass may override data_ptr

@@ -31,17 +31,17 @@ static struct {
   shim_get_i64p_fn sizes, strides;
   shim_get_i32_fn dtype, device_type, device_index, layout;
   shim_delete_fn delete_tensor;
-  shim_elem_size_fn elem_size;          /* optional: dtypes the core does not sum need only their size */
-  shim_cuda_stream_fn cuda_stream;      /* optional, unused on the host backend: PyTorch's current stream */
-  int32_t cpu, cuda, strided;           /* the shim's codes, read once */
-  int8_t fdp_dtype[FDP_SHIM_DTYPES];    /* shim dtype -> fdp_dtype_t; -1: not in the core's table */
-  int8_t size_of[FDP_SHIM_DTYPES];      /* shim dtype -> bytes per element; 0: unknown (Python path) */
+  shim_elem_size_fn elem_size;       /* optional: dtypes the core does not sum need only their size */
+  shim_cuda_stream_fn cuda_stream;   /* optional, unused on the host backend: PyTorch's current stream */
+  int32_t cpu, cuda, strided;        /* the shim's codes, read once */
+  int8_t fdp_dtype[FDP_SHIM_DTYPES]; /* shim dtype -> fdp_dtype_t; -1: not in the core's table */
+  int8_t size_of[FDP_SHIM_DTYPES];   /* shim dtype -> bytes per element; 0: unknown (Python path) */
   int resolved;
 } shim;
 
 static fdp__tensor_path_t g_path = FDP_TENSOR_PATH_PYTHON;
 static char g_why[320] = "fastdp._C.set_dtypes() not called yet"; /* why g_path */
-static char g_shim_why[256] = "not resolved yet"; /* why the shim cannot be used */
+static char g_shim_why[256] = "not resolved yet";                 /* why the shim cannot be used */
 
 fdp__tensor_path_t fdp__tensor_path(void) {
   return g_path;
@@ -91,8 +91,8 @@ static int shim_const(void *lib, const char *name, int32_t *out) {
 /* Every dtype getter of the shim we know of: the element size is asked only for codes these return, because
  * aoti_torch_dtype_element_size throws a C++ exception (which would end the process) for any other number. */
 static const char *const shim_dtypes[] = {
-    "bool",     "uint8",     "int8",      "int16",      "int32",         "int64",         "float16",
-    "bfloat16", "float32",   "float64",   "uint16",     "uint32",        "uint64",        "complex32",
+    "bool",      "uint8",      "int8",        "int16",         "int32",           "int64",           "float16",
+    "bfloat16",  "float32",    "float64",     "uint16",        "uint32",          "uint64",          "complex32",
     "complex64", "complex128", "float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz", "float8_e4m3fnuz",
 };
 
@@ -153,7 +153,8 @@ void fdp__aoti_init(module_state *st, const char *torch_c_file) {
   const char *want = fdp__param_str(FDP_PARAM_TENSOR_PATH);
   void *lib = torch_library(torch_c_file);
   if (!lib)
-    snprintf(g_shim_why, sizeof g_shim_why, "libtorch_cpu.so is not loaded in this process (dlopen RTLD_NOLOAD: %s)", dlerror());
+    snprintf(g_shim_why, sizeof g_shim_why, "libtorch_cpu.so is not loaded in this process (dlopen RTLD_NOLOAD: %s)",
+             dlerror());
   else if (!st->to_handles)
     snprintf(g_shim_why, sizeof g_shim_why, "torch has no torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors");
   shim.resolved = lib && st->to_handles && resolve(lib);
@@ -164,15 +165,18 @@ void fdp__aoti_init(module_state *st, const char *torch_c_file) {
   } else if (shim.resolved) {
     /* The default because it is the faster one: about 4x less time per tensor (python -m fastdp.bench.tensor_path). */
     g_path = FDP_TENSOR_PATH_AOTI;
-    snprintf(g_why, sizeof g_why, "the faster path where libtorch has the shim; FASTDP_TENSOR_PATH=python reads "
-                                  "tensors through their Python API instead");
+    snprintf(g_why, sizeof g_why,
+             "the faster path where libtorch has the shim; FASTDP_TENSOR_PATH=python reads "
+             "tensors through their Python API instead");
   } else {
     g_path = FDP_TENSOR_PATH_PYTHON;
     snprintf(g_why, sizeof g_why, "the C shim cannot be used: %s", g_shim_why);
   }
   if (want && *want && strcmp(want, "python") != 0 && strcmp(want, "aoti") != 0)
-    snprintf(g_why + strlen(g_why), sizeof g_why - strlen(g_why), " (FASTDP_TENSOR_PATH=%.40s ignored: not \"python\" "
-             "or \"aoti\")", want);
+    snprintf(g_why + strlen(g_why), sizeof g_why - strlen(g_why),
+             " (FASTDP_TENSOR_PATH=%.40s ignored: not \"python\" "
+             "or \"aoti\")",
+             want);
 }
 
 /* 1 for objects the shim path reads: exact torch.Tensor and torch.nn.Parameter (a subclass may override data_ptr

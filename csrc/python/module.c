@@ -100,8 +100,7 @@ static PyObject *py_broadcast(PyObject *module, PyObject *args) {
   fdp__tensor_arg_t src = ARG("tensor");
   fdp__tensor_list_t d = LIST("out");
   fdp_streams_t streams = {0};
-  if (!PyArg_ParseTuple(args, "O&O&|O&:broadcast", fdp_tensor, &src, fdp_list, &d, fdp_streams, &streams))
-    return NULL;
+  if (!PyArg_ParseTuple(args, "O&O&|O&:broadcast", fdp_tensor, &src, fdp_list, &d, fdp_streams, &streams)) return NULL;
   PyObject *ret = broadcast_impl(st, &src.t, &d, &streams);
   fdp__tensor_list_clear(&d);
   return ret;
@@ -177,8 +176,8 @@ static PyObject *py_scatter(PyObject *module, PyObject *args) {
   int64_array_t sizes = {NULL, 0};
   fdp_streams_t streams = {0};
   int dim;
-  if (!PyArg_ParseTuple(args, "O&O&iO&|O&:scatter", fdp_tensor, &src, fdp_list, &o, &dim, int64_array_converter,
-                        &sizes, fdp_streams, &streams))
+  if (!PyArg_ParseTuple(args, "O&O&iO&|O&:scatter", fdp_tensor, &src, fdp_list, &o, &dim, int64_array_converter, &sizes,
+                        fdp_streams, &streams))
     return NULL;
   PyObject *ret = scatter_impl(st, &src.t, &o, dim, &sizes, &streams);
   int64_array_converter(NULL, &sizes);
@@ -319,8 +318,7 @@ static int columns_describe(module_state *st, columns_t *c) {
   }
   for (Py_ssize_t j = 0; j < n; j++) {
     c->lists[j] = (fdp__tensor_list_t)LIST("columns[j]");
-    if (!fdp_list(PySequence_Fast_GET_ITEM(c->fast, j), &c->lists[j]) || fdp__check_count(c->lists[j].n) < 0)
-      return -1;
+    if (!fdp_list(PySequence_Fast_GET_ITEM(c->fast, j), &c->lists[j]) || fdp__check_count(c->lists[j].n) < 0) return -1;
   }
   return 0;
 }
@@ -498,7 +496,8 @@ static PyObject *py_set_tensor_path(PyObject *module, PyObject *arg) {
   for (int p = 0; name && p < (int)(sizeof path_names / sizeof *path_names); p++)
     if (strcmp(name, path_names[p]) == 0)
       return fdp__set_tensor_path((fdp__tensor_path_t)p) < 0 ? NULL : PyUnicode_FromString(path_names[previous]);
-  if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "set_tensor_path: expected \"aoti\" or \"python\", got %R", arg);
+  if (!PyErr_Occurred())
+    PyErr_Format(PyExc_ValueError, "set_tensor_path: expected \"aoti\" or \"python\", got %R", arg);
   return NULL;
 }
 
@@ -526,8 +525,10 @@ static PyObject *py_describe(PyObject *module, PyObject *args) {
   PyObject *ret = PyList_New(ts.n);
   for (Py_ssize_t i = 0; ret && i < ts.n; i++) {
     PyObject *v = descriptor_tuple(&ts.t[i]);
-    if (!v) Py_CLEAR(ret);
-    else PyList_SET_ITEM(ret, i, v);
+    if (!v)
+      Py_CLEAR(ret);
+    else
+      PyList_SET_ITEM(ret, i, v);
   }
   fdp__tensor_list_clear(&ts);
   return ret;
@@ -741,8 +742,7 @@ static PyObject *py_set_oom_error(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
   if (!PyType_Check(cls) || !PyType_Check(torch_oom) || !PyObject_IsSubclass(cls, st->CudaError) ||
       !PyObject_IsSubclass(cls, torch_oom)) {
-    PyErr_SetString(PyExc_TypeError,
-                    "set_oom_error(cls, torch_oom): cls must subclass both CudaError and torch_oom");
+    PyErr_SetString(PyExc_TypeError, "set_oom_error(cls, torch_oom): cls must subclass both CudaError and torch_oom");
     return NULL;
   }
   Py_XSETREF(g_oom_error, Py_NewRef(cls));
@@ -777,8 +777,10 @@ static PyObject *py_kernels_info(PyObject *module, PyObject *unused) {
   PyObject *devices = PyList_New(ndev);
   for (int d = 0; devices && d < ndev; d++) {
     PyObject *v = PyUnicode_FromString(fdp_cuda_kernels_source(d));
-    if (!v) Py_CLEAR(devices);
-    else PyList_SET_ITEM(devices, d, v);
+    if (!v)
+      Py_CLEAR(devices);
+    else
+      PyList_SET_ITEM(devices, d, v);
   }
   if (!devices) return NULL;
   return Py_BuildValue("{s:n,s:n,s:(ii),s:s,s:s,s:s,s:N}", "fatbin_bytes", (Py_ssize_t)f.fatbin_bytes, "source_bytes",

@@ -131,8 +131,7 @@ int fdp__describe_python(module_state *st, PyObject *obj, fdp_tensor_t *t, const
   }
   int is_tensor = PyObject_IsInstance(obj, st->tensor_type);
   if (is_tensor <= 0) {
-    if (is_tensor == 0)
-      PyErr_Format(PyExc_TypeError, "%s must be a torch.Tensor, got %s", name, Py_TYPE(obj)->tp_name);
+    if (is_tensor == 0) PyErr_Format(PyExc_TypeError, "%s must be a torch.Tensor, got %s", name, Py_TYPE(obj)->tp_name);
     return -1;
   }
   long long dev, ptr;

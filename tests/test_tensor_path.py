@@ -129,12 +129,14 @@ def test_rejections_match_the_python_path(name):
     for p in ("aoti", "python"):
         previous = _C.set_tensor_path(p)
         try:
-            results[p] = (_error(_C.describe, [torch.ones(2), bad]), _error(_C.copy, [bad], [bad]))
+            results[p] = (_error(_C.describe, [torch.ones(2), bad]), _error(_C.copy, [bad], [bad]),
+                          _error(_C.broadcast, bad, [torch.ones(2)]))
         finally:
             _C.set_tensor_path(previous)
     assert results["aoti"] == results["python"]
     if name in ("meta", "int", "none"):
         assert "tensors[1]" in results["python"][0][1]  # the message names the element
+        assert results["python"][2][1].startswith("tensor ")  # a single argument: its name alone
 
 
 def test_not_a_sequence(path):
@@ -153,8 +155,16 @@ def test_copy_is_correct_on_strided_views(path):
         assert torch.equal(d, w)
 
 
-def _use_count(t):
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+def test_single_tensor_arguments(path):
+    """broadcast's source and reduce's output (one-tensor converters) as strided views: the result equals torch's."""
+    src = torch.randn(6, 4)[::2, 1:]
+    outs = [torch.zeros(3, 3), torch.zeros(3, 5)[:, 1:4]]
+    _C.broadcast(src, outs)
+    assert all(torch.equal(o, src) for o in outs)
+    ins = [torch.randn(3, 3) for _ in range(3)]
+    out = torch.zeros(3, 3)
+    _C.reduce(ins, out)
+    assert torch.equal(out, ins[0] + ins[1] + ins[2])
 
 
 def test_no_reference_kept(path):

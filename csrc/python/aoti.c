@@ -228,7 +228,7 @@ static int from_handle(fdp_aten_handle_t h, fdp_tensor_t *t) {
   return 0;
 }
 
-int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what) {
+int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
   if (!plain_tensors(st, items)) return 1;
   /* One call converts the whole list into new at::Tensor references (capsules without a destructor): every one
    * is deleted below, also after a failure, or each call would leak a TensorImpl reference per tensor. */
@@ -246,7 +246,8 @@ int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, cons
     fdp_aten_handle_t h = PyCapsule_IsValid(cap, NULL) ? PyCapsule_GetPointer(cap, NULL) : NULL;
     int slow = h ? from_handle(h, &ts[i]) : 1;
     if (h) shim.delete_tensor(h);
-    if (rc == 0 && slow && fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, i) < 0) rc = -1;
+    if (rc == 0 && slow && fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0)
+      rc = -1;
   }
   Py_DECREF(handles);
   return rc;

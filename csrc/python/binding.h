@@ -51,8 +51,9 @@ int fdp__check_count(Py_ssize_t n);
 /* Fills `t` from a CPU or CUDA torch.Tensor through its Python API. `what` names the argument in errors, as
  * what[index] for a list element or alone when index is -1. */
 int fdp__describe_python(module_state *st, PyObject *obj, fdp_tensor_t *t, const char *what, Py_ssize_t index);
-/* Fills ts[0..n) from the tuple `items` through the path in use (see fdp__tensor_path). */
-int fdp__describe_items(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what);
+/* Fills ts[0..n) from the tuple `items` through the path in use (see fdp__tensor_path). Errors name what[i], or
+what alone when `single` (a 1-tuple holding one tensor argument). */
+int fdp__describe_items(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single);
 
 /* ---- the shim path (aoti.c) ---- */
 
@@ -70,6 +71,6 @@ int fdp__set_tensor_path(fdp__tensor_path_t path);
  * (non-tensors, tensor subclasses), nothing done; 0: done; -1: a Python error is set. Tensors the shim cannot read
  * as plain strided CPU/CUDA memory (sparse, meta, unknown dtype) go to fdp__describe_python one by one, so both
  * paths raise the same errors. */
-int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what);
+int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single);
 
 #endif

@@ -152,13 +152,13 @@ int fdp__check_count(Py_ssize_t n) {
   return 0;
 }
 
-int fdp__describe_items(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what) {
+int fdp__describe_items(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
   if (fdp__tensor_path() == FDP_TENSOR_PATH_AOTI) {
-    int rc = fdp__aoti_describe(st, items, ts, what);
+    int rc = fdp__aoti_describe(st, items, ts, what, single);
     if (rc <= 0) return rc;
   }
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++)
-    if (fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, i) < 0) return -1;
+    if (fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0) return -1;
   return 0;
 }
 
@@ -201,7 +201,7 @@ int fdp__tensor_list_converter(PyObject *obj, void *out) {
   list->t = PyMem_Calloc((size_t)(len ? len : 1), sizeof *list->t);
   list->keep = items;
   if (!list->t) PyErr_NoMemory();
-  if (!list->t || fdp__describe_items(list->st, items, list->t, list->what) < 0) {
+  if (!list->t || fdp__describe_items(list->st, items, list->t, list->what, 0) < 0) {
     fdp__tensor_list_clear(list);
     return 0;
   }
@@ -209,11 +209,17 @@ int fdp__tensor_list_converter(PyObject *obj, void *out) {
   return Py_CLEANUP_SUPPORTED;
 }
 
-/* "O&" converter: one tensor argument. Nothing to release: the descriptor borrows the argument. */
+/* "O&" converter: one tensor argument, through the path in use. Nothing to release: the descriptor borrows the
+ * argument, which the argument tuple keeps alive. */
 int fdp__tensor_converter(PyObject *obj, void *out) {
   fdp__tensor_arg_t *arg = out;
   if (obj == NULL) return 0;
-  return fdp__describe_python(arg->st, obj, &arg->t, arg->what, -1) < 0 ? 0 : 1;
+  if (fdp__tensor_path() == FDP_TENSOR_PATH_PYTHON)
+    return fdp__describe_python(arg->st, obj, &arg->t, arg->what, -1) == 0;
+  PyObject *one = PyTuple_Pack(1, obj);
+  int rc = one ? fdp__describe_items(arg->st, one, &arg->t, arg->what, 1) : -1;
+  Py_XDECREF(one);
+  return rc == 0;
 }
 
 int fdp__streams_converter(PyObject *obj, void *out) {

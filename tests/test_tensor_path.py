@@ -224,3 +224,31 @@ def test_default_path_and_info_line():
     assert out[0] == ("aoti" if SHIM else "python")
     line = [ln for ln in out if ln.startswith("tensor metadata: ")]
     assert len(line) == 1 and (("C shim" in line[0]) == SHIM)
+
+
+def test_torch_without_the_shim_falls_back():
+    """A torch whose _aoti module lacks the batched handle conversion (older than the shim path needs): the Python
+    path is used, info says why, and asking for the shim path is a clear error."""
+    code = """
+import torch
+del torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+import fastdp
+from fastdp import _C
+name, why = _C.tensor_path()
+print(name)
+print(why)
+try:
+    _C.set_tensor_path("aoti")
+except RuntimeError as e:
+    print(e)
+d, s = [torch.zeros(2, 3)], [torch.arange(6.0).reshape(3, 2).t()]
+_C.copy(d, s)
+print(torch.equal(d[0], s[0]))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "FASTDP_TENSOR_PATH"})
+    assert r.returncode == 0, r.stderr
+    name, why, error, copied = r.stdout.splitlines()
+    assert name == "python" and copied == "True"
+    assert why == "the C shim cannot be used: torch has no torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors"
+    assert error == "the C shim path cannot be used here: " + why.split(": ", 1)[1]

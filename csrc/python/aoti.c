@@ -7,7 +7,6 @@
 #include "core/backend.h"
 
 #include <dlfcn.h>
-#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -21,7 +20,6 @@ typedef int32_t (*shim_get_i32_fn)(fdp_aten_handle_t, int32_t *);
 typedef int32_t (*shim_delete_fn)(fdp_aten_handle_t);
 typedef int32_t (*shim_const_fn)(void);
 typedef size_t (*shim_elem_size_fn)(int32_t);
-typedef int32_t (*shim_cuda_stream_fn)(int32_t, void **);
 
 #define FDP_SHIM_DTYPES 64 /* c10::ScalarType values are small; a larger one goes to the Python path */
 
@@ -32,7 +30,6 @@ static struct {
   shim_get_i32_fn dtype, device_type, device_index, layout;
   shim_delete_fn delete_tensor;
   shim_elem_size_fn elem_size;       /* optional: dtypes the core does not sum need only their size */
-  shim_cuda_stream_fn cuda_stream;   /* optional, unused on the host backend: PyTorch's current stream */
   int32_t cpu, cuda, strided;        /* the shim's codes, read once */
   int8_t fdp_dtype[FDP_SHIM_DTYPES]; /* shim dtype -> fdp_dtype_t; -1: not in the core's table */
   int8_t size_of[FDP_SHIM_DTYPES];   /* shim dtype -> bytes per element; 0: unknown (Python path) */
@@ -133,8 +130,6 @@ static int resolve(void *lib) {
   shim.elem_size = NULL;
   void *sym = dlsym(lib, "aoti_torch_dtype_element_size");
   memcpy(&shim.elem_size, &sym, sizeof sym);
-  sym = dlsym(lib, "aoti_torch_get_current_cuda_stream");
-  memcpy(&shim.cuda_stream, &sym, sizeof sym);
   int ok = need(lib, "aoti_torch_get_data_ptr", &shim.data_ptr) && need(lib, "aoti_torch_get_dim", &shim.dim) &&
            need(lib, "aoti_torch_get_sizes", &shim.sizes) && need(lib, "aoti_torch_get_strides", &shim.strides) &&
            need(lib, "aoti_torch_get_dtype", &shim.dtype) &&
@@ -152,9 +147,10 @@ static int resolve(void *lib) {
 void fdp__aoti_init(module_state *st, const char *torch_c_file) {
   const char *want = fdp__param_str(FDP_PARAM_TENSOR_PATH);
   void *lib = torch_library(torch_c_file);
+  const char *dl_error = lib ? NULL : dlerror();
   if (!lib)
     snprintf(g_shim_why, sizeof g_shim_why, "libtorch_cpu.so is not loaded in this process (dlopen RTLD_NOLOAD: %s)",
-             dlerror());
+             dl_error ? dl_error : "not found");
   else if (!st->to_handles)
     snprintf(g_shim_why, sizeof g_shim_why, "torch has no torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors");
   shim.resolved = lib && st->to_handles && resolve(lib);
@@ -165,7 +161,7 @@ void fdp__aoti_init(module_state *st, const char *torch_c_file) {
   } else if (shim.resolved) {
     /* The default because it is the faster one: about 4x less time per tensor (python -m fastdp.bench.tensor_path). */
     g_path = FDP_TENSOR_PATH_AOTI;
-    snprintf(g_why, sizeof g_why,
+    snprintf(g_why, sizeof g_why, "%s",
              "the faster path where libtorch has the shim; FASTDP_TENSOR_PATH=python reads "
              "tensors through their Python API instead");
   } else {
@@ -174,9 +170,7 @@ void fdp__aoti_init(module_state *st, const char *torch_c_file) {
   }
   if (want && *want && strcmp(want, "python") != 0 && strcmp(want, "aoti") != 0)
     snprintf(g_why + strlen(g_why), sizeof g_why - strlen(g_why),
-             " (FASTDP_TENSOR_PATH=%.40s ignored: not \"python\" "
-             "or \"aoti\")",
-             want);
+             " (FASTDP_TENSOR_PATH=%.40s ignored: not \"python\" or \"aoti\")", want);
 }
 
 /* 1 for objects the shim path reads: exact torch.Tensor and torch.nn.Parameter (a subclass may override data_ptr

@@ -127,8 +127,10 @@ static PyObject *py_reduce(PyObject *module, PyObject *args) {
   return ret;
 }
 
-/* chunk_sizes of scatter: a sequence of ints into an int64 array (PyMem), released by the cleanup call. */
+/* chunk_sizes of scatter: a sequence of ints, one per output, into an int64 array (PyMem), released by the cleanup
+ * call. The length is checked before the items, as it always was. */
 typedef struct {
+  const fdp__tensor_list_t *outs; /* in: converted before (positional order) */
   int64_t *v;
   Py_ssize_t n;
 } int64_array_t;
@@ -143,9 +145,14 @@ static int int64_array_converter(PyObject *obj, void *out) {
   PyObject *fast = PySequence_Fast(obj, "chunk_sizes must be a sequence");
   if (!fast) return 0;
   a->n = PySequence_Fast_GET_SIZE(fast);
-  a->v = PyMem_Calloc((size_t)(a->n ? a->n : 1), sizeof *a->v);
-  int ok = a->v != NULL;
-  if (!ok) PyErr_NoMemory();
+  int ok = a->n == a->outs->n && fdp__check_count(a->n) == 0;
+  if (!ok && !PyErr_Occurred())
+    PyErr_SetString(PyExc_ValueError, "Expected devices and chunk_sizes to be of same length");
+  a->v = ok ? PyMem_Calloc((size_t)(a->n ? a->n : 1), sizeof *a->v) : NULL;
+  if (ok && !a->v) {
+    ok = 0;
+    PyErr_NoMemory();
+  }
   for (Py_ssize_t i = 0; ok && i < a->n; i++) {
     a->v[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
     ok = !(a->v[i] == -1 && PyErr_Occurred());
@@ -157,10 +164,6 @@ static int int64_array_converter(PyObject *obj, void *out) {
 
 static PyObject *scatter_impl(module_state *st, fdp_tensor_t *src, fdp__tensor_list_t *o, int dim, int64_array_t *sz,
                               fdp_streams_t *streams) {
-  if (sz->n != o->n || fdp__check_count(o->n) < 0) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Expected devices and chunk_sizes to be of same length");
-    return NULL;
-  }
   fdp_result_t r;
   Py_BEGIN_ALLOW_THREADS
   r = fdp_op_scatter(src, dim, sz->v, o->t, (int)o->n, streams);
@@ -173,7 +176,7 @@ static PyObject *py_scatter(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
   fdp__tensor_arg_t src = ARG("tensor");
   fdp__tensor_list_t o = LIST("out");
-  int64_array_t sizes = {NULL, 0};
+  int64_array_t sizes = {&o, NULL, 0};
   fdp_streams_t streams = {0};
   int dim;
   if (!PyArg_ParseTuple(args, "O&O&iO&|O&:scatter", fdp_tensor, &src, fdp_list, &o, &dim, int64_array_converter, &sizes,

@@ -233,7 +233,13 @@ int fdp__streams_converter(PyObject *obj, void *out) {
   for (Py_ssize_t i = 0; ok && i < len; i++) {
     int dev;
     unsigned long long handle;
-    ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iK", &dev, &handle);
+    PyObject *pair = PySequence_Fast_GET_ITEM(fast, i);
+    if (!PyTuple_Check(pair)) { /* PyArg_ParseTuple would raise SystemError for it */
+      PyErr_Format(PyExc_TypeError, "streams[%zd] must be a (device, handle) tuple, got %s", i, Py_TYPE(pair)->tp_name);
+      ok = 0;
+      break;
+    }
+    ok = PyArg_ParseTuple(pair, "iK", &dev, &handle);
     if (!ok) break;
     s->device[i] = dev;
     s->stream[i] = (void *)(uintptr_t)handle;

@@ -53,11 +53,8 @@ static PyObject *result(module_state *st, fdp_result_t r) {
   Py_RETURN_NONE;
 }
 
-#define LIST(name) {.st = st, .what = name}
-#define ARG(name) {.st = st, .what = name}
-#define fdp_list fdp__tensor_list_converter
-#define fdp_tensor fdp__tensor_converter
-#define fdp_streams fdp__streams_converter
+/* A converter's target for the argument called `name` in errors (fdp__tensor_list_t, fdp__tensor_arg_t). */
+#define FDP_ARG(name) {.st = st, .what = name}
 
 /* ---- entry points: parse (converters), release the GIL, call the core, raise ---- */
 
@@ -76,9 +73,11 @@ static PyObject *copy_impl(module_state *st, fdp__tensor_list_t *d, fdp__tensor_
 /* copy(dsts, srcs, streams=None) */
 static PyObject *py_copy(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
-  fdp__tensor_list_t d = LIST("dst"), s = LIST("src");
+  fdp__tensor_list_t d = FDP_ARG("dst"), s = FDP_ARG("src");
   fdp_streams_t streams = {0};
-  if (!PyArg_ParseTuple(args, "O&O&|O&:copy", fdp_list, &d, fdp_list, &s, fdp_streams, &streams)) return NULL;
+  if (!PyArg_ParseTuple(args, "O&O&|O&:copy", fdp__tensor_list_converter, &d, fdp__tensor_list_converter, &s,
+                        fdp__streams_converter, &streams))
+    return NULL;
   PyObject *ret = copy_impl(st, &d, &s, &streams);
   fdp__tensor_list_clear(&d);
   fdp__tensor_list_clear(&s);
@@ -97,10 +96,12 @@ static PyObject *broadcast_impl(module_state *st, fdp_tensor_t *src, fdp__tensor
 /* broadcast(src, dsts, streams=None) */
 static PyObject *py_broadcast(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
-  fdp__tensor_arg_t src = ARG("tensor");
-  fdp__tensor_list_t d = LIST("out");
+  fdp__tensor_arg_t src = FDP_ARG("tensor");
+  fdp__tensor_list_t d = FDP_ARG("out");
   fdp_streams_t streams = {0};
-  if (!PyArg_ParseTuple(args, "O&O&|O&:broadcast", fdp_tensor, &src, fdp_list, &d, fdp_streams, &streams)) return NULL;
+  if (!PyArg_ParseTuple(args, "O&O&|O&:broadcast", fdp__tensor_converter, &src, fdp__tensor_list_converter, &d,
+                        fdp__streams_converter, &streams))
+    return NULL;
   PyObject *ret = broadcast_impl(st, &src.t, &d, &streams);
   fdp__tensor_list_clear(&d);
   return ret;
@@ -118,10 +119,12 @@ static PyObject *reduce_impl(module_state *st, fdp__tensor_list_t *in, fdp_tenso
 /* reduce(inputs, out, streams=None) */
 static PyObject *py_reduce(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
-  fdp__tensor_list_t in = LIST("inputs");
-  fdp__tensor_arg_t out = ARG("out");
+  fdp__tensor_list_t in = FDP_ARG("inputs");
+  fdp__tensor_arg_t out = FDP_ARG("out");
   fdp_streams_t streams = {0};
-  if (!PyArg_ParseTuple(args, "O&O&|O&:reduce", fdp_list, &in, fdp_tensor, &out, fdp_streams, &streams)) return NULL;
+  if (!PyArg_ParseTuple(args, "O&O&|O&:reduce", fdp__tensor_list_converter, &in, fdp__tensor_converter, &out,
+                        fdp__streams_converter, &streams))
+    return NULL;
   PyObject *ret = reduce_impl(st, &in, &out.t, &streams);
   fdp__tensor_list_clear(&in);
   return ret;
@@ -174,13 +177,13 @@ static PyObject *scatter_impl(module_state *st, fdp_tensor_t *src, fdp__tensor_l
 /* scatter(src, outs, dim, chunk_sizes, streams=None) */
 static PyObject *py_scatter(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
-  fdp__tensor_arg_t src = ARG("tensor");
-  fdp__tensor_list_t o = LIST("out");
+  fdp__tensor_arg_t src = FDP_ARG("tensor");
+  fdp__tensor_list_t o = FDP_ARG("out");
   int64_array_t sizes = {&o, NULL, 0};
   fdp_streams_t streams = {0};
   int dim;
-  if (!PyArg_ParseTuple(args, "O&O&iO&|O&:scatter", fdp_tensor, &src, fdp_list, &o, &dim, int64_array_converter, &sizes,
-                        fdp_streams, &streams))
+  if (!PyArg_ParseTuple(args, "O&O&iO&|O&:scatter", fdp__tensor_converter, &src, fdp__tensor_list_converter, &o, &dim,
+                        int64_array_converter, &sizes, fdp__streams_converter, &streams))
     return NULL;
   PyObject *ret = scatter_impl(st, &src.t, &o, dim, &sizes, &streams);
   int64_array_converter(NULL, &sizes);
@@ -201,11 +204,12 @@ static PyObject *gather_impl(module_state *st, fdp__tensor_list_t *in, int dim, 
 /* gather(inputs, out, dim, streams=None) */
 static PyObject *py_gather(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
-  fdp__tensor_list_t in = LIST("tensors");
-  fdp__tensor_arg_t out = ARG("out");
+  fdp__tensor_list_t in = FDP_ARG("tensors");
+  fdp__tensor_arg_t out = FDP_ARG("out");
   fdp_streams_t streams = {0};
   int dim;
-  if (!PyArg_ParseTuple(args, "O&O&i|O&:gather", fdp_list, &in, fdp_tensor, &out, &dim, fdp_streams, &streams))
+  if (!PyArg_ParseTuple(args, "O&O&i|O&:gather", fdp__tensor_list_converter, &in, fdp__tensor_converter, &out, &dim,
+                        fdp__streams_converter, &streams))
     return NULL;
   PyObject *ret = gather_impl(st, &in, dim, &out.t, &streams);
   fdp__tensor_list_clear(&in);
@@ -282,9 +286,10 @@ static PyObject *plan_impl(module_state *st, fdp__tensor_list_t *ts, PyObject *k
 /* plan(tensors, type_keys, bucket_bytes) -> [(numel, [(index, offset, numel), ...]), ...] */
 static PyObject *py_plan(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
-  fdp__tensor_list_t ts = LIST("tensors");
+  fdp__tensor_list_t ts = FDP_ARG("tensors");
   PyObject *keys_obj, *bytes_obj;
-  if (!PyArg_ParseTuple(args, "O&OO!:plan", fdp_list, &ts, &keys_obj, &PyLong_Type, &bytes_obj)) return NULL;
+  if (!PyArg_ParseTuple(args, "O&OO!:plan", fdp__tensor_list_converter, &ts, &keys_obj, &PyLong_Type, &bytes_obj))
+    return NULL;
   PyObject *ret = plan_impl(st, &ts, keys_obj, bytes_obj);
   fdp__tensor_list_clear(&ts);
   return ret;
@@ -320,8 +325,10 @@ static int columns_describe(module_state *st, columns_t *c) {
     return -1;
   }
   for (Py_ssize_t j = 0; j < n; j++) {
-    c->lists[j] = (fdp__tensor_list_t)LIST("columns[j]");
-    if (!fdp_list(PySequence_Fast_GET_ITEM(c->fast, j), &c->lists[j]) || fdp__check_count(c->lists[j].n) < 0) return -1;
+    c->lists[j] = (fdp__tensor_list_t)FDP_ARG("columns[j]");
+    if (!fdp__tensor_list_converter(PySequence_Fast_GET_ITEM(c->fast, j), &c->lists[j]) ||
+        fdp__check_count(c->lists[j].n) < 0)
+      return -1;
   }
   return 0;
 }
@@ -354,9 +361,10 @@ static PyObject *reduce_many_impl(module_state *st, columns_t *c, fdp__tensor_li
 static PyObject *py_reduce_many(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
   columns_t c = {NULL, NULL};
-  fdp__tensor_list_t outs = LIST("outs");
+  fdp__tensor_list_t outs = FDP_ARG("outs");
   fdp_streams_t streams = {0};
-  if (!PyArg_ParseTuple(args, "O&O&|O&:reduce_many", columns_converter, &c, fdp_list, &outs, fdp_streams, &streams))
+  if (!PyArg_ParseTuple(args, "O&O&|O&:reduce_many", columns_converter, &c, fdp__tensor_list_converter, &outs,
+                        fdp__streams_converter, &streams))
     return NULL;
   PyObject *ret = reduce_many_impl(st, &c, &outs, &streams);
   columns_converter(NULL, &c);
@@ -523,8 +531,8 @@ static PyObject *descriptor_tuple(const fdp_tensor_t *t) {
 /* describe(tensors) -> [(data, device, dtype, elem_size, sizes, strides)]: the descriptors the core would get. */
 static PyObject *py_describe(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
-  fdp__tensor_list_t ts = LIST("tensors");
-  if (!PyArg_ParseTuple(args, "O&:describe", fdp_list, &ts)) return NULL;
+  fdp__tensor_list_t ts = FDP_ARG("tensors");
+  if (!PyArg_ParseTuple(args, "O&:describe", fdp__tensor_list_converter, &ts)) return NULL;
   PyObject *ret = PyList_New(ts.n);
   for (Py_ssize_t i = 0; ret && i < ts.n; i++) {
     PyObject *v = descriptor_tuple(&ts.t[i]);

@@ -222,6 +222,13 @@ static int from_handle(fdp_aten_handle_t h, fdp_tensor_t *t) {
   return 0;
 }
 
+/* The pointer a converted handle carries: pybind11 returns void* as a capsule (unnamed today; any name is accepted;
+ * a valid capsule raises nothing, so an error already set by an earlier tensor survives). NULL for anything else:
+ * that tensor takes the Python path. */
+static fdp_aten_handle_t handle_of(PyObject *obj) {
+  return PyCapsule_CheckExact(obj) ? PyCapsule_GetPointer(obj, PyCapsule_GetName(obj)) : NULL;
+}
+
 int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
   if (!plain_tensors(st, items)) return 1;
   /* One call converts the whole list into new at::Tensor references (capsules without a destructor): every one
@@ -237,7 +244,7 @@ int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, cons
   int rc = 0;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
     PyObject *cap = PyList_GET_ITEM(handles, i);
-    fdp_aten_handle_t h = PyCapsule_IsValid(cap, NULL) ? PyCapsule_GetPointer(cap, NULL) : NULL;
+    fdp_aten_handle_t h = handle_of(cap);
     int slow = h ? from_handle(h, &ts[i]) : 1;
     if (h) shim.delete_tensor(h);
     if (rc == 0 && slow && fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0)

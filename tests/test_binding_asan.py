@@ -69,8 +69,10 @@ def test_binding_under_sanitizers(tmp_path):
     assert build.returncode == 0, build.stderr[-3000:]
     env = dict(os.environ, PYTHONPATH=str(tmp_path), LD_PRELOAD=f"{asan} {stdcxx}",
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=0", UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")
-    for code, expect in ((GARBAGE_CODE, "survived"), (TRAINING, "trained")):
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
-                           cwd=tempfile.gettempdir())
+    # The garbage run on both tensor paths (libtorch's C shim, the Python API: see test_tensor_path.py).
+    for code, expect, path in ((GARBAGE_CODE, "survived", "aoti"), (GARBAGE_CODE, "survived", "python"),
+                               (TRAINING, "trained", "aoti")):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=dict(env, FASTDP_TENSOR_PATH=path), timeout=600, cwd=tempfile.gettempdir())
         assert "AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr[-6000:]
         assert r.returncode == 0 and r.stdout.strip().startswith(expect), (r.stdout, r.stderr[-3000:])

@@ -24,6 +24,7 @@ static const struct {
     [FDP_PARAM_STRICT] = {"FASTDP_STRICT", 0},
     [FDP_PARAM_CACHE_DIR] = {"FASTDP_CACHE_DIR", 0, 1},
     [FDP_PARAM_NVRTC_LIBRARY] = {"FASTDP_NVRTC_LIBRARY", 0, 1},
+    [FDP_PARAM_TENSOR_PATH] = {"FASTDP_TENSOR_PATH", 0, 1},
 };
 
 static int64_t values[FDP_PARAM_COUNT];

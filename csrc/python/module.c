@@ -1,22 +1,10 @@
 /* SPDX-License-Identifier: MIT */
-/* fastdp._C: the only C that includes Python.h. Turns tensors into core descriptors through the tensor's public
- * Python API (no PyTorch C++ ABI, so one build serves every torch 2.x), releases the GIL around the core, and
- * turns result codes into exceptions in one place. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
-#include "core/fastdp.h"
+/* fastdp._C, the module: each operation parses its arguments with the converters of tensors.c (tensors become core
+ * descriptors through libtorch's C shim or the tensor's Python API, never PyTorch's C++ ABI), releases the GIL
+ * around the core, and turns result codes into exceptions in one place. */
+#include "binding.h"
 
 #include <string.h>
-
-typedef struct {
-  PyObject *dtypes;      /* dict: torch.dtype -> fdp_dtype_t */
-  PyObject *itemsizes;   /* dict: torch.dtype -> bytes per element, filled on first sight */
-  PyObject *tensor_type; /* torch.Tensor */
-  PyObject *FastDPError, *CudaError, *NcclError, *BackendUnavailableError;
-  /* Interned attribute names: describe() runs for every tensor of every call. */
-  PyObject *s_data_ptr, *s_shape, *s_stride, *s_dtype, *s_is_cuda, *s_get_device, *s_device, *s_type, *s_itemsize;
-} module_state;
 
 static module_state *get_state(PyObject *module) {
   return (module_state *)PyModule_GetState(module);
@@ -26,396 +14,205 @@ static module_state *get_state(PyObject *module) {
 
 static PyObject *g_oom_error; /* see set_oom_error below */
 
+/* The exception type of a result: one table, as _decimal maps libmpdec's conditions to its signals. */
+static PyObject *exception_type(module_state *st, fdp_result_t r, int status) {
+  PyObject *const types[FDP_RESULT_COUNT] = {
+      [FDP_INVALID] = PyExc_ValueError,
+      [FDP_DTYPE] = PyExc_TypeError,
+      [FDP_NOMEM] = PyExc_MemoryError,
+      [FDP_OVERLAP] = PyExc_RuntimeError, /* PyTorch raises RuntimeError for overlapping writes */
+      [FDP_UNAVAILABLE] = st->BackendUnavailableError,
+      [FDP_CUDA] = status == FDP_CUDA_OUT_OF_MEMORY && g_oom_error ? g_oom_error : st->CudaError,
+      [FDP_NCCL] = st->NcclError,
+  };
+  return (unsigned)r < FDP_RESULT_COUNT && types[r] ? types[r] : st->FastDPError;
+}
+
+/* exc.name = value (a new reference, NULL allowed); a failure here loses only the attribute. */
+static void set_attr(PyObject *exc, const char *name, PyObject *value) {
+  if (!value || PyObject_SetAttrString(exc, name, value) < 0) PyErr_Clear();
+  Py_XDECREF(value);
+}
+
 static PyObject *raise_result(module_state *st, fdp_result_t r) {
   int status = r == FDP_CUDA || r == FDP_NCCL ? fdp_last_status() : 0; /* the library's code; 0: none */
-  PyObject *type;
-  switch (r) {
-  case FDP_INVALID: type = PyExc_ValueError; break;
-  case FDP_DTYPE: type = PyExc_TypeError; break;
-  case FDP_NOMEM: type = PyExc_MemoryError; break;
-  case FDP_OVERLAP: type = PyExc_RuntimeError; break; /* PyTorch raises RuntimeError for overlapping writes */
-  case FDP_UNAVAILABLE: type = st->BackendUnavailableError; break;
-  case FDP_CUDA: type = status == FDP_CUDA_OUT_OF_MEMORY && g_oom_error ? g_oom_error : st->CudaError; break;
-  case FDP_NCCL: type = st->NcclError; break;
-  default: type = st->FastDPError; break;
-  }
+  PyObject *type = exception_type(st, r, status);
   PyObject *exc = PyObject_CallFunction(type, "s", fdp_last_error());
   if (!exc) return NULL;
-  PyObject *code = PyUnicode_FromString(fdp_result_name(r));
-  if (!code || PyObject_SetAttrString(exc, "code", code) < 0) PyErr_Clear();
-  Py_XDECREF(code);
+  set_attr(exc, "code", PyUnicode_FromString(fdp_result_name(r)));
   /* .status: the library's own code (CUresult, ncclResult_t), as CuPy's CUDADriverError.status; None otherwise. */
-  PyObject *status_obj = status != 0 ? PyLong_FromLong(status) : Py_NewRef(Py_None);
-  if (!status_obj || PyObject_SetAttrString(exc, "status", status_obj) < 0) PyErr_Clear();
-  Py_XDECREF(status_obj);
+  set_attr(exc, "status", status != 0 ? PyLong_FromLong(status) : Py_NewRef(Py_None));
   PyErr_SetObject(type, exc);
   Py_DECREF(exc);
   return NULL;
 }
 
-/* ---- tensors to descriptors ---- */
-
-static int int_tuple(PyObject *seq, int64_t *out, int *n, const char *what) {
-  if (PyTuple_Check(seq)) { /* torch.Size and stride() results: no copy */
-    Py_ssize_t len = PyTuple_GET_SIZE(seq);
-    if (len > FDP_MAX_DIMS) {
-      PyErr_Format(PyExc_ValueError, "tensors with more than %d dimensions are not supported", FDP_MAX_DIMS);
-      return -1;
-    }
-    for (Py_ssize_t i = 0; i < len; i++) {
-      out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i));
-      if (out[i] == -1 && PyErr_Occurred()) return -1;
-    }
-    *n = (int)len;
-    return 0;
-  }
-  PyObject *fast = PySequence_Fast(seq, what);
-  if (!fast) return -1;
-  Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
-  if (len > FDP_MAX_DIMS) {
-    Py_DECREF(fast);
-    PyErr_Format(PyExc_ValueError, "tensors with more than %d dimensions are not supported", FDP_MAX_DIMS);
-    return -1;
-  }
-  for (Py_ssize_t i = 0; i < len; i++) {
-    out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
-    if (out[i] == -1 && PyErr_Occurred()) {
-      Py_DECREF(fast);
-      return -1;
-    }
-  }
-  *n = (int)len;
-  Py_DECREF(fast);
-  return 0;
+/* None, or the exception of a failed core call. */
+static PyObject *result(module_state *st, fdp_result_t r) {
+  if (r != FDP_OK) return raise_result(st, r);
+  Py_RETURN_NONE;
 }
 
-static int call_int(PyObject *obj, PyObject *name, long long *out) {
-  PyObject *v = PyObject_CallMethodNoArgs(obj, name);
-  if (!v) return -1;
-  *out = PyLong_AsLongLong(v);
-  Py_DECREF(v);
-  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
+/* A converter's target for the argument called `name` in errors (fdp__tensor_list_t, fdp__tensor_arg_t). */
+#define FDP_ARG(name) {.st = st, .what = name}
 
-/* Bytes per element of a torch.dtype, cached per dtype. */
-static int itemsize_of(module_state *st, PyObject *dtype, int *out) {
-  PyObject *v = PyDict_GetItemWithError(st->itemsizes, dtype);
-  if (!v) {
-    if (PyErr_Occurred()) return -1;
-    v = PyObject_GetAttr(dtype, st->s_itemsize);
-    if (!v || PyDict_SetItem(st->itemsizes, dtype, v) < 0) {
-      Py_XDECREF(v);
-      return -1;
-    }
-    Py_DECREF(v);
-  }
-  *out = (int)PyLong_AsLong(v);
-  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
+/* ---- entry points: parse (converters), release the GIL, call the core, raise ---- */
 
-/* The device ordinal of a tensor: its CUDA index, or FDP_HOST for a CPU tensor; ValueError for any other device. */
-static int tensor_device(module_state *st, PyObject *obj, const char *name, long long *dev) {
-  PyObject *flag = PyObject_GetAttr(obj, st->s_is_cuda);
-  if (!flag) return -1;
-  int is_cuda = PyObject_IsTrue(flag);
-  Py_DECREF(flag);
-  *dev = FDP_HOST;
-  if (is_cuda) return call_int(obj, st->s_get_device, dev);
-  PyObject *device = PyObject_GetAttr(obj, st->s_device);
-  PyObject *kind = device ? PyObject_GetAttr(device, st->s_type) : NULL;
-  Py_XDECREF(device);
-  if (!kind) return -1;
-  int is_cpu = PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "cpu") == 0;
-  if (!is_cpu)
-    PyErr_Format(PyExc_ValueError, "%s is on a %S device; fastdp moves CPU and CUDA tensors only", name, kind);
-  Py_DECREF(kind);
-  return is_cpu ? 0 : -1;
-}
-
-/* Sizes, strides and ndim of a tensor into t. */
-static int tensor_layout(module_state *st, PyObject *obj, const char *name, fdp_tensor_t *t) {
-  PyObject *shape = PyObject_GetAttr(obj, st->s_shape);
-  PyObject *stride = shape ? PyObject_CallMethodNoArgs(obj, st->s_stride) : NULL;
-  int nd = 0, ns = 0;
-  int bad = !stride || int_tuple(shape, t->sizes, &nd, "shape") < 0 || int_tuple(stride, t->strides, &ns, "stride") < 0;
-  Py_XDECREF(shape);
-  Py_XDECREF(stride);
-  if (bad) return -1;
-  if (nd != ns) {
-    PyErr_Format(PyExc_ValueError, "%s has %d sizes but %d strides", name, nd, ns);
-    return -1;
-  }
-  t->ndim = nd;
-  return 0;
-}
-
-/* The core's dtype code (FDP_DTYPE_OTHER for a dtype it does not sum) and the element size of a tensor into t. */
-static int tensor_dtype(module_state *st, PyObject *obj, fdp_tensor_t *t) {
-  PyObject *dtype = PyObject_GetAttr(obj, st->s_dtype);
-  if (!dtype) return -1;
-  PyObject *code = PyDict_GetItemWithError(st->dtypes, dtype);
-  int esz = 0;
-  if ((!code && PyErr_Occurred()) || itemsize_of(st, dtype, &esz) < 0) {
-    Py_DECREF(dtype);
-    return -1;
-  }
-  Py_DECREF(dtype);
-  t->dtype = code ? (int)PyLong_AsLong(code) : FDP_DTYPE_OTHER;
-  t->elem_size = esz;
-  return 0;
-}
-
-/* Fills `t` from a CPU or CUDA torch.Tensor. `what` names the argument in errors, as what[index] for a list
- * element or alone when index is -1 (a single tensor argument). */
-static int describe(module_state *st, PyObject *obj, fdp_tensor_t *t, const char *what, Py_ssize_t index) {
-  char name[128];
-  if (index < 0)
-    snprintf(name, sizeof name, "%s", what);
-  else
-    snprintf(name, sizeof name, "%s[%zd]", what, index);
-  memset(t, 0, sizeof *t);
-  if (!st->tensor_type) {
-    PyErr_SetString(PyExc_RuntimeError, "fastdp._C.set_dtypes() must be called first (import fastdp)");
-    return -1;
-  }
-  int is_tensor = PyObject_IsInstance(obj, st->tensor_type);
-  if (is_tensor <= 0) {
-    if (is_tensor == 0)
-      PyErr_Format(PyExc_TypeError, "%s must be a torch.Tensor, got %s", name, Py_TYPE(obj)->tp_name);
-    return -1;
-  }
-  long long dev, ptr;
-  if (tensor_device(st, obj, name, &dev) < 0 || call_int(obj, st->s_data_ptr, &ptr) < 0) return -1;
-  if (tensor_layout(st, obj, name, t) < 0 || tensor_dtype(st, obj, t) < 0) return -1;
-  t->data = (char *)(intptr_t)ptr;
-  t->device = (int)dev;
-  return 0;
-}
-
-/* A sequence of tensors → a new array of descriptors (PyMem_Free it). *keep receives a tuple holding every
- * tensor described (Py_DECREF it after the operation): the memory the descriptors point to stays alive while
- * the GIL is released, even if the caller's sequence was an iterator or is changed by another thread. */
-static fdp_tensor_t *describe_list(module_state *st, PyObject *seq, Py_ssize_t *n, const char *what, PyObject **keep) {
-  *keep = NULL;
-  if (PyObject_IsInstance(seq, st->tensor_type) > 0 || PyUnicode_Check(seq) || PyBytes_Check(seq)) {
-    PyErr_Format(PyExc_TypeError, "%s must be a sequence of tensors, got %s", what, Py_TYPE(seq)->tp_name);
+static PyObject *copy_impl(module_state *st, fdp__tensor_list_t *d, fdp__tensor_list_t *s, fdp_streams_t *streams) {
+  if (d->n != s->n || fdp__check_count(d->n) < 0) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "copy: %zd destinations for %zd sources", d->n, s->n);
     return NULL;
   }
-  PyObject *items = PySequence_Tuple(seq);
-  if (!items) {
-    if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-      PyErr_Clear();
-      PyErr_Format(PyExc_TypeError, "%s must be a sequence of tensors, got %s", what, Py_TYPE(seq)->tp_name);
-    }
-    return NULL;
-  }
-  Py_ssize_t len = PyTuple_GET_SIZE(items);
-  fdp_tensor_t *ts = PyMem_Calloc((size_t)(len ? len : 1), sizeof *ts);
-  if (!ts) {
-    Py_DECREF(items);
-    PyErr_NoMemory();
-    return NULL;
-  }
-  for (Py_ssize_t i = 0; i < len; i++) {
-    if (describe(st, PyTuple_GET_ITEM(items, i), &ts[i], what, i) < 0) {
-      PyMem_Free(ts);
-      Py_DECREF(items);
-      return NULL;
-    }
-  }
-  *n = len;
-  *keep = items;
-  return ts;
+  fdp_result_t r;
+  Py_BEGIN_ALLOW_THREADS
+  r = fdp_op_copy(d->t, s->t, (int)d->n, streams);
+  Py_END_ALLOW_THREADS
+  return result(st, r);
 }
 
-/* None, or a sequence of (device, stream handle) pairs. */
-static int parse_streams(PyObject *obj, fdp_streams_t *s) {
-  memset(s, 0, sizeof *s);
-  if (!obj || obj == Py_None) return 0;
-  PyObject *fast = PySequence_Fast(obj, "streams must be a sequence of (device, handle) pairs");
-  if (!fast) return -1;
-  Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
-  if (len > FDP_MAX_DEVICES) {
-    Py_DECREF(fast);
-    PyErr_Format(PyExc_ValueError, "at most %d streams", FDP_MAX_DEVICES);
-    return -1;
-  }
-  for (Py_ssize_t i = 0; i < len; i++) {
-    int dev;
-    unsigned long long handle;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iK", &dev, &handle)) {
-      Py_DECREF(fast);
-      return -1;
-    }
-    s->device[i] = dev;
-    s->stream[i] = (void *)(uintptr_t)handle;
-  }
-  s->n = (int)len;
-  Py_DECREF(fast);
-  return 0;
-}
-
-static int check_count(Py_ssize_t n) {
-  if (n > INT32_MAX / 4) {
-    PyErr_SetString(PyExc_ValueError, "too many tensors in one call");
-    return -1;
-  }
-  return 0;
-}
-
-/* ---- entry points: parse, release the GIL, call the core ---- */
-
+/* copy(dsts, srcs, streams=None) */
 static PyObject *py_copy(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
-  PyObject *dsts, *srcs, *streams_obj = Py_None;
-  if (!PyArg_ParseTuple(args, "OO|O:copy", &dsts, &srcs, &streams_obj)) return NULL;
-  fdp_streams_t streams;
-  Py_ssize_t nd = 0, ns = 0;
-  if (parse_streams(streams_obj, &streams) < 0) return NULL;
-  PyObject *keep_d = NULL, *keep_s = NULL;
-  fdp_tensor_t *d = describe_list(st, dsts, &nd, "dst", &keep_d);
-  fdp_tensor_t *s = d ? describe_list(st, srcs, &ns, "src", &keep_s) : NULL;
-  PyObject *ret = NULL;
-  if (!s) goto done;
-  if (nd != ns || check_count(nd) < 0) {
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "copy: %zd destinations for %zd sources", nd, ns);
-    goto done;
-  }
-  fdp_result_t r;
-  Py_BEGIN_ALLOW_THREADS
-  r = fdp_op_copy(d, s, (int)nd, &streams);
-  Py_END_ALLOW_THREADS
-  if (r != FDP_OK)
-    raise_result(st, r);
-  else
-    ret = Py_NewRef(Py_None);
-done:
-  PyMem_Free(d);
-  PyMem_Free(s);
-  Py_XDECREF(keep_d);
-  Py_XDECREF(keep_s);
+  fdp__tensor_list_t d = FDP_ARG("dst"), s = FDP_ARG("src");
+  fdp_streams_t streams = {0};
+  if (!PyArg_ParseTuple(args, "O&O&|O&:copy", fdp__tensor_list_converter, &d, fdp__tensor_list_converter, &s,
+                        fdp__streams_converter, &streams))
+    return NULL;
+  PyObject *ret = copy_impl(st, &d, &s, &streams);
+  fdp__tensor_list_clear(&d);
+  fdp__tensor_list_clear(&s);
   return ret;
 }
 
+static PyObject *broadcast_impl(module_state *st, fdp_tensor_t *src, fdp__tensor_list_t *d, fdp_streams_t *streams) {
+  if (fdp__check_count(d->n) < 0) return NULL;
+  fdp_result_t r;
+  Py_BEGIN_ALLOW_THREADS
+  r = fdp_op_broadcast(src, d->t, (int)d->n, streams);
+  Py_END_ALLOW_THREADS
+  return result(st, r);
+}
+
+/* broadcast(src, dsts, streams=None) */
 static PyObject *py_broadcast(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
-  PyObject *src_obj, *dsts, *streams_obj = Py_None;
-  if (!PyArg_ParseTuple(args, "OO|O:broadcast", &src_obj, &dsts, &streams_obj)) return NULL;
-  fdp_streams_t streams;
-  fdp_tensor_t src;
-  Py_ssize_t nd = 0;
-  if (parse_streams(streams_obj, &streams) < 0 || describe(st, src_obj, &src, "tensor", -1) < 0) return NULL;
-  PyObject *keep;
-  fdp_tensor_t *d = describe_list(st, dsts, &nd, "out", &keep);
-  if (!d) return NULL;
-  PyObject *ret = NULL;
-  if (check_count(nd) == 0) {
-    fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS
-    r = fdp_op_broadcast(&src, d, (int)nd, &streams);
-    Py_END_ALLOW_THREADS
-    if (r != FDP_OK)
-      raise_result(st, r);
-    else
-      ret = Py_NewRef(Py_None);
-  }
-  PyMem_Free(d);
-  Py_DECREF(keep);
+  fdp__tensor_arg_t src = FDP_ARG("tensor");
+  fdp__tensor_list_t d = FDP_ARG("out");
+  fdp_streams_t streams = {0};
+  if (!PyArg_ParseTuple(args, "O&O&|O&:broadcast", fdp__tensor_converter, &src, fdp__tensor_list_converter, &d,
+                        fdp__streams_converter, &streams))
+    return NULL;
+  PyObject *ret = broadcast_impl(st, &src.t, &d, &streams);
+  fdp__tensor_list_clear(&d);
   return ret;
 }
 
-static PyObject *py_reduce(PyObject *module, PyObject *args) {
-  module_state *st = get_state(module);
-  PyObject *ins, *out_obj, *streams_obj = Py_None;
-  if (!PyArg_ParseTuple(args, "OO|O:reduce", &ins, &out_obj, &streams_obj)) return NULL;
-  fdp_streams_t streams;
-  fdp_tensor_t out;
-  Py_ssize_t n = 0;
-  if (parse_streams(streams_obj, &streams) < 0 || describe(st, out_obj, &out, "out", -1) < 0) return NULL;
-  PyObject *keep;
-  fdp_tensor_t *in = describe_list(st, ins, &n, "inputs", &keep);
-  if (!in) return NULL;
-  PyObject *ret = NULL;
-  if (check_count(n) == 0) {
-    fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS
-    r = fdp_op_reduce(in, (int)n, &out, &streams);
-    Py_END_ALLOW_THREADS
-    if (r != FDP_OK)
-      raise_result(st, r);
-    else
-      ret = Py_NewRef(Py_None);
-  }
-  PyMem_Free(in);
-  Py_DECREF(keep);
-  return ret;
-}
-
-static PyObject *py_scatter(PyObject *module, PyObject *args) {
-  module_state *st = get_state(module);
-  PyObject *src_obj, *outs, *sizes_obj, *streams_obj = Py_None;
-  int dim;
-  if (!PyArg_ParseTuple(args, "OOiO|O:scatter", &src_obj, &outs, &dim, &sizes_obj, &streams_obj)) return NULL;
-  fdp_streams_t streams;
-  fdp_tensor_t src;
-  Py_ssize_t n = 0;
-  if (parse_streams(streams_obj, &streams) < 0 || describe(st, src_obj, &src, "tensor", -1) < 0) return NULL;
-  PyObject *keep;
-  fdp_tensor_t *o = describe_list(st, outs, &n, "out", &keep);
-  if (!o) return NULL;
-  PyObject *ret = NULL;
-  int64_t *sizes = PyMem_Calloc((size_t)(n ? n : 1), sizeof *sizes);
-  PyObject *fast = sizes ? PySequence_Fast(sizes_obj, "chunk_sizes must be a sequence") : NULL;
-  if (!fast) goto done;
-  if (PySequence_Fast_GET_SIZE(fast) != n || check_count(n) < 0) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Expected devices and chunk_sizes to be of same length");
-    goto done;
-  }
-  for (Py_ssize_t i = 0; i < n; i++) {
-    sizes[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
-    if (sizes[i] == -1 && PyErr_Occurred()) goto done;
-  }
+static PyObject *reduce_impl(module_state *st, fdp__tensor_list_t *in, fdp_tensor_t *out, fdp_streams_t *streams) {
+  if (fdp__check_count(in->n) < 0) return NULL;
   fdp_result_t r;
   Py_BEGIN_ALLOW_THREADS
-  r = fdp_op_scatter(&src, dim, sizes, o, (int)n, &streams);
+  r = fdp_op_reduce(in->t, (int)in->n, out, streams);
   Py_END_ALLOW_THREADS
-  if (r != FDP_OK)
-    raise_result(st, r);
-  else
-    ret = Py_NewRef(Py_None);
-done:
-  Py_XDECREF(fast);
-  PyMem_Free(sizes);
-  PyMem_Free(o);
-  Py_DECREF(keep);
+  return result(st, r);
+}
+
+/* reduce(inputs, out, streams=None) */
+static PyObject *py_reduce(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  fdp__tensor_list_t in = FDP_ARG("inputs");
+  fdp__tensor_arg_t out = FDP_ARG("out");
+  fdp_streams_t streams = {0};
+  if (!PyArg_ParseTuple(args, "O&O&|O&:reduce", fdp__tensor_list_converter, &in, fdp__tensor_converter, &out,
+                        fdp__streams_converter, &streams))
+    return NULL;
+  PyObject *ret = reduce_impl(st, &in, &out.t, &streams);
+  fdp__tensor_list_clear(&in);
   return ret;
 }
 
+/* chunk_sizes of scatter: a sequence of ints, one per output, into an int64 array (PyMem), released by the cleanup
+ * call. The length is checked before the items, as it always was. */
+typedef struct {
+  const fdp__tensor_list_t *outs; /* in: converted before (positional order) */
+  int64_t *v;
+  Py_ssize_t n;
+} int64_array_t;
+
+static int int64_array_converter(PyObject *obj, void *out) {
+  int64_array_t *a = out;
+  if (obj == NULL) {
+    PyMem_Free(a->v);
+    a->v = NULL;
+    return 0;
+  }
+  PyObject *fast = PySequence_Fast(obj, "chunk_sizes must be a sequence");
+  if (!fast) return 0;
+  a->n = PySequence_Fast_GET_SIZE(fast);
+  int ok = a->n == a->outs->n && fdp__check_count(a->n) == 0;
+  if (!ok && !PyErr_Occurred())
+    PyErr_SetString(PyExc_ValueError, "Expected devices and chunk_sizes to be of same length");
+  a->v = ok ? PyMem_Calloc((size_t)(a->n ? a->n : 1), sizeof *a->v) : NULL;
+  if (ok && !a->v) {
+    ok = 0;
+    PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; ok && i < a->n; i++) {
+    a->v[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+    ok = !(a->v[i] == -1 && PyErr_Occurred());
+  }
+  Py_DECREF(fast);
+  if (!ok) int64_array_converter(NULL, a);
+  return ok ? Py_CLEANUP_SUPPORTED : 0;
+}
+
+static PyObject *scatter_impl(module_state *st, fdp_tensor_t *src, fdp__tensor_list_t *o, int dim, int64_array_t *sz,
+                              fdp_streams_t *streams) {
+  fdp_result_t r;
+  Py_BEGIN_ALLOW_THREADS
+  r = fdp_op_scatter(src, dim, sz->v, o->t, (int)o->n, streams);
+  Py_END_ALLOW_THREADS
+  return result(st, r);
+}
+
+/* scatter(src, outs, dim, chunk_sizes, streams=None) */
+static PyObject *py_scatter(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  fdp__tensor_arg_t src = FDP_ARG("tensor");
+  fdp__tensor_list_t o = FDP_ARG("out");
+  int64_array_t sizes = {&o, NULL, 0};
+  fdp_streams_t streams = {0};
+  int dim;
+  if (!PyArg_ParseTuple(args, "O&O&iO&|O&:scatter", fdp__tensor_converter, &src, fdp__tensor_list_converter, &o, &dim,
+                        int64_array_converter, &sizes, fdp__streams_converter, &streams))
+    return NULL;
+  PyObject *ret = scatter_impl(st, &src.t, &o, dim, &sizes, &streams);
+  int64_array_converter(NULL, &sizes);
+  fdp__tensor_list_clear(&o);
+  return ret;
+}
+
+static PyObject *gather_impl(module_state *st, fdp__tensor_list_t *in, int dim, fdp_tensor_t *out,
+                             fdp_streams_t *streams) {
+  if (fdp__check_count(in->n) < 0) return NULL;
+  fdp_result_t r;
+  Py_BEGIN_ALLOW_THREADS
+  r = fdp_op_gather(in->t, (int)in->n, dim, out, streams);
+  Py_END_ALLOW_THREADS
+  return result(st, r);
+}
+
+/* gather(inputs, out, dim, streams=None) */
 static PyObject *py_gather(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
-  PyObject *ins, *out_obj, *streams_obj = Py_None;
+  fdp__tensor_list_t in = FDP_ARG("tensors");
+  fdp__tensor_arg_t out = FDP_ARG("out");
+  fdp_streams_t streams = {0};
   int dim;
-  if (!PyArg_ParseTuple(args, "OOi|O:gather", &ins, &out_obj, &dim, &streams_obj)) return NULL;
-  fdp_streams_t streams;
-  fdp_tensor_t out;
-  Py_ssize_t n = 0;
-  if (parse_streams(streams_obj, &streams) < 0 || describe(st, out_obj, &out, "out", -1) < 0) return NULL;
-  PyObject *keep;
-  fdp_tensor_t *in = describe_list(st, ins, &n, "tensors", &keep);
-  if (!in) return NULL;
-  PyObject *ret = NULL;
-  if (check_count(n) == 0) {
-    fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS
-    r = fdp_op_gather(in, (int)n, dim, &out, &streams);
-    Py_END_ALLOW_THREADS
-    if (r != FDP_OK)
-      raise_result(st, r);
-    else
-      ret = Py_NewRef(Py_None);
-  }
-  PyMem_Free(in);
-  Py_DECREF(keep);
+  if (!PyArg_ParseTuple(args, "O&O&i|O&:gather", fdp__tensor_list_converter, &in, fdp__tensor_converter, &out, &dim,
+                        fdp__streams_converter, &streams))
+    return NULL;
+  PyObject *ret = gather_impl(st, &in, dim, &out.t, &streams);
+  fdp__tensor_list_clear(&in);
   return ret;
 }
 
@@ -465,12 +262,7 @@ static PyObject *plan_to_list(const fdp_plan_t *plan) {
   return ret;
 }
 
-/* plan(tensors, type_keys, bucket_bytes) -> [(numel, [(index, offset, numel), ...]), ...] */
-static PyObject *py_plan(PyObject *module, PyObject *args) {
-  module_state *st = get_state(module);
-  PyObject *tensors, *keys_obj;
-  PyObject *bytes_obj;
-  if (!PyArg_ParseTuple(args, "OOO!:plan", &tensors, &keys_obj, &PyLong_Type, &bytes_obj)) return NULL;
+static PyObject *plan_impl(module_state *st, fdp__tensor_list_t *ts, PyObject *keys_obj, PyObject *bytes_obj) {
   /* Checked, not taken modulo 2**64 as the "K" format would. */
   unsigned long long bucket_bytes = PyLong_AsUnsignedLongLong(bytes_obj);
   if (bucket_bytes == (unsigned long long)-1 && PyErr_Occurred()) {
@@ -478,106 +270,105 @@ static PyObject *py_plan(PyObject *module, PyObject *args) {
                  bytes_obj);
     return NULL;
   }
-  Py_ssize_t n = 0;
-  PyObject *keep;
-  fdp_tensor_t *ts = describe_list(st, tensors, &n, "tensors", &keep);
-  if (!ts) return NULL;
   PyObject *ret = NULL;
   fdp_plan_t *plan = NULL;
-  int *keys = PyMem_Calloc((size_t)(n ? n : 1), sizeof *keys);
-  if (!keys || check_count(n) < 0 || parse_keys(keys_obj, n, keys) < 0) goto done;
-  fdp_result_t r = fdp_plan_build(ts, keys, (int)n, (size_t)bucket_bytes, &plan);
-  if (r != FDP_OK) {
-    raise_result(st, r);
-    goto done;
+  int *keys = PyMem_Calloc((size_t)(ts->n ? ts->n : 1), sizeof *keys);
+  if (!keys) PyErr_NoMemory();
+  if (keys && fdp__check_count(ts->n) == 0 && parse_keys(keys_obj, ts->n, keys) == 0) {
+    fdp_result_t r = fdp_plan_build(ts->t, keys, (int)ts->n, (size_t)bucket_bytes, &plan);
+    ret = r == FDP_OK ? plan_to_list(plan) : raise_result(st, r);
   }
-  ret = plan_to_list(plan);
-done:
   fdp_plan_free(plan);
   PyMem_Free(keys);
-  PyMem_Free(ts);
-  Py_DECREF(keep);
   return ret;
 }
 
-/* The input columns of reduce_many: per column its descriptors (PyMem_Free), their count, and the tuple keeping
- * the tensors alive. */
-typedef struct columns {
-  Py_ssize_t n;
-  fdp_tensor_t **ins;
-  PyObject **keeps;
-  Py_ssize_t *counts;
-} columns_t;
-
-static void columns_free(columns_t *c) {
-  for (Py_ssize_t j = 0; c->ins && j < c->n; j++)
-    PyMem_Free(c->ins[j]);
-  for (Py_ssize_t j = 0; c->keeps && j < c->n; j++)
-    Py_XDECREF(c->keeps[j]);
-  PyMem_Free(c->ins);
-  PyMem_Free(c->keeps);
-  PyMem_Free(c->counts);
+/* plan(tensors, type_keys, bucket_bytes) -> [(numel, [(index, offset, numel), ...]), ...] */
+static PyObject *py_plan(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  fdp__tensor_list_t ts = FDP_ARG("tensors");
+  PyObject *keys_obj, *bytes_obj;
+  if (!PyArg_ParseTuple(args, "O&OO!:plan", fdp__tensor_list_converter, &ts, &keys_obj, &PyLong_Type, &bytes_obj))
+    return NULL;
+  PyObject *ret = plan_impl(st, &ts, keys_obj, bytes_obj);
+  fdp__tensor_list_clear(&ts);
+  return ret;
 }
 
-/* Describes every column of the sequence `cols` (of c->n items); columns_free releases what was made. */
-static int columns_describe(module_state *st, PyObject *cols, columns_t *c) {
-  size_t n = (size_t)(c->n ? c->n : 1);
-  c->ins = PyMem_Calloc(n, sizeof *c->ins);
-  c->keeps = PyMem_Calloc(n, sizeof *c->keeps);
-  c->counts = PyMem_Calloc(n, sizeof *c->counts);
-  if (!c->ins || !c->counts || !c->keeps) {
+/* The input columns of reduce_many: the sequence (PySequence_Fast), then one described list per column. */
+typedef struct {
+  PyObject *fast;
+  fdp__tensor_list_t *lists; /* PyMem; made by columns_describe */
+} columns_t;
+
+/* "O&" converter: the outer sequence only, so that outs are checked before any column, as they always were. */
+static int columns_converter(PyObject *obj, void *out) {
+  columns_t *c = out;
+  if (obj == NULL) {
+    for (Py_ssize_t j = 0; c->lists && j < PySequence_Fast_GET_SIZE(c->fast); j++)
+      fdp__tensor_list_clear(&c->lists[j]);
+    PyMem_Free(c->lists);
+    c->lists = NULL;
+    Py_CLEAR(c->fast);
+    return 0;
+  }
+  c->fast = PySequence_Fast(obj, "columns must be a sequence of sequences of tensors");
+  return c->fast ? Py_CLEANUP_SUPPORTED : 0;
+}
+
+/* Describes every column; columns_converter(NULL, c) releases what was made. */
+static int columns_describe(module_state *st, columns_t *c) {
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(c->fast);
+  c->lists = PyMem_Calloc((size_t)(n ? n : 1), sizeof *c->lists);
+  if (!c->lists) {
     PyErr_NoMemory();
     return -1;
   }
-  for (Py_ssize_t j = 0; j < c->n; j++) {
-    c->ins[j] = describe_list(st, PySequence_Fast_GET_ITEM(cols, j), &c->counts[j], "columns[j]", &c->keeps[j]);
-    if (!c->ins[j] || check_count(c->counts[j]) < 0) return -1;
+  for (Py_ssize_t j = 0; j < n; j++) {
+    c->lists[j] = (fdp__tensor_list_t)FDP_ARG("columns[j]");
+    if (!fdp__tensor_list_converter(PySequence_Fast_GET_ITEM(c->fast, j), &c->lists[j]) ||
+        fdp__check_count(c->lists[j].n) < 0)
+      return -1;
   }
   return 0;
 }
 
 /* outs[j] = sum of column j, for every column, stopping at the first failure (no GIL needed). */
-static fdp_result_t reduce_columns(const columns_t *c, const fdp_tensor_t *outs, const fdp_streams_t *streams) {
+static fdp_result_t reduce_columns(const fdp__tensor_list_t *cols, Py_ssize_t n, const fdp_tensor_t *outs,
+                                   const fdp_streams_t *streams) {
   fdp_result_t r = FDP_OK;
-  for (Py_ssize_t j = 0; j < c->n && r == FDP_OK; j++)
-    r = fdp_op_reduce(c->ins[j], (int)c->counts[j], &outs[j], streams);
+  for (Py_ssize_t j = 0; j < n && r == FDP_OK; j++)
+    r = fdp_op_reduce(cols[j].t, (int)cols[j].n, &outs[j], streams);
   return r;
+}
+
+static PyObject *reduce_many_impl(module_state *st, columns_t *c, fdp__tensor_list_t *outs, fdp_streams_t *streams) {
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(c->fast);
+  if (outs->n != n || fdp__check_count(n) < 0) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "reduce_many: %zd outputs for %zd columns", outs->n, n);
+    return NULL;
+  }
+  if (columns_describe(st, c) < 0) return NULL;
+  fdp_result_t r;
+  Py_BEGIN_ALLOW_THREADS
+  r = reduce_columns(c->lists, n, outs->t, streams);
+  Py_END_ALLOW_THREADS
+  return result(st, r);
 }
 
 /* reduce_many(columns, outs, streams=None): outs[j] = sum of columns[j], one core reduce per column, with the GIL
  * released once for the whole set (the per-bucket gradient reduction of DataParallel). */
 static PyObject *py_reduce_many(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
-  PyObject *cols_obj, *outs_obj, *streams_obj = Py_None;
-  if (!PyArg_ParseTuple(args, "OO|O:reduce_many", &cols_obj, &outs_obj, &streams_obj)) return NULL;
-  fdp_streams_t streams;
-  if (parse_streams(streams_obj, &streams) < 0) return NULL;
-  PyObject *cols = PySequence_Fast(cols_obj, "columns must be a sequence of sequences of tensors");
-  if (!cols) return NULL;
-  columns_t c = {PySequence_Fast_GET_SIZE(cols), NULL, NULL, NULL};
-  Py_ssize_t nout = 0;
-  PyObject *ret = NULL;
-  PyObject *keep_outs = NULL;
-  fdp_tensor_t *outs = describe_list(st, outs_obj, &nout, "outs", &keep_outs);
-  if (!outs) goto done;
-  if (nout != c.n || check_count(c.n) < 0) {
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "reduce_many: %zd outputs for %zd columns", nout, c.n);
-    goto done;
-  }
-  if (columns_describe(st, cols, &c) < 0) goto done;
-  fdp_result_t r;
-  Py_BEGIN_ALLOW_THREADS
-  r = reduce_columns(&c, outs, &streams);
-  Py_END_ALLOW_THREADS
-  if (r != FDP_OK)
-    raise_result(st, r);
-  else
-    ret = Py_NewRef(Py_None);
-done:
-  columns_free(&c);
-  Py_XDECREF(keep_outs);
-  PyMem_Free(outs);
-  Py_DECREF(cols);
+  columns_t c = {NULL, NULL};
+  fdp__tensor_list_t outs = FDP_ARG("outs");
+  fdp_streams_t streams = {0};
+  if (!PyArg_ParseTuple(args, "O&O&|O&:reduce_many", columns_converter, &c, fdp__tensor_list_converter, &outs,
+                        fdp__streams_converter, &streams))
+    return NULL;
+  PyObject *ret = reduce_many_impl(st, &c, &outs, &streams);
+  columns_converter(NULL, &c);
+  fdp__tensor_list_clear(&outs);
   return ret;
 }
 
@@ -696,13 +487,91 @@ done:
   return ret;
 }
 
+/* getattr(import(module), name), or NULL with no error set. */
+static PyObject *lookup(const char *module, const char *name) {
+  PyObject *m = PyImport_ImportModule(module);
+  PyObject *v = m ? PyObject_GetAttrString(m, name) : NULL;
+  Py_XDECREF(m);
+  if (!v) PyErr_Clear();
+  return v;
+}
+
+/* The shim path's inputs from the torch already imported; a torch without them leaves the Python path. */
+static void init_tensor_path(module_state *st) {
+  Py_XSETREF(st->parameter_type, lookup("torch.nn.parameter", "Parameter"));
+  PyObject *aoti = lookup("torch._C", "_aoti");
+  Py_XSETREF(st->to_handles, aoti ? PyObject_GetAttrString(aoti, "unsafe_alloc_void_ptrs_from_tensors") : NULL);
+  Py_XDECREF(aoti);
+  PyObject *file = lookup("torch._C", "__file__");
+  const char *path = file && PyUnicode_Check(file) ? PyUnicode_AsUTF8(file) : NULL;
+  PyErr_Clear();
+  fdp__aoti_init(st, path);
+  Py_XDECREF(file);
+}
+
 static PyObject *py_set_dtypes(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
   PyObject *dtypes, *tensor_type;
   if (!PyArg_ParseTuple(args, "O!O!:set_dtypes", &PyDict_Type, &dtypes, &PyType_Type, &tensor_type)) return NULL;
   Py_XSETREF(st->dtypes, Py_NewRef(dtypes));
   Py_XSETREF(st->tensor_type, Py_NewRef(tensor_type));
+  init_tensor_path(st);
   Py_RETURN_NONE;
+}
+
+static const char *const path_names[] = {[FDP_TENSOR_PATH_PYTHON] = "python", [FDP_TENSOR_PATH_AOTI] = "aoti"};
+
+/* tensor_path() -> (name, why): how tensors become descriptors, "aoti" (libtorch's C shim) or "python". */
+static PyObject *py_tensor_path(PyObject *module, PyObject *unused) {
+  (void)module;
+  (void)unused;
+  return Py_BuildValue("(ss)", path_names[fdp__tensor_path()], fdp__tensor_path_why());
+}
+
+/* set_tensor_path(name) -> previous name: switches the path for the whole process (tests and benchmarks). */
+static PyObject *py_set_tensor_path(PyObject *module, PyObject *arg) {
+  (void)module;
+  const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+  fdp__tensor_path_t previous = fdp__tensor_path();
+  for (int p = 0; name && p < (int)(sizeof path_names / sizeof *path_names); p++)
+    if (strcmp(name, path_names[p]) == 0)
+      return fdp__set_tensor_path((fdp__tensor_path_t)p) < 0 ? NULL : PyUnicode_FromString(path_names[previous]);
+  if (!PyErr_Occurred())
+    PyErr_Format(PyExc_ValueError, "set_tensor_path: expected \"aoti\" or \"python\", got %R", arg);
+  return NULL;
+}
+
+/* One descriptor as (data, device, dtype, elem_size, sizes, strides). */
+static PyObject *descriptor_tuple(const fdp_tensor_t *t) {
+  PyObject *sizes = PyTuple_New(t->ndim), *strides = PyTuple_New(t->ndim);
+  for (int d = 0; sizes && strides && d < t->ndim; d++) {
+    PyTuple_SET_ITEM(sizes, d, PyLong_FromLongLong(t->sizes[d]));
+    PyTuple_SET_ITEM(strides, d, PyLong_FromLongLong(t->strides[d]));
+  }
+  if (!sizes || !strides) {
+    Py_XDECREF(sizes);
+    Py_XDECREF(strides);
+    return NULL;
+  }
+  return Py_BuildValue("(KiiiNN)", (unsigned long long)(uintptr_t)t->data, t->device, t->dtype, t->elem_size, sizes,
+                       strides);
+}
+
+/* describe(tensors) -> [(data, device, dtype, elem_size, sizes, strides)]: the descriptors the core would get. */
+static PyObject *py_describe(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  fdp__tensor_list_t ts = FDP_ARG("tensors");
+  if (!PyArg_ParseTuple(args, "O&:describe", fdp__tensor_list_converter, &ts)) return NULL;
+  PyObject *ret = PyList_New(ts.n);
+  for (Py_ssize_t i = 0; ret && i < ts.n; i++) {
+    PyObject *v = descriptor_tuple(&ts.t[i]);
+    if (!v)
+      Py_CLEAR(ret);
+    else
+      PyList_SET_ITEM(ret, i, v);
+  }
+  fdp__tensor_list_clear(&ts);
+  return ret;
 }
 
 static PyObject *py_dtype_codes(PyObject *module, PyObject *unused) {
@@ -913,8 +782,7 @@ static PyObject *py_set_oom_error(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
   if (!PyType_Check(cls) || !PyType_Check(torch_oom) || !PyObject_IsSubclass(cls, st->CudaError) ||
       !PyObject_IsSubclass(cls, torch_oom)) {
-    PyErr_SetString(PyExc_TypeError,
-                    "set_oom_error(cls, torch_oom): cls must subclass both CudaError and torch_oom");
+    PyErr_SetString(PyExc_TypeError, "set_oom_error(cls, torch_oom): cls must subclass both CudaError and torch_oom");
     return NULL;
   }
   Py_XSETREF(g_oom_error, Py_NewRef(cls));
@@ -949,8 +817,10 @@ static PyObject *py_kernels_info(PyObject *module, PyObject *unused) {
   PyObject *devices = PyList_New(ndev);
   for (int d = 0; devices && d < ndev; d++) {
     PyObject *v = PyUnicode_FromString(fdp_cuda_kernels_source(d));
-    if (!v) Py_CLEAR(devices);
-    else PyList_SET_ITEM(devices, d, v);
+    if (!v)
+      Py_CLEAR(devices);
+    else
+      PyList_SET_ITEM(devices, d, v);
   }
   if (!devices) return NULL;
   return Py_BuildValue("{s:n,s:n,s:(ii),s:s,s:s,s:s,s:N}", "fatbin_bytes", (Py_ssize_t)f.fatbin_bytes, "source_bytes",
@@ -994,6 +864,9 @@ static PyMethodDef methods[] = {
     {"plan", py_plan, METH_VARARGS, "plan(tensors, type_keys, bucket_bytes) -> buckets"},
     {"set_dtypes", py_set_dtypes, METH_VARARGS, "set_dtypes({torch.dtype: code}, torch.Tensor)"},
     {"dtype_codes", py_dtype_codes, METH_NOARGS, "{name: code} of the dtypes the core reduces"},
+    {"tensor_path", py_tensor_path, METH_NOARGS, "tensor_path() -> (\"aoti\" or \"python\", why)"},
+    {"set_tensor_path", py_set_tensor_path, METH_O, "set_tensor_path(\"aoti\" or \"python\") -> previous"},
+    {"describe", py_describe, METH_VARARGS, "describe(tensors) -> [(data, device, dtype, elem_size, sizes, strides)]"},
     {"info", (PyCFunction)(void (*)(void))py_info, METH_VARARGS | METH_KEYWORDS,
      "info(memory=False): backends, driver and NCCL versions, devices (free memory only where asked or active)"},
     {"usable", py_usable, METH_O, "usable(name) -> (bool, why): whether a backend can run now; touches no GPU"},
@@ -1049,6 +922,8 @@ static int traverse(PyObject *m, visitproc visit, void *arg) {
   Py_VISIT(st->dtypes);
   Py_VISIT(st->itemsizes);
   Py_VISIT(st->tensor_type);
+  Py_VISIT(st->parameter_type);
+  Py_VISIT(st->to_handles);
   Py_VISIT(st->FastDPError);
   Py_VISIT(st->CudaError);
   Py_VISIT(st->NcclError);
@@ -1061,6 +936,8 @@ static int clear(PyObject *m) {
   Py_CLEAR(st->dtypes);
   Py_CLEAR(st->itemsizes);
   Py_CLEAR(st->tensor_type);
+  Py_CLEAR(st->parameter_type);
+  Py_CLEAR(st->to_handles);
   Py_CLEAR(st->s_data_ptr);
   Py_CLEAR(st->s_shape);
   Py_CLEAR(st->s_stride);

@@ -82,6 +82,20 @@ def _kernel_source(kernels):
     return (" or ".join(ways) + " (not loaded yet)") if ways else "none: no fatbin and no NVRTC"
 
 
+def _tensor_path():
+    """How tensors become core descriptors: libtorch's C shim ("aoti") or the tensor's Python API ("python"), and
+    why that one."""
+    name, why = _C.tensor_path()
+    return {"name": name, "why": why}
+
+
+def _tensor_path_line(info):
+    """One line of the rendered report: the tensor path and why."""
+    tp = info["tensor_path"]
+    how = "libtorch's C shim (aoti_torch_*)" if tp["name"] == "aoti" else "the tensors' Python API"
+    return f"tensor metadata: {how}; {tp['why']}"
+
+
 def collect(memory=False):
     """Machine facts. Free GPU memory is read only on GPUs whose CUDA context already exists (PyTorch or fastdp used
     them) unless ``memory`` is true: reading it elsewhere creates a context on each such GPU (seconds and hundreds of
@@ -109,6 +123,7 @@ def collect(memory=False):
         "kernel_source": _kernel_source(kernels),
         "fallback": _fallback.reason(),
         "strict": _fallback.strict(),
+        "tensor_path": _tensor_path(),
         "devices": core["devices"],
     }
 
@@ -146,6 +161,7 @@ def render(info):
         fb = "not used so far" + (" (FASTDP_STRICT=1: it would be an error)" if info["strict"] else
                                   "; torch's implementation takes over any operation the core cannot run")
     lines.append(f"fallback: {fb}")
+    lines.append(_tensor_path_line(info))
     devices = info["devices"]
     lines.append("")
     if not devices:

@@ -1,0 +1,255 @@
+/* SPDX-License-Identifier: MIT */
+/* Tensor metadata through libtorch's stable C shim (the aoti_torch_* functions AOTInductor models call), resolved
+ * at run time from the libtorch that torch itself loaded: no torch headers at build time and no C++ ABI, so one
+ * build serves every torch that has the shim, and the Python path of tensors.c serves every other. */
+#include "binding.h"
+
+#include "core/backend.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+
+/* Our own prototypes of the shim functions used (torch/csrc/inductor/aoti_torch/c/shim.h documents them): handles
+ * are opaque at::Tensor pointers, every call returns 0 on success. */
+typedef void *fdp_aten_handle_t;
+typedef int32_t (*shim_get_ptr_fn)(fdp_aten_handle_t, void **);
+typedef int32_t (*shim_get_i64p_fn)(fdp_aten_handle_t, int64_t **);
+typedef int32_t (*shim_get_i64_fn)(fdp_aten_handle_t, int64_t *);
+typedef int32_t (*shim_get_i32_fn)(fdp_aten_handle_t, int32_t *);
+typedef int32_t (*shim_delete_fn)(fdp_aten_handle_t);
+typedef int32_t (*shim_const_fn)(void);
+typedef size_t (*shim_elem_size_fn)(int32_t);
+
+#define FDP_SHIM_DTYPES 64 /* c10::ScalarType values are small; a larger one goes to the Python path */
+
+static struct {
+  shim_get_ptr_fn data_ptr;
+  shim_get_i64_fn dim;
+  shim_get_i64p_fn sizes, strides;
+  shim_get_i32_fn dtype, device_type, device_index, layout;
+  shim_delete_fn delete_tensor;
+  shim_elem_size_fn elem_size;       /* optional: dtypes the core does not sum need only their size */
+  int32_t cpu, cuda, strided;        /* the shim's codes, read once */
+  int8_t fdp_dtype[FDP_SHIM_DTYPES]; /* shim dtype -> fdp_dtype_t; -1: not in the core's table */
+  int8_t size_of[FDP_SHIM_DTYPES];   /* shim dtype -> bytes per element; 0: unknown (Python path) */
+  int resolved;
+} shim;
+
+static fdp__tensor_path_t g_path = FDP_TENSOR_PATH_PYTHON;
+static char g_why[320] = "fastdp._C.set_dtypes() not called yet"; /* why g_path */
+static char g_shim_why[256] = "not resolved yet";                 /* why the shim cannot be used */
+
+fdp__tensor_path_t fdp__tensor_path(void) {
+  return g_path;
+}
+
+const char *fdp__tensor_path_why(void) {
+  return g_why;
+}
+
+int fdp__set_tensor_path(fdp__tensor_path_t path) {
+  if (path == FDP_TENSOR_PATH_AOTI && !shim.resolved) {
+    PyErr_Format(PyExc_RuntimeError, "the C shim path cannot be used here: %s", g_shim_why);
+    return -1;
+  }
+  if (path != g_path) snprintf(g_why, sizeof g_why, "chosen by fastdp._C.set_tensor_path()");
+  g_path = path;
+  return 0;
+}
+
+/* The already loaded libtorch_cpu: by soname first, then beside torch's _C module (torch/lib/). RTLD_NOLOAD: never
+ * a second copy. NULL when torch did not load one (a static or differently named build). */
+static void *torch_library(const char *torch_c_file) {
+  void *h = dlopen("libtorch_cpu.so", RTLD_NOLOAD | RTLD_NOW);
+  if (h || !torch_c_file) return h;
+  char path[4096];
+  const char *slash = strrchr(torch_c_file, '/');
+  int len = slash ? (int)(slash - torch_c_file) : 0;
+  snprintf(path, sizeof path, "%.*s/lib/libtorch_cpu.so", len, torch_c_file);
+  return dlopen(path, RTLD_NOLOAD | RTLD_NOW);
+}
+
+/* Resolves one symbol into *slot; records the first missing name in g_shim_why. */
+static int need(void *lib, const char *name, void *slot) {
+  void *sym = dlsym(lib, name);
+  memcpy(slot, &sym, sizeof sym);
+  if (!sym) snprintf(g_shim_why, sizeof g_shim_why, "libtorch has no %s (torch too old for the C shim path)", name);
+  return sym != NULL;
+}
+
+static int shim_const(void *lib, const char *name, int32_t *out) {
+  shim_const_fn fn;
+  if (!need(lib, name, &fn)) return 0;
+  *out = fn();
+  return 1;
+}
+
+/* Every dtype getter of the shim we know of: the element size is asked only for codes these return, because
+ * aoti_torch_dtype_element_size throws a C++ exception (which would end the process) for any other number. */
+static const char *const shim_dtypes[] = {
+    "bool",      "uint8",      "int8",        "int16",         "int32",           "int64",           "float16",
+    "bfloat16",  "float32",    "float64",     "uint16",        "uint32",          "uint64",          "complex32",
+    "complex64", "complex128", "float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz", "float8_e4m3fnuz",
+};
+
+/* The shim's code of aoti_torch_dtype_<name>(), or -1 when this torch has no such getter or the code is large. */
+static int32_t shim_dtype(void *lib, const char *name) {
+  char sym_name[64];
+  snprintf(sym_name, sizeof sym_name, "aoti_torch_dtype_%s", name);
+  shim_const_fn fn = NULL;
+  void *sym = dlsym(lib, sym_name);
+  memcpy(&fn, &sym, sizeof sym);
+  int32_t code = fn ? fn() : -1;
+  return code >= 0 && code < FDP_SHIM_DTYPES ? code : -1;
+}
+
+static const int8_t fdp_sizes[FDP_DTYPE_COUNT] = {
+#define FDP_X(name, str, size) size,
+    FDP_DTYPE_MAP(FDP_X)
+#undef FDP_X
+};
+
+/* The core's dtypes and every element size by the shim's codes, read once. */
+static void map_dtypes(void *lib) {
+  memset(shim.fdp_dtype, -1, sizeof shim.fdp_dtype);
+  memset(shim.size_of, 0, sizeof shim.size_of);
+  for (size_t i = 0; shim.elem_size && i < sizeof shim_dtypes / sizeof *shim_dtypes; i++) {
+    int32_t code = shim_dtype(lib, shim_dtypes[i]);
+    if (code >= 0) shim.size_of[code] = (int8_t)shim.elem_size(code);
+  }
+  for (int i = 1; i < FDP_DTYPE_COUNT; i++) {
+    int32_t code = shim_dtype(lib, fdp_dtype_name(i));
+    if (code < 0) continue; /* that dtype takes the Python path */
+    shim.fdp_dtype[code] = (int8_t)i;
+    if (!shim.elem_size) shim.size_of[code] = fdp_sizes[i];
+  }
+}
+
+static int resolve(void *lib) {
+  shim.elem_size = NULL;
+  void *sym = dlsym(lib, "aoti_torch_dtype_element_size");
+  memcpy(&shim.elem_size, &sym, sizeof sym);
+  int ok = need(lib, "aoti_torch_get_data_ptr", &shim.data_ptr) && need(lib, "aoti_torch_get_dim", &shim.dim) &&
+           need(lib, "aoti_torch_get_sizes", &shim.sizes) && need(lib, "aoti_torch_get_strides", &shim.strides) &&
+           need(lib, "aoti_torch_get_dtype", &shim.dtype) &&
+           need(lib, "aoti_torch_get_device_type", &shim.device_type) &&
+           need(lib, "aoti_torch_get_device_index", &shim.device_index) &&
+           need(lib, "aoti_torch_get_layout", &shim.layout) &&
+           need(lib, "aoti_torch_delete_tensor_object", &shim.delete_tensor) &&
+           shim_const(lib, "aoti_torch_device_type_cpu", &shim.cpu) &&
+           shim_const(lib, "aoti_torch_device_type_cuda", &shim.cuda) &&
+           shim_const(lib, "aoti_torch_layout_strided", &shim.strided);
+  if (ok) map_dtypes(lib);
+  return ok;
+}
+
+void fdp__aoti_init(module_state *st, const char *torch_c_file) {
+  const char *want = fdp__param_str(FDP_PARAM_TENSOR_PATH);
+  void *lib = torch_library(torch_c_file);
+  const char *dl_error = lib ? NULL : dlerror();
+  if (!lib)
+    snprintf(g_shim_why, sizeof g_shim_why, "libtorch_cpu.so is not loaded in this process (dlopen RTLD_NOLOAD: %s)",
+             dl_error ? dl_error : "not found");
+  else if (!st->to_handles)
+    snprintf(g_shim_why, sizeof g_shim_why, "torch has no torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors");
+  shim.resolved = lib && st->to_handles && resolve(lib);
+  if (lib) dlclose(lib); /* RTLD_NOLOAD took a reference; torch's own keeps the library loaded */
+  if (want && strcmp(want, "python") == 0) {
+    g_path = FDP_TENSOR_PATH_PYTHON;
+    snprintf(g_why, sizeof g_why, "FASTDP_TENSOR_PATH=python");
+  } else if (shim.resolved) {
+    /* The default because it is the faster one: about 4x less time per tensor (python -m fastdp.bench.tensor_path). */
+    g_path = FDP_TENSOR_PATH_AOTI;
+    snprintf(g_why, sizeof g_why, "%s",
+             "the faster path where libtorch has the shim; FASTDP_TENSOR_PATH=python reads "
+             "tensors through their Python API instead");
+  } else {
+    g_path = FDP_TENSOR_PATH_PYTHON;
+    snprintf(g_why, sizeof g_why, "the C shim cannot be used: %s", g_shim_why);
+  }
+  if (want && *want && strcmp(want, "python") != 0 && strcmp(want, "aoti") != 0)
+    snprintf(g_why + strlen(g_why), sizeof g_why - strlen(g_why),
+             " (FASTDP_TENSOR_PATH=%.40s ignored: not \"python\" or \"aoti\")", want);
+}
+
+/* 1 for objects the shim path reads: exact torch.Tensor and torch.nn.Parameter (a subclass may override data_ptr
+ * and friends in Python, which only the Python path honours). */
+static int plain_tensors(module_state *st, PyObject *items) {
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
+    PyObject *type = (PyObject *)Py_TYPE(PyTuple_GET_ITEM(items, i));
+    if (type != st->tensor_type && type != st->parameter_type) return 0;
+  }
+  return 1;
+}
+
+/* The device of a strided CPU or CUDA tensor into t; 1 for any other layout or device, or a failed shim call. */
+static int device_of(fdp_aten_handle_t h, fdp_tensor_t *t) {
+  int32_t layout, type, index = 0;
+  if (shim.layout(h, &layout) || layout != shim.strided || shim.device_type(h, &type)) return 1;
+  if (type == shim.cuda && !shim.device_index(h, &index)) {
+    t->device = index;
+    return 0;
+  }
+  t->device = FDP_HOST;
+  return type == shim.cpu ? 0 : 1;
+}
+
+/* The core's dtype and the element size into t; 1 for a dtype of unknown size or a failed shim call. */
+static int dtype_of(fdp_aten_handle_t h, fdp_tensor_t *t) {
+  int32_t dtype;
+  if (shim.dtype(h, &dtype) || dtype < 0 || dtype >= FDP_SHIM_DTYPES || !shim.size_of[dtype]) return 1;
+  t->dtype = shim.fdp_dtype[dtype] >= 0 ? shim.fdp_dtype[dtype] : FDP_DTYPE_OTHER;
+  t->elem_size = shim.size_of[dtype];
+  return 0;
+}
+
+/* Fills t from one handle. 1: the tensor is not plain strided CPU/CUDA memory of a known element size, or the shim
+ * failed: the Python path describes it (and raises its usual error). */
+static int from_handle(fdp_aten_handle_t h, fdp_tensor_t *t) {
+  int64_t ndim, *sizes, *strides;
+  void *data;
+  memset(t, 0, sizeof *t);
+  if (device_of(h, t) || dtype_of(h, t) || shim.dim(h, &ndim) || ndim > FDP_MAX_DIMS || shim.data_ptr(h, &data) ||
+      shim.sizes(h, &sizes) || shim.strides(h, &strides))
+    return 1;
+  t->data = data;
+  t->ndim = (int)ndim;
+  if (ndim > 0) { /* a 0-dim tensor's arrays may be NULL */
+    memcpy(t->sizes, sizes, (size_t)ndim * sizeof *sizes);
+    memcpy(t->strides, strides, (size_t)ndim * sizeof *strides);
+  }
+  return 0;
+}
+
+/* The pointer a converted handle carries: pybind11 returns void* as a capsule (unnamed today; any name is accepted;
+ * a valid capsule raises nothing, so an error already set by an earlier tensor survives). NULL for anything else:
+ * that tensor takes the Python path. */
+static fdp_aten_handle_t handle_of(PyObject *obj) {
+  return PyCapsule_CheckExact(obj) ? PyCapsule_GetPointer(obj, PyCapsule_GetName(obj)) : NULL;
+}
+
+int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
+  if (!plain_tensors(st, items)) return 1;
+  /* One call converts the whole list into new at::Tensor references (capsules without a destructor): every one
+   * is deleted below, also after a failure, or each call would leak a TensorImpl reference per tensor. */
+  PyObject *handles = PyObject_CallOneArg(st->to_handles, items);
+  if (!handles) return -1;
+  if (!PyList_Check(handles) || PyList_GET_SIZE(handles) != PyTuple_GET_SIZE(items)) {
+    Py_DECREF(handles);
+    PyErr_SetString(PyExc_RuntimeError, "torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors returned no handle list; "
+                                        "set FASTDP_TENSOR_PATH=python");
+    return -1;
+  }
+  int rc = 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
+    PyObject *cap = PyList_GET_ITEM(handles, i);
+    fdp_aten_handle_t h = handle_of(cap);
+    int slow = h ? from_handle(h, &ts[i]) : 1;
+    if (h) shim.delete_tensor(h);
+    if (rc == 0 && slow && fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0)
+      rc = -1;
+  }
+  Py_DECREF(handles);
+  return rc;
+}

@@ -1,0 +1,76 @@
+/* SPDX-License-Identifier: MIT */
+/* What the files of fastdp._C share: the module state, the argument converters that turn Python arguments into
+ * core descriptors (tensors.c), the tensor metadata path through libtorch's C shim (aoti.c), and the one mapping
+ * of core results to exceptions (module.c). Every function here needs the GIL. */
+#ifndef FASTDP_PYTHON_BINDING_H
+#define FASTDP_PYTHON_BINDING_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "core/fastdp.h"
+
+typedef struct {
+  PyObject *dtypes;         /* dict: torch.dtype -> fdp_dtype_t */
+  PyObject *itemsizes;      /* dict: torch.dtype -> bytes per element, filled on first sight */
+  PyObject *tensor_type;    /* torch.Tensor */
+  PyObject *parameter_type; /* torch.nn.Parameter: a subclass the shim path reads like a plain tensor */
+  PyObject *to_handles;     /* torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors, or NULL */
+  PyObject *FastDPError, *CudaError, *NcclError, *BackendUnavailableError;
+  /* Interned attribute names: the Python path runs them for every tensor of every call. */
+  PyObject *s_data_ptr, *s_shape, *s_stride, *s_dtype, *s_is_cuda, *s_get_device, *s_device, *s_type, *s_itemsize;
+} module_state;
+
+/* ---- argument converters (PyArg_ParseTuple "O&") ----
+ * The caller fills `st` and `what` (the argument's name in error messages) before parsing. The list and column
+ * converters return Py_CLEANUP_SUPPORTED: when a later argument fails, Python calls them again with NULL and they
+ * release what they made; after a successful parse the caller releases it with the matching _clear function. */
+
+typedef struct {
+  module_state *st;
+  const char *what;
+  fdp_tensor_t *t; /* n descriptors (PyMem) */
+  Py_ssize_t n;
+  PyObject *keep; /* tuple of the tensors described: their memory stays alive while the GIL is released */
+} fdp__tensor_list_t;
+
+typedef struct {
+  module_state *st;
+  const char *what;
+  fdp_tensor_t t; /* borrows the argument, which the argument tuple keeps alive */
+} fdp__tensor_arg_t;
+
+int fdp__tensor_list_converter(PyObject *obj, void *out);
+void fdp__tensor_list_clear(fdp__tensor_list_t *list);
+int fdp__tensor_converter(PyObject *obj, void *out);
+/* None or a sequence of (device, stream handle) pairs into an fdp_streams_t the caller zeroed. */
+int fdp__streams_converter(PyObject *obj, void *out);
+/* ValueError when n tensors are too many for the core's int counts. */
+int fdp__check_count(Py_ssize_t n);
+
+/* Fills `t` from a CPU or CUDA torch.Tensor through its Python API. `what` names the argument in errors, as
+ * what[index] for a list element or alone when index is -1. */
+int fdp__describe_python(module_state *st, PyObject *obj, fdp_tensor_t *t, const char *what, Py_ssize_t index);
+/* Fills ts[0..n) from the tuple `items` through the path in use (see fdp__tensor_path). Errors name what[i], or
+what alone when `single` (a 1-tuple holding one tensor argument). */
+int fdp__describe_items(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single);
+
+/* ---- the shim path (aoti.c) ---- */
+
+typedef enum { FDP_TENSOR_PATH_PYTHON = 0, FDP_TENSOR_PATH_AOTI = 1 } fdp__tensor_path_t;
+
+/* Resolves the aoti_torch_* functions from the libtorch that torch's _C module loaded (torch_c_file: that module's
+ * file) and picks the path FASTDP_TENSOR_PATH asks for, or the default. Never raises; a shim that cannot be used
+ * leaves the Python path in use, with the reason in fdp__tensor_path_why. */
+void fdp__aoti_init(module_state *st, const char *torch_c_file);
+fdp__tensor_path_t fdp__tensor_path(void);
+const char *fdp__tensor_path_why(void);
+/* Switches the path (tests, benchmarks); -1 with a RuntimeError when the shim was not resolved. */
+int fdp__set_tensor_path(fdp__tensor_path_t path);
+/* Describes the tuple `items` through the shim. 1: the list holds objects the shim path leaves to the Python path
+ * (non-tensors, tensor subclasses), nothing done; 0: done; -1: a Python error is set. Tensors the shim cannot read
+ * as plain strided CPU/CUDA memory (sparse, meta, unknown dtype) go to fdp__describe_python one by one, so both
+ * paths raise the same errors. */
+int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single);
+
+#endif

@@ -387,6 +387,31 @@ static int mirror_dict(PyObject *md, PyObject *rd) {
   return 0;
 }
 
+/* The replica's values of the owned keys (new references, NULL where absent); -1 with nothing held on failure. */
+static int save_owned(PyObject *replica, PyObject *owned, Py_ssize_t nowned, PyObject **saved) {
+  for (Py_ssize_t k = 0; k < nowned; k++) {
+    saved[k] = PyDict_GetItemWithError(replica, PySequence_Fast_GET_ITEM(owned, k));
+    if (!saved[k] && PyErr_Occurred()) {
+      for (Py_ssize_t q = 0; q < k; q++)
+        Py_XDECREF(saved[q]);
+      return -1;
+    }
+    Py_XINCREF(saved[k]);
+  }
+  return 0;
+}
+
+/* Puts owned key k's saved value back into the replica (after refilling it from the master's when mirrored);
+ * skipped once `bad` is set. Returns the new `bad`. */
+static int restore_owned(PyObject *master, PyObject *replica, PyObject *key, PyObject *saved, int mirrored, int bad) {
+  if (!saved || bad) return bad;
+  if (mirrored) {
+    PyObject *md = PyDict_GetItemWithError(master, key); /* borrowed; the master dict holds it */
+    if ((!md && PyErr_Occurred()) || mirror_dict(md, saved) < 0) return 1;
+  }
+  return PyDict_SetItem(replica, key, saved) < 0;
+}
+
 /* One pair of refresh(): pairs[i], a (master, replica) tuple of dicts; at most 32 owned keys, the last `nmirrored`
  * of them mirrored. */
 static int refresh_pair(PyObject *pair, PyObject *owned, Py_ssize_t nowned, Py_ssize_t nmirrored, Py_ssize_t i) {
@@ -397,24 +422,11 @@ static int refresh_pair(PyObject *pair, PyObject *owned, Py_ssize_t nowned, Py_s
     return -1;
   }
   PyObject *master = PyTuple_GET_ITEM(pair, 0), *replica = PyTuple_GET_ITEM(pair, 1);
-  for (Py_ssize_t k = 0; k < nowned; k++) {
-    saved[k] = PyDict_GetItemWithError(replica, PySequence_Fast_GET_ITEM(owned, k));
-    if (!saved[k] && PyErr_Occurred()) {
-      for (Py_ssize_t q = 0; q < k; q++)
-        Py_XDECREF(saved[q]);
-      return -1;
-    }
-    Py_XINCREF(saved[k]);
-  }
+  if (save_owned(replica, owned, nowned, saved) < 0) return -1;
   PyDict_Clear(replica);
   int bad = PyDict_Update(replica, master) < 0;
   for (Py_ssize_t k = 0; k < nowned; k++) {
-    PyObject *key = PySequence_Fast_GET_ITEM(owned, k);
-    if (saved[k] && !bad && k >= nowned - nmirrored) {
-      PyObject *md = PyDict_GetItemWithError(master, key);  /* borrowed; the master dict holds it */
-      bad = (!md && PyErr_Occurred()) || mirror_dict(md, saved[k]) < 0;
-    }
-    if (saved[k] && !bad) bad = PyDict_SetItem(replica, key, saved[k]) < 0;
+    bad = restore_owned(master, replica, PySequence_Fast_GET_ITEM(owned, k), saved[k], k >= nowned - nmirrored, bad);
     Py_XDECREF(saved[k]);
   }
   return bad ? -1 : 0;

@@ -438,7 +438,7 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
     FDP_CHECK(check_reduce_input(&inputs[i], i, out));
     all[i] = &inputs[i];
   }
-  if (out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
+  if (out->dtype < 0 || out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
     return fdp__fail(FDP_DTYPE, "reduce: dtype not supported (supported: bool, uint8, int8, int16, int32, "
                                 "int64, float16, bfloat16, float32, float64)");
   all[n] = out;

@@ -178,19 +178,22 @@ def _split(flat, sizes, like):
     return [piece.view(t.shape) for piece, t in zip(flat.split(sizes), like)]
 
 
-_COLLECTIVE = None
+_ROUTES = {}
 
 
 def _collective(devices):
-    """True when NCCL serves this device list: distinct CUDA devices and a usable nccl backend."""
-    global _COLLECTIVE
-    if devices[0].type != "cuda" or len(set(devices)) != len(devices):
-        return False
-    if _COLLECTIVE is None:
-        # The backend's own check loads libraries and counts devices; it creates no CUDA context on any GPU
-        # (_C.info() would, to read free memory).
-        _COLLECTIVE = bool(_C.usable("nccl")[0])
-    return _COLLECTIVE
+    """True when the core broadcasts a packed buffer from devices[0] to the others with NCCL (it asks the backends,
+    see NOTE [routing] in csrc/core/backend.h); otherwise every member is copied straight into every buffer.
+    Loads libraries and counts devices; creates no CUDA context. Answers are kept per device list."""
+    key = tuple(-1 if d.type == "cpu" else d.index for d in devices)
+    route = _ROUTES.get(key)
+    if route is None:
+        try:
+            route = _C.route("broadcast", key)
+        except _C.BackendUnavailableError:
+            route = "none"  # nothing can move these buffers: the copies raise the error that says why
+        _ROUTES[key] = route
+    return route == "nccl"
 
 
 def broadcast_coalesced(tensors, devices, buffer_size=10485760):

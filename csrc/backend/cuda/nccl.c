@@ -205,11 +205,13 @@ static int nccl_type(int dtype, int version, ncclDataType_t *t) {
   }
 }
 
+#ifndef NDEBUG /* only the assertions below ask */
 static int listed(const int *devs, int n, int dev) {
   for (int i = 0; i < n; i++)
     if (devs[i] == dev) return 1;
   return 0;
 }
+#endif
 
 static fdp_result_t nccl_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst,
                                    const fdp_streams_t *streams) {

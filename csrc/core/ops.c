@@ -466,24 +466,27 @@ fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chu
   FDP_CHECK(check_dim(src, dim, "scatter"));
   fdp_tensor_t *views = malloc((size_t)n * sizeof *views);
   if (!views) return fdp__fail(FDP_NOMEM, "scatter: cannot allocate %d descriptors", n);
-  int64_t start = 0;
+  /* The total first, so that chunks too long and too short both get upstream's text (torch/csrc/cuda/comm.cpp),
+   * which comm.scatter raises as it comes: this check is the core's, for every caller. */
+  int64_t total = 0, start = 0;
   fdp_result_t r = FDP_OK;
   for (int i = 0; i < n; i++) {
-    if (chunk_sizes[i] < 0 || start + chunk_sizes[i] > src->sizes[dim]) {
-      r = fdp__fail(FDP_INVALID, "scatter: chunk %d (size %lld) runs past the source's %lld elements along dim %d", i,
-                    (long long)chunk_sizes[i], (long long)src->sizes[dim], dim);
+    if (chunk_sizes[i] < 0) {
+      r = fdp__fail(FDP_INVALID, "scatter: chunk %d has a negative size (%lld)", i, (long long)chunk_sizes[i]);
       goto done;
     }
-    fdp_tensor_narrow(src, dim, start, chunk_sizes[i], &views[i]);
-    start += chunk_sizes[i];
+    total = chunk_sizes[i] > INT64_MAX - total ? INT64_MAX : total + chunk_sizes[i]; /* no overflow */
   }
-  if (start != src->sizes[dim]) {
-    /* upstream's text (torch/csrc/cuda/comm.cpp), as comm.scatter raises it */
+  if (total != src->sizes[dim]) {
     r = fdp__fail(FDP_INVALID,
                   "Total size for output tensors along scatter dim %d does not match the source tensor size at dim %d. "
                   "Expected %lld, but got total size %lld.",
-                  dim, dim, (long long)src->sizes[dim], (long long)start);
+                  dim, dim, (long long)src->sizes[dim], (long long)total);
     goto done;
+  }
+  for (int i = 0; i < n; i++) {
+    fdp_tensor_narrow(src, dim, start, chunk_sizes[i], &views[i]);
+    start += chunk_sizes[i];
   }
   r = fdp_op_copy(outs, views, n, streams);
 done:

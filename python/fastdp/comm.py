@@ -146,10 +146,19 @@ def _first_failure(items, checks):
     return None
 
 
-def _raise_first(exc, items, checks):
+def _raise_first(exc, items, checks, ok=False):
+    """Raises exc with the first failure; `ok`, a cheap test that everything passes, skips the walk (the hot path)."""
+    if ok:
+        return
     message = _first_failure(items, checks)
     if message:
         raise exc(message)
+
+
+def _one_kind(ts):
+    """All CPU or all CUDA: the common case, tested without building a message."""
+    kind = ts[0].device.type
+    return kind in ("cpu", "cuda") and all(t.device.type == kind for t in ts)
 
 
 def _same_kind_as(first, noun):
@@ -186,6 +195,7 @@ def _broadcast_into(tensor, out):
     results = _check_tensors(out, "out")
     if not results:
         raise ValueError("'out' must hold at least one tensor")
+    ok = _one_kind(results) and all(o.shape == tensor.shape and o.dtype == tensor.dtype for o in results)
     _raise_first(RuntimeError, results, [
         _same_kind_as(results[0], "output"),
         lambda i, o: None if o.shape == tensor.shape else (
@@ -194,7 +204,7 @@ def _broadcast_into(tensor, out):
         lambda i, o: None if o.dtype == tensor.dtype else (
             f"Expected all output tensors to have the dtype of the source ({tensor.dtype}), but output "
             f"tensor at index {i} is {o.dtype}"),
-    ])
+    ], ok)
     return tuple(results), [o for o in results if o is not tensor]
 
 
@@ -273,7 +283,8 @@ def broadcast_coalesced(tensors, devices, buffer_size=10485760):
     tensors = _check_tensors(tensors, "tensors")
     devices = _nonempty_devices(devices)
     _raise_first(RuntimeError, tensors, [lambda i, t: None if t.device == devices[0] else (
-        f"All tensors must be on devices[0]: {devices[0]}, but tensor at index {i} is on {t.device}")])
+        f"All tensors must be on devices[0]: {devices[0]}, but tensor at index {i} is on {t.device}")],
+        all(t.device == devices[0] for t in tensors))
     outputs = [list(tensors)] + [[None] * len(tensors) for _ in devices[1:]]
     _broadcast_sparse(tensors, devices, outputs)
     dense_idx = [i for i, t in enumerate(tensors) if not t.is_sparse]
@@ -309,7 +320,8 @@ def _check_input_devices(inputs):
             "CPU and CUDA inputs cannot be mixed"
         )
     _raise_first(ValueError, inputs, [lambda i, t: None if t.device.type in ("cpu", "cuda") else (
-        f"reduce_add: input {i} is on a {t.device.type} device; fastdp sums CPU and CUDA tensors only")])
+        f"reduce_add: input {i} is on a {t.device.type} device; fastdp sums CPU and CUDA tensors only")],
+        _one_kind(inputs))
     return all(on_cpu)
 
 
@@ -320,11 +332,12 @@ def _size_text(t):
 def _check_summands(column, dtype_text):
     """Upstream's size check, then one dtype per column; dtype_text(i, t) words the dtype failure."""
     first = column[0]
+    size, dtype = first.size(), first.dtype
     _raise_first(ValueError, column, [
-        lambda i, t: None if t.size() == first.size() else (
+        lambda i, t: None if t.size() == size else (
             f"input {i} has invalid size: got {_size_text(t)}, but expected {_size_text(first)}"),
-        lambda i, t: None if t.dtype == first.dtype else dtype_text(i, t),
-    ])
+        lambda i, t: None if t.dtype == dtype else dtype_text(i, t),
+    ], all(t.size() == size and t.dtype == dtype for t in column))
 
 
 def reduce_add(inputs, destination=None):
@@ -485,7 +498,9 @@ def _scatter_into(tensor, src, dim, out):
                     f"shape except for scatter dim {d} as the source tensor: {list(tensor.shape)} ({tensor.dtype}).")
         return None
 
-    _raise_first(RuntimeError, outs, [_same_kind_as(outs[0], "output"), shape])
+    _raise_first(RuntimeError, outs, [_same_kind_as(outs[0], "output"), shape], _one_kind(outs) and all(
+        o.dtype == tensor.dtype and o.shape[:d] == tensor.shape[:d] and o.shape[d + 1:] == tensor.shape[d + 1:]
+        and o.dim() == tensor.dim() for o in outs))
     try:
         _C.scatter(src, outs, d, [o.shape[d] for o in outs], streams_for([src, *outs]))
     except ValueError as e:  # upstream's comm.cpp raises its checks (the core's, here) as RuntimeError
@@ -586,7 +601,9 @@ def _check_gather_inputs(tensors, d):
         return None
 
     _raise_first(RuntimeError, tensors, [ndim, shape, lambda i, t: None if t.dtype == first.dtype else (
-        f"Input tensor at index {i} has dtype {t.dtype}, but input 0 has {first.dtype}")])
+        f"Input tensor at index {i} has dtype {t.dtype}, but input 0 has {first.dtype}")], all(
+        t.dtype == first.dtype and t.shape[:d] == first.shape[:d] and t.shape[d + 1:] == first.shape[d + 1:]
+        and t.dim() == first.dim() for t in tensors))
 
 
 def _gather_destination(first, destination):
@@ -619,7 +636,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     if not tensors:
         raise RuntimeError("Expected at least one tensor to gather from")
     first = tensors[0]
-    _raise_first(RuntimeError, tensors, [_same_kind_as(first, "input")])
+    _raise_first(RuntimeError, tensors, [_same_kind_as(first, "input")], _one_kind(tensors))
     d = _wrap_dim(dim, first.dim())
     _check_gather_inputs(tensors, d)
     total = list(first.shape)

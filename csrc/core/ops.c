@@ -3,6 +3,7 @@
  * which one runs the operation (NOTE [routing] in backend.h) and hands the work over. */
 #include "backend.h"
 
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -264,7 +265,11 @@ typedef struct {
 
 static const char *const op_names[] = {"copy", "broadcast", "reduce"};
 
+/* A backend's `can` said yes, so it has the function (backend.h): asserted, not checked. */
 static fdp_result_t run_on(const fdp_backend_t *be, fdp_op_t op, const work_t *w) {
+  assert(op != FDP_OP_COPY || be->copy);
+  assert(op != FDP_OP_BROADCAST || be->broadcast);
+  assert(op != FDP_OP_REDUCE || be->reduce);
   switch (op) {
   case FDP_OP_COPY: return w->n ? be->copy(w->copies, w->n, w->streams) : FDP_OK;
   case FDP_OP_BROADCAST: return be->broadcast(w->src, w->tensors, w->n, w->streams);
@@ -274,19 +279,17 @@ static fdp_result_t run_on(const fdp_backend_t *be, fdp_op_t op, const work_t *w
 }
 
 /* Runs the work on the first capable, usable backend; one that declines (FDP_UNAVAILABLE) hands it to the next.
- * When none runs it: FDP_UNAVAILABLE naming the capable backend that is not usable, else `none`; *ran = 0. */
-static fdp_result_t route_run(fdp_op_t op, const fdp_tensor_t *const *ts, int n, const work_t *w, const char *none,
-                              int *ran) {
+ * When none runs it: FDP_UNAVAILABLE naming the capable backend that is not usable, else `none`. */
+static fdp_result_t route_run(fdp_op_t op, const fdp_tensor_t *const *ts, int n, const work_t *w, const char *none) {
   route_t rt = {0, NULL, ""};
   fdp_result_t r = FDP_OK;
-  *ran = 0;
-  for (const fdp_backend_t *be; (be = route_next(&rt, op, ts, n)) != NULL;) {
+  int ran = 0;
+  for (const fdp_backend_t *be; (be = route_next(&rt, op, ts, n)) != NULL; ran = 1) {
     r = run_on(be, op, w);
-    *ran = 1;
     if (r != FDP_UNAVAILABLE) return r;
     fdp__log("%s: the %s backend declined (%s); asking the next", op_names[op], be->name, fdp_last_error());
   }
-  if (*ran) return r;
+  if (ran) return r;
   if (rt.unusable) return fdp__fail(FDP_UNAVAILABLE, "the %s backend is not usable: %s", rt.unusable->name, rt.why);
   return fdp__fail(FDP_UNAVAILABLE, "%s", none);
 }
@@ -295,8 +298,7 @@ static fdp_result_t route_run(fdp_op_t op, const fdp_tensor_t *const *ts, int n,
 static fdp_result_t copy_routed(const fdp_copy_t *copies, int k, const fdp_tensor_t *const *all, int nall,
                                 const fdp_streams_t *streams) {
   work_t w = {.copies = copies, .n = k, .streams = streams};
-  int ran;
-  return route_run(FDP_OP_COPY, all, nall, &w, "copy: no backend moves these tensors", &ran);
+  return route_run(FDP_OP_COPY, all, nall, &w, "copy: no backend moves these tensors");
 }
 
 fdp_result_t fdp__route_copy(const fdp_copy_t *copies, int n, const fdp_streams_t *streams) {
@@ -442,14 +444,14 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
     return fdp__fail(FDP_DTYPE, "reduce: dtype not supported (supported: bool, uint8, int8, int16, int32, "
                                 "int64, float16, bfloat16, float32, float64)");
   all[n] = out;
-  int cuda = 0, ran;
+  int cuda = 0;
   FDP_CHECK(check_kind(all, n + 1, "reduce", &cuda));
   if (fdp_tensor_numel(out) == 0) return FDP_OK;
   char none[160];
   snprintf(none, sizeof none,
            "reduce: inputs on several CUDA devices need NCCL (or must first be copied to device %d)", out->device);
   work_t w = {.tensors = inputs, .out = out, .n = n, .streams = streams};
-  return route_run(FDP_OP_REDUCE, all, n + 1, &w, none, &ran);
+  return route_run(FDP_OP_REDUCE, all, n + 1, &w, none);
 }
 
 static fdp_result_t check_dim(const fdp_tensor_t *t, int dim, const char *op) {

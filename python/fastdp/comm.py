@@ -157,8 +157,9 @@ def _raise_first(exc, items, checks, ok=False):
 
 def _one_kind(ts):
     """All CPU or all CUDA: the common case, tested without building a message."""
-    kind = ts[0].device.type
-    return kind in ("cpu", "cuda") and all(t.device.type == kind for t in ts)
+    if ts[0].is_cuda:
+        return all(t.is_cuda for t in ts)
+    return all(t.is_cpu for t in ts)
 
 
 def _same_kind_as(first, noun):
@@ -171,6 +172,13 @@ def _same_kind_as(first, noun):
         return None
 
     return check
+
+
+def _same_but_dim(ts, like, d):
+    """Every tensor has like's dtype and shape except along dim d: the common case, tested without messages."""
+    dtype, shape = like.dtype, like.shape
+    before, after, ndim = shape[:d], shape[d + 1:], len(shape)
+    return all(t.dtype == dtype and len(s := t.shape) == ndim and s[:d] == before and s[d + 1:] == after for t in ts)
 
 
 def _nonempty_devices(devices):
@@ -311,7 +319,9 @@ def _sum(inputs, destination):
 
 
 def _check_input_devices(inputs):
-    """All CPU or all CUDA (fastdp sums both; upstream asserts GPUs)."""
+    """All CPU or all CUDA (fastdp sums both; upstream asserts GPUs); True when all CPU."""
+    if _one_kind(inputs):
+        return inputs[0].device.type == "cpu"
     on_cpu = [t.device.type == "cpu" for t in inputs]
     if any(on_cpu) and not all(on_cpu):
         i = on_cpu.index(not on_cpu[0])
@@ -320,8 +330,7 @@ def _check_input_devices(inputs):
             "CPU and CUDA inputs cannot be mixed"
         )
     _raise_first(ValueError, inputs, [lambda i, t: None if t.device.type in ("cpu", "cuda") else (
-        f"reduce_add: input {i} is on a {t.device.type} device; fastdp sums CPU and CUDA tensors only")],
-        _one_kind(inputs))
+        f"reduce_add: input {i} is on a {t.device.type} device; fastdp sums CPU and CUDA tensors only")])
     return all(on_cpu)
 
 
@@ -498,9 +507,8 @@ def _scatter_into(tensor, src, dim, out):
                     f"shape except for scatter dim {d} as the source tensor: {list(tensor.shape)} ({tensor.dtype}).")
         return None
 
-    _raise_first(RuntimeError, outs, [_same_kind_as(outs[0], "output"), shape], _one_kind(outs) and all(
-        o.dtype == tensor.dtype and o.shape[:d] == tensor.shape[:d] and o.shape[d + 1:] == tensor.shape[d + 1:]
-        and o.dim() == tensor.dim() for o in outs))
+    _raise_first(RuntimeError, outs, [_same_kind_as(outs[0], "output"), shape],
+                 _one_kind(outs) and _same_but_dim(outs, tensor, d))
     try:
         _C.scatter(src, outs, d, [o.shape[d] for o in outs], streams_for([src, *outs]))
     except ValueError as e:  # upstream's comm.cpp raises its checks (the core's, here) as RuntimeError
@@ -601,9 +609,8 @@ def _check_gather_inputs(tensors, d):
         return None
 
     _raise_first(RuntimeError, tensors, [ndim, shape, lambda i, t: None if t.dtype == first.dtype else (
-        f"Input tensor at index {i} has dtype {t.dtype}, but input 0 has {first.dtype}")], all(
-        t.dtype == first.dtype and t.shape[:d] == first.shape[:d] and t.shape[d + 1:] == first.shape[d + 1:]
-        and t.dim() == first.dim() for t in tensors))
+        f"Input tensor at index {i} has dtype {t.dtype}, but input 0 has {first.dtype}")],
+        _same_but_dim(tensors, first, d))
 
 
 def _gather_destination(first, destination):

@@ -17,25 +17,31 @@ from fastdp import _C, _core, _info, comm
 # ---- NCCL usability: no GPU touched ----------------------------------------------------------------------------
 
 
-def test_collective_check_never_lists_devices(monkeypatch):
-    """_C.info() reads free memory (creating a context per GPU); the NCCL check must go through _C.usable."""
+def test_collective_asks_the_core_once_per_device_list(monkeypatch):
+    """_C.info() reads free memory (creating a context per GPU); the NCCL question goes to the core's route, once per
+    device list, and only its answer "nccl" makes the broadcast collective."""
     asked = []
 
     def no_info(*a, **k):
         raise AssertionError("comm._collective called _C.info()")
 
-    def usable(name):
-        asked.append(name)
-        return (True, "")
+    def route(op, devices):
+        asked.append((op, tuple(devices)))
+        return "nccl" if devices[0] != devices[1] else "cuda"
 
     monkeypatch.setattr(_C, "info", no_info)
-    monkeypatch.setattr(_C, "usable", usable)
-    monkeypatch.setattr(comm, "_COLLECTIVE", None)
+    monkeypatch.setattr(_C, "route", route)
+    monkeypatch.setattr(comm, "_ROUTES", {})
     devs = [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert comm._collective(devs) is True
-    assert comm._collective(devs) is True  # cached: asked once
-    assert asked == ["nccl"]
-    assert comm._collective([torch.device("cuda", 0)] * 2) is False  # repeated ids never use NCCL
+    assert comm._collective(devs) is True  # kept: asked once
+    assert comm._collective([torch.device("cuda", 0)] * 2) is False
+    assert asked == [("broadcast", (0, 1)), ("broadcast", (0, 0))]
+
+
+def test_collective_on_host_devices_is_the_cores_answer(monkeypatch):
+    monkeypatch.setattr(comm, "_ROUTES", {})
+    assert _C.route("broadcast", [-1, -1]) == "host"
     assert comm._collective([torch.device("cpu")] * 2) is False
 
 

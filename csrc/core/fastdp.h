@@ -115,6 +115,15 @@ int fdp_backend_compiled(fdp_backend_id_t id);
 int fdp_backend_usable(fdp_backend_id_t id, const char **why);
 const char *fdp_backend_name(fdp_backend_id_t id);
 
+/* The operations the core routes (see NOTE [routing] in backend.h). */
+typedef enum { FDP_OP_COPY = 0, FDP_OP_BROADCAST = 1, FDP_OP_REDUCE = 2 } fdp_op_t;
+/* The backend the core picks for `op` over one dense, one-dimensional buffer of `dtype` on each of devices[0..n)
+ * (FDP_HOST or a CUDA index): broadcast from devices[0] to the others, or reduce from all onto devices[0]. For a
+ * broadcast, FDP_BACKEND_CUDA / FDP_BACKEND_HOST mean element-wise copies. Asks the backends exactly what an
+ * operation on such buffers would; loads libraries, touches no GPU. Thread-safe. FDP_INVALID for a bad
+ * argument, FDP_UNAVAILABLE (detail says why) when no backend can run it. */
+fdp_result_t fdp_route_devices(fdp_op_t op, const int *devices, int n, int dtype, fdp_backend_id_t *out);
+
 /* ---- bucket plans (coalesced operations) ---- */
 
 typedef struct fdp_bucket {

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
-/* The one engine behind every entry point: validates descriptors once, picks the backend for the device
- * list (host, nccl, or cuda copies and kernels) and hands the work over. */
+/* The one engine behind every entry point: validates descriptors once, asks the backends in preference order
+ * which one runs the operation (NOTE [routing] in backend.h) and hands the work over. */
 #include "backend.h"
 
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -194,26 +195,6 @@ static fdp_result_t check_kind(const fdp_tensor_t *const *ts, int n, const char 
   return FDP_OK;
 }
 
-static fdp_result_t pick_copy_backend(int cuda, const fdp_backend_t **out) {
-  fdp_backend_id_t id = cuda ? FDP_BACKEND_CUDA : FDP_BACKEND_HOST;
-  const char *why;
-  if (!fdp_backend_usable(id, &why))
-    return fdp__fail(FDP_UNAVAILABLE, "the %s backend is not usable: %s", fdp_backend_name(id), why);
-  *out = backends[id];
-  return FDP_OK;
-}
-
-static int distinct_devices(const fdp_tensor_t *const *ts, int n) {
-  for (int i = 0; i < n; i++)
-    for (int j = i + 1; j < n; j++)
-      if (ts[i]->device == ts[j]->device) return 0;
-  return 1;
-}
-
-static int nccl_ready(void) {
-  return !fdp__param(FDP_PARAM_DISABLE_NCCL) && fdp_backend_usable(FDP_BACKEND_NCCL, NULL);
-}
-
 /* One copy's descriptors: each valid, and both of one shape and element size. */
 static fdp_result_t check_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int i) {
   FDP_CHECK(check_tensor(dst, "destination", i));
@@ -224,32 +205,6 @@ static fdp_result_t check_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src,
   shape_str(src, b, sizeof b);
   return fdp__fail(FDP_INVALID, "copy %d: destination %s (element size %d) does not match source %s (%d)", i, a,
                    dst->elem_size, b, src->elem_size);
-}
-
-/* A broadcast destination NCCL can write: on a CUDA device, with the source's shape, element size and strides. */
-static int nccl_destination(const fdp_tensor_t *d, const fdp_tensor_t *src) {
-  if (d->device == FDP_HOST || !same_shape(d, src) || d->elem_size != src->elem_size) return 0;
-  for (int k = 0; k < src->ndim; k++)
-    if (src->sizes[k] > 1 && d->strides[k] != src->strides[k]) return 0;
-  return 1;
-}
-
-/* *fits = 1 when NCCL can take this broadcast: one dense layout everywhere, one buffer per device, NCCL usable.
- * Fails when a destination descriptor it looks at is invalid. */
-static fdp_result_t nccl_broadcast_fits(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst, int *fits) {
-  *fits = 0;
-  if (src->device == FDP_HOST || !nccl_ready() || ndst + 1 > FDP_MAX_DEVICES || !fdp_tensor_is_dense(src))
-    return FDP_OK;
-  const fdp_tensor_t *all[FDP_MAX_DEVICES];
-  int ok = 1, n = 0;
-  all[n++] = src;
-  for (int i = 0; i < ndst && ok; i++) {
-    FDP_CHECK(check_tensor(&dst[i], "destination", i));
-    ok = nccl_destination(&dst[i], src);
-    all[n++] = &dst[i];
-  }
-  *fits = ok && distinct_devices(all, n) && fdp_tensor_numel(src) > 0;
-  return FDP_OK;
 }
 
 /* One reduce input against the output: valid, same dtype and shape, contiguous, not partly the output. */
@@ -270,25 +225,145 @@ static fdp_result_t check_reduce_input(const fdp_tensor_t *in, int i, const fdp_
   return FDP_OK;
 }
 
-/* A checked reduce of CUDA tensors: NCCL's collective when the inputs span devices (one each), else the cuda
- * backend's kernel on the output's device. */
-static fdp_result_t reduce_cuda(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
-                                const fdp_tensor_t *const *all, const fdp_streams_t *streams) {
-  int local = 1;
-  for (int i = 0; i < n; i++)
-    local &= inputs[i].device == out->device;
-  if (!local && nccl_ready() && distinct_devices(all, n)) {
-    fdp_result_t r = backends[FDP_BACKEND_NCCL]->reduce_collective(inputs, n, out, streams);
-    if (r != FDP_UNAVAILABLE) return r;
-    fdp__log("reduce: nccl declined (%s)", fdp_last_error());
+/* ---- routing (NOTE [routing] in backend.h) ---- */
+
+static const fdp_backend_t *const preference[] = {&fdp__backend_nccl, &fdp__backend_cuda, &fdp__backend_host};
+enum { NPREF = (int)(sizeof preference / sizeof preference[0]) };
+
+/* A walk over the preference list: the next backend to ask, and the first one that could run the operation but
+ * is not usable here (its name and reason make the error when nothing runs it). */
+typedef struct {
+  int next;
+  const fdp_backend_t *unusable;
+  const char *why;
+} route_t;
+
+/* The next backend in preference order that can run `op` on ts and is usable now; NULL when none is left. */
+static const fdp_backend_t *route_next(route_t *rt, fdp_op_t op, const fdp_tensor_t *const *ts, int n) {
+  while (rt->next < NPREF) {
+    const fdp_backend_t *be = preference[rt->next++];
+    const char *why = "";
+    if (!be->can(op, ts, n)) continue;
+    if (fdp_backend_usable(be->id, &why)) return be;
+    if (!rt->unusable) {
+      rt->unusable = be;
+      rt->why = why;
+    }
   }
-  if (!local)
-    return fdp__fail(FDP_UNAVAILABLE,
-                     "reduce: inputs on several CUDA devices need NCCL (or must first be copied to device %d)",
-                     out->device);
-  const fdp_backend_t *be;
-  FDP_CHECK(pick_copy_backend(1, &be));
-  return be->reduce(inputs, n, out, streams);
+  return NULL;
+}
+
+/* One operation's arguments, whichever backend runs it. */
+typedef struct {
+  const fdp_copy_t *copies; /* FDP_OP_COPY: `n` copies */
+  const fdp_tensor_t *src;  /* FDP_OP_BROADCAST: src to tensors[0..n) */
+  const fdp_tensor_t *tensors;
+  const fdp_tensor_t *out; /* FDP_OP_REDUCE: tensors[0..n) summed into out */
+  int n;
+  const fdp_streams_t *streams;
+} work_t;
+
+static const char *const op_names[] = {"copy", "broadcast", "reduce"};
+
+/* A backend's `can` said yes, so it has the function (backend.h): asserted, not checked. */
+static fdp_result_t run_on(const fdp_backend_t *be, fdp_op_t op, const work_t *w) {
+  assert(op != FDP_OP_COPY || be->copy);
+  assert(op != FDP_OP_BROADCAST || be->broadcast);
+  assert(op != FDP_OP_REDUCE || be->reduce);
+  switch (op) {
+  case FDP_OP_COPY: return w->n ? be->copy(w->copies, w->n, w->streams) : FDP_OK;
+  case FDP_OP_BROADCAST: return be->broadcast(w->src, w->tensors, w->n, w->streams);
+  case FDP_OP_REDUCE: return be->reduce(w->tensors, w->n, w->out, w->streams);
+  }
+  return fdp__fail(FDP_INTERNAL, "route: unknown operation %d", (int)op);
+}
+
+/* Runs the work on the first capable, usable backend; one that declines (FDP_UNAVAILABLE) hands it to the next.
+ * When none runs it: FDP_UNAVAILABLE naming the capable backend that is not usable, else `none`. */
+static fdp_result_t route_run(fdp_op_t op, const fdp_tensor_t *const *ts, int n, const work_t *w, const char *none) {
+  route_t rt = {0, NULL, ""};
+  fdp_result_t r = FDP_OK;
+  int ran = 0;
+  for (const fdp_backend_t *be; (be = route_next(&rt, op, ts, n)) != NULL; ran = 1) {
+    r = run_on(be, op, w);
+    if (r != FDP_UNAVAILABLE) return r;
+    fdp__log("%s: the %s backend declined (%s); asking the next", op_names[op], be->name, fdp_last_error());
+  }
+  if (ran) return r;
+  if (rt.unusable) return fdp__fail(FDP_UNAVAILABLE, "the %s backend is not usable: %s", rt.unusable->name, rt.why);
+  return fdp__fail(FDP_UNAVAILABLE, "%s", none);
+}
+
+/* Copies already validated, on the backend routed for all of their descriptors (`all`: dst0, src0, ...). */
+static fdp_result_t copy_routed(const fdp_copy_t *copies, int k, const fdp_tensor_t *const *all, int nall,
+                                const fdp_streams_t *streams) {
+  work_t w = {.copies = copies, .n = k, .streams = streams};
+  return route_run(FDP_OP_COPY, all, nall, &w, "copy: no backend moves these tensors");
+}
+
+fdp_result_t fdp__route_copy(const fdp_copy_t *copies, int n, const fdp_streams_t *streams) {
+  if (n <= 0) return FDP_OK;
+  const fdp_tensor_t **all = malloc((size_t)2 * n * sizeof *all);
+  if (!all) return fdp__fail(FDP_NOMEM, "copy: cannot allocate %d descriptor pointers", 2 * n);
+  for (int i = 0; i < n; i++) {
+    all[2 * i] = &copies[i].dst;
+    all[2 * i + 1] = &copies[i].src;
+  }
+  fdp_result_t r = copy_routed(copies, n, all, 2 * n, streams);
+  free(all);
+  return r;
+}
+
+static const int dtype_size[FDP_DTYPE_COUNT] = {
+#define FDP_X(name, str, size) [FDP_DTYPE_##name] = size,
+    FDP_DTYPE_MAP(FDP_X)
+#undef FDP_X
+};
+
+/* The backend a broadcast from ts[0] to ts[1..n) runs on: the collective one, else the one that copies. */
+static const fdp_backend_t *route_broadcast(const fdp_tensor_t *const *ts, int n, route_t *rt) {
+  const fdp_backend_t *be = route_next(rt, FDP_OP_BROADCAST, ts, n);
+  if (be) return be;
+  const fdp_tensor_t *pairs[2 * FDP_MAX_DEVICES];
+  int m = 0;
+  for (int i = n > 1 ? 1 : 0; i < n; i++) {
+    pairs[m++] = ts[i];
+    pairs[m++] = ts[0];
+  }
+  *rt = (route_t){0, NULL, ""};
+  return route_next(rt, FDP_OP_COPY, pairs, m);
+}
+
+/* One-element flat buffers of `dtype`, one on each of devices[0..n), then one more on devices[0]; nothing reads
+ * them, they only sit at distinct addresses. */
+static fdp_result_t flat_buffers(const int *devices, int n, int dtype, fdp_tensor_t *t, const fdp_tensor_t **ts) {
+  for (int i = 0; i <= n; i++) {
+    int dev = devices[i < n ? i : 0];
+    if (dev < FDP_HOST || dev >= FDP_MAX_DEVICES)
+      return fdp__fail(FDP_INVALID, "route: device %d is outside [-1, %d)", dev, FDP_MAX_DEVICES);
+    t[i] = (fdp_tensor_t){.data = (char *)(uintptr_t)(64 * (i + 1)), .device = dev, .dtype = dtype,
+                          .elem_size = dtype_size[dtype], .ndim = 1, .sizes = {1}, .strides = {1}};
+    ts[i] = &t[i];
+  }
+  return FDP_OK;
+}
+
+fdp_result_t fdp_route_devices(fdp_op_t op, const int *devices, int n, int dtype, fdp_backend_id_t *out) {
+  if (!devices || !out || n < 1 || n > FDP_MAX_DEVICES || dtype < 0 || dtype >= FDP_DTYPE_COUNT ||
+      (op != FDP_OP_BROADCAST && op != FDP_OP_REDUCE))
+    return fdp__fail(FDP_INVALID, "route: bad arguments (op %d, %d devices, dtype %d)", (int)op, n, dtype);
+  fdp_tensor_t t[FDP_MAX_DEVICES + 1];
+  const fdp_tensor_t *ts[FDP_MAX_DEVICES + 1];
+  FDP_CHECK(flat_buffers(devices, n, dtype, t, ts));
+  route_t rt = {0, NULL, ""};
+  const fdp_backend_t *be = op == FDP_OP_BROADCAST ? route_broadcast(ts, n, &rt) : route_next(&rt, op, ts, n + 1);
+  if (be) {
+    *out = be->id;
+    return FDP_OK;
+  }
+  if (rt.unusable) return fdp__fail(FDP_UNAVAILABLE, "the %s backend is not usable: %s", rt.unusable->name, rt.why);
+  return fdp__fail(FDP_UNAVAILABLE, "route: no backend can %s between these devices",
+                   op == FDP_OP_BROADCAST ? "broadcast" : "reduce");
 }
 
 /* ---- operations ---- */
@@ -299,8 +374,7 @@ fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n
   fdp_copy_t *copies = calloc((size_t)n, sizeof *copies);
   const fdp_tensor_t **all = calloc((size_t)2 * n, sizeof *all);
   fdp_result_t r = FDP_OK;
-  int cuda = 0, k = 0;
-  const fdp_backend_t *be = NULL;
+  int k = 0;
   if (!copies || !all) {
     r = fdp__fail(FDP_NOMEM, "copy: cannot allocate %d copy records", n);
     goto done;
@@ -312,16 +386,27 @@ fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n
     if (!same_view(&dst[i], &src[i]) && fdp_tensor_numel(&src[i]) > 0) copies[k++] = (fdp_copy_t){dst[i], src[i]};
   }
   FDP_CHECK_GOTO(check_writes(dst, src, n, "copy"), r, done);
-  /* Copies may cross between host and CUDA memory (a CPU batch scattered to GPUs, outputs gathered to the
-   * CPU): any CUDA side makes it the cuda backend's work, which handles host pointers too. */
-  for (int i = 0; i < 2 * n; i++)
-    cuda |= all[i]->device != FDP_HOST;
-  FDP_CHECK_GOTO(pick_copy_backend(cuda, &be), r, done);
-  if (k) r = be->copy(copies, k, streams);
+  r = copy_routed(copies, k, all, 2 * n, streams);
 done:
   free(copies);
   free(all);
   return r;
+}
+
+/* Broadcast destinations checked, and the collective backend that takes the broadcast, or NULL for copies. */
+static fdp_result_t broadcast_route(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst,
+                                    const fdp_backend_t **out) {
+  *out = NULL;
+  const fdp_tensor_t *all[FDP_MAX_DEVICES];
+  int n = 0, collective = ndst + 1 <= FDP_MAX_DEVICES && fdp_tensor_numel(src) > 0;
+  all[n++] = src;
+  for (int i = 0; i < ndst; i++) {
+    FDP_CHECK(check_tensor(&dst[i], "destination", i));
+    if (collective) all[n++] = &dst[i];
+  }
+  route_t rt = {0, NULL, ""};
+  if (collective) *out = route_next(&rt, FDP_OP_BROADCAST, all, n);
+  return FDP_OK;
 }
 
 fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst,
@@ -329,12 +414,12 @@ fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, 
   if (!src || ndst < 0 || (ndst > 0 && !dst)) return fdp__fail(FDP_INVALID, "broadcast: bad arguments");
   if (ndst == 0) return FDP_OK;
   FDP_CHECK(check_tensor(src, "source", 0));
-  int fits = 0;
-  FDP_CHECK(nccl_broadcast_fits(src, dst, ndst, &fits));
-  if (fits) {
-    fdp_result_t r = backends[FDP_BACKEND_NCCL]->broadcast(src, dst, ndst, streams);
+  const fdp_backend_t *be;
+  FDP_CHECK(broadcast_route(src, dst, ndst, &be));
+  if (be) {
+    fdp_result_t r = be->broadcast(src, dst, ndst, streams);
     if (r != FDP_UNAVAILABLE) return r;
-    fdp__log("broadcast: nccl declined (%s); using device copies", fdp_last_error());
+    fdp__log("broadcast: the %s backend declined (%s); using copies", be->name, fdp_last_error());
   }
   fdp_tensor_t *srcs = malloc((size_t)ndst * sizeof *srcs);
   if (!srcs) return fdp__fail(FDP_NOMEM, "broadcast: cannot allocate %d descriptors", ndst);
@@ -355,15 +440,18 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
     FDP_CHECK(check_reduce_input(&inputs[i], i, out));
     all[i] = &inputs[i];
   }
-  if (out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
+  if (out->dtype < 0 || out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
     return fdp__fail(FDP_DTYPE, "reduce: dtype not supported (supported: bool, uint8, int8, int16, int32, "
                                 "int64, float16, bfloat16, float32, float64)");
   all[n] = out;
   int cuda = 0;
   FDP_CHECK(check_kind(all, n + 1, "reduce", &cuda));
   if (fdp_tensor_numel(out) == 0) return FDP_OK;
-  if (!cuda) return backends[FDP_BACKEND_HOST]->reduce(inputs, n, out, streams);
-  return reduce_cuda(inputs, n, out, all, streams);
+  char none[160];
+  snprintf(none, sizeof none,
+           "reduce: inputs on several CUDA devices need NCCL (or must first be copied to device %d)", out->device);
+  work_t w = {.tensors = inputs, .out = out, .n = n, .streams = streams};
+  return route_run(FDP_OP_REDUCE, all, n + 1, &w, none);
 }
 
 static fdp_result_t check_dim(const fdp_tensor_t *t, int dim, const char *op) {
@@ -380,24 +468,27 @@ fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chu
   FDP_CHECK(check_dim(src, dim, "scatter"));
   fdp_tensor_t *views = malloc((size_t)n * sizeof *views);
   if (!views) return fdp__fail(FDP_NOMEM, "scatter: cannot allocate %d descriptors", n);
-  int64_t start = 0;
+  /* The total first, so that chunks too long and too short both get upstream's text (torch/csrc/cuda/comm.cpp),
+   * which comm.scatter raises as it comes: this check is the core's, for every caller. */
+  int64_t total = 0, start = 0;
   fdp_result_t r = FDP_OK;
   for (int i = 0; i < n; i++) {
-    if (chunk_sizes[i] < 0 || start + chunk_sizes[i] > src->sizes[dim]) {
-      r = fdp__fail(FDP_INVALID, "scatter: chunk %d (size %lld) runs past the source's %lld elements along dim %d", i,
-                    (long long)chunk_sizes[i], (long long)src->sizes[dim], dim);
+    if (chunk_sizes[i] < 0) {
+      r = fdp__fail(FDP_INVALID, "scatter: chunk %d has a negative size (%lld)", i, (long long)chunk_sizes[i]);
       goto done;
     }
-    fdp_tensor_narrow(src, dim, start, chunk_sizes[i], &views[i]);
-    start += chunk_sizes[i];
+    total = chunk_sizes[i] > INT64_MAX - total ? INT64_MAX : total + chunk_sizes[i]; /* no overflow */
   }
-  if (start != src->sizes[dim]) {
-    /* upstream's text (torch/csrc/cuda/comm.cpp), as comm.scatter raises it */
+  if (total != src->sizes[dim]) {
     r = fdp__fail(FDP_INVALID,
                   "Total size for output tensors along scatter dim %d does not match the source tensor size at dim %d. "
                   "Expected %lld, but got total size %lld.",
-                  dim, dim, (long long)src->sizes[dim], (long long)start);
+                  dim, dim, (long long)src->sizes[dim], (long long)total);
     goto done;
+  }
+  for (int i = 0; i < n; i++) {
+    fdp_tensor_narrow(src, dim, start, chunk_sizes[i], &views[i]);
+    start += chunk_sizes[i];
   }
   r = fdp_op_copy(outs, views, n, streams);
 done:

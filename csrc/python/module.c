@@ -863,6 +863,37 @@ static PyObject *py_kernels_image(PyObject *module, PyObject *args) {
                        info.seconds, "file", info.file, "note", info.note);
 }
 
+/* ---- route (engineer "route", issue 14): which backend the core picks; kept apart for the merge ---- */
+
+/* route(op, devices, dtype=uint8 code) -> "nccl" | "cuda" | "host": the backend the core runs `op` ("broadcast"
+ * from devices[0], "reduce" onto devices[0]) on for one flat buffer per device (ints; -1 is the host). */
+static PyObject *py_route(PyObject *module, PyObject *args) {
+  const char *name;
+  PyObject *seq;
+  int dtype = FDP_DTYPE_U8, devs[FDP_MAX_DEVICES];
+  if (!PyArg_ParseTuple(args, "sO|i:route", &name, &seq, &dtype)) return NULL;
+  fdp_op_t op = strcmp(name, "broadcast") == 0 ? FDP_OP_BROADCAST : FDP_OP_REDUCE;
+  if (op == FDP_OP_REDUCE && strcmp(name, "reduce") != 0)
+    return PyErr_Format(PyExc_ValueError, "route: unknown operation %R (expected \"broadcast\" or \"reduce\")",
+                        PyTuple_GET_ITEM(args, 0));
+  PyObject *fast = PySequence_Fast(seq, "route: devices must be a sequence of ints");
+  if (!fast) return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  for (Py_ssize_t i = 0; i < n && i < FDP_MAX_DEVICES; i++) {
+    long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+    devs[i] = v < FDP_HOST || v >= FDP_MAX_DEVICES ? FDP_MAX_DEVICES : (int)v; /* out of range: the core says so */
+  }
+  Py_DECREF(fast);
+  if (PyErr_Occurred()) return NULL;
+  fdp_backend_id_t id = FDP_BACKEND_HOST;
+  fdp_result_t r;
+  Py_BEGIN_ALLOW_THREADS
+  r = fdp_route_devices(op, devs, n > FDP_MAX_DEVICES ? FDP_MAX_DEVICES + 1 : (int)n, dtype, &id);
+  Py_END_ALLOW_THREADS
+  if (r != FDP_OK) return raise_result(get_state(module), r);
+  return PyUnicode_FromString(fdp_backend_name(id));
+}
+
 static PyMethodDef methods[] = {
     {"copy", py_copy, METH_VARARGS, "copy(dsts, srcs, streams=None): dst[i] = src[i] element-wise"},
     {"broadcast", py_broadcast, METH_VARARGS, "broadcast(src, dsts, streams=None)"},
@@ -892,6 +923,8 @@ static PyMethodDef methods[] = {
     {"nvrtc_search_dirs", py_nvrtc_search_dirs, METH_VARARGS, "nvrtc_search_dirs('dir1:dir2'): before first use"},
     {"kernels_image", py_kernels_image, METH_VARARGS,
      "kernels_image(cc, forget=False) -> dict: the NVRTC image for sm_<cc> (memory, disk cache or compiled)"},
+    /* route (issue 14) */
+    {"route", py_route, METH_VARARGS, "route(op, devices, dtype=uint8) -> backend name the core picks"},
     {NULL, NULL, 0, NULL},
 };
 

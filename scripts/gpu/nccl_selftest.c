@@ -2,7 +2,7 @@
  * fastdp's own loaders bind libcuda.so.1 and libnccl.so.2, then the backend's reduce and broadcast run on a
  * communicator of one rank (device 0) -- a path fastdp's ops never take, since they use NCCL only across
  * distinct devices. Results are read back and compared byte for byte with what a one-rank sum and an in-place
- * broadcast must give; what NCCL cannot do must be declined (FDP_UNAVAILABLE); after fdp_shutdown a second
+ * broadcast must give; what NCCL cannot do exactly its `can` must refuse (NOTE [routing]); after fdp_shutdown a second
  * round proves the communicators are rebuilt. Prints one line per check; exits 0 when all pass. */
 #include "core/backend.h"
 #include "dl/cuda_driver.h"
@@ -66,7 +66,7 @@ static void round_trip(const fdp_cu_t *cu, int dtype, int elem_size, int64_t n, 
 
   fdp_result_t r;
   if (reduce) {
-    r = fdp__backend_nccl.reduce_collective(&tin, 1, &tout, NULL);
+    r = fdp__backend_nccl.reduce(&tin, 1, &tout, NULL);
     snprintf(what, sizeof what, "%s: ncclReduce, one rank, %s x %lld", tag, fdp_dtype_name(dtype), (long long)n);
     if (r == FDP_OK && cu_ok(cu->CtxSynchronize(), "cuCtxSynchronize") &&
         cu_ok(cu->MemcpyDtoHAsync(back, out, bytes, NULL), "cuMemcpyDtoHAsync") &&
@@ -95,23 +95,21 @@ free_host:
   free(zeros);
 }
 
-/* Sums NCCL cannot do exactly must be declined, so that the core falls back to the cuda backend. */
-static void declines(const fdp_cu_t *cu, int dtype, int elem_size, const char *why) {
-  CUdeviceptr a = 0, b = 0;
+/* Sums NCCL cannot do exactly are refused by the backend's `can`, so that the core never routes them there; a
+ * float32 sum of the same layout is accepted. Descriptors only (two inputs on devices 0 and 1, output on 0): `can`
+ * reads no memory. */
+static void refuses(int dtype, int elem_size, const char *why) {
   char what[128];
-  snprintf(what, sizeof what, "reduce of %s declined (%s)", fdp_dtype_name(dtype), why);
-  if (fdp__cu_ctx_push(0, NULL) != FDP_OK) {
-    check(0, "push the primary context of device 0");
-    return;
-  }
-  if (cu_ok(cu->MemAlloc(&a, 64), "cuMemAlloc") && cu_ok(cu->MemAlloc(&b, 64), "cuMemAlloc")) {
-    fdp_tensor_t ta = vec(a, dtype, elem_size, 16), tb = vec(b, dtype, elem_size, 16);
-    check(fdp__backend_nccl.reduce_collective(&ta, 1, &tb, NULL) == FDP_UNAVAILABLE, what);
-    cu_ok(cu->CtxSynchronize(), "cuCtxSynchronize");
-  }
-  if (a) cu_ok(cu->MemFree(a), "cuMemFree");
-  if (b) cu_ok(cu->MemFree(b), "cuMemFree");
-  if (fdp__cu_ctx_pop(0) != FDP_OK) check(0, "pop the context of device 0");
+  fdp_tensor_t in0 = vec(64, dtype, elem_size, 16), in1 = vec(128, dtype, elem_size, 16),
+               out = vec(192, dtype, elem_size, 16);
+  in1.device = 1;
+  const fdp_tensor_t *ts[3] = {&in0, &in1, &out};
+  snprintf(what, sizeof what, "reduce of %s refused (%s)", fdp_dtype_name(dtype), why);
+  check(!fdp__backend_nccl.can(FDP_OP_REDUCE, ts, 3), what);
+  in0.dtype = in1.dtype = out.dtype = FDP_DTYPE_F32;
+  in0.elem_size = in1.elem_size = out.elem_size = 4;
+  snprintf(what, sizeof what, "reduce of float32, same layout, accepted");
+  check(fdp__backend_nccl.can(FDP_OP_REDUCE, ts, 3), what);
 }
 
 int main(void) {
@@ -138,8 +136,8 @@ int main(void) {
   round_trip(cu, FDP_DTYPE_I64, 8, 1001, 1, "round 1");
   round_trip(cu, FDP_DTYPE_U8, 1, 1001, 1, "round 1");
   round_trip(cu, FDP_DTYPE_I16, 2, 999, 0, "round 1"); /* a broadcast moves bytes: int16 travels as uint8 */
-  declines(cu, FDP_DTYPE_BOOL, 1, "a bool sum is a logical or");
-  declines(cu, FDP_DTYPE_I16, 2, "NCCL has no int16");
+  refuses(FDP_DTYPE_BOOL, 1, "a bool sum is a logical or");
+  refuses(FDP_DTYPE_I16, 2, "NCCL has no int16");
 
   fdp_shutdown(); /* destroys the communicator; the next call builds a new one */
   round_trip(cu, FDP_DTYPE_F32, 4, 12345, 1, "after fdp_shutdown");

@@ -622,6 +622,30 @@ static void test_backends(void) {
   CHECK(fdp_backend_usable(FDP_BACKEND_COUNT, &why) == 0 && why && why[0]);
 }
 
+/* The route on a CPU-only machine: host buffers go to the host backend; CUDA buffers have no usable backend, and
+ * the error names the one that could run them; bad arguments are refused. */
+static void test_route(void) {
+  int host[3] = {FDP_HOST, FDP_HOST, FDP_HOST}, cuda[2] = {0, 1}, bad[2] = {FDP_HOST, FDP_MAX_DEVICES};
+  fdp_backend_id_t id = FDP_BACKEND_COUNT;
+  EXPECT(fdp_route_devices(FDP_OP_BROADCAST, host, 3, FDP_DTYPE_F32, &id), FDP_OK);
+  CHECK(id == FDP_BACKEND_HOST);
+  id = FDP_BACKEND_COUNT;
+  EXPECT(fdp_route_devices(FDP_OP_REDUCE, host, 2, FDP_DTYPE_BF16, &id), FDP_OK);
+  CHECK(id == FDP_BACKEND_HOST);
+  EXPECT(fdp_route_devices(FDP_OP_BROADCAST, host, 1, FDP_DTYPE_U8, &id), FDP_OK);
+  CHECK(id == FDP_BACKEND_HOST);
+  EXPECT(fdp_route_devices(FDP_OP_BROADCAST, cuda, 2, FDP_DTYPE_F32, &id), FDP_UNAVAILABLE);
+  CHECKF(strstr(fdp_last_error(), "backend is not usable"), "%s", fdp_last_error());
+  EXPECT(fdp_route_devices(FDP_OP_REDUCE, cuda, 2, FDP_DTYPE_F32, &id), FDP_UNAVAILABLE);
+  EXPECT(fdp_route_devices(FDP_OP_COPY, host, 2, FDP_DTYPE_F32, &id), FDP_INVALID);
+  EXPECT(fdp_route_devices(FDP_OP_BROADCAST, host, 0, FDP_DTYPE_F32, &id), FDP_INVALID);
+  EXPECT(fdp_route_devices(FDP_OP_BROADCAST, host, FDP_MAX_DEVICES + 1, FDP_DTYPE_F32, &id), FDP_INVALID);
+  EXPECT(fdp_route_devices(FDP_OP_BROADCAST, host, 2, FDP_DTYPE_COUNT, &id), FDP_INVALID);
+  EXPECT(fdp_route_devices(FDP_OP_BROADCAST, bad, 2, FDP_DTYPE_F32, &id), FDP_INVALID);
+  EXPECT(fdp_route_devices(FDP_OP_BROADCAST, NULL, 2, FDP_DTYPE_F32, &id), FDP_INVALID);
+  EXPECT(fdp_route_devices(FDP_OP_BROADCAST, host, 2, FDP_DTYPE_F32, NULL), FDP_INVALID);
+}
+
 /* ---- tensor helpers ---- */
 
 static void test_tensor_helpers(void) {
@@ -1788,6 +1812,7 @@ static const suite_t k_suites[] = {
     {"results", test_results},
     {"checks", test_checks},
     {"backends", test_backends},
+    {"route", test_route},
     {"tensor_helpers", test_tensor_helpers},
     {"layout", test_layout},
     {"plan", test_plan},

@@ -1089,6 +1089,31 @@ static void leak_check(void) {
   }
 }
 
+/* The route the core picks, and that operations then take: NCCL for one buffer on each of several devices (when
+ * it loads), the cuda backend for repeated ids and single-device sums, the host backend for host buffers. */
+static void test_route(void) {
+  fdp_backend_id_t id = FDP_BACKEND_COUNT;
+  int same[2] = {0, 0}, host[2] = {FDP_HOST, FDP_HOST}, spread[FDP_MAX_DEVICES];
+  for (int d = 0; d < g_ndev; d++)
+    spread[d] = g_ndev - 1 - d; /* any order: the root is whichever comes first */
+  OK(fdp_route_devices(FDP_OP_BROADCAST, same, 2, FDP_DTYPE_F32, &id));
+  CHECK(id == FDP_BACKEND_CUDA);
+  OK(fdp_route_devices(FDP_OP_REDUCE, same, 2, FDP_DTYPE_F32, &id));
+  CHECK(id == FDP_BACKEND_CUDA);
+  OK(fdp_route_devices(FDP_OP_BROADCAST, host, 2, FDP_DTYPE_F32, &id));
+  CHECK(id == FDP_BACKEND_HOST);
+  OK(fdp_route_devices(FDP_OP_BROADCAST, spread, 1, FDP_DTYPE_F32, &id));
+  CHECK(id == FDP_BACKEND_CUDA);
+  if (g_ndev < 2 || !fdp_backend_usable(FDP_BACKEND_NCCL, NULL) || getenv("FASTDP_DISABLE_NCCL")) return;
+  OK(fdp_route_devices(FDP_OP_BROADCAST, spread, g_ndev, FDP_DTYPE_BOOL, &id)); /* bytes: any dtype */
+  CHECK(id == FDP_BACKEND_NCCL);
+  OK(fdp_route_devices(FDP_OP_REDUCE, spread, g_ndev, FDP_DTYPE_F32, &id));
+  CHECK(id == FDP_BACKEND_NCCL);
+  /* ncclSum is no logical or, and NCCL has no int16: sums of those across devices have no backend */
+  CHECK(fdp_route_devices(FDP_OP_REDUCE, spread, g_ndev, FDP_DTYPE_BOOL, &id) == FDP_UNAVAILABLE);
+  CHECK(fdp_route_devices(FDP_OP_REDUCE, spread, g_ndev, FDP_DTYPE_I16, &id) == FDP_UNAVAILABLE);
+}
+
 int main(int argc, char **argv) {
   int do_sweep = 0;
   const char *only = NULL;
@@ -1118,6 +1143,7 @@ int main(int argc, char **argv) {
     test_coalesced();
     test_threads();
     test_shutdown_reuse();
+    test_route();
     if (sim()) {
       sim_clean("end");
       /* The harness's own copies count too, so count only what fastdp alone issues. */

@@ -8,6 +8,7 @@
 #include "backend/cuda/layout.h"
 #include "dl/cuda_driver.h"
 
+#include <assert.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -592,8 +593,8 @@ typedef struct host_copy {
   scratch_t ds;
 } host_copy_t;
 
-/* Packs (h2d) the strided host source into hbuf, or unpacks (d2h) hbuf into the strided host destination, on the
- * host backend. */
+/* Packs (h2d) the strided host source into hbuf, or unpacks (d2h) hbuf into the strided host destination: host
+ * memory on both sides, so the core routes it to the host backend. */
 static fdp_result_t host_stage(const host_copy_t *x) {
   fdp_copy_t c;
   if (x->h2d) {
@@ -603,7 +604,7 @@ static fdp_result_t host_stage(const host_copy_t *x) {
     host_view(&c.dst, (uintptr_t)x->p.dst, &x->p, x->p.ds);
     host_view(&c.src, (uintptr_t)x->hbuf, &x->p, x->fs);
   }
-  return fdp__backend_host.copy(&c, 1, NULL);
+  return fdp__route_copy(&c, 1, NULL);
 }
 
 /* The flat transfer between hbuf and dbuf, on the device's stream. */
@@ -675,8 +676,7 @@ static fdp_result_t cuda_copy(const fdp_copy_t *copies, int n, const fdp_streams
   for (int i = 0; i < n; i++) {
     const fdp_copy_t *c = &copies[i];
     int sdev = c->src.device, ddev = c->dst.device;
-    if (c->src.ndim != c->dst.ndim || c->src.elem_size != c->dst.elem_size || c->dst.elem_size <= 0)
-      return fdp__fail(FDP_INVALID, "cuda backend: copy %d has mismatched descriptors", i);
+    assert(c->src.ndim == c->dst.ndim && c->src.elem_size == c->dst.elem_size && c->dst.elem_size > 0);
     if (sdev == FDP_HOST && ddev == FDP_HOST)
       return fdp__fail(FDP_INTERNAL, "cuda backend: copy %d is host to host", i);
     if (sdev == FDP_HOST || ddev == FDP_HOST) {
@@ -736,30 +736,21 @@ static fdp_result_t sum_passes(const fdp_cu_t *cu, int dev, CUstream stream, con
   return FDP_OK;
 }
 
-/* The backend's own preconditions on a reduce (the core checked the user's arguments before). */
-static fdp_result_t reduce_check(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out) {
-  if (n < 1) return fdp__fail(FDP_INVALID, "cuda backend: reduce of no inputs");
-  int dev = out->device;
-  int64_t numel = fdp_tensor_numel(out);
-  for (int i = 0; i < n; i++) {
-    if (inputs[i].device != dev)
-      return fdp__fail(FDP_INVALID, "cuda backend: reduce input %d is on device %d, the output on device %d", i,
-                       inputs[i].device, dev);
-    if (inputs[i].dtype != out->dtype || fdp_tensor_numel(&inputs[i]) != numel || !fdp_tensor_is_contiguous(&inputs[i]))
-      return fdp__fail(FDP_INVALID,
-                       "cuda backend: reduce input %d differs from the output in dtype, size or "
-                       "contiguity",
-                       i);
-  }
-  if (!fdp_tensor_is_contiguous(out)) return fdp__fail(FDP_INVALID, "cuda backend: reduce output not contiguous");
-  if (out->dtype < 0 || out->dtype >= FDP_DTYPE_COUNT || k_sum_names[out->dtype] == NULL)
-    return fdp__fail(FDP_DTYPE, "cuda backend: no sum kernel for dtype %s", fdp_dtype_name(out->dtype));
-  return FDP_OK;
+/* What the core established before routing a reduce here (check_reduce_input, cuda_can). */
+static void reduce_invariants(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out) {
+  assert(n >= 1 && fdp_tensor_is_contiguous(out));
+  assert(out->dtype >= 0 && out->dtype < FDP_DTYPE_COUNT && k_sum_names[out->dtype] != NULL);
+  for (int i = 0; i < n; i++)
+    assert(inputs[i].device == out->device && inputs[i].dtype == out->dtype &&
+           fdp_tensor_numel(&inputs[i]) == fdp_tensor_numel(out) && fdp_tensor_is_contiguous(&inputs[i]));
+#ifdef NDEBUG
+  (void)inputs, (void)n, (void)out;
+#endif
 }
 
 static fdp_result_t cuda_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
                                 const fdp_streams_t *streams) {
-  FDP_CHECK(reduce_check(inputs, n, out));
+  reduce_invariants(inputs, n, out);
   int dev = out->device;
   int64_t numel = fdp_tensor_numel(out);
   if (numel == 0) return FDP_OK;
@@ -819,6 +810,21 @@ no:
   return 0;
 }
 
+/* Copies with a CUDA side (host memory on the other side too: staged through the host backend via the core), and
+ * sums whose inputs all sit on the output's device. Broadcasts are copies here. */
+static int cuda_can(fdp_op_t op, const fdp_tensor_t *const *ts, int n) {
+  int cuda = 0, local = 1;
+  for (int i = 0; i < n; i++) {
+    cuda |= ts[i]->device != FDP_HOST;
+    local &= ts[i]->device == ts[n - 1]->device;
+  }
+  switch (op) {
+  case FDP_OP_COPY: return cuda;
+  case FDP_OP_REDUCE: return cuda && local;
+  default: return 0;
+  }
+}
+
 /* Unloads the kernel modules (after the device finishes what it was given; the caller promised no concurrent
  * calls) and releases the primary contexts retained here. */
 static void cuda_shutdown(void) {
@@ -842,10 +848,11 @@ static void cuda_shutdown(void) {
 
 const fdp_backend_t fdp__backend_cuda = {
     .name = "cuda",
+    .id = FDP_BACKEND_CUDA,
     .usable = cuda_usable,
+    .can = cuda_can,
     .copy = cuda_copy,
     .reduce = cuda_reduce,
     .broadcast = NULL,
-    .reduce_collective = NULL,
     .shutdown = cuda_shutdown,
 };

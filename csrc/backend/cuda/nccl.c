@@ -1,10 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /* The nccl backend: broadcast and sum-reduce across distinct CUDA devices of this process, one grouped NCCL
  * launch per call from the calling thread, over communicators cached per ordered device list until shutdown.
- * Anything NCCL cannot do exactly is declined with FDP_UNAVAILABLE so that the core falls back. */
+ * nccl_can tells the core what NCCL does exactly; everything else the core routes elsewhere. */
 #include "dl/cuda_driver.h"
 #include "dl/nccl_api.h"
 
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -204,19 +205,19 @@ static int nccl_type(int dtype, int version, ncclDataType_t *t) {
   }
 }
 
+#ifndef NDEBUG /* only the assertions below ask */
 static int listed(const int *devs, int n, int dev) {
   for (int i = 0; i < n; i++)
     if (devs[i] == dev) return 1;
   return 0;
 }
+#endif
 
 static fdp_result_t nccl_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst,
                                    const fdp_streams_t *streams) {
   const fdp_nccl_api_t *api;
   FDP_CHECK(fdp__nccl_load(&api, NULL));
-  if (ndst + 1 > FDP_MAX_DEVICES) return fdp__fail(FDP_UNAVAILABLE, "nccl broadcast: too many destinations");
-  if (src->device < 0 || !fdp_tensor_is_dense(src))
-    return fdp__fail(FDP_UNAVAILABLE, "nccl broadcast: the source must be a dense CUDA tensor");
+  assert(ndst + 1 <= FDP_MAX_DEVICES && src->device >= 0 && fdp_tensor_is_dense(src)); /* nccl_can */
   int devs[FDP_MAX_DEVICES];
   rank_op_t ops[FDP_MAX_DEVICES];
   int n = 0;
@@ -224,11 +225,7 @@ static fdp_result_t nccl_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *
   devs[n] = src->device;
   ops[n++] = (rank_op_t){src->data, src->data, fdp__stream_for(streams, src->device)};
   for (int i = 0; i < ndst; i++) {
-    if (dst[i].device < 0 || listed(devs, n, dst[i].device))
-      return fdp__fail(FDP_UNAVAILABLE,
-                       "nccl broadcast: destination %d is on device %d, which already has a "
-                       "buffer in this call",
-                       i, dst[i].device);
+    assert(dst[i].device >= 0 && !listed(devs, n, dst[i].device));
     devs[n] = dst[i].device;
     ops[n++] = (rank_op_t){dst[i].data, dst[i].data, fdp__stream_for(streams, dst[i].device)};
   }
@@ -243,32 +240,24 @@ static fdp_result_t nccl_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *
   return launch(devs, n, ops, count, type, 0);
 }
 
-/* The first input on the output's device (it becomes rank 0); every input must be a contiguous CUDA tensor. */
-static fdp_result_t find_root(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out, int *root) {
-  *root = -1;
-  for (int i = 0; i < n; i++) {
-    if (inputs[i].device < 0 || !fdp_tensor_is_contiguous(&inputs[i]))
-      return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: input %d is not a contiguous CUDA tensor", i);
-    if (inputs[i].device == out->device && *root < 0) *root = i;
-  }
-  if (*root < 0) return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: no input is on the output's device %d", out->device);
-  return FDP_OK;
+/* The first input on the output's device (it becomes rank 0); -1 when none is. */
+static int find_root(const fdp_tensor_t *const *inputs, int n, const fdp_tensor_t *out) {
+  for (int i = 0; i < n; i++)
+    if (inputs[i]->device == out->device) return i;
+  return -1;
 }
 
 static fdp_result_t nccl_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
                                 const fdp_streams_t *streams) {
   const fdp_nccl_api_t *api;
   FDP_CHECK(fdp__nccl_load(&api, NULL));
-  ncclDataType_t type;
-  if (out->dtype == FDP_DTYPE_BOOL)
-    return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: bool sums are a logical or, which ncclSum is not");
-  if (!nccl_type(out->dtype, api->version, &type))
-    return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: NCCL %d has no %s type", api->version, fdp_dtype_name(out->dtype));
-  if (n < 1 || n > FDP_MAX_DEVICES) return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: %d inputs", n);
-  if (out->device < 0 || !fdp_tensor_is_contiguous(out))
-    return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: the output must be a contiguous CUDA tensor");
-  int root = -1;
-  FDP_CHECK(find_root(inputs, n, out, &root));
+  ncclDataType_t type = ncclUint8;
+  int typed = nccl_type(out->dtype, api->version, &type), root = 0;
+  while (root < n && inputs[root].device != out->device)
+    root++;
+  /* nccl_can: a type NCCL sums, at most one input per device, one of them on the output's device */
+  assert(typed && out->dtype != FDP_DTYPE_BOOL && root < n);
+  (void)typed;
   int devs[FDP_MAX_DEVICES];
   rank_op_t ops[FDP_MAX_DEVICES];
   int k = 0;
@@ -277,12 +266,56 @@ static fdp_result_t nccl_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
   ops[k++] = (rank_op_t){inputs[root].data, out->data, fdp__stream_for(streams, out->device)};
   for (int i = 0; i < n; i++) {
     if (i == root) continue;
-    if (listed(devs, k, inputs[i].device))
-      return fdp__fail(FDP_UNAVAILABLE, "nccl reduce: two inputs on device %d", inputs[i].device);
+    assert(k < FDP_MAX_DEVICES && !listed(devs, k, inputs[i].device));
     devs[k] = inputs[i].device;
     ops[k++] = (rank_op_t){inputs[i].data, NULL, fdp__stream_for(streams, inputs[i].device)};
   }
   return launch(devs, k, ops, (size_t)fdp_tensor_numel(out), type, 1);
+}
+
+/* ---- what NCCL runs (NOTE [routing] in backend.h) ---- */
+
+static int same_layout(const fdp_tensor_t *a, const fdp_tensor_t *b) {
+  if (a->ndim != b->ndim || a->elem_size != b->elem_size) return 0;
+  for (int k = 0; k < a->ndim; k++)
+    if (a->sizes[k] != b->sizes[k] || (a->sizes[k] > 1 && a->strides[k] != b->strides[k])) return 0;
+  return 1;
+}
+
+/* Every tensor on a CUDA device of its own. */
+static int distinct_cuda(const fdp_tensor_t *const *ts, int n) {
+  for (int i = 0; i < n; i++) {
+    if (ts[i]->device < 0) return 0;
+    for (int j = i + 1; j < n; j++)
+      if (ts[i]->device == ts[j]->device) return 0;
+  }
+  return 1;
+}
+
+/* One dense, non-empty source and destinations of its layout (a byte image each), one buffer per device. */
+static int can_broadcast(const fdp_tensor_t *const *ts, int n) {
+  if (!fdp_tensor_is_dense(ts[0]) || fdp_tensor_numel(ts[0]) == 0 || !distinct_cuda(ts, n)) return 0;
+  for (int i = 1; i < n; i++)
+    if (!same_layout(ts[i], ts[0])) return 0;
+  return 1;
+}
+
+/* Inputs spread over devices, one per device, one on the output's device, in a type ncclSum adds as the core
+ * does (bool sums are a logical or; bfloat16 needs NCCL 2.10). When NCCL does not load, the type question is
+ * left to `usable`, which says why. */
+static int can_reduce(const fdp_tensor_t *const *inputs, int n, const fdp_tensor_t *out) {
+  const fdp_nccl_api_t *api;
+  ncclDataType_t type;
+  if (out->device < 0 || !distinct_cuda(inputs, n) || find_root(inputs, n, out) < 0 || n < 2) return 0;
+  if (out->dtype == FDP_DTYPE_BOOL) return 0;
+  return fdp__nccl_load(&api, NULL) != FDP_OK || nccl_type(out->dtype, api->version, &type);
+}
+
+static int nccl_can(fdp_op_t op, const fdp_tensor_t *const *ts, int n) {
+  if (fdp__param(FDP_PARAM_DISABLE_NCCL) || n < 2 || n > FDP_MAX_DEVICES + (op == FDP_OP_REDUCE)) return 0;
+  if (op == FDP_OP_BROADCAST) return can_broadcast(ts, n);
+  if (op == FDP_OP_REDUCE) return can_reduce(ts, n - 1, ts[n - 1]);
+  return 0;
 }
 
 /* Loads the libraries and counts devices: no context is created or retained anywhere, so asking is cheap and
@@ -326,22 +359,13 @@ static void nccl_shutdown(void) {
   pthread_mutex_unlock(&g_lock);
 }
 
-/* Plain copies and local sums are the cuda backend's; these keep the table complete for any caller. */
-static fdp_result_t nccl_copy(const fdp_copy_t *copies, int n, const fdp_streams_t *streams) {
-  return fdp__backend_cuda.copy(copies, n, streams);
-}
-
-static fdp_result_t nccl_local_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
-                                      const fdp_streams_t *streams) {
-  return fdp__backend_cuda.reduce(inputs, n, out, streams);
-}
-
 const fdp_backend_t fdp__backend_nccl = {
     .name = "nccl",
+    .id = FDP_BACKEND_NCCL,
     .usable = nccl_usable,
-    .copy = nccl_copy,
-    .reduce = nccl_local_reduce,
+    .can = nccl_can,
+    .copy = NULL,
+    .reduce = nccl_reduce,
     .broadcast = nccl_broadcast,
-    .reduce_collective = nccl_reduce,
     .shutdown = nccl_shutdown,
 };

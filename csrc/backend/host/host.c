@@ -4,6 +4,7 @@
  * call moves enough bytes to pay for them (FASTDP_HOST_THREADS, FASTDP_HOST_PARALLEL_MIN). */
 #include "core/backend.h"
 
+#include <assert.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -300,19 +301,7 @@ static void sum_range(void *ctx, int64_t begin, int64_t end) {
 static fdp_result_t host_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out,
                                 const fdp_streams_t *streams) {
   (void)streams;
-  switch (out->dtype) {
-  case FDP_DTYPE_F32:
-  case FDP_DTYPE_F64:
-  case FDP_DTYPE_I64:
-  case FDP_DTYPE_I32:
-  case FDP_DTYPE_I16:
-  case FDP_DTYPE_I8:
-  case FDP_DTYPE_U8:
-  case FDP_DTYPE_BOOL:
-  case FDP_DTYPE_F16:
-  case FDP_DTYPE_BF16: break;
-  default: return fdp__fail(FDP_DTYPE, "host reduce: dtype %s not supported", fdp_dtype_name(out->dtype));
-  }
+  assert(out->dtype != FDP_DTYPE_OTHER && out->dtype >= 0 && out->dtype < FDP_DTYPE_COUNT); /* fdp_op_reduce */
   /* The output may be one of the inputs only as inputs[0] (summed in place); anywhere else it would be
    * overwritten before being read. */
   for (int k = 1; k < n; k++)
@@ -327,6 +316,14 @@ static fdp_result_t host_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
   return FDP_OK;
 }
 
+/* Everything in host memory: copies and sums (a broadcast is copies). */
+static int host_can(fdp_op_t op, const fdp_tensor_t *const *ts, int n) {
+  if (op == FDP_OP_BROADCAST) return 0;
+  for (int i = 0; i < n; i++)
+    if (ts[i]->device != FDP_HOST) return 0;
+  return 1;
+}
+
 static int host_usable(const char **why) {
   *why = "";
   return 1;
@@ -334,10 +331,11 @@ static int host_usable(const char **why) {
 
 const fdp_backend_t fdp__backend_host = {
     .name = "host",
+    .id = FDP_BACKEND_HOST,
     .usable = host_usable,
+    .can = host_can,
     .copy = host_copy,
     .reduce = host_reduce,
     .broadcast = NULL,
-    .reduce_collective = NULL,
     .shutdown = NULL,
 };

@@ -863,7 +863,7 @@ static PyObject *py_kernels_image(PyObject *module, PyObject *args) {
                        info.seconds, "file", info.file, "note", info.note);
 }
 
-/* ---- route (engineer "route", issue 14): which backend the core picks; kept apart for the merge ---- */
+/* ---- route: which backend the core picks ---- */
 
 /* route(op, devices, dtype=uint8 code) -> "nccl" | "cuda" | "host": the backend the core runs `op` ("broadcast"
  * from devices[0], "reduce" onto devices[0]) on for one flat buffer per device (ints; -1 is the host). */

@@ -5,7 +5,8 @@ import platform
 
 import torch
 
-from . import _C, __version__, _fallback
+from . import _C, _fallback
+from ._version import __version__
 
 
 def _version(v):

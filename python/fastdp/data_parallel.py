@@ -15,7 +15,7 @@ from itertools import chain
 import torch
 from torch.nn.modules import Module
 
-from . import _devices, _replicas, balance
+from . import _devices, _replicas, balance, launch
 from .parallel_apply import _HELD, parallel_apply
 from .replicate import is_compiled, replicate
 from .scatter_gather import gather, scatter_kwargs
@@ -232,6 +232,24 @@ def _compile_boundary(fn):
     return disable(fn, recursive=True) if disable is not None else fn
 
 
+def _choose_class(cls, mode):
+    """The class ``fastdp.DataParallel(..., mode=mode)`` builds: ``cls`` or ``fastdp.DistributedDataParallel``."""
+    launch.check_mode(mode)
+    distributed = DataParallel._launch_class
+    if mode == "single" or (distributed is not None and issubclass(cls, distributed)):
+        return cls
+    if mode == "auto" and not launch.is_distributed():
+        return cls
+    if cls is not DataParallel:
+        # A subclass overrides the single-process pipeline (scatter, gather…), which DDP does not run.
+        raise RuntimeError(
+            f"{cls.__name__} subclasses fastdp.DataParallel and cannot be switched to torch.distributed "
+            f"(mode={mode!r} in a distributed launch). Pass mode=\"single\" to run it as a single-process "
+            "DataParallel in each process, or wrap the model with fastdp.DataParallel itself."
+        )
+    return distributed
+
+
 class DataParallel(Module):
     """Implements data parallelism at the module level, like ``torch.nn.DataParallel``.
 
@@ -249,10 +267,15 @@ class DataParallel(Module):
         # Picks the class (docs/distributed.md); __init__ then runs on it with the same arguments. Unpickling and
         # copy.deepcopy call cls.__new__(cls) without arguments: they keep cls and never look at the environment.
         if args or kwargs:
-            from .distributed import _choose_class
-
             cls = _choose_class(cls, kwargs.get("mode", "auto"))
         return super().__new__(cls)
+
+    def __init_subclass__(cls, distributed_launch=False, **kwargs):
+        # fastdp.distributed's DistributedDataParallel declares itself with distributed_launch=True: the class that
+        # __new__ builds in a distributed launch, known here without importing that module (which imports this one).
+        super().__init_subclass__(**kwargs)
+        if distributed_launch:
+            DataParallel._launch_class = cls
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="auto", bucket_cap_mb=25,
                  chunk_sizes=None, criterion=None):
@@ -296,6 +319,8 @@ class DataParallel(Module):
             _check_balance(self.device_ids)
         if len(self.device_ids) == 1:
             self.module.to(self.src_device_obj)
+
+    _launch_class = None  # set by __init_subclass__ (fastdp.DistributedDataParallel)
 
     __new__.__wrapped__ = __init__  # inspect.signature(DataParallel) shows __init__'s parameters, not __new__'s
 

@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fastdp
-from fastdp import balance
+from fastdp.memory import DeviceMemory, MemoryReport
+from fastdp.split import largest_remainder
 
 R = 3
 STEPS = 5
@@ -70,14 +71,14 @@ def params_close(a, b, tol=TOL):
 
 
 def test_largest_remainder_is_exact_deterministic_and_favours_later_devices_on_ties():
-    assert balance.largest_remainder([0.1, 0.2, 0.7], 10) == [1, 2, 7]  # no float noise: exact quotas
-    assert balance.largest_remainder([1.0, 1.0, 1.0], 10) == [3, 3, 4]  # tie: the later device
-    assert balance.largest_remainder([1.0, 1.0, 1.0, 1.0], 9) == [2, 2, 2, 3]
-    assert balance.largest_remainder([0.0, 1.0, 1.0], 7) == [0, 3, 4]  # zero weight, zero samples
-    assert balance.largest_remainder([0.5, 1.0, 1.0, 1.0], 32) == [5, 9, 9, 9]
+    assert largest_remainder([0.1, 0.2, 0.7], 10) == [1, 2, 7]  # no float noise: exact quotas
+    assert largest_remainder([1.0, 1.0, 1.0], 10) == [3, 3, 4]  # tie: the later device
+    assert largest_remainder([1.0, 1.0, 1.0, 1.0], 9) == [2, 2, 2, 3]
+    assert largest_remainder([0.0, 1.0, 1.0], 7) == [0, 3, 4]  # zero weight, zero samples
+    assert largest_remainder([0.5, 1.0, 1.0, 1.0], 32) == [5, 9, 9, 9]
     for n in range(0, 40):
         for w in ([0.5, 1.0, 1.0], [3.0, 1e-9, 2.0], [1.0, 0.0, 0.0]):
-            sizes = balance.largest_remainder(w, n)
+            sizes = largest_remainder(w, n)
             assert sum(sizes) == n and all(s >= 0 for s in sizes)
             assert all(s == 0 for s, x in zip(sizes, w) if x == 0)
             assert all(abs(s - n * x / sum(w)) < 1 for s, x in zip(sizes, w))
@@ -450,11 +451,11 @@ def test_memory_report_before_any_step_and_for_pass_through(monkeypatch):
 
 
 def test_memory_report_peak_ratio_uses_distinct_devices():
-    rows = [balance.DeviceMemory(i, f"cuda:{d}", None, 1, peak, 0, 0, 0, 0)
+    rows = [DeviceMemory(i, f"cuda:{d}", None, 1, peak, 0, 0, 0, 0)
             for i, (d, peak) in enumerate([(0, 110), (1, 100), (2, 90), (3, 200)])]
-    assert balance.MemoryReport(rows).peak_ratio() == pytest.approx(110 / 100)
-    same = [balance.DeviceMemory(i, "cuda:0", None, 1, 50, 0, 0, 0, 0) for i in range(3)]
-    assert balance.MemoryReport(same).peak_ratio() is None
+    assert MemoryReport(rows).peak_ratio() == pytest.approx(110 / 100)
+    same = [DeviceMemory(i, "cuda:0", None, 1, 50, 0, 0, 0, 0) for i in range(3)]
+    assert MemoryReport(same).peak_ratio() is None
 
 
 # ---- chunk_sizes="auto" with an injected reader -------------------------------------------------------------------
@@ -492,7 +493,7 @@ def test_auto_settles_by_bisection_within_the_bound_and_stays():
     assert shares[:3] == [1.0, 1.0, 1.0]  # the first reading and two warm-up steps are not judged
     assert [s for s, _ in rule.history] == [1.0, 0.5, 0.25, 0.375, 0.3125, 0.34375]
     assert rule.share == 0.34375 and all(r > 1.05 for s, r in rule.history if s > rule.share)
-    sizes = balance.largest_remainder([rule.share, 1.0, 1.0, 1.0], 32)
+    sizes = largest_remainder([rule.share, 1.0, 1.0, 1.0], 32)
     assert dp._last_chunk_sizes == sizes
     assert 1000 + 600 + 100 * sizes[0] <= 1.05 * (1000 + 100 * sizes[1])
     assert len(set(shares[9:])) == 1  # settled after 2 + 1 + 1 + 5 steps, fixed from then on

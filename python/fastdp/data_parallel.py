@@ -428,7 +428,7 @@ class DataParallel(Module):
         plan = _Plan(self._last_chunk_sizes, len(inputs), criterion, inputs[0], self.dim)
         inputs, module_kwargs = plan.keep(inputs), plan.keep(module_kwargs)
         replicas, devices, watch = self._replicas_for(plan, criterion)
-        outputs = self._apply(replicas, inputs, module_kwargs, devices)
+        outputs = self._run_replicas(replicas, inputs, module_kwargs, devices)
         if watch is not None:
             watch.copy_back()
         return self._finish(plan, outputs, inputs)
@@ -462,7 +462,7 @@ class DataParallel(Module):
             replicas = replica_loss.pair(replicas, criterion, devices, plan.loss)
         return replicas[skip:], devices[skip:], watch
 
-    def _apply(self, replicas, inputs, module_kwargs, devices):
+    def _run_replicas(self, replicas, inputs, module_kwargs, devices):
         self._apply_devices = devices
         try:
             return self.parallel_apply(replicas, inputs, module_kwargs)

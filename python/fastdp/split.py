@@ -90,36 +90,59 @@ def parse_chunk_sizes(spec, ndev):
     """
     if spec is None:
         return None
+    spec = _unwrap(spec)
+    if isinstance(spec, AutoSplit):
+        return spec
+    if isinstance(spec, (bool, numbers.Real)):
+        return _share_rule(spec, ndev)
+    return _list_rule(spec, ndev)
+
+
+def _unwrap(spec):
+    """"auto" → an AutoSplit; a 0-dim tensor → its number."""
     if isinstance(spec, str):
         if spec != "auto":
             raise ValueError(
                 f"chunk_sizes={spec!r}: expected None, 'auto', a float in [0, 1] (device 0's share of each other "
                 "device's share), or one int size or float weight per device"
             )
-        spec = AutoSplit()
-    if isinstance(spec, AutoSplit):
-        return spec
+        return AutoSplit()
     if isinstance(spec, torch.Tensor) and spec.dim() == 0:
-        spec = spec.item()
-    if isinstance(spec, (bool, numbers.Real)):
-        share = _number(spec, "chunk_sizes")
-        if not math.isfinite(share) or not 0 <= share <= 1:
-            raise ValueError(
-                f"chunk_sizes={spec!r}: a single number is device 0's share relative to each other device's, and "
-                "must be finite and in [0, 1] (0.5: device 0 gets half as many samples as each other device; 0: "
-                "none). For a fixed number of samples pass one int per device; for any other proportion, one "
-                "float weight per device"
-            )
-        if ndev is None:
-            return _Weights([share])
-        if ndev == 1:
-            if share == 0:
-                raise ValueError(
-                    "chunk_sizes=0 gives device 0 no samples, but device_ids has a single device; expected a share "
-                    "in (0, 1] with one device, or more devices"
-                )
-            return _Weights([1.0])
+        return spec.item()
+    return spec
+
+
+def _share_rule(spec, ndev):
+    """A single number: device 0's share relative to each other device's."""
+    share = _number(spec, "chunk_sizes")
+    if not math.isfinite(share) or not 0 <= share <= 1:
+        raise ValueError(
+            f"chunk_sizes={spec!r}: a single number is device 0's share relative to each other device's, and "
+            "must be finite and in [0, 1] (0.5: device 0 gets half as many samples as each other device; 0: "
+            "none). For a fixed number of samples pass one int per device; for any other proportion, one "
+            "float weight per device"
+        )
+    if ndev is None:
+        return _Weights([share])
+    if ndev > 1:
         return _Weights([float(share)] + [1.0] * (ndev - 1))
+    if share == 0:
+        raise ValueError(
+            "chunk_sizes=0 gives device 0 no samples, but device_ids has a single device; expected a share "
+            "in (0, 1] with one device, or more devices"
+        )
+    return _Weights([1.0])
+
+
+# Each entry of a list: (test failing it, what the message says it is, what it expects), checked in order.
+_ENTRY_CHECKS = (
+    (lambda v: not math.isfinite(v), "expected finite, non-negative weights"),
+    (lambda v: v < 0, "expected non-negative sizes or weights"),
+)
+
+
+def _list_rule(spec, ndev):
+    """One int size or float weight per device."""
     if hasattr(spec, "tolist") and not isinstance(spec, (list, tuple)):
         spec = spec.tolist()  # tensors and numpy arrays
     if not isinstance(spec, (list, tuple)):
@@ -134,10 +157,9 @@ def parse_chunk_sizes(spec, ndev):
             "weight (float) per device"
         )
     for i, v in enumerate(values):
-        if not math.isfinite(v):
-            raise ValueError(f"chunk_sizes[{i}] is {v}; expected finite, non-negative weights")
-        if v < 0:
-            raise ValueError(f"chunk_sizes[{i}] is {v}; expected non-negative sizes or weights")
+        for fails, expected in _ENTRY_CHECKS:
+            if fails(v):
+                raise ValueError(f"chunk_sizes[{i}] is {v}; {expected}")
     if not any(v > 0 for v in values):
         raise ValueError(
             f"chunk_sizes={list(spec)} are all zero; expected at least one device with a positive size or weight"

@@ -110,46 +110,19 @@ def memory_report(model, *, reset_peak=False):
             f"memory_report expects a fastdp.DataParallel or torch.nn.DataParallel, got {type(model).__name__}"
         )
     device_ids = list(getattr(model, "device_ids", None) or [])
-    state = getattr(model, "__dict__", {})
-    notes = []
     if not device_ids:
         return MemoryReport([], notes=["pass-through wrapper (no device_ids): nothing to report"])
+    state = getattr(model, "__dict__", {})
     ids = [_devices.normalize(d) for d in device_ids]
-    last = state.get("_last_chunk_sizes")
-    positions = state.get("_replica_positions")
-    rows = []
-    src = _devices.torch_device(ids[0])
-    module = getattr(model, "module", None)
-    for i, d in enumerate(ids):
-        cpu = d == _devices.CPU
-        rows.append(DeviceMemory(
-            position=i,
-            device="cpu" if cpu else f"cuda:{d}",
-            chunk=last[i] if last is not None and i < len(last) else None,
-            allocated=None if cpu else torch.cuda.memory_allocated(d),
-            peak=None if cpu else torch.cuda.max_memory_allocated(d),
-            master=_master_bytes(module, src) if i == 0 and module is not None else 0,
-            replica_buffers=0, staging=0, pending_grads=0,
-        ))
-    if any(d == _devices.CPU for d in ids):
+    master = _master_bytes(model.module, _devices.torch_device(ids[0])) if hasattr(model, "module") else 0
+    last = state.get("_last_chunk_sizes") or ()
+    rows = [_row(i, d, last[i] if i < len(last) else None, master if i == 0 else 0) for i, d in enumerate(ids)]
+    notes = []
+    if _devices.CPU in ids:
         notes.append("'cpu' devices: current/peak allocator figures are n/a on the host; fastdp's own bytes shown")
-    kept = state.get("_replica_set")
-    if kept is not None:
-        nrep = len(kept.state.devices)
-        where = positions if positions is not None and len(positions) == nrep else list(range(nrep))
-        for plan in kept.plans.values():
-            for bucket in plan[0] + plan[1]:
-                size = bucket.numel * torch.empty((), dtype=bucket.dtype).element_size()
-                for r, pool in enumerate(bucket.pools, start=1):
-                    rows[where[r]].replica_buffers += size * len(pool.flats)
-                if bucket.src_pool is not None:
-                    rows[where[0]].staging += size * len(bucket.src_pool.flats)
-                for r, row in enumerate(bucket.pending or []):
-                    rows[where[r]].pending_grads += sum(_bytes(g) for g in row if g is not None)
-    elif hasattr(model, "_replica_set"):
-        notes.append("no kept replicas yet (or the module replicates afresh every step): fastdp holds no buffers")
+    _add_kept(rows, notes, model, state)
     if reset_peak:
-        for d in sorted({d for d in ids if d != _devices.CPU}):
+        for d in sorted(set(ids) - {_devices.CPU}):
             torch.cuda.reset_peak_memory_stats(d)
     split = state.get("_split")
     return MemoryReport(
@@ -158,3 +131,39 @@ def memory_report(model, *, reset_peak=False):
         split=None if split is None else split.describe(),
         notes=notes,
     )
+
+
+def _row(position, d, chunk, master):
+    """The allocator's figures for one entry of device_ids (n/a on "cpu"); fastdp's buffers are added after."""
+    cpu = d == _devices.CPU
+    return DeviceMemory(
+        position=position,
+        device="cpu" if cpu else f"cuda:{d}",
+        chunk=chunk,
+        allocated=None if cpu else torch.cuda.memory_allocated(d),
+        peak=None if cpu else torch.cuda.max_memory_allocated(d),
+        master=master,
+        replica_buffers=0, staging=0, pending_grads=0,
+    )
+
+
+def _add_kept(rows, notes, model, state):
+    """Adds the kept replicas' flat buffers, staging buffers and no_sync gradient sums to the rows they live on
+    (the device_ids positions last replicated to), or a note that there are none."""
+    kept = state.get("_replica_set")
+    if kept is None:
+        if hasattr(model, "_replica_set"):
+            notes.append("no kept replicas yet (or the module replicates afresh every step): fastdp holds no buffers")
+        return
+    positions = state.get("_replica_positions")
+    nrep = len(kept.state.devices)
+    where = positions if positions is not None and len(positions) == nrep else list(range(nrep))
+    for plan in kept.plans.values():
+        for bucket in plan[0] + plan[1]:
+            size = bucket.numel * torch.empty((), dtype=bucket.dtype).element_size()
+            for r, pool in enumerate(bucket.pools, start=1):
+                rows[where[r]].replica_buffers += size * len(pool.flats)
+            if bucket.src_pool is not None:
+                rows[where[0]].staging += size * len(bucket.src_pool.flats)
+            for r, row in enumerate(bucket.pending or []):
+                rows[where[r]].pending_grads += sum(_bytes(g) for g in row if g is not None)

@@ -62,6 +62,11 @@ def _require_indexable(device_ids):
         )
 
 
+def _is_host_index(d):
+    """-1: upstream's deprecated "gather to the host" output device."""
+    return isinstance(d, int) and not isinstance(d, bool) and d == -1
+
+
 def _resolve(device_ids, output_device):
     """(mode, device_ids, output_device) with mode "cpu", "cuda", or None for upstream's pass-through.
 
@@ -73,7 +78,7 @@ def _resolve(device_ids, output_device):
             ids = _devices.normalize_list(device_ids, "device_ids")
             if output_device is None or _devices.is_cpu(output_device):
                 out = _devices.CPU
-            elif isinstance(output_device, int) and not isinstance(output_device, bool) and output_device == -1:
+            elif _is_host_index(output_device):
                 out = -1  # Gathers to the host with upstream's FutureWarning.
             else:
                 raise ValueError(
@@ -90,6 +95,8 @@ def _resolve(device_ids, output_device):
     ids = [_devices.cuda_index(d, "device_ids") for d in device_ids]
     if _devices.is_cpu(output_device):
         out = _devices.CPU  # Deliberate: upstream raises here although -1 (deprecated) means the same.
+    elif _is_host_index(output_device):
+        out = -1  # upstream keeps -1 (gathers to the host with its FutureWarning)
     else:
         out = _devices.cuda_index(output_device, "output_device")
     return "cuda", ids, out

@@ -54,7 +54,9 @@ def normalize(d, what="device"):
         try:
             d = torch.device(d)
         except RuntimeError as e:
-            raise ValueError(f"{what}: unknown device string {d!r} ({e}); use \"cpu\", \"cuda\" or \"cuda:K\"") from None
+            raise ValueError(
+                f"{what}: unknown device string {d!r} ({e}); use \"cpu\", \"cuda\" or \"cuda:K\""
+            ) from None
     if isinstance(d, torch.device):
         return _from_torch(d, what)
     try:

@@ -474,8 +474,9 @@ def test_bad_launch_values(env, values, name):
 
 @pytest.mark.parametrize("mode", ["Auto", "ddp", None, 1])
 def test_unknown_mode(env, mode):
-    with pytest.raises(ValueError, match=r"mode must be one of 'auto', 'single', 'distributed'"):
+    with pytest.raises(ValueError) as info:
         fastdp.DataParallel(nn.Linear(2, 2), mode=mode)
+    assert str(info.value) == f"mode must be one of 'auto', 'single', 'distributed'; got {mode!r}"
 
 
 def test_mode_single_ignores_the_launch(env):
@@ -488,8 +489,10 @@ def test_mode_distributed_without_launch(env):
     with pytest.raises(RuntimeError, match="torchrun") as info:
         fastdp.DataParallel(nn.Linear(2, 2), mode="distributed", device_ids=["cpu"])
     assert "init_process_group" in str(info.value)
-    with pytest.raises(ValueError, match="mode=\"single\""):
+    with pytest.raises(ValueError) as info:
         fastdp.DistributedDataParallel(nn.Linear(2, 2), mode="single")
+    assert str(info.value) == ("fastdp.DistributedDataParallel always runs on torch.distributed; use "
+                               "fastdp.DataParallel(..., mode=\"single\") for a single-process DataParallel")
 
 
 def test_signatures():
@@ -512,8 +515,13 @@ def test_subclass_is_not_switched_silently(env):
 
     assert type(Balanced(nn.Linear(2, 2))) is Balanced
     env(**FULL)
-    with pytest.raises(RuntimeError, match="Balanced subclasses fastdp.DataParallel"):
+    with pytest.raises(RuntimeError) as info:
         Balanced(nn.Linear(2, 2))
+    assert str(info.value) == (
+        "Balanced subclasses fastdp.DataParallel and cannot be switched to torch.distributed (mode='auto' in a "
+        "distributed launch). Pass mode=\"single\" to run it as a single-process DataParallel in each process, or "
+        "wrap the model with fastdp.DataParallel itself."
+    )
     assert type(Balanced(nn.Linear(2, 2), mode="single")) is Balanced
 
 

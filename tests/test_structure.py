@@ -167,3 +167,16 @@ def test_edges_of_each_import_form(tmp_path, statement, target):
         (pkg / f).write_text("")
     (pkg / "bench" / "x.py").write_text(f"def f():\n    {statement}\n")
     assert import_graph(tmp_path)[f"{PACKAGE}.bench.x"] == {target: 2}
+
+
+def test_public_balance_names_come_from_their_modules():
+    """``fastdp.balance`` (in fastdp.__all__) stays the namespace of balancing device 0; its names are the split
+    and memory modules' own objects, as are the package-level ones."""
+    import fastdp
+    from fastdp import balance, memory, split
+
+    for name in balance.__all__:
+        home = split if hasattr(split, name) else memory
+        assert getattr(balance, name) is getattr(home, name), name
+    assert (fastdp.AutoSplit, fastdp.MemoryReport, fastdp.memory_report) == (
+        split.AutoSplit, memory.MemoryReport, memory.memory_report)

@@ -15,8 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fastdp
-from fastdp.memory import DeviceMemory, MemoryReport
-from fastdp.split import largest_remainder
+from fastdp.balance import DeviceMemory, MemoryReport, largest_remainder
 
 R = 3
 STEPS = 5

@@ -173,7 +173,9 @@ def test_public_balance_names_come_from_their_modules():
     """``fastdp.balance`` (in fastdp.__all__) stays the namespace of balancing device 0; its names are the split
     and memory modules' own objects, as are the package-level ones."""
     import fastdp
-    from fastdp import balance, memory, split
+    from fastdp import _memory as memory
+    from fastdp import _split as split
+    from fastdp import balance
 
     for name in balance.__all__:
         home = split if hasattr(split, name) else memory

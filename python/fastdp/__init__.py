@@ -58,8 +58,8 @@ __all__ += ["distributed", "DistributedDataParallel", "shard", "save", "print0",
 
 # ---- Balancing device 0: batch split, per-replica loss, memory report ------------------------------------
 from . import balance  # noqa: E402
-from .memory import MemoryReport, memory_report  # noqa: E402
-from .split import AutoSplit  # noqa: E402
+from ._memory import MemoryReport, memory_report  # noqa: E402
+from ._split import AutoSplit  # noqa: E402
 
 __all__ += ["balance", "AutoSplit", "MemoryReport", "memory_report"]
 

@@ -15,7 +15,7 @@ from itertools import chain
 import torch
 from torch.nn.modules import Module
 
-from . import _devices, _replicas, idle_master, launch, replica_loss, split
+from . import _devices, _idle_master, _launch, _replica_loss, _replicas, _split
 from .parallel_apply import _HELD, parallel_apply
 from .replicate import is_compiled, replicate
 from .scatter_gather import gather, scatter_kwargs
@@ -252,19 +252,19 @@ class _Plan:
 
     Devices with an empty chunk run no replica. Replication always starts from device_ids[0], which holds the
     master: when device 0 has no chunk, its replica (the master itself, nothing copied) is built but not run
-    (``skip`` is 1). ``loss`` is the per-replica loss's combination rule, None when the outputs are gathered.
+    (``skip`` is 1). ``with_loss``: the replicas return their losses (combined at the end) instead of outputs.
     """
 
-    __slots__ = ("run", "positions", "skip", "loss")
+    __slots__ = ("run", "positions", "skip", "with_loss")
 
-    def __init__(self, sizes, nchunks, criterion, first_chunk, dim):
+    def __init__(self, sizes, nchunks, with_loss):
         run = list(range(nchunks))
         if sizes is not None and 0 in sizes:
             run = [i for i in run if sizes[i] > 0]
         self.run = run
         self.positions = run if run[0] == 0 else [0] + run
         self.skip = len(self.positions) - len(run)
-        self.loss = None if criterion is None else replica_loss.loss_rule(criterion, first_chunk[-1], dim)
+        self.with_loss = with_loss
 
     def keep(self, per_chunk):
         """The entries of the chunks that run."""
@@ -275,11 +275,11 @@ class _Plan:
 
 def _choose_class(cls, mode):
     """The class ``fastdp.DataParallel(..., mode=mode)`` builds: ``cls`` or ``fastdp.DistributedDataParallel``."""
-    launch.check_mode(mode)
+    _launch.check_mode(mode)
     distributed = DataParallel._launch_class
     if mode == "single" or (distributed is not None and issubclass(cls, distributed)):
         return cls
-    if mode == "auto" and not launch.is_distributed():
+    if mode == "auto" and not _launch.is_distributed():
         return cls
     if cls is not DataParallel:
         # A subclass overrides the single-process pipeline (scatter, gather…), which DDP does not run.
@@ -329,7 +329,7 @@ class DataParallel(Module):
             raise TypeError(f"criterion must be callable (e.g. nn.CrossEntropyLoss()), got {type(criterion).__name__}")
         # Kept out of the module tree (not a submodule): the wrapper's state_dict and parameters stay the model's.
         self.__dict__["_criterion"] = criterion
-        self._split = None  # the chunk_sizes rule (fastdp.split), None for torch.chunk's
+        self._split = None  # the chunk_sizes rule (fastdp._split), None for torch.chunk's
         self._last_chunk_sizes = None  # per-device sizes of the last forward's split (None: torch.chunk's rule)
         self._replica_positions = None  # device_ids positions of the devices last replicated to
         self._apply_devices = None  # devices of the replicas handed to parallel_apply in this forward
@@ -346,14 +346,14 @@ class DataParallel(Module):
         self._register_load_state_dict_pre_hook(_nested_load_pre_hook, with_module=True)
         if mode is None:
             self.device_ids = []
-            split.parse_chunk_sizes(chunk_sizes, None)  # form checked; a pass-through has nothing to split
+            _split.parse_chunk_sizes(chunk_sizes, None)  # form checked; a pass-through has nothing to split
             return
         self.dim = dim
         self.device_ids = ids
         self.output_device = out
         self.src_device_obj = _devices.torch_device(ids[0])
-        rule = split.parse_chunk_sizes(chunk_sizes, len(ids))
-        self._split = rule.bind(ids) if isinstance(rule, split.AutoSplit) else rule
+        rule = _split.parse_chunk_sizes(chunk_sizes, len(ids))
+        self._split = rule.bind(ids) if isinstance(rule, _split.AutoSplit) else rule
         if isinstance(criterion, Module):
             criterion.to(self.src_device_obj)  # its tensors (class weights…) are replicated from device_ids[0]
         if mode == "cuda":
@@ -432,22 +432,24 @@ class DataParallel(Module):
         inputs, module_kwargs = self._check_and_scatter(inputs, kwargs, criterion is not None)
         if len(self.device_ids) == 1:
             return _run_single(self.module, inputs[0], module_kwargs[0], criterion)
-        plan = _Plan(self._last_chunk_sizes, len(inputs), criterion, inputs[0], self.dim)
+        plan = _Plan(self._last_chunk_sizes, len(inputs), criterion is not None)
         inputs, module_kwargs = plan.keep(inputs), plan.keep(module_kwargs)
-        replicas, devices, watch = self._replicas_for(plan, criterion)
+        replicas, devices, watch, rule = self._replicas_for(plan, criterion, inputs[0])
         outputs = self._run_replicas(replicas, inputs, module_kwargs, devices)
         if watch is not None:
             watch.copy_back()
-        return self._finish(plan, outputs, inputs)
+        return self._finish(rule, outputs, inputs)
 
     def _check_and_scatter(self, inputs, kwargs, with_loss):
-        """The split's per-forward work (one call into fastdp.split), then ``self.scatter``; a forward without
+        """The split's per-forward work (one call into fastdp._split), then ``self.scatter``; a forward without
         inputs still runs once, on device_ids[0]."""
         rule = self.__dict__.get("_split")
         own = type(self).scatter is DataParallel.scatter  # else the override's super().scatter asks for the sizes
-        sizes = split.begin_forward(rule, inputs, kwargs, self.dim, len(self.device_ids), with_target=with_loss,
-                                    training=torch.is_grad_enabled() and self.module.training, sizes=own)
-        self._last_chunk_sizes = None
+        try:  # "auto" reads the last forward's sizes first (its reader may look at them): reset after
+            sizes = _split.begin_forward(rule, inputs, kwargs, self.dim, len(self.device_ids), with_target=with_loss,
+                                         training=torch.is_grad_enabled() and self.module.training, sizes=own)
+        finally:
+            self._last_chunk_sizes = None
         if own:
             inputs, module_kwargs = self._scatter_sized(inputs, kwargs, self.device_ids, rule, sizes)
         else:
@@ -456,18 +458,20 @@ class DataParallel(Module):
             return ((),), ({},)
         return inputs, module_kwargs
 
-    def _replicas_for(self, plan, criterion):
-        """(what parallel_apply runs, their devices, the idle master's BufferWatch or None): ``self.replicate``
-        onto the plan's devices, without the master's own replica when device 0 runs no chunk; with a criterion,
-        each replica paired with its criterion copy."""
+    def _replicas_for(self, plan, criterion, first_args):
+        """(what parallel_apply runs, their devices, the idle master's BufferWatch or None, the loss rule or None):
+        ``self.replicate`` onto the plan's devices, without the master's own replica when device 0 runs no chunk;
+        with a criterion, each replica paired with its criterion copy (``first_args``: the first running chunk's
+        arguments, whose last is its target)."""
         devices = [self.device_ids[i] for i in plan.positions]
         self._replica_positions = plan.positions
         replicas = self.replicate(self.module, devices)
         skip = plan.skip
-        watch = idle_master.BufferWatch(self.module, replicas[skip]) if skip else None
-        if plan.loss is not None:
-            replicas = replica_loss.pair(replicas, criterion, devices, plan.loss)
-        return replicas[skip:], devices[skip:], watch
+        watch = _idle_master.BufferWatch(self.module, replicas[skip]) if skip else None
+        rule = None
+        if plan.with_loss:
+            replicas, rule = _replica_loss.pair(replicas, criterion, devices, first_args[-1], self.dim)
+        return replicas[skip:], devices[skip:], watch, rule
 
     def _run_replicas(self, replicas, inputs, module_kwargs, devices):
         self._apply_devices = devices
@@ -481,13 +485,13 @@ class DataParallel(Module):
         finally:
             self._apply_devices = None
 
-    def _finish(self, plan, outputs, inputs):
-        """The forward's one result: the gathered outputs, or the replicas' losses combined."""
-        if plan.loss is None:
+    def _finish(self, rule, outputs, inputs):
+        """The forward's one result: the gathered outputs, or the replicas' losses combined by ``rule``."""
+        if rule is None:
             return self.gather(outputs, self.output_device)
         self._avoided_gather_bytes = sum(o[2] for o in outputs)
         device = _devices.CPU if self.output_device == -1 else self.output_device
-        return replica_loss.combine(outputs, [i[-1] for i in inputs], plan.loss, self.dim, device,
+        return _replica_loss.combine(outputs, [i[-1] for i in inputs], rule, self.dim, device,
                                     lambda losses: self.gather(losses, self.output_device))
 
     def replicate(self, module, device_ids):
@@ -538,7 +542,7 @@ class DataParallel(Module):
 
     def scatter(self, inputs, kwargs, device_ids):
         rule = self.__dict__.get("_split")
-        sizes = None if rule is None else split.split_for(rule, inputs, kwargs, self.dim, len(device_ids))
+        sizes = None if rule is None else _split.split_for(rule, inputs, kwargs, self.dim, len(device_ids))
         return self._scatter_sized(inputs, kwargs, device_ids, rule, sizes)
 
     def _scatter_sized(self, inputs, kwargs, device_ids, rule, sizes):

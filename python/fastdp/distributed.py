@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from . import _devices
 from .data_parallel import DataParallel, _nested_load_pre_hook, _require_indexable
-from .launch import (  # noqa: F401  (LaunchEnv, launch_env, is_distributed and MODES stay public here)
+from ._launch import (  # noqa: F401  (LaunchEnv, launch_env, is_distributed and MODES stay public here)
     _LAUNCH_HINT, _LAUNCH_VARS, MODES, LaunchEnv, _group_initialized, _int_var, check_mode, is_distributed, launch_env,
 )
 

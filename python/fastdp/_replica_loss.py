@@ -139,8 +139,10 @@ def combine(results, targets, rule, dim, device, gather):
     return (vec * weights).sum()
 
 
-def pair(replicas, criterion, devices, rule):
-    """Each replica with its own copy of the criterion (``criterion_replicas``), as the ReplicaLoss its worker
-    runs; ``devices`` are the replicas' devices."""
+def pair(replicas, criterion, devices, target, dim):
+    """(the replicas as the ReplicaLoss their workers run, the rule that combines their losses): each replica gets
+    its own copy of the criterion (``criterion_replicas``); ``devices`` are the replicas' devices and ``target``
+    the first running chunk's target (its dtype decides the rule)."""
+    rule = loss_rule(criterion, target, dim)
     copies = criterion_replicas(criterion, devices, rule)
-    return [ReplicaLoss(r, c, rule) for r, c in zip(replicas, copies)]
+    return [ReplicaLoss(r, c, rule) for r, c in zip(replicas, copies)], rule

@@ -456,20 +456,29 @@ def test_half_set_environment_names_what_is_missing(env, values, missing):
     assert type(fastdp.DataParallel(nn.Linear(2, 2), mode="single")) is fastdp.DataParallel  # the way out
 
 
+_HINT = (
+    "Launch the script with `torchrun --nproc_per_node N script.py` (add --nnodes/--node_rank/--master_addr or "
+    "--rdzv_endpoint across machines), which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; or set "
+    "the missing variables; or pass mode=\"single\" to run a single-process DataParallel."
+)
+
+
 @pytest.mark.parametrize(
-    "values, name",
+    "values, message",
     [
-        (dict(FULL, WORLD_SIZE="two"), "WORLD_SIZE"),
-        (dict(FULL, WORLD_SIZE="0"), "WORLD_SIZE"),
-        (dict(FULL, RANK="2"), "RANK"),
-        (dict(FULL, LOCAL_RANK="-1"), "LOCAL_RANK"),
-        (dict(FULL, MASTER_PORT="70000"), "MASTER_PORT"),
+        (dict(FULL, WORLD_SIZE="two"), "environment variable WORLD_SIZE='two' is not an integer."),
+        (dict(FULL, WORLD_SIZE="0"), "environment variable WORLD_SIZE=0 is out of range (expected >= 1)."),
+        (dict(FULL, RANK="2"), "environment variable RANK=2 is out of range (expected [0, 1])."),
+        (dict(FULL, LOCAL_RANK="-1"), "environment variable LOCAL_RANK=-1 is out of range (expected >= 0)."),
+        (dict(FULL, MASTER_PORT="70000"),
+         "environment variable MASTER_PORT=70000 is out of range (expected [1, 65535])."),
     ],
 )
-def test_bad_launch_values(env, values, name):
+def test_bad_launch_values(env, values, message):
     env(**values)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError) as info:
         fastdp.DataParallel(nn.Linear(2, 2))
+    assert str(info.value) == f"{message} {_HINT}"
 
 
 @pytest.mark.parametrize("mode", ["Auto", "ddp", None, 1])

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fastdp
-from fastdp import balance
+from fastdp.balance import DeviceMemory, MemoryReport, largest_remainder
 
 R = 3
 STEPS = 5
@@ -70,14 +70,14 @@ def params_close(a, b, tol=TOL):
 
 
 def test_largest_remainder_is_exact_deterministic_and_favours_later_devices_on_ties():
-    assert balance.largest_remainder([0.1, 0.2, 0.7], 10) == [1, 2, 7]  # no float noise: exact quotas
-    assert balance.largest_remainder([1.0, 1.0, 1.0], 10) == [3, 3, 4]  # tie: the later device
-    assert balance.largest_remainder([1.0, 1.0, 1.0, 1.0], 9) == [2, 2, 2, 3]
-    assert balance.largest_remainder([0.0, 1.0, 1.0], 7) == [0, 3, 4]  # zero weight, zero samples
-    assert balance.largest_remainder([0.5, 1.0, 1.0, 1.0], 32) == [5, 9, 9, 9]
+    assert largest_remainder([0.1, 0.2, 0.7], 10) == [1, 2, 7]  # no float noise: exact quotas
+    assert largest_remainder([1.0, 1.0, 1.0], 10) == [3, 3, 4]  # tie: the later device
+    assert largest_remainder([1.0, 1.0, 1.0, 1.0], 9) == [2, 2, 2, 3]
+    assert largest_remainder([0.0, 1.0, 1.0], 7) == [0, 3, 4]  # zero weight, zero samples
+    assert largest_remainder([0.5, 1.0, 1.0, 1.0], 32) == [5, 9, 9, 9]
     for n in range(0, 40):
         for w in ([0.5, 1.0, 1.0], [3.0, 1e-9, 2.0], [1.0, 0.0, 0.0]):
-            sizes = balance.largest_remainder(w, n)
+            sizes = largest_remainder(w, n)
             assert sum(sizes) == n and all(s >= 0 for s in sizes)
             assert all(s == 0 for s, x in zip(sizes, w) if x == 0)
             assert all(abs(s - n * x / sum(w)) < 1 for s, x in zip(sizes, w))
@@ -110,59 +110,84 @@ def batch_of(n):
     return torch.randn(n, 6, dtype=torch.float64)
 
 
+# fastdp's own messages, whole.
+_SHARE = ("chunk_sizes={!r}: a single number is device 0's share relative to each other device's, and must be finite "
+          "and in [0, 1] (0.5: device 0 gets half as many samples as each other device; 0: none). For a fixed number "
+          "of samples pass one int per device; for any other proportion, one float weight per device")
+_NEGATIVE = "chunk_sizes[1] is {}; expected non-negative sizes or weights"
+_ZERO = "chunk_sizes={} are all zero; expected at least one device with a positive size or weight"
+_COUNT = ("chunk_sizes has {} entries but device_ids has 3 devices; expected one size (int) or weight (float) per "
+          "device")
+_FINITE = "chunk_sizes[1] is {}; expected finite, non-negative weights"
+_NUMBER = "{} must be an int (a size) or a float (a weight), got {}"
+
+
 @pytest.mark.parametrize(
     "spec, error, text",
     [
-        ([3, -1, 8], ValueError, "non-negative"),
-        ([1.0, -0.5, 1.0], ValueError, "non-negative"),
-        ([0, 0, 0], ValueError, "all zero"),
-        ([0.0, 0.0, 0.0], ValueError, "all zero"),
-        ([5, 5], ValueError, "expected one size (int) or weight (float) per device"),
-        ([1.0, 1.0, 1.0, 1.0], ValueError, "has 4 entries but device_ids has 3"),
-        ([1.0, float("nan"), 1.0], ValueError, "finite"),
-        ([1.0, float("inf"), 1.0], ValueError, "finite"),
-        (float("nan"), ValueError, "finite and in [0, 1]"),
-        (1.5, ValueError, "finite and in [0, 1]"),
-        (-0.25, ValueError, "finite and in [0, 1]"),
-        (8, ValueError, "For a fixed number of samples pass one int per device"),
-        ("half", ValueError, "expected None, 'auto'"),
-        (True, TypeError, "bool"),
-        ([1, True, 1], TypeError, "chunk_sizes[1]"),
-        ([1, "2", 1], TypeError, "chunk_sizes[1]"),
-        ({0: 1}, TypeError, "list/tuple"),
+        ([3, -1, 8], ValueError, _NEGATIVE.format(-1)),
+        ([1.0, -0.5, 1.0], ValueError, _NEGATIVE.format(-0.5)),
+        ([0, 0, 0], ValueError, _ZERO.format([0, 0, 0])),
+        ([0.0, 0.0, 0.0], ValueError, _ZERO.format([0.0, 0.0, 0.0])),
+        ([5, 5], ValueError, _COUNT.format(2)),
+        ([1.0, 1.0, 1.0, 1.0], ValueError, _COUNT.format(4)),
+        ([1.0, float("nan"), 1.0], ValueError, _FINITE.format(float("nan"))),
+        ([1.0, float("inf"), 1.0], ValueError, _FINITE.format(float("inf"))),
+        (float("nan"), ValueError, _SHARE.format(float("nan"))),
+        (1.5, ValueError, _SHARE.format(1.5)),
+        (-0.25, ValueError, _SHARE.format(-0.25)),
+        (8, ValueError, _SHARE.format(8)),
+        ("half", ValueError, "chunk_sizes='half': expected None, 'auto', a float in [0, 1] (device 0's share of each "
+                             "other device's share), or one int size or float weight per device"),
+        (True, TypeError, _NUMBER.format("chunk_sizes", "bool True")),
+        ([1, True, 1], TypeError, _NUMBER.format("chunk_sizes[1]", "bool True")),
+        ([1, "2", 1], TypeError, _NUMBER.format("chunk_sizes[1]", "str '2'")),
+        ({0: 1}, TypeError, "chunk_sizes must be None, 'auto', a float share for device 0, or a list/tuple with one "
+                            "entry per device; got dict"),
     ],
 )
 def test_chunk_sizes_validation(spec, error, text):
     with pytest.raises(error) as info:
         fastdp.DataParallel(net(), device_ids=["cpu"] * R, chunk_sizes=spec)
-    assert text in str(info.value)
+    assert str(info.value) == text
 
 
 def test_explicit_sizes_must_add_up_to_each_batch():
     dp = fastdp.DataParallel(net(), device_ids=["cpu"] * R, chunk_sizes=[3, 0, 7])
     dp(batch_of(10))
-    with pytest.raises(ValueError, match=r"add up to 10, but the batch has 9 samples along dim 0.*float weights"):
+    with pytest.raises(ValueError) as info:
         dp(batch_of(9))
+    assert str(info.value) == (
+        "chunk_sizes=[3, 0, 7] add up to 10, but the batch has 9 samples along dim 0; explicit sizes (ints) must add "
+        "up to the batch. Pass float weights (e.g. [3.0, 0.0, 7.0]) to split batches of any size in that proportion."
+    )
 
 
 def test_share_zero_needs_another_device_and_pass_through_checks_the_form(monkeypatch):
-    with pytest.raises(ValueError, match="single device"):
+    with pytest.raises(ValueError) as info:
         fastdp.DataParallel(net(), device_ids=["cpu"], chunk_sizes=0.0)
+    assert str(info.value) == ("chunk_sizes=0 gives device 0 no samples, but device_ids has a single device; "
+                               "expected a share in (0, 1] with one device, or more devices")
     one = fastdp.DataParallel(net(), device_ids=["cpu"], chunk_sizes=0.5)
     x = batch_of(5)
     torch.testing.assert_close(one(x), one.module(x), rtol=0, atol=0)
     monkeypatch.setattr(fastdp._devices, "cuda_available", lambda: False)
     plain = fastdp.DataParallel(net(), chunk_sizes=[1, 2])  # pass-through: no devices, the rule is not used
     assert plain.device_ids == []
-    with pytest.raises(ValueError, match="non-negative"):
+    with pytest.raises(ValueError) as info:
         fastdp.DataParallel(net(), chunk_sizes=[1, -2])
+    assert str(info.value) == _NEGATIVE.format(-2)
 
 
 def test_every_tensor_must_have_the_batch_size_when_a_split_is_given():
     dp = fastdp.DataParallel(net(), device_ids=["cpu"] * R, chunk_sizes=0.5)
     x, pair, mask, _ = batch(10)
-    with pytest.raises(ValueError, match=r"same size along dim 0; got input\[0\]: 10, .*kwargs\['mask'\]: 9"):
+    with pytest.raises(ValueError) as info:
         dp(x, pair, mask=mask[:9])
+    assert str(info.value) == (
+        "chunk_sizes splits every tensor of the inputs in the same way, so every tensor must have the same size along "
+        "dim 0; got input[0]: 10, input[1][0]: 10, input[1][1][0]: 10, kwargs['mask']: 9"
+    )
 
 
 def test_scatter_kwargs_takes_explicit_chunk_sizes():
@@ -172,8 +197,9 @@ def test_scatter_kwargs_takes_explicit_chunk_sizes():
     assert [kw["m"].shape[0] for kw in kwargs] == [0, 2, 3] and all(kw["k"] == 3 for kw in kwargs)
     torch.testing.assert_close(torch.cat([a[0] for a in args]), x)
     assert [c.shape[0] for c in fastdp.scatter(x, ["cpu"] * 2, chunk_sizes=[4, 1])] == [4, 1]
-    with pytest.raises(ValueError, match="3 entries for 2 devices"):
+    with pytest.raises(ValueError) as info:
         fastdp.scatter_kwargs((x,), None, ["cpu"] * 2, chunk_sizes=[1, 2, 2])
+    assert str(info.value) == "chunk_sizes has 3 entries for 2 devices; expected one size per device"
 
 
 # ---- training with any split equals the bare model ---------------------------------------------------------------
@@ -347,13 +373,19 @@ def test_criterion_leaves_plain_calls_alone():
 def test_target_must_match_the_batch_and_criterion_must_be_callable():
     dp = fastdp.DataParallel(net(), device_ids=["cpu"] * R, criterion=nn.CrossEntropyLoss())
     x, _, _, y = batch(8)
-    with pytest.raises(ValueError, match=r"target has 7 samples along dim 0 but the inputs have 8"):
+    with pytest.raises(ValueError) as info:
         dp(x, target=y[:7])
-    with pytest.raises(TypeError, match="criterion must be callable"):
+    assert str(info.value) == ("target has 7 samples along dim 0 but the inputs have 8 (input[0]); the target is split "
+                               "across replicas like the inputs, so its batch size must be the same")
+    with pytest.raises(TypeError) as info:
         fastdp.DataParallel(net(), device_ids=["cpu"] * R, criterion="ce")
+    assert str(info.value) == "criterion must be callable (e.g. nn.CrossEntropyLoss()), got str"
     bad = fastdp.DataParallel(net(), device_ids=["cpu"] * R, criterion=lambda out, t: out.sum(1))
-    with pytest.raises(ValueError, match="expected a scalar"):
+    first = len(x.chunk(R)[0])  # replica 0's chunk under torch.chunk's rule
+    with pytest.raises(ValueError) as info:
         bad(x, target=y)
+    assert str(info.value) == (f"the criterion returned a tensor of shape ({first},) in replica 0 with reduction "
+                               "'mean'; expected a scalar")
 
 
 def test_learnable_criterion_gets_summed_gradients():
@@ -450,11 +482,11 @@ def test_memory_report_before_any_step_and_for_pass_through(monkeypatch):
 
 
 def test_memory_report_peak_ratio_uses_distinct_devices():
-    rows = [balance.DeviceMemory(i, f"cuda:{d}", None, 1, peak, 0, 0, 0, 0)
+    rows = [DeviceMemory(i, f"cuda:{d}", None, 1, peak, 0, 0, 0, 0)
             for i, (d, peak) in enumerate([(0, 110), (1, 100), (2, 90), (3, 200)])]
-    assert balance.MemoryReport(rows).peak_ratio() == pytest.approx(110 / 100)
-    same = [balance.DeviceMemory(i, "cuda:0", None, 1, 50, 0, 0, 0, 0) for i in range(3)]
-    assert balance.MemoryReport(same).peak_ratio() is None
+    assert MemoryReport(rows).peak_ratio() == pytest.approx(110 / 100)
+    same = [DeviceMemory(i, "cuda:0", None, 1, 50, 0, 0, 0, 0) for i in range(3)]
+    assert MemoryReport(same).peak_ratio() is None
 
 
 # ---- chunk_sizes="auto" with an injected reader -------------------------------------------------------------------
@@ -492,7 +524,7 @@ def test_auto_settles_by_bisection_within_the_bound_and_stays():
     assert shares[:3] == [1.0, 1.0, 1.0]  # the first reading and two warm-up steps are not judged
     assert [s for s, _ in rule.history] == [1.0, 0.5, 0.25, 0.375, 0.3125, 0.34375]
     assert rule.share == 0.34375 and all(r > 1.05 for s, r in rule.history if s > rule.share)
-    sizes = balance.largest_remainder([rule.share, 1.0, 1.0, 1.0], 32)
+    sizes = largest_remainder([rule.share, 1.0, 1.0, 1.0], 32)
     assert dp._last_chunk_sizes == sizes
     assert 1000 + 600 + 100 * sizes[0] <= 1.05 * (1000 + 100 * sizes[1])
     assert len(set(shares[9:])) == 1  # settled after 2 + 1 + 1 + 5 steps, fixed from then on
@@ -538,11 +570,16 @@ def test_auto_without_a_reader_settles_at_once_on_cpu():
     assert a._split is not shared  # each wrapper settles on its own
 
 
-@pytest.mark.parametrize("options, text", [({"warmup": -1}, "warmup"), ({"probes": 0}, "probes"),
-                                           ({"tolerance": math.inf}, "tolerance"), ({"reader": 3}, "callable")])
-def test_auto_options_are_checked(options, text):
-    with pytest.raises((ValueError, TypeError), match=text):
+@pytest.mark.parametrize("options, error, text", [
+    ({"warmup": -1}, ValueError, "warmup must be a non-negative int, got -1"),
+    ({"probes": 0}, ValueError, "probes must be a positive int, got 0"),
+    ({"tolerance": math.inf}, ValueError, "tolerance must be a finite non-negative number, got inf"),
+    ({"reader": 3}, TypeError, "reader must be callable (returning one peak per device), got int"),
+])
+def test_auto_options_are_checked(options, error, text):
+    with pytest.raises(error) as info:
         fastdp.AutoSplit(**options)
+    assert str(info.value) == text
 
 
 # ---- GPU (skipped without CUDA) ----------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import inspect
 import logging
 import os
 import pickle
-import re
 import signal
 import socket
 import subprocess
@@ -435,47 +434,55 @@ def test_full_environment_builds_distributed(env):
     assert info.value.args[1] == {"backend": "gloo", "init_method": "env://"}
 
 
+_HINT = (
+    "Launch the script with `torchrun --nproc_per_node N script.py` (add --nnodes/--node_rank/--master_addr or "
+    "--rdzv_endpoint across machines), which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; or set "
+    "the missing variables; or pass mode=\"single\" to run a single-process DataParallel."
+)
+
+
 @pytest.mark.parametrize(
     "values, missing",
     [
-        ({"WORLD_SIZE": "2"}, ["RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"]),
-        ({"RANK": "0"}, ["WORLD_SIZE"]),
-        ({"LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, ["WORLD_SIZE"]),
-        ({k: v for k, v in FULL.items() if k != "MASTER_ADDR"}, ["MASTER_ADDR"]),
-        ({k: v for k, v in FULL.items() if k != "LOCAL_RANK"}, ["LOCAL_RANK"]),
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not"),
+        ({"RANK": "0"}, "RANK is set but WORLD_SIZE is not"),
+        ({"LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},
+         "LOCAL_RANK, MASTER_ADDR, MASTER_PORT are set but WORLD_SIZE is not"),
+        ({k: v for k, v in FULL.items() if k != "MASTER_ADDR"}, "WORLD_SIZE=2 is set but MASTER_ADDR is not"),
+        ({k: v for k, v in FULL.items() if k != "LOCAL_RANK"}, "WORLD_SIZE=2 is set but LOCAL_RANK is not"),
     ],
 )
 def test_half_set_environment_names_what_is_missing(env, values, missing):
     env(**values)
     with pytest.raises(ValueError) as info:
         fastdp.DataParallel(nn.Linear(2, 2))
-    text = str(info.value)
-    named = text.split(" but ", 1)[1].split(" not:")[0]  # "<missing names> is/are not: …"
-    assert sorted(n for n in re.findall(r"[A-Z_]+", named) if n in LAUNCH_VARS) == sorted(missing)
-    assert "torchrun --nproc_per_node" in text and 'mode="single"' in text
+    assert str(info.value) == f"{missing}: the environment is half a torch.distributed launch. {_HINT}"
     assert type(fastdp.DataParallel(nn.Linear(2, 2), mode="single")) is fastdp.DataParallel  # the way out
 
 
 @pytest.mark.parametrize(
-    "values, name",
+    "values, message",
     [
-        (dict(FULL, WORLD_SIZE="two"), "WORLD_SIZE"),
-        (dict(FULL, WORLD_SIZE="0"), "WORLD_SIZE"),
-        (dict(FULL, RANK="2"), "RANK"),
-        (dict(FULL, LOCAL_RANK="-1"), "LOCAL_RANK"),
-        (dict(FULL, MASTER_PORT="70000"), "MASTER_PORT"),
+        (dict(FULL, WORLD_SIZE="two"), "environment variable WORLD_SIZE='two' is not an integer."),
+        (dict(FULL, WORLD_SIZE="0"), "environment variable WORLD_SIZE=0 is out of range (expected >= 1)."),
+        (dict(FULL, RANK="2"), "environment variable RANK=2 is out of range (expected [0, 1])."),
+        (dict(FULL, LOCAL_RANK="-1"), "environment variable LOCAL_RANK=-1 is out of range (expected >= 0)."),
+        (dict(FULL, MASTER_PORT="70000"),
+         "environment variable MASTER_PORT=70000 is out of range (expected [1, 65535])."),
     ],
 )
-def test_bad_launch_values(env, values, name):
+def test_bad_launch_values(env, values, message):
     env(**values)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError) as info:
         fastdp.DataParallel(nn.Linear(2, 2))
+    assert str(info.value) == f"{message} {_HINT}"
 
 
 @pytest.mark.parametrize("mode", ["Auto", "ddp", None, 1])
 def test_unknown_mode(env, mode):
-    with pytest.raises(ValueError, match=r"mode must be one of 'auto', 'single', 'distributed'"):
+    with pytest.raises(ValueError) as info:
         fastdp.DataParallel(nn.Linear(2, 2), mode=mode)
+    assert str(info.value) == f"mode must be one of 'auto', 'single', 'distributed'; got {mode!r}"
 
 
 def test_mode_single_ignores_the_launch(env):
@@ -488,8 +495,10 @@ def test_mode_distributed_without_launch(env):
     with pytest.raises(RuntimeError, match="torchrun") as info:
         fastdp.DataParallel(nn.Linear(2, 2), mode="distributed", device_ids=["cpu"])
     assert "init_process_group" in str(info.value)
-    with pytest.raises(ValueError, match="mode=\"single\""):
+    with pytest.raises(ValueError) as info:
         fastdp.DistributedDataParallel(nn.Linear(2, 2), mode="single")
+    assert str(info.value) == ("fastdp.DistributedDataParallel always runs on torch.distributed; use "
+                               "fastdp.DataParallel(..., mode=\"single\") for a single-process DataParallel")
 
 
 def test_signatures():
@@ -512,8 +521,13 @@ def test_subclass_is_not_switched_silently(env):
 
     assert type(Balanced(nn.Linear(2, 2))) is Balanced
     env(**FULL)
-    with pytest.raises(RuntimeError, match="Balanced subclasses fastdp.DataParallel"):
+    with pytest.raises(RuntimeError) as info:
         Balanced(nn.Linear(2, 2))
+    assert str(info.value) == (
+        "Balanced subclasses fastdp.DataParallel and cannot be switched to torch.distributed (mode='auto' in a "
+        "distributed launch). Pass mode=\"single\" to run it as a single-process DataParallel in each process, or "
+        "wrap the model with fastdp.DataParallel itself."
+    )
     assert type(Balanced(nn.Linear(2, 2), mode="single")) is Balanced
 
 

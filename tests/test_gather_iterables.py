@@ -74,9 +74,15 @@ def test_iterable_that_cannot_be_rebuilt_names_its_type():
         def forward(self, x):
             return Sealed(x, 2.0)
 
-    with pytest.raises(TypeError, match=r"Cannot gather output of type Sealed: it is iterable, but Sealed\(gathered "
-                                        r"items\) failed"):
+    with pytest.raises(TypeError) as reference:
+        Sealed([torch.zeros(4, 2)])  # what rebuilding it from its gathered items raises
+    cause = f"{type(reference.value).__name__}: {reference.value}"
+    with pytest.raises(TypeError) as info:
         fastdp.DataParallel(Returns(), device_ids=["cpu"] * 2)(torch.randn(4, 2))
+    assert str(info.value) == (
+        f"Cannot gather output of type Sealed: it is iterable, but Sealed(gathered items) failed ({cause}); upstream "
+        "DataParallel rebuilds it the same way. Return tensors, tuples, lists or dicts from forward instead."
+    )
 
 
 def test_functional_gather_of_iterables():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastdp
-from fastdp import _C, _core, _info, comm
+from fastdp import _C, _core, _devices, _info, comm
 
 
 # ---- NCCL usability: no GPU touched ----------------------------------------------------------------------------
@@ -259,7 +259,7 @@ def test_scatter_allocates_under_the_writing_stream(monkeypatch):
 
     seen = []
     monkeypatch.setattr(torch.cuda, "stream", stream)
-    monkeypatch.setattr(comm, "_cuda", lambda d, what: d)  # CUDA devices without CUDA: the device check passes them
+    monkeypatch.setattr(_devices, "_require_cuda", lambda d, what: d)  # CUDA devices without CUDA: the check passes them
     monkeypatch.setattr(comm, "_empty_like", empty_like)
     monkeypatch.setattr(_C, "scatter", lambda src, outs, dim, sizes, streams: seen.append(streams))
     x = torch.arange(12.0).view(6, 2)

@@ -3,10 +3,9 @@
 ``import fastdp; model = fastdp.DataParallel(model)``. ``fastdp.comm`` mirrors ``torch.nn.parallel.comm``.
 """
 
-__version__ = "0.1.0"
-
 import torch  # loaded first: the GPU backends reuse the CUDA libraries torch brings
 
+from ._version import __version__  # noqa: F401
 from . import _C
 from . import _libs  # noqa: F401  (tells the core where pip's NVRTC is, before its first use)
 from ._C import BackendUnavailableError, CudaError, FastDPError, NcclError
@@ -59,7 +58,8 @@ __all__ += ["distributed", "DistributedDataParallel", "shard", "save", "print0",
 
 # ---- Balancing device 0: batch split, per-replica loss, memory report ------------------------------------
 from . import balance  # noqa: E402
-from .balance import AutoSplit, MemoryReport, memory_report  # noqa: E402
+from ._memory import MemoryReport, memory_report  # noqa: E402
+from ._split import AutoSplit  # noqa: E402
 
 __all__ += ["balance", "AutoSplit", "MemoryReport", "memory_report"]
 

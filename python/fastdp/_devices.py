@@ -35,16 +35,44 @@ def is_cpu(d):
 
 def cuda_index(d, what="device"):
     """A CUDA device entry → its int index (upstream's _get_device_index(d, True) for CUDA devices)."""
-    d = _parse(d)
-    if isinstance(d, int):
-        return _require_cuda(d, what)
-    if d.type == "cpu":
+    if is_cpu(d):
         # Upstream's text, from torch._utils._get_device_index.
-        raise ValueError(f"Expected a non cpu device, but got: {d}")
+        raise ValueError(f"Expected a non cpu device, but got: {_parse(d)}")
+    return normalize(d, what)
+
+
+def normalize(d, what="device"):
+    """fastdp's one device normaliser (the DataParallel layer and fastdp.comm): any accepted entry → "cpu" or a
+    CUDA index (int; "cuda" without an index is the current device).
+
+    Raises, naming ``what``: TypeError for bools and non-devices, ValueError for unknown strings, negative indices
+    and device types other than CPU and CUDA, BackendUnavailableError for a CUDA device where CUDA cannot run.
+    """
+    if isinstance(d, bool):
+        raise TypeError(f"{what}: expected a device (int, str or torch.device), got bool {d!r}")
+    if isinstance(d, str):
+        try:
+            d = torch.device(d)
+        except RuntimeError as e:
+            raise ValueError(
+                f"{what}: unknown device string {d!r} ({e}); use \"cpu\", \"cuda\" or \"cuda:K\""
+            ) from None
+    if isinstance(d, torch.device):
+        return _from_torch(d, what)
+    try:
+        index = operator.index(d)
+    except TypeError:
+        raise TypeError(f"{what}: expected a device (int, str or torch.device), got {type(d).__name__} {d!r}") from None
+    if index < 0:
+        raise ValueError(f"{what}: device index must be non-negative, got {index}; use \"cpu\" for the host")
+    return _require_cuda(index, what)
+
+
+def _from_torch(d, what):
+    if d.type == "cpu":
+        return CPU
     if d.type != "cuda":
-        raise ValueError(
-            f"{what}: fastdp runs replicas on CUDA devices or on emulated 'cpu' devices, got a {d.type} device ({d})"
-        )
+        raise ValueError(f"{what}: fastdp runs on CPU and CUDA devices, got a {d.type} device ({d})")
     _require_cuda(d, what)
     if d.index is None:
         return torch.cuda.current_device()
@@ -59,16 +87,9 @@ def _require_cuda(d, what):
         why = "this torch build has no CUDA" if not torch.backends.cuda.is_built() else "no CUDA device is visible"
         shown = f"cuda:{d}" if isinstance(d, int) else str(d)
         raise BackendUnavailableError(
-            f"{what}: {shown} is a CUDA device, but {why}; use 'cpu' entries (emulated replicas) on this machine"
+            f"{what}: {shown} is a CUDA device, but {why}; use \"cpu\" devices (emulated replicas) on this machine"
         )
     return d
-
-
-def normalize(d, what="device"):
-    """Any accepted device entry → int (CUDA index) or "cpu"."""
-    if is_cpu(d):
-        return CPU
-    return cuda_index(d, what)
 
 
 def normalize_list(devices, what="device_ids"):

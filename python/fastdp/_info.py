@@ -5,7 +5,8 @@ import platform
 
 import torch
 
-from . import _C, __version__, _fallback
+from . import _C, _fallback
+from ._version import __version__
 
 
 def _version(v):
@@ -132,50 +133,79 @@ def _gib(n):
     return f"{n / 2**30:.1f} GiB"
 
 
-def render(info):
-    lines = [
+def _yes(flag):
+    return "yes" if flag else "no"
+
+
+def _header(info):
+    nccl = f"NCCL {info['nccl'] or 'not loaded'}"
+    if info["nccl_library"]:
+        nccl += f" ({info['nccl_library']})"
+    if info["torch_nccl"]:
+        nccl += f"; torch's NCCL {info['torch_nccl']}"
+    return [
         f"fastdp {info['fastdp']}  torch {info['torch']}  python {info['python']}",
-        f"CUDA driver {info['cuda_driver'] or 'not found'}; torch's CUDA runtime {info['torch_cuda_runtime'] or 'none (CPU build)'}",
-        f"NCCL {info['nccl'] or 'not loaded'}" + (f" ({info['nccl_library']})" if info["nccl_library"] else "")
-        + (f"; torch's NCCL {info['torch_nccl']}" if info["torch_nccl"] else ""),
-        "",
-        "backend  compiled  loadable  library (version)",
+        f"CUDA driver {info['cuda_driver'] or 'not found'}; "
+        f"torch's CUDA runtime {info['torch_cuda_runtime'] or 'none (CPU build)'}",
+        nccl,
     ]
+
+
+def _backend_line(name, b, lib):
+    """One row of the backend table: compiled, loadable, and the library found (or why none)."""
+    if name == "host":
+        found = "built in"
+    elif lib.get("library"):
+        found = f"{lib['library']} ({lib['version']})"
+    else:
+        found = f"none: {lib.get('why') or b['why']}"
+    unusable = "" if b["usable"] or lib.get("why") else f"; not usable: {b['why']}"
+    return f"{name:<8} {_yes(b['compiled']):<9} {_yes(b['usable']):<9} {found}{unusable}"
+
+
+def _backends(info):
     libs = info["libraries"]
-    for name, b in info["backends"].items():
-        lib = libs.get(name, {})
-        found = "built in" if name == "host" else (
-            f"{lib['library']} ({lib['version']})" if lib.get("library") else f"none: {lib.get('why') or b['why']}")
-        lines.append(f"{name:<8} {'yes' if b['compiled'] else 'no':<9} {'yes' if b['usable'] else 'no':<9} {found}"
-                     + ("" if b["usable"] or lib.get("why") else f"; not usable: {b['why']}"))
+    lines = ["backend  compiled  loadable  library (version)"]
+    lines += [_backend_line(name, b, libs.get(name, {})) for name, b in info["backends"].items()]
     nv = libs["nvrtc"]
-    lines.append(f"{'nvrtc':<8} {'-':<9} {'yes' if nv['library'] else 'no':<9} "
-                 + (f"{nv['library']} ({nv['version']})" if nv["library"] else f"none: {nv['why']}"))
-    lines.append("")
-    lines.append(f"kernels: {info['kernel_source']}")
-    for d in info["kernels"]["devices"]:
-        lines.append(f"  GPU {d['index']}: {d['source']}")
+    found = f"{nv['library']} ({nv['version']})" if nv["library"] else f"none: {nv['why']}"
+    lines.append(f"{'nvrtc':<8} {'-':<9} {_yes(nv['library']):<9} {found}")
+    return lines
+
+
+def _kernels_and_fallback(info):
+    lines = [f"kernels: {info['kernel_source']}"]
+    lines += [f"  GPU {d['index']}: {d['source']}" for d in info["kernels"]["devices"]]
     if info["fallback"]:
         fb = f"in use (torch's implementation): {info['fallback']}"
+    elif info["strict"]:
+        fb = "not used so far (FASTDP_STRICT=1: it would be an error)"
     else:
-        fb = "not used so far" + (" (FASTDP_STRICT=1: it would be an error)" if info["strict"] else
-                                  "; torch's implementation takes over any operation the core cannot run")
+        fb = "not used so far; torch's implementation takes over any operation the core cannot run"
     lines.append(f"fallback: {fb}")
     lines.append(_tensor_path_line(info))
-    devices = info["devices"]
-    lines.append("")
+    return lines
+
+
+def _gpu_line(d):
+    free = _gib(d["free_bytes"]) if d["free_bytes"] is not None else "?"
+    error = f"  ({d['error']})" if d["error"] else ""
+    return f"{d['index']:<4} {d['name'][:33]:<33} {_gib(d['total_bytes']):>10} {free:>10}{error}"
+
+
+def _gpus(devices):
     if not devices:
-        lines.append("GPUs: none visible (the host backend serves \"cpu\" device entries: emulated replicas)")
-    else:
-        lines.append("GPU  name                              total       free")
-        for d in devices:
-            free = _gib(d["free_bytes"]) if d["free_bytes"] is not None else "?"
-            lines.append(f"{d['index']:<4} {d['name'][:33]:<33} {_gib(d['total_bytes']):>10} {free:>10}"
-                         + (f"  ({d['error']})" if d["error"] else ""))
-        if any(d["free_bytes"] is None for d in devices):
-            lines.append("? free memory not read on GPUs no process context uses yet (--memory reads it there too)")
-        lines.append("")
-        lines.append("peer access (row → column): " + " ".join(str(d["index"]) for d in devices))
-        for d in devices:
-            lines.append(f"  {d['index']}: " + " ".join("Y" if p else "." for p in d["peer_access"]))
-    return "\n".join(lines)
+        return ["GPUs: none visible (the host backend serves \"cpu\" device entries: emulated replicas)"]
+    lines = ["GPU  name                              total       free"]
+    lines += [_gpu_line(d) for d in devices]
+    if any(d["free_bytes"] is None for d in devices):
+        lines.append("? free memory not read on GPUs no process context uses yet (--memory reads it there too)")
+    lines += ["", "peer access (row → column): " + " ".join(str(d["index"]) for d in devices)]
+    lines += [f"  {d['index']}: " + " ".join("Y" if p else "." for p in d["peer_access"]) for d in devices]
+    return lines
+
+
+def render(info):
+    """``collect()``'s facts as the text ``python -m fastdp info`` prints: sections separated by blank lines."""
+    sections = (_header(info), _backends(info), _kernels_and_fallback(info), _gpus(info["devices"]))
+    return "\n\n".join("\n".join(lines) for lines in sections)

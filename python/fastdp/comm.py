@@ -26,6 +26,7 @@ import warnings
 
 import torch
 
+from . import _devices
 from ._fallback import core as _C  # _C, with torch behind every data-moving call
 from ._core import dtype_key, prepare, reduce_columns, streams_for, to_core_dtype
 
@@ -42,42 +43,12 @@ _CPU = torch.device("cpu")
 
 
 def _device(d, what, allow_none=False):
-    """One device-list entry → torch.device ("cpu" or "cuda:k"), with upstream's rules for CUDA entries."""
+    """One device-list entry → torch.device ("cpu" or "cuda:k"): fastdp._devices.normalize, with upstream's None."""
     if d is None:
         if allow_none:
             return None
         raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{d}")
-    if isinstance(d, bool):
-        raise TypeError(f"{what}: expected a device (int, str or torch.device), got bool {d!r}")
-    if isinstance(d, int):
-        if d < 0:
-            raise ValueError(f"{what}: device index must be non-negative, got {d}; use \"cpu\" for the host")
-        return _cuda(torch.device("cuda", d), what)
-    if isinstance(d, str):
-        try:
-            d = torch.device(d)
-        except RuntimeError as e:
-            raise ValueError(f"{what}: unknown device string {d!r} ({e}); use \"cpu\", \"cuda\" or \"cuda:K\"") from None
-    if not isinstance(d, torch.device):
-        raise TypeError(f"{what}: expected a device (int, str or torch.device), got {type(d).__name__}")
-    if d.type == "cpu":
-        return _CPU
-    if d.type != "cuda":
-        raise ValueError(f"{what}: fastdp moves CPU and CUDA tensors, got a {d.type} device")
-    _cuda(d, what)
-    if d.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return d
-
-
-def _cuda(d, what):
-    """d itself when CUDA can run here; otherwise the error that names it (not torch's bare AssertionError)."""
-    if not torch.cuda.is_available():
-        why = "this torch build has no CUDA" if not torch.backends.cuda.is_built() else "no CUDA device is visible"
-        raise _C.BackendUnavailableError(
-            f"{what}: {d} is a CUDA device, but {why}; use \"cpu\" devices (emulated) on this machine"
-        )
-    return d
+    return _devices.torch_device(_devices.normalize(d, what))
 
 
 def _device_list(devices, what="devices"):

@@ -15,7 +15,7 @@ from itertools import chain
 import torch
 from torch.nn.modules import Module
 
-from . import _devices, _replicas, balance, sync_batchnorm
+from . import _devices, _idle_master, _launch, _replica_loss, _replicas, _split, sync_batchnorm
 from .parallel_apply import _HELD, parallel_apply
 from .replicate import is_compiled, replicate
 from .scatter_gather import gather, scatter_kwargs
@@ -62,6 +62,11 @@ def _require_indexable(device_ids):
         )
 
 
+def _is_host_index(d):
+    """-1: upstream's deprecated "gather to the host" output device."""
+    return isinstance(d, int) and not isinstance(d, bool) and d == -1
+
+
 def _resolve(device_ids, output_device):
     """(mode, device_ids, output_device) with mode "cpu", "cuda", or None for upstream's pass-through.
 
@@ -73,7 +78,7 @@ def _resolve(device_ids, output_device):
             ids = _devices.normalize_list(device_ids, "device_ids")
             if output_device is None or _devices.is_cpu(output_device):
                 out = _devices.CPU
-            elif isinstance(output_device, int) and not isinstance(output_device, bool) and output_device == -1:
+            elif _is_host_index(output_device):
                 out = -1  # Gathers to the host with upstream's FutureWarning.
             else:
                 raise ValueError(
@@ -90,6 +95,8 @@ def _resolve(device_ids, output_device):
     ids = [_devices.cuda_index(d, "device_ids") for d in device_ids]
     if _devices.is_cpu(output_device):
         out = _devices.CPU  # Deliberate: upstream raises here although -1 (deprecated) means the same.
+    elif _is_host_index(output_device):
+        out = -1  # upstream keeps -1 (gathers to the host with its FutureWarning)
     else:
         out = _devices.cuda_index(output_device, "output_device")
     return "cuda", ids, out
@@ -232,6 +239,58 @@ def _compile_boundary(fn):
     return disable(fn, recursive=True) if disable is not None else fn
 
 
+def _run_single(module, args, kwargs, criterion):
+    """One device: the module on its one chunk (and the criterion on the target, the last argument)."""
+    if criterion is None:
+        return module(*args, **kwargs)
+    *args, target = args
+    return criterion(module(*args, **kwargs), target)
+
+
+class _Plan:
+    """What one multi-device forward runs, decided once after the scatter.
+
+    Devices with an empty chunk run no replica. Replication always starts from device_ids[0], which holds the
+    master: when device 0 has no chunk, its replica (the master itself, nothing copied) is built but not run
+    (``skip`` is 1). ``with_loss``: the replicas return their losses (combined at the end) instead of outputs.
+    """
+
+    __slots__ = ("run", "positions", "skip", "with_loss")
+
+    def __init__(self, sizes, nchunks, with_loss):
+        run = list(range(nchunks))
+        if sizes is not None and 0 in sizes:
+            run = [i for i in run if sizes[i] > 0]
+        self.run = run
+        self.positions = run if run[0] == 0 else [0] + run
+        self.skip = len(self.positions) - len(run)
+        self.with_loss = with_loss
+
+    def keep(self, per_chunk):
+        """The entries of the chunks that run."""
+        if len(self.run) == len(per_chunk):
+            return per_chunk
+        return tuple(per_chunk[i] for i in self.run)
+
+
+def _choose_class(cls, mode):
+    """The class ``fastdp.DataParallel(..., mode=mode)`` builds: ``cls`` or ``fastdp.DistributedDataParallel``."""
+    _launch.check_mode(mode)
+    distributed = DataParallel._launch_class
+    if mode == "single" or (distributed is not None and issubclass(cls, distributed)):
+        return cls
+    if mode == "auto" and not _launch.is_distributed():
+        return cls
+    if cls is not DataParallel:
+        # A subclass overrides the single-process pipeline (scatter, gather…), which DDP does not run.
+        raise RuntimeError(
+            f"{cls.__name__} subclasses fastdp.DataParallel and cannot be switched to torch.distributed "
+            f"(mode={mode!r} in a distributed launch). Pass mode=\"single\" to run it as a single-process "
+            "DataParallel in each process, or wrap the model with fastdp.DataParallel itself."
+        )
+    return distributed
+
+
 class DataParallel(Module):
     """Implements data parallelism at the module level, like ``torch.nn.DataParallel``.
 
@@ -249,10 +308,15 @@ class DataParallel(Module):
         # Picks the class (docs/distributed.md); __init__ then runs on it with the same arguments. Unpickling and
         # copy.deepcopy call cls.__new__(cls) without arguments: they keep cls and never look at the environment.
         if args or kwargs:
-            from .distributed import _choose_class
-
             cls = _choose_class(cls, kwargs.get("mode", "auto"))
         return super().__new__(cls)
+
+    def __init_subclass__(cls, distributed_launch=False, **kwargs):
+        # fastdp.distributed's DistributedDataParallel declares itself with distributed_launch=True: the class that
+        # __new__ builds in a distributed launch, known here without importing that module (which imports this one).
+        super().__init_subclass__(**kwargs)
+        if distributed_launch:
+            DataParallel._launch_class = cls
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="auto", bucket_cap_mb=25,
                  chunk_sizes=None, criterion=None):
@@ -265,7 +329,7 @@ class DataParallel(Module):
             raise TypeError(f"criterion must be callable (e.g. nn.CrossEntropyLoss()), got {type(criterion).__name__}")
         # Kept out of the module tree (not a submodule): the wrapper's state_dict and parameters stay the model's.
         self.__dict__["_criterion"] = criterion
-        self._split = None  # the chunk_sizes rule (fastdp.balance), None for torch.chunk's
+        self._split = None  # the chunk_sizes rule (fastdp._split), None for torch.chunk's
         self._last_chunk_sizes = None  # per-device sizes of the last forward's split (None: torch.chunk's rule)
         self._replica_positions = None  # device_ids positions of the devices last replicated to
         self._apply_devices = None  # devices of the replicas handed to parallel_apply in this forward
@@ -282,20 +346,22 @@ class DataParallel(Module):
         self._register_load_state_dict_pre_hook(_nested_load_pre_hook, with_module=True)
         if mode is None:
             self.device_ids = []
-            balance.parse_chunk_sizes(chunk_sizes, None)  # form checked; a pass-through has nothing to split
+            _split.parse_chunk_sizes(chunk_sizes, None)  # form checked; a pass-through has nothing to split
             return
         self.dim = dim
         self.device_ids = ids
         self.output_device = out
         self.src_device_obj = _devices.torch_device(ids[0])
-        split = balance.parse_chunk_sizes(chunk_sizes, len(ids))
-        self._split = split.bind(ids) if isinstance(split, balance.AutoSplit) else split
+        rule = _split.parse_chunk_sizes(chunk_sizes, len(ids))
+        self._split = rule.bind(ids) if isinstance(rule, _split.AutoSplit) else rule
         if isinstance(criterion, Module):
             criterion.to(self.src_device_obj)  # its tensors (class weights…) are replicated from device_ids[0]
         if mode == "cuda":
             _check_balance(self.device_ids)
         if len(self.device_ids) == 1:
             self.module.to(self.src_device_obj)
+
+    _launch_class = None  # set by __init_subclass__ (fastdp.DistributedDataParallel)
 
     __new__.__wrapped__ = __init__  # inspect.signature(DataParallel) shows __init__'s parameters, not __new__'s
 
@@ -316,32 +382,36 @@ class DataParallel(Module):
     def _forward_body(self, inputs, kwargs):
         criterion = self.__dict__.get("_criterion")
         with_loss = criterion is not None and "target" in kwargs
-        if with_loss:  # the criterion's target, split like the inputs; the model never sees it
-            kwargs = dict(kwargs)
-            target = kwargs.pop("target")
+        if with_loss:  # the criterion's target, split like the inputs (the last positional input); the model never
+            kwargs = dict(kwargs)  # sees it
+            inputs = inputs + (kwargs.pop("target"),)
         if not self.device_ids:
-            out = self.module(*inputs, **kwargs)
-            return criterion(out, target) if with_loss else out
+            if with_loss:
+                return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1])
+            return self.module(*inputs, **kwargs)
         module = self._modules["module"]  # not self.module: Module.__getattr__ costs about 1 µs per read
-        src = self.src_device_obj
-        _check_module_device(module, src)
+        _check_module_device(module, self.src_device_obj)
         if (len(self.device_ids) == 1 and not with_loss and type(self).scatter is DataParallel.scatter
-                and _inputs_on_device(inputs, kwargs, src)):
+                and _inputs_on_device(inputs, kwargs, self.src_device_obj)):
             # The short path: one device and every input already there. Scattering would only wrap each
             # tensor in a view (and an autograd node): the module gets them as they are.
             return module(*inputs, **kwargs)
+        return self._forward_held(inputs, kwargs, criterion if with_loss else None)
+
+    def _forward_held(self, inputs, kwargs, criterion):
+        """_forward, holding this wrapper's kept replicas for the call (or replicating afresh when re-entered)."""
         lock = self.__dict__.get("_forward_lock")
         if lock is None or self.__dict__.get("_is_replica"):
             # A replica of a wrapper (nested wrappers): its per-call state lives in its own __dict__, and its
             # replicas are built fresh (replicate below), so it shares nothing with other threads.
-            return self._forward(inputs, kwargs, criterion, with_loss, target if with_loss else None)
+            return self._forward(inputs, kwargs, criterion)
         held = _HELD
         if id(self) in held.wrappers:
             # Re-entered from inside its own forward (this thread or a replica's worker): the kept replicas
             # are in use by the outer call, so this call replicates afresh and takes no lock.
             _FRESH.ids = getattr(_FRESH, "ids", frozenset()) | {id(self)}
             try:
-                return self._forward(inputs, kwargs, criterion, with_loss, target if with_loss else None)
+                return self._forward(inputs, kwargs, criterion)
             finally:
                 _FRESH.ids = _FRESH.ids - {id(self)}
         # Another thread's forward may be running: the kept replicas and the per-call attributes are used by
@@ -350,54 +420,69 @@ class DataParallel(Module):
             outer = held.wrappers
             held.wrappers = outer | {id(self)}
             try:
-                return self._forward(inputs, kwargs, criterion, with_loss, target if with_loss else None)
+                return self._forward(inputs, kwargs, criterion)
             finally:
                 held.wrappers = outer
 
-    def _forward(self, inputs, kwargs, criterion, with_loss, target):
-        """forward's multi-replica path: split, replicate, run, gather."""
-        split = self.__dict__.get("_split")
-        if isinstance(split, balance.AutoSplit) and torch.is_grad_enabled() and self.module.training:
-            split.observe()
-        if with_loss:
-            balance.check_target(inputs, kwargs, target, self.dim)
-            inputs = inputs + (target,)
-        self._last_chunk_sizes = None
-        inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
-        sizes = self._last_chunk_sizes
-        # A forward without inputs still runs once, on device_ids[0].
-        if not inputs and not module_kwargs:
-            inputs = ((),)
-            module_kwargs = ({},)
+    def _forward(self, inputs, kwargs, criterion):
+        """The multi-replica spine: check -> scatter -> replicate -> parallel_apply -> gather (or combine the losses).
+
+        ``criterion`` is None, or the per-replica loss's, whose target is the last of ``inputs``.
+        """
+        inputs, module_kwargs = self._check_and_scatter(inputs, kwargs, criterion is not None)
         if len(self.device_ids) == 1:
-            if with_loss:
-                *args, chunk = inputs[0]
-                return criterion(self.module(*args, **module_kwargs[0]), chunk)
-            return self.module(*inputs[0], **module_kwargs[0])
-        # Devices with an empty chunk run no replica. Replication always starts from device_ids[0], which holds
-        # the master: when device 0 has no chunk, its replica (the master itself, nothing copied) is not run.
-        run = list(range(len(inputs)))
-        if sizes is not None and 0 in sizes:
-            run = [i for i in run if sizes[i] > 0]
-            inputs = tuple(inputs[i] for i in run)
-            module_kwargs = tuple(module_kwargs[i] for i in run)
-        positions = run if run[0] == 0 else [0] + run
-        devices = [self.device_ids[i] for i in positions]
-        self._replica_positions = positions
+            return _run_single(self.module, inputs[0], module_kwargs[0], criterion)
+        plan = _Plan(self._last_chunk_sizes, len(inputs), criterion is not None)
+        inputs, module_kwargs = plan.keep(inputs), plan.keep(module_kwargs)
+        replicas, devices, watch, rule, synced = self._replicas_for(plan, criterion, inputs[0])
+        outputs = self._run_replicas(replicas, inputs, module_kwargs, devices, synced)
+        if watch is not None:
+            watch.copy_back()
+        return self._finish(rule, outputs, inputs)
+
+    def _check_and_scatter(self, inputs, kwargs, with_loss):
+        """The split's per-forward work (one call into fastdp._split), then ``self.scatter``; a forward without
+        inputs still runs once, on device_ids[0]."""
+        rule = self.__dict__.get("_split")
+        own = type(self).scatter is DataParallel.scatter  # else the override's super().scatter asks for the sizes
+        try:  # "auto" reads the last forward's sizes first (its reader may look at them): reset after
+            sizes = _split.begin_forward(rule, inputs, kwargs, self.dim, len(self.device_ids), with_target=with_loss,
+                                         training=torch.is_grad_enabled() and self.module.training, sizes=own)
+        finally:
+            self._last_chunk_sizes = None
+        if own:
+            inputs, module_kwargs = self._scatter_sized(inputs, kwargs, self.device_ids, rule, sizes)
+        else:
+            inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+        if not inputs and not module_kwargs:
+            return ((),), ({},)
+        return inputs, module_kwargs
+
+    def _replicas_for(self, plan, criterion, first_args):
+        """(what parallel_apply runs, their devices, the idle master's BufferWatch or None, the loss rule or None,
+        the SyncBatchNorm session or None):
+        ``self.replicate`` onto the plan's devices, without the master's own replica when device 0 runs no chunk;
+        with a criterion, each replica paired with its criterion copy (``first_args``: the first running chunk's
+        arguments, whose last is its target)."""
+        devices = [self.device_ids[i] for i in plan.positions]
+        self._replica_positions = plan.positions
         replicas = self.replicate(self.module, devices)
-        skip = len(positions) - len(run)
-        replicas, devices = replicas[skip:], devices[skip:]
-        watch = balance.BufferWatch(self.module, replicas[0]) if skip else None
-        synced = sync_batchnorm.begin(self.module, replicas, devices, self._replica_set)  # None: no SyncBatchNorm
-        if with_loss:
-            rule = balance.loss_rule(criterion, inputs[0][-1], self.dim)
-            losses = balance.criterion_replicas(criterion, [self.device_ids[i] for i in positions], rule)[skip:]
-            replicas = [balance.ReplicaLoss(r, c, rule) for r, c in zip(replicas, losses)]
+        skip = plan.skip
+        watch = _idle_master.BufferWatch(self.module, replicas[skip]) if skip else None
+        # None: no SyncBatchNorm layer to synchronise (see NOTE [synced layers] in sync_batchnorm.py)
+        synced = sync_batchnorm.begin(self.module, replicas[skip:], devices[skip:], self._replica_set)
+        rule = None
+        if plan.with_loss:
+            replicas, rule = _replica_loss.pair(replicas, criterion, devices, first_args[-1], self.dim)
+        replicas = replicas[skip:]
         if synced is not None:
             replicas = synced.track(replicas)
+        return replicas, devices[skip:], watch, rule, synced
+
+    def _run_replicas(self, replicas, inputs, module_kwargs, devices, synced):
         self._apply_devices = devices
         try:
-            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+            return self.parallel_apply(replicas, inputs, module_kwargs)
         except BaseException as e:
             if getattr(e, "_fastdp_abandoned", False):
                 # Interrupted twice: workers may still run the kept replicas, so they are not reused.
@@ -407,14 +492,15 @@ class DataParallel(Module):
             self._apply_devices = None
             if synced is not None:
                 synced.end()
-        if watch is not None:
-            watch.copy_back()
-        if not with_loss:
+
+    def _finish(self, rule, outputs, inputs):
+        """The forward's one result: the gathered outputs, or the replicas' losses combined by ``rule``."""
+        if rule is None:
             return self.gather(outputs, self.output_device)
         self._avoided_gather_bytes = sum(o[2] for o in outputs)
         device = _devices.CPU if self.output_device == -1 else self.output_device
-        return balance.combine(outputs, [i[-1] for i in inputs], rule, self.dim, device,
-                               lambda losses: self.gather(losses, self.output_device))
+        return _replica_loss.combine(outputs, [i[-1] for i in inputs], rule, self.dim, device,
+                                    lambda losses: self.gather(losses, self.output_device))
 
     def replicate(self, module, device_ids):
         if module is not self.module or self.__dict__.get("_is_replica") or id(self) in getattr(_FRESH, "ids", ()):
@@ -463,10 +549,14 @@ class DataParallel(Module):
         self.__dict__["_forward_lock"] = threading.Lock()
 
     def scatter(self, inputs, kwargs, device_ids):
-        split = self.__dict__.get("_split")
-        if split is None:
+        rule = self.__dict__.get("_split")
+        sizes = None if rule is None else _split.split_for(rule, inputs, kwargs, self.dim, len(device_ids))
+        return self._scatter_sized(inputs, kwargs, device_ids, rule, sizes)
+
+    def _scatter_sized(self, inputs, kwargs, device_ids, rule, sizes):
+        """scatter with this batch's sizes already known (None: torch.chunk's rule)."""
+        if rule is None:
             return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
-        sizes = balance.split_for(split, inputs, kwargs, self.dim, len(device_ids))
         self._last_chunk_sizes = sizes
         return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim, chunk_sizes=sizes)
 

@@ -13,7 +13,6 @@ import logging
 import os
 import sys
 import time
-from collections import namedtuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,9 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from . import _devices
 from .data_parallel import DataParallel, _nested_load_pre_hook, _require_indexable
+from ._launch import (  # noqa: F401  (LaunchEnv, launch_env, is_distributed and MODES stay public here)
+    _LAUNCH_HINT, _LAUNCH_VARS, MODES, LaunchEnv, _group_initialized, _int_var, check_mode, is_distributed, launch_env,
+)
 
 __all__ = [
     "DistributedDataParallel",
@@ -34,102 +36,6 @@ __all__ = [
     "get_world_size",
     "is_distributed",
 ]
-
-MODES = ("auto", "single", "distributed")
-
-# The variables torchrun sets for every worker; init_process_group("env://") reads all but LOCAL_RANK.
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-_LAUNCH_HINT = (
-    "Launch the script with `torchrun --nproc_per_node N script.py` (add --nnodes/--node_rank/--master_addr or "
-    "--rdzv_endpoint across machines), which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; "
-    "or set the missing variables; or pass mode=\"single\" to run a single-process DataParallel."
-)
-
-LaunchEnv = namedtuple("LaunchEnv", "rank world_size local_rank master_addr master_port")
-
-
-# ---- Detection --------------------------------------------------------------------------------------------------
-
-
-def _group_initialized():
-    return dist.is_available() and dist.is_initialized()
-
-
-def _int_var(env, name, lo=None, hi=None):
-    text = env[name]
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={text!r} is not an integer. {_LAUNCH_HINT}") from None
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"environment variable {name}={value} is out of range (expected {bounds}). {_LAUNCH_HINT}")
-    return value
-
-
-def launch_env(environ=None, require=False):
-    """The torchrun variables as a ``LaunchEnv``, or None when the process was not launched for several ranks.
-
-    None when none of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT is set (empty counts as unset), or
-    when WORLD_SIZE is 1 and ``require`` is false. Raises ValueError for a half-set environment: some of them set
-    without WORLD_SIZE, or WORLD_SIZE > 1 (or ``require``) with any of them missing, or values out of range.
-    """
-    env = os.environ if environ is None else environ
-    present = {name: env[name] for name in _LAUNCH_VARS if env.get(name, "") != ""}
-    if not present:
-        return None
-    if "WORLD_SIZE" not in present:
-        raise ValueError(
-            f"{', '.join(sorted(present))} {'is' if len(present) == 1 else 'are'} set but WORLD_SIZE is not: the "
-            f"environment is half a torch.distributed launch. {_LAUNCH_HINT}"
-        )
-    world_size = _int_var(present, "WORLD_SIZE", lo=1)
-    if world_size == 1 and not require:
-        return None
-    missing = [name for name in _LAUNCH_VARS if name not in present]
-    if missing:
-        raise ValueError(
-            f"WORLD_SIZE={world_size} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
-            f"the environment is half a torch.distributed launch. {_LAUNCH_HINT}"
-        )
-    return LaunchEnv(
-        rank=_int_var(present, "RANK", lo=0, hi=world_size - 1),
-        world_size=world_size,
-        local_rank=_int_var(present, "LOCAL_RANK", lo=0),
-        master_addr=present["MASTER_ADDR"],
-        master_port=_int_var(present, "MASTER_PORT", lo=1, hi=65535),
-    )
-
-
-def is_distributed():
-    """Whether fastdp.DataParallel(mode="auto") would run on torch.distributed here (never initialises anything).
-
-    True when a default process group is initialised, or when the torchrun variables say WORLD_SIZE > 1.
-    Raises ValueError for a half-set environment.
-    """
-    if _group_initialized():
-        return True
-    return launch_env() is not None
-
-
-def _choose_class(cls, mode):
-    """The class ``fastdp.DataParallel(..., mode=mode)`` builds: ``cls`` or ``DistributedDataParallel``."""
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(repr(m) for m in MODES)}; got {mode!r}")
-    if issubclass(cls, DistributedDataParallel) or mode == "single":
-        return cls
-    if mode == "auto" and not is_distributed():
-        return cls
-    if cls is not DataParallel:
-        # A subclass overrides the single-process pipeline (scatter, gather…), which DDP does not run.
-        raise RuntimeError(
-            f"{cls.__name__} subclasses fastdp.DataParallel and cannot be switched to torch.distributed "
-            f"(mode={mode!r} in a distributed launch). Pass mode=\"single\" to run it as a single-process "
-            "DataParallel in each process, or wrap the model with fastdp.DataParallel itself."
-        )
-    return DistributedDataParallel
-
 
 # ---- Process group and device ------------------------------------------------------------------------------------
 
@@ -247,7 +153,7 @@ def get_world_size():
 # ---- The wrapper -------------------------------------------------------------------------------------------------
 
 
-class DistributedDataParallel(DataParallel):
+class DistributedDataParallel(DataParallel, distributed_launch=True):
     """``fastdp.DataParallel`` on torch.distributed: one process per device, torch's DDP underneath.
 
     Built by ``fastdp.DataParallel(model)`` in a torchrun launch (WORLD_SIZE > 1) or when a default process group
@@ -262,8 +168,7 @@ class DistributedDataParallel(DataParallel):
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="distributed", chunk_sizes=None,
                  criterion=None, **ddp_options):
-        if not isinstance(mode, str) or mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(repr(m) for m in MODES)}; got {mode!r}")
+        check_mode(mode)
         if mode == "single":
             raise ValueError(
                 "fastdp.DistributedDataParallel always runs on torch.distributed; use fastdp.DataParallel(..., "

@@ -265,9 +265,8 @@ if hasattr(os, "register_at_fork"):
 _CPU_THREADS = False
 
 
-def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
-    """Applies each module to its inputs (a tuple of args or a single object) and returns the outputs in order."""
-    # Upstream's checks and texts.
+def _checked(modules, inputs, kwargs_tup, devices):
+    """(kwargs_tup, normalised devices) with the defaults filled in, after upstream's checks (and texts)."""
     if len(modules) != len(inputs):
         raise AssertionError(
             f"The number of modules {len(modules)} is not equal to the number of inputs {len(inputs)}"
@@ -288,6 +287,12 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     else:
         default = torch.cuda.current_device() if _devices.cuda_available() else _devices.CPU
         devices = [default] * len(modules)
+    return kwargs_tup, devices
+
+
+def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
+    """Applies each module to its inputs (a tuple of args or a single object) and returns the outputs in order."""
+    kwargs_tup, devices = _checked(modules, inputs, kwargs_tup, devices)
     streams = [None if d == _devices.CPU else torch.cuda.current_stream(d) for d in devices]
     results = [None] * len(modules)
 

@@ -27,16 +27,25 @@ def _scatter_map(obj, devices, dim, sizes=None):
     """
     if isinstance(obj, torch.Tensor):
         return list(Scatter.apply(devices, sizes, dim, obj))
+    parts, rebuild = _parts(obj)
+    if rebuild is None:
+        return [obj for _ in devices]
+    return [rebuild(items) for items in zip(*[_scatter_map(x, devices, dim, sizes) for x in parts])]
+
+
+def _parts(obj):
+    """(the parts scatter recurses into, how one replica's container is rebuilt from its parts), or (None, None)
+    for a value every replica gets by reference. Dict items are (key, value) tuples, so keys follow the same rules
+    as values (as upstream)."""
     if _is_namedtuple(obj):
-        return [type(obj)(*fields) for fields in zip(*[_scatter_map(f, devices, dim, sizes) for f in obj])]
-    if isinstance(obj, tuple) and len(obj) > 0:
-        return [tuple(items) for items in zip(*[_scatter_map(x, devices, dim, sizes) for x in obj])]
-    if isinstance(obj, list) and len(obj) > 0:
-        return [list(items) for items in zip(*[_scatter_map(x, devices, dim, sizes) for x in obj])]
-    if isinstance(obj, dict) and len(obj) > 0:
-        # Items are (key, value) tuples, so keys follow the same rules as values (as upstream).
-        return [type(obj)(pairs) for pairs in zip(*[_scatter_map(kv, devices, dim, sizes) for kv in obj.items()])]
-    return [obj for _ in devices]
+        return obj, lambda fields: type(obj)(*fields)
+    if not isinstance(obj, (tuple, list, dict)) or not obj:
+        return None, None
+    if isinstance(obj, tuple):
+        return obj, tuple
+    if isinstance(obj, list):
+        return obj, list
+    return obj.items(), type(obj)
 
 
 def _target_list(target_gpus):
@@ -84,44 +93,11 @@ def _kind(obj):
 
 def _gather_map(outputs, target, dim, path):
     out = outputs[0]
-    if isinstance(out, torch.Tensor):
-        for i, o in enumerate(outputs):
-            if not isinstance(o, torch.Tensor):
-                raise TypeError(
-                    f"Cannot gather {path}: replica 0 returned a Tensor but replica {i} returned {_kind(o)}"
-                )
-        return Gather.apply(target, dim, *outputs)
     if out is None:
         return None
-    if isinstance(out, dict):
-        for i, d in enumerate(outputs):
-            if not isinstance(d, dict):
-                raise TypeError(f"Cannot gather {path}: replica 0 returned a dict but replica {i} returned {_kind(d)}")
-            if len(d) != len(out):
-                # Upstream's exception and text.
-                raise ValueError("All dicts must have the same number of keys")
-            if d.keys() != out.keys():
-                missing = [k for k in out if k not in d]
-                raise ValueError(
-                    f"All dicts must have the same keys: at {path}, replica {i} lacks {missing!r} "
-                    f"(replica 0 has {list(out)!r}, replica {i} has {list(d)!r})"
-                )
-        return type(out)((k, _gather_map([d[k] for d in outputs], target, dim, f"{path}[{k!r}]")) for k in out)
-    if isinstance(out, (tuple, list)):
-        for i, o in enumerate(outputs):
-            if not isinstance(o, (tuple, list)):
-                raise TypeError(
-                    f"Cannot gather {path}: replica 0 returned a {_kind(out)} but replica {i} returned {_kind(o)}"
-                )
-            if len(o) != len(out):
-                raise ValueError(
-                    f"Cannot gather {path}: replica 0 returned a {_kind(out)} of {len(out)} elements but replica "
-                    f"{i} returned {len(o)}"
-                )
-        gathered = [_gather_map([o[k] for o in outputs], target, dim, f"{path}[{k}]") for k in range(len(out))]
-        if _is_namedtuple(out):
-            return type(out)._make(gathered)
-        return type(out)(gathered)
+    for kinds, gather_kind in _GATHERERS:
+        if isinstance(out, kinds):
+            return gather_kind(outputs, target, dim, path)
     if _rebuildable(out):
         return _gather_iterable(outputs, target, dim, path)
     raise TypeError(
@@ -129,6 +105,52 @@ def _gather_map(outputs, target, dim, path):
         "and namedtuples of them, and rebuilds other iterables from their gathered items. Return a tensor instead "
         "(e.g. torch.tensor(value)), or keep such values out of forward's output."
     )
+
+
+def _gather_tensors(outputs, target, dim, path):
+    for i, o in enumerate(outputs):
+        if not isinstance(o, torch.Tensor):
+            raise TypeError(f"Cannot gather {path}: replica 0 returned a Tensor but replica {i} returned {_kind(o)}")
+    return Gather.apply(target, dim, *outputs)
+
+
+def _gather_dicts(outputs, target, dim, path):
+    out = outputs[0]
+    for i, d in enumerate(outputs):
+        if not isinstance(d, dict):
+            raise TypeError(f"Cannot gather {path}: replica 0 returned a dict but replica {i} returned {_kind(d)}")
+        if len(d) != len(out):
+            # Upstream's exception and text.
+            raise ValueError("All dicts must have the same number of keys")
+        if d.keys() != out.keys():
+            missing = [k for k in out if k not in d]
+            raise ValueError(
+                f"All dicts must have the same keys: at {path}, replica {i} lacks {missing!r} "
+                f"(replica 0 has {list(out)!r}, replica {i} has {list(d)!r})"
+            )
+    return type(out)((k, _gather_map([d[k] for d in outputs], target, dim, f"{path}[{k!r}]")) for k in out)
+
+
+def _gather_sequences(outputs, target, dim, path):
+    out = outputs[0]
+    for i, o in enumerate(outputs):
+        if not isinstance(o, (tuple, list)):
+            raise TypeError(
+                f"Cannot gather {path}: replica 0 returned a {_kind(out)} but replica {i} returned {_kind(o)}"
+            )
+        if len(o) != len(out):
+            raise ValueError(
+                f"Cannot gather {path}: replica 0 returned a {_kind(out)} of {len(out)} elements but replica "
+                f"{i} returned {len(o)}"
+            )
+    gathered = [_gather_map([o[k] for o in outputs], target, dim, f"{path}[{k}]") for k in range(len(out))]
+    if _is_namedtuple(out):
+        return type(out)._make(gathered)
+    return type(out)(gathered)
+
+
+# Replica 0's output type → how the replicas' outputs of that type are gathered (checked in order).
+_GATHERERS = ((torch.Tensor, _gather_tensors), (dict, _gather_dicts), ((tuple, list), _gather_sequences))
 
 
 def _rebuildable(out):

@@ -1,0 +1,28 @@
+"""When ``device_ids[0]`` runs no chunk (``chunk_sizes`` gives it none): the master module stays there, unused by
+the forward, and the first running replica's buffers are copied back to it, as upstream keeps replica 0's."""
+
+import torch
+
+__all__ = ["BufferWatch"]
+
+
+class BufferWatch:
+    """When device 0 has no chunk, the first running replica plays chunk 0's part: its buffers (BatchNorm running
+    stats, num_batches_tracked) are copied back to the master's after the forward, as upstream keeps replica 0's.
+
+    All of them are copied: BatchNorm updates its running stats inside the kernel without bumping their version
+    counters, so changed buffers cannot be told apart cheaply; unchanged ones hold the master's values anyway.
+    """
+
+    def __init__(self, master, replica):
+        theirs = dict(replica.named_buffers())
+        self.pairs = []
+        for name, b in master.named_buffers():
+            r = theirs.get(name)
+            if r is not None and r is not b and not b.requires_grad and r.shape == b.shape:
+                self.pairs.append((b, r))
+
+    def copy_back(self):
+        with torch.no_grad():
+            for b, r in self.pairs:
+                b.copy_(r)

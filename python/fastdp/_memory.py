@@ -1,0 +1,169 @@
+"""``fastdp.memory_report(model)``: per-device allocator figures of a DataParallel and the bytes fastdp keeps on each
+device (master, persistent replica buffers, broadcast staging, no_sync gradients)."""
+
+import statistics
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from . import _devices
+
+__all__ = ["DeviceMemory", "MemoryReport", "memory_report"]
+
+
+@dataclass
+class DeviceMemory:
+    """One entry of ``device_ids``: allocator figures of its device and what fastdp keeps there."""
+
+    position: int  # index in device_ids
+    device: str  # "cuda:k" or "cpu"
+    chunk: Optional[int]  # samples it got in the last forward (None: not known)
+    allocated: Optional[int]  # torch.cuda.memory_allocated (None on "cpu": n/a)
+    peak: Optional[int]  # torch.cuda.max_memory_allocated (None on "cpu": n/a)
+    master: int  # the master module's parameters, buffers and gradients on this device
+    replica_buffers: int  # persistent flat buffers holding this replica's parameter and buffer copies
+    staging: int  # NCCL broadcast staging buffers (device_ids[0] only)
+    pending_grads: int  # gradient sums kept by no_sync() for this replica
+
+    @property
+    def fastdp_bytes(self):
+        return self.replica_buffers + self.staging + self.pending_grads
+
+
+def _fmt(n):
+    """Bytes in the largest binary unit that keeps the number at 1 or more ("n/a" for None)."""
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class MemoryReport:
+    """``fastdp.memory_report(model)``: one DeviceMemory per entry of device_ids, plus what applies to all."""
+
+    devices: List[DeviceMemory]
+    avoided_gather_bytes: Optional[int] = None  # outputs the last per-replica loss forward did not gather
+    split: Optional[str] = None  # the chunk_sizes rule
+    notes: List[str] = field(default_factory=list)
+
+    def peak_ratio(self):
+        """Device 0's peak over the median of the other devices' peaks (None when it cannot be measured)."""
+        seen, peaks = set(), []
+        for d in self.devices:
+            if d.peak is not None and d.device not in seen:
+                seen.add(d.device)
+                peaks.append(d.peak)
+        if len(peaks) < 2:
+            return None
+        others = statistics.median(peaks[1:])
+        return peaks[0] / others if others else None
+
+    def __str__(self):
+        head = ("#", "device", "chunk", "allocated", "peak", "master", "replica bufs", "staging", "no_sync grads",
+                "fastdp total")
+        rows = [head]
+        for d in self.devices:
+            rows.append((str(d.position), d.device, "-" if d.chunk is None else str(d.chunk), _fmt(d.allocated),
+                         _fmt(d.peak), _fmt(d.master), _fmt(d.replica_buffers), _fmt(d.staging),
+                         _fmt(d.pending_grads), _fmt(d.fastdp_bytes)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        ratio = self.peak_ratio()
+        if ratio is not None:
+            lines.append(f"peak of device 0 / median of the others: {ratio:.2f}")
+        if self.avoided_gather_bytes is not None:
+            lines.append(
+                f"per-replica loss: {_fmt(self.avoided_gather_bytes)} of outputs not gathered on the output "
+                "device in the last forward (their gradient would have been as large again in backward)"
+            )
+        if self.split is not None:
+            lines.append(f"chunk_sizes: {self.split}")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+def _bytes(t):
+    return t.numel() * t.element_size()
+
+
+def _master_bytes(module, device):
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        for x in (t, t.grad if isinstance(t, torch.Tensor) and t.grad is not None else None):
+            if x is not None and x.device == device and id(x) not in seen:
+                seen.add(id(x))
+                total += _bytes(x)
+    return total
+
+
+def memory_report(model, *, reset_peak=False):
+    """Per-device memory of a ``fastdp.DataParallel`` (or ``torch.nn.DataParallel``) and what fastdp holds.
+
+    ``reset_peak=True`` resets the CUDA peak counters of the listed devices after reading them.
+    """
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "device_ids"):
+        raise TypeError(
+            f"memory_report expects a fastdp.DataParallel or torch.nn.DataParallel, got {type(model).__name__}"
+        )
+    device_ids = list(getattr(model, "device_ids", None) or [])
+    if not device_ids:
+        return MemoryReport([], notes=["pass-through wrapper (no device_ids): nothing to report"])
+    state = getattr(model, "__dict__", {})
+    ids = [_devices.normalize(d) for d in device_ids]
+    master = _master_bytes(model.module, _devices.torch_device(ids[0])) if hasattr(model, "module") else 0
+    last = state.get("_last_chunk_sizes") or ()
+    rows = [_row(i, d, last[i] if i < len(last) else None, master if i == 0 else 0) for i, d in enumerate(ids)]
+    notes = []
+    if _devices.CPU in ids:
+        notes.append("'cpu' devices: current/peak allocator figures are n/a on the host; fastdp's own bytes shown")
+    _add_kept(rows, notes, model, state)
+    if reset_peak:
+        for d in sorted(set(ids) - {_devices.CPU}):
+            torch.cuda.reset_peak_memory_stats(d)
+    split = state.get("_split")
+    return MemoryReport(
+        rows,
+        avoided_gather_bytes=state.get("_avoided_gather_bytes"),
+        split=None if split is None else split.describe(),
+        notes=notes,
+    )
+
+
+def _row(position, d, chunk, master):
+    """The allocator's figures for one entry of device_ids (n/a on "cpu"); fastdp's buffers are added after."""
+    cpu = d == _devices.CPU
+    return DeviceMemory(
+        position=position,
+        device="cpu" if cpu else f"cuda:{d}",
+        chunk=chunk,
+        allocated=None if cpu else torch.cuda.memory_allocated(d),
+        peak=None if cpu else torch.cuda.max_memory_allocated(d),
+        master=master,
+        replica_buffers=0, staging=0, pending_grads=0,
+    )
+
+
+def _add_kept(rows, notes, model, state):
+    """Adds the kept replicas' flat buffers, staging buffers and no_sync gradient sums to the rows they live on
+    (the device_ids positions last replicated to), or a note that there are none."""
+    kept = state.get("_replica_set")
+    if kept is None:
+        if hasattr(model, "_replica_set"):
+            notes.append("no kept replicas yet (or the module replicates afresh every step): fastdp holds no buffers")
+        return
+    positions = state.get("_replica_positions")
+    nrep = len(kept.state.devices)
+    where = positions if positions is not None and len(positions) == nrep else list(range(nrep))
+    for plan in kept.plans.values():
+        for bucket in plan[0] + plan[1]:
+            size = bucket.numel * torch.empty((), dtype=bucket.dtype).element_size()
+            for r, pool in enumerate(bucket.pools, start=1):
+                rows[where[r]].replica_buffers += size * len(pool.flats)
+            if bucket.src_pool is not None:
+                rows[where[0]].staging += size * len(bucket.src_pool.flats)
+            for r, row in enumerate(bucket.pending or []):
+                rows[where[r]].pending_grads += sum(_bytes(g) for g in row if g is not None)

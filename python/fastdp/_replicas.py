@@ -9,7 +9,12 @@ move. Each step:
    would copy: attributes, hook dicts, the training flag), keeping the replica's own parameter/buffer/child dicts;
 3. parameters (and buffers that require grad) are broadcast bucket by bucket, each bucket one autograd node
    (``_BucketBroadcast``) whose outputs are views into per-device flat buffers reused across steps; the other
-   buffers and frozen parameters are copied into reused flat buffers outside autograd;
+   buffers and frozen parameters are copied into reused flat buffers outside autograd. The master tensors of a
+   bucket are themselves views of one flat buffer on device_ids[0] (their ``.data`` re-pointed when the replicas
+   are built, as DDP's gradient_as_bucket_view), so a bucket is one copy or one NCCL broadcast per device;
+   members whose ``.data`` was replaced since (``.to()``, ``p.data = ...``: a data pointer changed) are
+   flattened again, and a bucket that cannot be flat (members sharing memory, non-contiguous members) is copied
+   member by member;
 4. the fresh tensors are installed into the skeletons in C (``_C.rebind``).
 
 In backward, a bucket's node runs as soon as every replica has produced that bucket's gradients (buckets hold
@@ -24,6 +29,7 @@ backward gets fresh buffers), so a graph still waiting for backward never sees i
 
 import operator
 import weakref
+from itertools import chain
 
 import torch
 from torch.autograd import Function
@@ -100,6 +106,16 @@ _unflatten_dense = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tens
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
+_data_ptr = torch.Tensor.data_ptr
+_REFLATTEN = 3  # a bucket whose members' .data are replaced more often than this stays on the per-member path
+
+
+def _flattenable(t):
+    """Whether a master tensor can become a view of a flat buffer without changing what users see of it."""
+    return (t.layout == torch.strided and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.device.type != "meta")
+
+
 def _free(entry):
     if _use_count is not None:
         return _use_count(entry[0].untyped_storage()._cdata) <= 2
@@ -150,7 +166,7 @@ class _Bucket:
     """Tensors of one dtype broadcast and reduced together; `members` index the ReplicaSet's tensor list."""
 
     __slots__ = ("state", "members", "shapes", "sizes", "numel", "dtype", "pools", "src_pool", "pending", "like",
-                 "own_versions")
+                 "own_versions", "master", "flat", "ptrs", "reflattened")
 
     def __init__(self, state, members, tensors, own_versions):
         self.state = state
@@ -163,22 +179,70 @@ class _Bucket:
         self.numel = sum(self.sizes)
         self.dtype = tensors[members[0]].dtype
         self.pools = [_FlatPool(self.numel, self.dtype, d) for d in state.tdevs[1:]]
-        self.src_pool = _FlatPool(self.numel, self.dtype, state.tdevs[0]) if state.collective else None
+        self.src_pool = None  # staging for NCCL's packed source, only while the master is not flat
         self.pending = None  # no_sync: per replica, per member, the gradient sums kept so far
+        self.master = [tensors[i] for i in members]  # the master tensors, in member order
+        self.flat = None  # the master's flat buffer on device_ids[0] when the members are views of it
+        self.ptrs = None  # the members' data pointers when flattened: any difference means .data was replaced
+        self.reflattened = 0
 
-    def fill(self, sources):
-        """Copies `sources` (the master tensors) into fresh views on every other device; returns the views."""
+    def flatten(self):
+        """Moves the master tensors into one flat buffer (their ``.data`` become views of it), so that replicate
+        copies one buffer per device; False (and the members left as they are) where they cannot be flat."""
+        master = self.master
+        own = None if self.flat is None else self.flat.untyped_storage().data_ptr()
+        # Members still in this bucket's previous flat buffer are fine; any other member must own its memory
+        # alone (members sharing memory, tied through .data or cuDNN's flat RNN weights, stay as they are).
+        others = [t for t in master if t.untyped_storage().data_ptr() != own]
+        storages = {t.untyped_storage().data_ptr() for t in others}
+        if self.reflattened > _REFLATTEN or len(storages) != len(others) or not all(map(_flattenable, others)):
+            self.flat = self.ptrs = None
+            return False
+        with torch.no_grad():
+            flat = torch.empty(self.numel, dtype=self.dtype, device=master[0].device)
+            views = _unflatten(flat, self.like, self.sizes, self.shapes)
+            torch._foreach_copy_(views, [t.detach() for t in master])
+            for t, v in zip(master, views):
+                t.data = v
+        self.flat = flat
+        self.ptrs = list(map(_data_ptr, master))
+        self.reflattened += 1
+        return True
+
+    def master_flat(self):
+        """The master's flat buffer, flattened again when a member's ``.data`` was replaced (``.to()``,
+        ``.double()``, ``p.data = ...``) since; None where the members are not flat."""
+        if self.flat is not None and list(map(_data_ptr, self.master)) == self.ptrs:
+            return self.flat
+        if self.ptrs is None and self.reflattened:
+            return None  # found unflattenable before: the per-member path
+        return self.flat if self.flatten() else None
+
+    def fill(self, flat):
+        """Copies the master tensors into fresh views on every other device; returns the views.
+
+        `flat` is the master's flat buffer (one copy or one NCCL broadcast per device), or None: then the members
+        are copied one by one (NCCL: packed first)."""
         flats, views = [], []
         for pool in self.pools:
-            flat, vs = pool.take(self.like, self.sizes, self.shapes, self.own_versions)
-            flats.append(flat)
+            f, vs = pool.take(self.like, self.sizes, self.shapes, self.own_versions)
+            flats.append(f)
             views.append(vs)
+        if flat is not None:
+            if self.state.collective:
+                _C.broadcast(flat, flats, streams_for([flat, *flats]))
+            else:
+                _C.copy(flats, [flat] * len(flats), streams_for([flat, *flats]))
+            return views
+        sources = [t.detach() for t in self.master]
         if self.state.collective:  # NCCL broadcasts one packed buffer from device_ids[0]
+            if self.src_pool is None:
+                self.src_pool = _FlatPool(self.numel, self.dtype, self.state.tdevs[0])
             src_flat, src_views = self.src_pool.take(self.like, self.sizes, self.shapes, False)
             _C.copy(src_views, sources, streams_for([src_flat]))
             _C.broadcast(src_flat, flats, streams_for([src_flat, *flats]))
         else:  # host entries or repeated CUDA ids: every member straight into every replica's buffer, one call
-            _C.copy([v for vs in views for v in vs], list(sources) * len(views), streams_for([*sources, *flats]))
+            _C.copy([v for vs in views for v in vs], sources * len(views), streams_for([*sources, *flats]))
         return views
 
 
@@ -187,15 +251,14 @@ class _BucketBroadcast(Function):
     followed by the other replicas' views; its backward reduces that bucket's gradients."""
 
     @staticmethod
-    def forward(ctx, bucket, *sources):
+    def forward(ctx, bucket, flat, *sources):
         ctx.bucket = bucket
         ctx.set_materialize_grads(False)
-        views = bucket.fill(sources)
-        return tuple(sources) + tuple(v for vs in views for v in vs)
+        return sources + tuple(chain.from_iterable(bucket.fill(flat)))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None,) + reduce_bucket(ctx.bucket, grads)
+        return (None, None) + reduce_bucket(ctx.bucket, grads)
 
 
 def _dense(g):
@@ -303,25 +366,22 @@ class ReplicaSet:
         # [compiled modules] in replicate.py); every other replica mirrors its master each step.
         self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)
                       if not is_compiled(m)]
-        self.plans = {}  # grad_enabled -> (grad buckets, detached buckets)
-        self.picks = {}  # grad_enabled -> what step installs, picked from what it gathers (_picker)
+        # One bucket layout for both grad modes: the master tensors of each bucket live in one flat buffer.
+        n = len(self.params)
+        diff = [i for i in range(n) if self.params[i].requires_grad]
+        diff += [n + i for i, b in enumerate(self.buffers) if b.requires_grad]
+        taken = set(diff)
+        rest = [i for i in range(len(self.tensors)) if i not in taken]
+        layout = (_buckets(self.state, self.tensors, diff, bucket_bytes, False),
+                  _buckets(self.state, self.tensors, rest, bucket_bytes, True))
+        for bucket in chain(*layout):
+            bucket.flatten()
+        self.plans = {True: layout}  # (grad buckets, detached buckets): what a forward with autograd uses
+        self.detached = ([], layout[0] + layout[1])  # without autograd every bucket is copied detached
+        self.picks = {True: self._picker(*layout), False: self._picker(*self.detached)}
 
     def _plan(self, grad_enabled):
-        plan = self.plans.get(grad_enabled)
-        if plan is None:
-            n = len(self.params)
-            if grad_enabled:
-                diff = [i for i in range(n) if self.params[i].requires_grad]
-                diff += [n + i for i, b in enumerate(self.buffers) if b.requires_grad]
-            else:
-                diff = []
-            taken = set(diff)
-            rest = [i for i in range(len(self.tensors)) if i not in taken]
-            plan = (_buckets(self.state, self.tensors, diff, self.bucket_bytes, False),
-                    _buckets(self.state, self.tensors, rest, self.bucket_bytes, True))
-            self.plans[grad_enabled] = plan
-            self.picks[grad_enabled] = self._picker(*plan)
-        return plan
+        return self.plans[True] if grad_enabled else self.detached
 
     def _picker(self, grad_buckets, rest_buckets):
         """What step installs, as one C-level pick from the tensors it gathers in order: the master tensors
@@ -361,7 +421,7 @@ class ReplicaSet:
         _C.rebind(self.containers, self.keys, self.nones)
         got = list(self.tensors)  # gathered in the order _picker expects
         for bucket in grad_buckets:
-            outs = _BucketBroadcast.apply(bucket, *(self.tensors[i] for i in bucket.members))
+            outs = _BucketBroadcast.apply(bucket, bucket.master_flat(), *bucket.master)
             if _use_count is None:
                 # Autograd may return new tensor objects for views made in forward: liveness follows those.
                 k = len(bucket.members)
@@ -370,7 +430,7 @@ class ReplicaSet:
             got.extend(outs)
         with torch.no_grad():
             for bucket in rest_buckets:
-                for vs in bucket.fill([self.tensors[i].detach() for i in bucket.members]):
+                for vs in bucket.fill(bucket.master_flat()):
                     got.extend(vs)
         _C.rebind(self.containers, self.keys, pick(got))
         return [row[0] for row in self.replicas]

@@ -143,3 +143,32 @@ def test_replicate_copies_one_flat_buffer_per_bucket_and_device(monkeypatch):
     loss_of(dp, x).backward()
     buckets = flat_buckets(dp)
     assert calls == [R - 1] * len(buckets)  # one pair (flat -> replica flat) per replica, one call per bucket
+
+
+@pytest.mark.parametrize("zero", ["set_to_none", "zeros", "accumulate"])
+def test_reduction_is_one_flat_sum_per_bucket(monkeypatch, zero):
+    """Each bucket's replica gradients are summed as R flat tensors in one call; .grad matches the bare module's
+    whether the optimizer drops gradients, zeroes them in place or lets them accumulate."""
+    calls = []
+    real = _replicas.reduce_columns
+
+    def spy(columns, outs):
+        calls.append((len(columns), [t.numel() for t in columns[0]], outs[0].numel()))
+        return real(columns, outs)
+
+    monkeypatch.setattr(_replicas, "reduce_columns", spy)
+    model, ref = mlp(), mlp()
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R, bucket_cap_mb=0.0005)
+    torch.manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(9, 6, dtype=torch.float64)
+        if zero != "accumulate":
+            model.zero_grad(set_to_none=zero == "set_to_none")
+            ref.zero_grad(set_to_none=zero == "set_to_none")
+        calls.clear()
+        loss_of(dp, x).backward()
+        loss_of(ref, x).backward()
+        assert_same_grads(model, ref)
+        buckets = dp._replica_set.plans[True][0]
+        assert len(buckets) > 1
+        assert sorted(calls) == sorted((1, [b.numel] * R, b.numel) for b in buckets)

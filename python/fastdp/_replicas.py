@@ -19,8 +19,10 @@ move. Each step:
 
 In backward, a bucket's node runs as soon as every replica has produced that bucket's gradients (buckets hold
 parameters in reverse registration order, so the last layers' reduction starts while earlier layers are still in
-backward); it sums the replicas' gradients onto ``device_ids[0]`` without packing them first and hands the master
-parameters views of one flat result. ``no_sync()`` keeps per-replica sums instead and reduces them at the first
+backward); when every replica has every member's gradient, each replica's gradients are packed into one flat
+tensor by torch's C++ and the R flat tensors are summed onto ``device_ids[0]`` in one core call (otherwise,
+and for sparse gradients, column by column); the master parameters get views of the flat result (autograd's
+AccumulateGrad takes them as ``.grad`` or adds them to the ``.grad`` already there). ``no_sync()`` keeps per-replica sums instead and reduces them at the first
 backward outside it.
 
 A flat buffer is reused only when none of the views it handed out is alive any more (a second forward before
@@ -29,7 +31,7 @@ backward gets fresh buffers), so a graph still waiting for backward never sees i
 
 import operator
 import weakref
-from itertools import chain
+from itertools import chain, repeat
 
 import torch
 from torch.autograd import Function
@@ -98,6 +100,8 @@ def _unflatten(flat, like, sizes, shapes):
 
 
 _unflatten_dense = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
+_flatten_dense = getattr(getattr(torch._C, "_nn", None), "flatten_dense_tensors", None)
+_is_sparse = operator.attrgetter("is_sparse")
 
 
 # The number of tensors using a storage: a flat buffer is free when only it (and the temporary wrapper the query
@@ -273,6 +277,18 @@ def reduce_bucket(bucket, grads):
     """
     state = bucket.state
     k, nrep = len(bucket.members), len(state.tdevs)
+    if (bucket.pending is None and state.sync and _flatten_dense is not None and not torch.is_grad_enabled()
+            and not any(map(operator.is_, grads, repeat(None))) and not any(map(_is_sparse, grads))):
+        # Every replica produced every member's gradient (the common case): each replica's gradients packed
+        # into one flat tensor by torch's C++ and the packed tensors summed in one core call.
+        flats = [_flatten_dense(grads[r * k : (r + 1) * k]) for r in range(nrep)]
+        if all(f.dtype == bucket.dtype for f in flats):
+            out = torch.empty(bucket.numel, dtype=bucket.dtype, device=state.tdevs[0])
+            if bucket.dtype.is_complex:
+                reduce_columns([[to_core_dtype(f) for f in flats]], [to_core_dtype(out)])
+            else:
+                reduce_columns([flats], [out])
+            return tuple(_unflatten(out, bucket.like, bucket.sizes, bucket.shapes))
     rows = [list(grads[r * k : (r + 1) * k]) for r in range(nrep)]
     if bucket.pending is not None:  # fold in what no_sync kept
         for r in range(nrep):

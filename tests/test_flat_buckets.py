@@ -172,3 +172,18 @@ def test_reduction_is_one_flat_sum_per_bucket(monkeypatch, zero):
         buckets = dp._replica_set.plans[True][0]
         assert len(buckets) > 1
         assert sorted(calls) == sorted((1, [b.numel] * R, b.numel) for b in buckets)
+
+
+@pytest.mark.parametrize("first", ["inference_mode", "no_grad"])
+def test_first_forward_without_autograd_then_training(first):
+    """The flat buffers made at the first forward are ordinary tensors even when that forward runs under
+    inference_mode or no_grad: training afterwards matches the bare module."""
+    model, ref = mlp(), mlp()
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    x = torch.randn(9, 6, dtype=torch.float64)
+    with torch.inference_mode() if first == "inference_mode" else torch.no_grad():
+        torch.testing.assert_close(dp(x), ref(x))
+    assert not any(p.is_inference() for p in model.parameters())
+    loss_of(dp, x).backward()
+    loss_of(ref, x).backward()
+    assert_same_grads(model, ref)

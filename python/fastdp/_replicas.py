@@ -140,7 +140,9 @@ class _FlatPool:
         """A free flat buffer and fresh views of it shaped like the bucket's members (`like`)."""
         entry = next((e for e in self.flats if _free(e)), None)
         if entry is None:
-            entry = [torch.empty(self.numel, dtype=self.dtype, device=self.device), []]
+            # Never an inference tensor: buffers made under inference_mode are reused by training forwards.
+            with torch.inference_mode(False):
+                entry = [torch.empty(self.numel, dtype=self.dtype, device=self.device), []]
             if len(self.flats) < _POOL:
                 self.flats.append(entry)
         views = _unflatten(entry[0], like, sizes, shapes)
@@ -202,7 +204,9 @@ class _Bucket:
         if self.reflattened > _REFLATTEN or len(storages) != len(others) or not all(map(_flattenable, others)):
             self.flat = self.ptrs = None
             return False
-        with torch.no_grad():
+        # Outside inference mode: a first forward under it must not turn the master's storage into inference
+        # tensors, which training could not save for backward afterwards.
+        with torch.inference_mode(False), torch.no_grad():
             flat = torch.empty(self.numel, dtype=self.dtype, device=master[0].device)
             views = _unflatten(flat, self.like, self.sizes, self.shapes)
             torch._foreach_copy_(views, [t.detach() for t in master])

@@ -125,6 +125,10 @@ def test_tensors_sharing_memory_stay_unflattened():
     loss_of(ref, x).backward()
     assert_same_grads(model, ref)
     assert model[4].bias.data_ptr() == model[2].bias.data_ptr()  # the user's aliasing is kept
+    shared = [b for b in flat_buckets(dp) if any(t is model[4].bias for t in b.master)]
+    assert len(shared) == 1 and shared[0].master_flat() is None  # that bucket is copied member by member
+    loss_of(dp, x).backward()  # and stays on that path (checked once, not every step)
+    assert shared[0].reflattened > _replicas._REFLATTEN and shared[0].flat is None
 
 
 def test_replicate_copies_one_flat_buffer_per_bucket_and_device(monkeypatch):

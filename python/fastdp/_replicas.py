@@ -22,8 +22,8 @@ parameters in reverse registration order, so the last layers' reduction starts w
 backward); when every replica has every member's gradient, each replica's gradients are packed into one flat
 tensor by torch's C++ and the R flat tensors are summed onto ``device_ids[0]`` in one core call (otherwise,
 and for sparse gradients, column by column); the master parameters get views of the flat result (autograd's
-AccumulateGrad takes them as ``.grad`` or adds them to the ``.grad`` already there). ``no_sync()`` keeps per-replica sums instead and reduces them at the first
-backward outside it.
+AccumulateGrad takes them as ``.grad`` or adds them to the ``.grad`` already there). ``no_sync()`` keeps
+per-replica sums instead and reduces them at the first backward outside it.
 
 A flat buffer is reused only when none of the views it handed out is alive any more (a second forward before
 backward gets fresh buffers), so a graph still waiting for backward never sees its tensors overwritten.
@@ -203,6 +203,7 @@ class _Bucket:
         storages = {t.untyped_storage().data_ptr() for t in others}
         if self.reflattened > _REFLATTEN or len(storages) != len(others) or not all(map(_flattenable, others)):
             self.flat = self.ptrs = None
+            self.reflattened = _REFLATTEN + 1  # checked once: the per-member path from now on
             return False
         # Outside inference mode: a first forward under it must not turn the master's storage into inference
         # tensors, which training could not save for backward afterwards.
@@ -222,8 +223,8 @@ class _Bucket:
         ``.double()``, ``p.data = ...``) since; None where the members are not flat."""
         if self.flat is not None and list(map(_data_ptr, self.master)) == self.ptrs:
             return self.flat
-        if self.ptrs is None and self.reflattened:
-            return None  # found unflattenable before: the per-member path
+        if self.reflattened > _REFLATTEN:
+            return None  # found unflattenable before (or flattened too often): the per-member path
         return self.flat if self.flatten() else None
 
     def fill(self, flat):

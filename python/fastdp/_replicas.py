@@ -174,7 +174,7 @@ class _Bucket:
     """Tensors of one dtype broadcast and reduced together; `members` index the ReplicaSet's tensor list."""
 
     __slots__ = ("state", "members", "shapes", "sizes", "numel", "dtype", "pools", "src_pool", "pending", "like",
-                 "own_versions", "master", "flat", "ptrs", "reflattened", "pack")
+                 "own_versions", "master", "flat", "ptrs", "reflattened", "pack", "pending_flat")
 
     def __init__(self, state, members, tensors, own_versions):
         self.state = state
@@ -189,6 +189,7 @@ class _Bucket:
         self.pools = [_FlatPool(self.numel, self.dtype, d) for d in state.tdevs[1:]]
         self.src_pool = None  # staging for NCCL's packed source, only while the master is not flat
         self.pending = None  # no_sync: per replica, per member, the gradient sums kept so far
+        self.pending_flat = False  # whether pending holds one packed sum per replica instead (pending[r][0])
         self.master = [tensors[i] for i in members]  # the master tensors, in member order
         self.flat = None  # the master's flat buffer on device_ids[0] when the members are views of it
         self.ptrs = None  # the members' data pointers when flattened: any difference means .data was replaced
@@ -288,18 +289,31 @@ def reduce_bucket(bucket, grads):
     """
     state = bucket.state
     k, nrep = len(bucket.members), len(state.tdevs)
-    if (bucket.pack and bucket.pending is None and state.sync and not torch.is_grad_enabled()
+    if (bucket.pack and (bucket.pending is None or bucket.pending_flat) and not torch.is_grad_enabled()
             and not any(map(operator.is_, grads, repeat(None))) and not any(map(_is_sparse, grads))):
         # Every replica produced every member's gradient (the common case): each replica's gradients packed
-        # into one flat tensor by torch's C++ and the packed tensors summed in one core call.
+        # into one flat tensor by torch's C++ and the packed tensors summed in one core call. no_sync keeps the
+        # packed per-replica sums.
         flats = [_flatten_dense(grads[r * k : (r + 1) * k]) for r in range(nrep)]
         if all(f.dtype == bucket.dtype for f in flats):
+            owned = k > 1  # one member: the packed tensor is a view of autograd's gradient, not a copy
+            if bucket.pending is not None:
+                flats = [kept[0] + f for kept, f in zip(bucket.pending, flats)]
+                bucket.pending, owned = None, True
+            if not state.sync:
+                bucket.pending = [[f if owned else f.clone()] for f in flats]
+                bucket.pending_flat = True
+                return (None,) * k
             out = torch.empty(bucket.numel, dtype=bucket.dtype, device=state.tdevs[0])
             if bucket.dtype.is_complex:
                 reduce_columns([[to_core_dtype(f) for f in flats]], [to_core_dtype(out)])
             else:
                 reduce_columns([flats], [out])
             return tuple(_unflatten(out, bucket.like, bucket.sizes, bucket.shapes))
+    if bucket.pending is not None and bucket.pending_flat:  # the per-member form for the path below
+        bucket.pending = [list(_unflatten(kept[0], bucket.like, bucket.sizes, bucket.shapes))
+                          for kept in bucket.pending]
+        bucket.pending_flat = False
     rows = [list(grads[r * k : (r + 1) * k]) for r in range(nrep)]
     if bucket.pending is not None:  # fold in what no_sync kept
         for r in range(nrep):

@@ -24,7 +24,9 @@ would cost more than copying the bytes), each replica's gradients are packed int
 and the R flat tensors are summed onto ``device_ids[0]`` in one core call (otherwise, and for sparse gradients,
 column by column in one core call, without packing); the master parameters get views of the flat result (autograd's
 AccumulateGrad takes them as ``.grad`` or adds them to the ``.grad`` already there). ``no_sync()`` keeps
-per-replica sums instead and reduces them at the first backward outside it.
+per-replica sums instead (one packed tensor per replica and bucket where the members are small) and reduces them
+at the first backward outside it; buckets that backward never reaches (none of their members used) are reduced
+by a callback at its end.
 
 A flat buffer is reused only when none of the views it handed out is alive any more (a second forward before
 backward gets fresh buffers), so a graph still waiting for backward never sees its tensors overwritten.
@@ -32,6 +34,7 @@ backward gets fresh buffers), so a graph still waiting for backward never sees i
 
 import operator
 import weakref
+from functools import partial
 from itertools import chain, repeat
 
 import torch
@@ -161,13 +164,31 @@ class _FlatPool:
 class _State:
     """What the wrapper and the bucket nodes share: devices, the reduction mode, no_sync bookkeeping."""
 
-    __slots__ = ("devices", "tdevs", "collective", "sync")
+    __slots__ = ("devices", "tdevs", "collective", "sync", "grad_buckets", "kept")
 
     def __init__(self, devices):
         self.devices = list(devices)
         self.tdevs = [_devices.torch_device(d) for d in devices]
         self.collective = comm._collective(self.tdevs)
         self.sync = True
+        self.grad_buckets = []  # every bucket with an autograd node (set by ReplicaSet)
+        self.kept = False  # whether no_sync kept sums that the next synchronising backward must reduce
+
+
+def _flush(state):
+    """At the end of the first synchronising backward after no_sync: reduces the sums still kept by buckets whose
+    node that backward never ran (none of their members was used) and adds them to the master's ``.grad``."""
+    with torch.no_grad():
+        for bucket in state.grad_buckets:
+            if bucket.pending is None:
+                continue
+            result = reduce_bucket(bucket, (None,) * (len(bucket.members) * len(state.tdevs)))
+            for p, g in zip(bucket.master, result):
+                if g is not None:
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad += g
 
 
 class _Bucket:
@@ -289,6 +310,9 @@ def reduce_bucket(bucket, grads):
     """
     state = bucket.state
     k, nrep = len(bucket.members), len(state.tdevs)
+    if state.sync and state.kept:  # the first backward after no_sync: buckets it never reaches are flushed
+        state.kept = False
+        torch.autograd.Variable._execution_engine.queue_callback(partial(_flush, state))
     if (bucket.pack and (bucket.pending is None or bucket.pending_flat) and not torch.is_grad_enabled()
             and not any(map(operator.is_, grads, repeat(None))) and not any(map(_is_sparse, grads))):
         # Every replica produced every member's gradient (the common case): each replica's gradients packed
@@ -298,11 +322,11 @@ def reduce_bucket(bucket, grads):
         if all(f.dtype == bucket.dtype for f in flats):
             owned = k > 1  # one member: the packed tensor is a view of autograd's gradient, not a copy
             if bucket.pending is not None:
-                flats = [kept[0] + f for kept, f in zip(bucket.pending, flats)]
+                flats = [acc[0] + f for acc, f in zip(bucket.pending, flats)]
                 bucket.pending, owned = None, True
             if not state.sync:
                 bucket.pending = [[f if owned else f.clone()] for f in flats]
-                bucket.pending_flat = True
+                bucket.pending_flat = state.kept = True
                 return (None,) * k
             out = torch.empty(bucket.numel, dtype=bucket.dtype, device=state.tdevs[0])
             if bucket.dtype.is_complex:
@@ -311,8 +335,8 @@ def reduce_bucket(bucket, grads):
                 reduce_columns([flats], [out])
             return tuple(_unflatten(out, bucket.like, bucket.sizes, bucket.shapes))
     if bucket.pending is not None and bucket.pending_flat:  # the per-member form for the path below
-        bucket.pending = [list(_unflatten(kept[0], bucket.like, bucket.sizes, bucket.shapes))
-                          for kept in bucket.pending]
+        bucket.pending = [list(_unflatten(acc[0], bucket.like, bucket.sizes, bucket.shapes))
+                          for acc in bucket.pending]
         bucket.pending_flat = False
     rows = [list(grads[r * k : (r + 1) * k]) for r in range(nrep)]
     if bucket.pending is not None:  # fold in what no_sync kept
@@ -323,6 +347,7 @@ def reduce_bucket(bucket, grads):
         bucket.pending = None
     if not state.sync:
         bucket.pending = [[None if g is None else g.detach().clone() for g in row] for row in rows]
+        state.kept = True
         return (None,) * k
     if torch.is_grad_enabled():
         # create_graph=True: the differentiable reduction, whose backward broadcasts again (double backward).
@@ -418,6 +443,7 @@ class ReplicaSet:
         for bucket in chain(*layout):
             bucket.flatten()
         self.plans = {True: layout}  # (grad buckets, detached buckets): what a forward with autograd uses
+        self.state.grad_buckets = layout[0]
         self.detached = ([], layout[0] + layout[1])  # without autograd every bucket is copied detached
         self.picks = {True: self._picker(*layout), False: self._picker(*self.detached)}
 

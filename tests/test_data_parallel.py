@@ -1297,3 +1297,20 @@ def test_side_by_side_with_upstream_on_repeated_cuda_ids(n):
     for p, q in zip(ours_m.parameters(), theirs_m.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
     torch.testing.assert_close(ours_m[1].running_mean, theirs_m[1].running_mean)
+
+
+def test_scatter_set_on_the_instance_is_called():
+    """Like upstream, the forward calls self.scatter: a function set on the instance replaces the method too."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 2)
+    calls = []
+
+    def scatter(inputs, kwargs, device_ids):
+        calls.append(len(device_ids))
+        return fastdp.DataParallel.scatter(dp, inputs, kwargs, device_ids)
+
+    dp.scatter = scatter
+    x = torch.randn(6, 4, dtype=torch.float64)
+    assert torch.allclose(dp(x), model(x), rtol=0, atol=1e-12)
+    assert calls == [2]

@@ -444,7 +444,9 @@ class DataParallel(Module):
         """The split's per-forward work (one call into fastdp._split), then ``self.scatter``; a forward without
         inputs still runs once, on device_ids[0]."""
         rule = self.__dict__.get("_split")
-        own = type(self).scatter is DataParallel.scatter  # else the override's super().scatter asks for the sizes
+        # Else an override (a subclass's, or one set on the instance) is called, and its super().scatter asks for
+        # the sizes itself.
+        own = type(self).scatter is DataParallel.scatter and "scatter" not in self.__dict__
         try:  # "auto" reads the last forward's sizes first (its reader may look at them): reset after
             sizes = _split.begin_forward(rule, inputs, kwargs, self.dim, len(self.device_ids), with_target=with_loss,
                                          training=torch.is_grad_enabled() and self.module.training, sizes=own)

@@ -14,17 +14,7 @@ import torch
 import fastdp
 from fastdp import _C, _core
 
-
-def _shim_usable():
-    try:
-        previous = _C.set_tensor_path("aoti")
-    except RuntimeError:
-        return False
-    _C.set_tensor_path(previous)
-    return True
-
-
-SHIM = _shim_usable()
+SHIM = _core.tensor_shim_usable()
 
 
 @pytest.fixture(params=["aoti", "python"])

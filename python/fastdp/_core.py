@@ -158,3 +158,13 @@ def reduce_columns(columns, outs):
             _guarded_core.copy([o.view(-1) for o in outs], parts, streams_for([result]))
         return
     _reduce(columns, outs)
+
+
+def tensor_shim_usable():
+    """Whether the binding can read tensors through libtorch's C shim here (whatever path is selected now)."""
+    try:
+        previous = _C.set_tensor_path("aoti")
+    except RuntimeError:
+        return False
+    _C.set_tensor_path(previous)
+    return True

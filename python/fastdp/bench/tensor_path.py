@@ -15,6 +15,7 @@ import time
 import torch
 
 from .. import _C
+from .._core import tensor_shim_usable
 
 
 def _per_call(fn, calls):
@@ -29,7 +30,7 @@ def measure(tensors=1000, numel=4, rounds=15, calls=20):
     torch.set_num_threads(1)
     dst = [torch.empty(numel) for _ in range(tensors)]
     src = [torch.randn(numel) for _ in range(tensors)]
-    available = ["python"] + (["aoti"] if _C.tensor_path()[0] == "aoti" or _try_aoti() else [])
+    available = ["python"] + (["aoti"] if _C.tensor_path()[0] == "aoti" or tensor_shim_usable() else [])
     previous = _C.tensor_path()[0]
 
     def on(path):
@@ -50,15 +51,6 @@ def measure(tensors=1000, numel=4, rounds=15, calls=20):
     finally:
         _C.set_tensor_path(previous)
     return {name: statistics.median(v) for name, v in samples.items()}
-
-
-def _try_aoti():
-    try:
-        previous = _C.set_tensor_path("aoti")
-    except RuntimeError:
-        return False
-    _C.set_tensor_path(previous)
-    return True
 
 
 def main(argv=None):

@@ -421,6 +421,47 @@ def _buckets(state, tensors, indices, bucket_bytes, own_versions):
     return [_Bucket(state, [order[m[0]] for m in members], tensors, own_versions) for _, members in plan]
 
 
+def _slots(modules, replicas, tensors):
+    """Where each replica keeps each tensor (its _parameters / _buffers dicts, RNN flat-weight lists): parallel
+    lists of containers, keys and (replica, tensor index) references."""
+    tindex = {id(t): i for i, t in enumerate(tensors)}
+    containers, keys, refs = [], [], []
+    for r, row in enumerate(replicas):
+        for m, replica in zip(modules, row):
+            names = replica.__dict__.get("_flat_weights_names")
+            for key, p in m._parameters.items():
+                if p is None:
+                    replica._parameters[key] = None
+                    continue
+                t = tindex[id(p)]
+                containers += [replica._parameters, replica._former_parameters]
+                keys += [key, key]
+                refs += [(r, t), (r, t)]
+                if names is not None and key in names:
+                    containers.append(replica._flat_weights)
+                    keys.append(names.index(key))
+                    refs.append((r, t))
+            for key, b in m._buffers.items():
+                if b is not None:
+                    containers.append(replica._buffers)
+                    keys.append(key)
+                    refs.append((r, tindex[id(b)]))
+    return containers, keys, refs
+
+
+def _layout(state, params, buffers, bucket_bytes):
+    """(grad buckets, detached buckets) over params + buffers: the parameters and buffers that require grad,
+    then the rest."""
+    tensors = params + buffers
+    n = len(params)
+    diff = [i for i in range(n) if params[i].requires_grad]
+    diff += [n + i for i, b in enumerate(buffers) if b.requires_grad]
+    taken = set(diff)
+    rest = [i for i in range(len(tensors)) if i not in taken]
+    return (_buckets(state, tensors, diff, bucket_bytes, False),
+            _buckets(state, tensors, rest, bucket_bytes, True))
+
+
 class ReplicaSet:
     """Kept replicas of one master module on one device list."""
 
@@ -435,45 +476,15 @@ class ReplicaSet:
         self.params = list(network.parameters())
         self.buffers = list(network.buffers())
         self.tensors = self.params + self.buffers
-        tindex = {id(t): i for i, t in enumerate(self.tensors)}
-        # Slots: where each replica keeps each tensor (its _parameters / _buffers dicts, RNN flat-weight lists).
-        containers, keys, refs = [], [], []
-        for r, row in enumerate(self.replicas):
-            for i, m in enumerate(self.modules):
-                replica = row[i]
-                names = replica.__dict__.get("_flat_weights_names")
-                for key, p in m._parameters.items():
-                    if p is None:
-                        replica._parameters[key] = None
-                        continue
-                    t = tindex[id(p)]
-                    containers += [replica._parameters, replica._former_parameters]
-                    keys += [key, key]
-                    refs += [(r, t), (r, t)]
-                    if names is not None and key in names:
-                        containers.append(replica._flat_weights)
-                        keys.append(names.index(key))
-                        refs.append((r, t))
-                for key, b in m._buffers.items():
-                    if b is not None:
-                        containers.append(replica._buffers)
-                        keys.append(key)
-                        refs.append((r, tindex[id(b)]))
-        self.containers, self.keys, self.refs = containers, keys, refs
-        self.nones = [None] * len(containers)
+        self.containers, self.keys, self.refs = _slots(self.modules, self.replicas, self.tensors)
+        self.nones = [None] * len(self.containers)
         # A compiled wrapper's replica keeps its own attributes (its forward calls its own module: see NOTE
         # [compiled modules] in replicate.py); every other replica mirrors its master each step.
         self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)
                       if not is_compiled(m)]
         self.synced = layer_indices(self.modules)  # SyncBatchNorm layers (fastdp.sync_batchnorm)
         # One bucket layout for both grad modes: the master tensors of each bucket live in one flat buffer.
-        n = len(self.params)
-        diff = [i for i in range(n) if self.params[i].requires_grad]
-        diff += [n + i for i, b in enumerate(self.buffers) if b.requires_grad]
-        taken = set(diff)
-        rest = [i for i in range(len(self.tensors)) if i not in taken]
-        layout = (_buckets(self.state, self.tensors, diff, bucket_bytes, False),
-                  _buckets(self.state, self.tensors, rest, bucket_bytes, True))
+        layout = _layout(self.state, self.params, self.buffers, bucket_bytes)
         for bucket in chain(*layout):
             bucket.flatten()
         self.plans = {True: layout}  # (grad buckets, detached buckets): what a forward with autograd uses

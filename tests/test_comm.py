@@ -7,8 +7,11 @@ import subprocess
 import sys
 import textwrap
 
+import warnings
+
 import pytest
 import torch
+import torch.nn.parallel.comm as upstream
 
 import fastdp
 from fastdp import comm
@@ -24,6 +27,18 @@ DTYPES = [
     torch.uint8,
     torch.bool,
 ]
+
+
+def _whole(text):
+    """A match= pattern for exactly `text` (the whole message)."""
+    return "^" + re.escape(text) + "$"
+
+
+def _upstream_text(call):
+    """What upstream torch.nn.parallel.comm raises for a call that its Python-side checks refuse (on any machine)."""
+    with pytest.raises(RuntimeError) as info:
+        call()
+    return str(info.value)
 
 
 def make(shape, dtype, seed=0):
@@ -103,21 +118,27 @@ def test_broadcast_out():
 
 def test_broadcast_errors():
     x = torch.ones(3)
-    with pytest.raises(RuntimeError, match="Exactly one of 'devices' and 'out'"):
+    out = [torch.empty(3)]  # one object for both sides: its repr is part of the message
+    with pytest.raises(RuntimeError, match=_whole(_upstream_text(lambda: upstream.broadcast(x)))):
         comm.broadcast(x)
-    with pytest.raises(RuntimeError, match="Exactly one of 'devices' and 'out'"):
-        comm.broadcast(x, ["cpu"], out=[torch.empty(3)])
-    with pytest.raises(RuntimeError, match="Expected all output tensors to have same shape as the source .+ at index 1"):
+    with pytest.raises(RuntimeError, match=_whole(_upstream_text(lambda: upstream.broadcast(x, ["cpu"], out=out)))):
+        comm.broadcast(x, ["cpu"], out=out)
+    with pytest.raises(RuntimeError, match=_whole(
+            "Expected all output tensors to have same shape as the source (shape [3]) in order to broadcast, but "
+            "output tensor at index 1 has shape [4]")):
         comm.broadcast(x, out=[torch.empty(3), torch.empty(4)])
-    with pytest.raises(ValueError, match="mixes CPU and CUDA"):
+    with pytest.raises(ValueError, match=_whole(
+            "'devices' mixes CPU and CUDA devices (['cpu', 0]); use \"cpu\" entries only (emulated devices)")):
         comm.broadcast(x, ["cpu", 0])
-    with pytest.raises(ValueError, match="at least one device"):
+    with pytest.raises(ValueError, match=_whole("'devices' must name at least one device")):
         comm.broadcast(x, [])
-    with pytest.raises(TypeError, match="'tensor' must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=_whole("'tensor' must be a torch.Tensor, got list")):
         comm.broadcast([1, 2], ["cpu"])
-    with pytest.raises(TypeError, match="iterable of devices"):
+    with pytest.raises(TypeError, match=_whole("'devices' must be an iterable of devices, got a single int")):
         comm.broadcast(x, 5)
-    with pytest.raises(ValueError, match="unknown device string"):
+    with pytest.raises(ValueError, match=_whole(
+            "devices: unknown device string 'gpu0' (Invalid device string: 'gpu0'); use \"cpu\", \"cuda\" or "
+            "\"cuda:K\"")):
         comm.broadcast(x, ["gpu0"])
 
 
@@ -171,11 +192,12 @@ def test_broadcast_coalesced_sparse():
 
 
 def test_broadcast_coalesced_errors():
-    with pytest.raises(ValueError, match="buffer_size"):
+    with pytest.raises(ValueError, match=_whole("'buffer_size' must be a positive int (bytes), got 0")):
         comm.broadcast_coalesced([torch.ones(2)], ["cpu", "cpu"], buffer_size=0)
-    with pytest.raises(TypeError, match=r"'tensors'\[1\] must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=_whole("'tensors'[1] must be a torch.Tensor, got str")):
         comm.broadcast_coalesced([torch.ones(2), "x"], ["cpu", "cpu"])
-    with pytest.raises(ValueError, match="mixes CPU and CUDA"):
+    with pytest.raises(ValueError, match=_whole(
+            "'devices' mixes CPU and CUDA devices (['cpu', 1]); use \"cpu\" entries only (emulated devices)")):
         comm.broadcast_coalesced([torch.ones(2)], ["cpu", 1])
 
 
@@ -209,15 +231,17 @@ def test_reduce_add_noncontiguous_and_complex():
 
 
 def test_reduce_add_errors():
-    with pytest.raises(ValueError, match="input 1 has invalid size: got 4, but expected 3"):
+    with pytest.raises(ValueError, match=_whole("input 1 has invalid size: got 4, but expected 3")):
         comm.reduce_add([torch.ones(3), torch.ones(4)])
-    with pytest.raises(ValueError, match="input 1 has dtype torch.int64"):
+    with pytest.raises(ValueError, match=_whole(
+            "input 1 has dtype torch.int64, but input 0 has torch.float32; cast them first")):
         comm.reduce_add([torch.ones(3), torch.ones(3, dtype=torch.int64)])
-    with pytest.raises(ValueError, match="at least one input"):
+    with pytest.raises(ValueError, match=_whole("reduce_add expects at least one input tensor")):
         comm.reduce_add([])
-    with pytest.raises(TypeError, match=r"'inputs'\[0\] must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=_whole("'inputs'[0] must be a torch.Tensor, got int")):
         comm.reduce_add([3, 4])
-    with pytest.raises(ValueError, match="mixes CPU and CUDA|cannot be mixed"):
+    with pytest.raises(ValueError, match=_whole(
+            "reduce_add: input 1 is on meta but input 0 is on cpu; CPU and CUDA inputs cannot be mixed")):
         comm.reduce_add([torch.ones(3), torch.ones(3, device="meta")])
 
 
@@ -242,9 +266,9 @@ def test_reduce_add_coalesced(buffer_size, ndev):
 
 
 def test_reduce_add_coalesced_errors():
-    with pytest.raises(ValueError, match="inputs\\[1\\] holds 1 tensors"):
+    with pytest.raises(ValueError, match=_whole("inputs[1] holds 1 tensors, but inputs[0] holds 2")):
         comm.reduce_add_coalesced([[torch.ones(2), torch.ones(2)], [torch.ones(2)]])
-    with pytest.raises(ValueError, match="input 1 has invalid size"):
+    with pytest.raises(ValueError, match=_whole("input 1 has invalid size: got 3, but expected 2")):
         comm.reduce_add_coalesced([[torch.ones(2)], [torch.ones(3)]])
     with pytest.raises(TypeError):
         comm.reduce_add_coalesced(torch.ones(2))
@@ -309,17 +333,23 @@ def test_scatter_out():
 
 def test_scatter_errors():
     x = torch.ones(6, 4)
-    with pytest.raises(RuntimeError, match="Expected devices and chunk_sizes to be of same length"):
+    with pytest.raises(RuntimeError, match=_whole(
+            "Expected devices and chunk_sizes to be of same length, but got len(chunk_sizes) == 1 and "
+            "len(devices) == 2")):
         comm.scatter(x, ["cpu", "cpu"], chunk_sizes=(6,))
-    with pytest.raises(RuntimeError, match="'devices' must not be specified"):
-        comm.scatter(x, ["cpu"], out=[torch.empty(6, 4)])
-    with pytest.raises(RuntimeError, match="'chunk_sizes' must not be specified"):
-        comm.scatter(x, chunk_sizes=(6,), out=[torch.empty(6, 4)])
-    with pytest.raises(RuntimeError, match="Expected at least one device to scatter to"):
+    out = [torch.empty(6, 4)]
+    with pytest.raises(RuntimeError, match=_whole(_upstream_text(lambda: upstream.scatter(x, ["cpu"], out=out)))):
+        comm.scatter(x, ["cpu"], out=out)
+    with pytest.raises(RuntimeError, match=_whole(_upstream_text(lambda: upstream.scatter(x, chunk_sizes=(6,),
+                                                                                           out=out)))):
+        comm.scatter(x, chunk_sizes=(6,), out=out)
+    with pytest.raises(RuntimeError, match=_whole("Expected at least one device to scatter to")):
         comm.scatter(x, [])
-    with pytest.raises(RuntimeError, match="Expected at least one output tensor to scatter to"):
+    with pytest.raises(RuntimeError, match=_whole("Expected at least one output tensor to scatter to")):
         comm.scatter(x, out=[])
-    with pytest.raises(RuntimeError, match="Output tensor at index 0 has incorrect shape"):
+    with pytest.raises(RuntimeError, match=_whole(
+            "Output tensor at index 0 has incorrect shape: [3, 5] (torch.float32). Expected same shape except for "
+            "scatter dim 0 as the source tensor: [6, 4] (torch.float32).")):
         comm.scatter(x, out=[torch.empty(3, 5), torch.empty(3, 4)])
     with pytest.raises(RuntimeError, match="^" + re.escape(
             "Total size for output tensors along scatter dim 0 does not match the source tensor size at dim 0. "
@@ -329,17 +359,21 @@ def test_scatter_errors():
             "Total size for output tensors along scatter dim 1 does not match the source tensor size at dim 1. "
             "Expected 4, but got total size 3.") + "$"):
         comm.scatter(x, dim=1, out=[torch.empty(6, 2), torch.empty(6, 1)])
-    with pytest.raises(RuntimeError, match="add up to 5"):
+    with pytest.raises(RuntimeError, match=_whole(
+            "chunk_sizes [2, 3] add up to 5, but the tensor has 6 elements along dim 0; they must add up exactly")):
         comm.scatter(x, ["cpu", "cpu"], chunk_sizes=(2, 3))
-    with pytest.raises(RuntimeError, match="must be non-negative"):
+    with pytest.raises(RuntimeError, match=_whole("'chunk_sizes'[0] is -1; chunk sizes must be non-negative")):
         comm.scatter(x, ["cpu", "cpu"], chunk_sizes=(-1, 7))
-    with pytest.raises(TypeError, match="chunk_sizes"):
+    with pytest.raises(TypeError, match=_whole("'chunk_sizes'[0] must be an int, got float")):
         comm.scatter(x, ["cpu", "cpu"], chunk_sizes=(2.5, 3.5))
-    with pytest.raises(IndexError, match="Dimension out of range"):
+    with pytest.raises(IndexError) as torch_own:  # torch's text for the same dim
+        x.size(2)
+    with pytest.raises(IndexError, match=_whole(str(torch_own.value))):
         comm.scatter(x, ["cpu", "cpu"], dim=2)
-    with pytest.raises(RuntimeError, match="0-dimensional"):
+    with pytest.raises(RuntimeError, match=_whole(
+            "dim: cannot split or join a 0-dimensional tensor (it has no dim 0)")):
         comm.scatter(torch.tensor(1.0), ["cpu", "cpu"])
-    with pytest.raises(TypeError, match="'dim' must be an int"):
+    with pytest.raises(TypeError, match=_whole("'dim' must be an int, got str")):
         comm.scatter(x, ["cpu"], dim="0")
 
 
@@ -363,7 +397,14 @@ def test_gather_destinations_and_out():
     ref = torch.cat(parts)
     for dest in (None, "cpu", torch.device("cpu")):
         same(comm.gather(parts, destination=dest), ref)
-    with pytest.warns(FutureWarning, match="Using -1 to represent CPU tensor is deprecated"):
+    with warnings.catch_warnings(record=True) as theirs:  # upstream's warning, on the same call
+        warnings.simplefilter("always")
+        try:
+            upstream.gather(parts, destination=-1)
+        except AttributeError:  # a CPU-only torch has no torch._C._gather; it warns before
+            pass
+    (text,) = [str(w.message) for w in theirs if w.category is FutureWarning]
+    with pytest.warns(FutureWarning, match=_whole(text)):
         same(comm.gather(parts, destination=-1), ref)
     out = torch.empty(6, 3)
     assert comm.gather(parts, out=out) is out
@@ -372,21 +413,32 @@ def test_gather_destinations_and_out():
 
 def test_gather_errors():
     a = torch.ones(2, 3)
-    with pytest.raises(RuntimeError, match="'destination' must not be specified"):
-        comm.gather([a], destination="cpu", out=torch.empty(2, 3))
-    with pytest.raises(RuntimeError, match="Expected at least one tensor to gather from"):
+    out = torch.empty(2, 3)
+    with pytest.raises(RuntimeError, match=_whole(_upstream_text(lambda: upstream.gather([a], destination="cpu",
+                                                                                          out=out)))):
+        comm.gather([a], destination="cpu", out=out)
+    with pytest.raises(RuntimeError, match=_whole("Expected at least one tensor to gather from")):
         comm.gather([])
-    with pytest.raises(RuntimeError, match="Expected all input tensors to have the same number of dimensions"):
+    with pytest.raises(RuntimeError, match=_whole(
+            "Expected all input tensors to have the same number of dimensions, but input tensor at index 1 has 3 "
+            "dimensions, (expected 2)")):
         comm.gather([a, torch.ones(2, 3, 1)])
-    with pytest.raises(RuntimeError, match="Input tensor at index 1 has invalid shape"):
+    with pytest.raises(RuntimeError, match=_whole(
+            "Input tensor at index 1 has invalid shape [2, 4], but expected [2, 3] (all dimensions but 0 must match "
+            "input 0)")):
         comm.gather([a, torch.ones(2, 4)])
-    with pytest.raises(RuntimeError, match="Input tensor at index 1 has dtype"):
+    with pytest.raises(RuntimeError, match=_whole(
+            "Input tensor at index 1 has dtype torch.float64, but input 0 has torch.float32")):
         comm.gather([a, torch.ones(2, 3, dtype=torch.float64)])
-    with pytest.raises(RuntimeError, match="Expected out tensor to have shape"):
+    with pytest.raises(RuntimeError, match=_whole(
+            "Expected out tensor to have shape [4, 3] and dtype torch.float32, but got [3, 3] and torch.float32")):
         comm.gather([a, a], out=torch.empty(3, 3))
-    with pytest.raises(RuntimeError, match="Expected all input tensors to be CUDA tensors"):
+    with pytest.raises(RuntimeError, match=_whole(
+            "Expected all input tensors to be CUDA tensors, but input tensor at index 1 has device 'meta' (fastdp also "
+            "accepts all-CPU inputs, not a mix)")):
         comm.gather([a, torch.ones(2, 3, device="meta")])
-    with pytest.raises(ValueError, match="device index must be non-negative"):
+    with pytest.raises(ValueError, match=_whole(
+            "destination: device index must be non-negative, got -2; use \"cpu\" for the host")):
         comm.gather([a], destination=-2)
 
 
@@ -396,26 +448,33 @@ def test_gather_errors():
 def test_core_errors_become_exceptions():
     from fastdp import _C
 
-    with pytest.raises(ValueError, match="does not match source"):
+    with pytest.raises(ValueError, match=_whole(
+            "copy 0: destination [3] (element size 4) does not match source [4] (4)")):
         _C.copy([torch.empty(3)], [torch.empty(4)])
-    with pytest.raises(ValueError, match="reduce: the output must be contiguous"):
+    with pytest.raises(ValueError, match=_whole("reduce: the output must be contiguous")):
         _C.reduce([torch.ones(3, 2)], torch.empty(2, 3).t())
-    with pytest.raises(TypeError, match="dtype not supported"):
+    with pytest.raises(TypeError, match=_whole(
+            "reduce: dtype not supported (supported: bool, uint8, int8, int16, int32, int64, float16, bfloat16, "
+            "float32, float64)")):
         _C.reduce([torch.ones(3, dtype=torch.complex64)], torch.empty(3, dtype=torch.complex64))
-    with pytest.raises(TypeError, match=r"src\[0\] must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=_whole("src[0] must be a torch.Tensor, got object")):
         _C.copy([torch.empty(3)], [object()])
-    with pytest.raises(ValueError, match="meta device"):
+    with pytest.raises(ValueError, match=_whole("src[0] is on a meta device; fastdp moves CPU and CUDA tensors only")):
         _C.copy([torch.empty(3)], [torch.empty(3, device="meta")])
-    with pytest.raises(ValueError, match="Total size for output tensors"):
+    with pytest.raises(ValueError, match=_whole(
+            "Total size for output tensors along scatter dim 0 does not match the source tensor size at dim 0. "
+            "Expected 4, but got total size 2.")):
         _C.scatter(torch.ones(4), [torch.empty(1), torch.empty(1)], 0, [1, 1])
     assert issubclass(fastdp.FastDPError, RuntimeError)
     assert issubclass(fastdp.CudaError, fastdp.FastDPError) and issubclass(fastdp.NcclError, fastdp.FastDPError)
 
 
 def test_uninitialized_parameter_raises_upstream_error():
-    lazy = torch.nn.LazyLinear(3)
-    with pytest.raises(ValueError, match="Attempted to use an uninitialized parameter"):
-        comm.broadcast_coalesced(list(lazy.parameters()), ["cpu", "cpu"])
+    params = list(torch.nn.LazyLinear(3).parameters())
+    with pytest.raises(ValueError) as torch_own:  # torch's text, naming the first torch function used on it
+        params[0].is_conj()
+    with pytest.raises(ValueError, match=_whole(str(torch_own.value))):
+        comm.broadcast_coalesced(params, ["cpu", "cpu"])
 
 
 def run_python(code, env=None):

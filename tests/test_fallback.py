@@ -108,17 +108,21 @@ def test_one_warning_per_process_with_reason_and_fix(unavailable):
         comm.scatter(t, CPU3)
         comm.reduce_add([t, t], "cpu")
     (w,) = _fallback_warnings(record)
-    text = str(w.message)
-    assert REASON in text and "Fix: pip install nvidia-cuda-nvrtc" in text and "FASTDP_STRICT=1" in text
+    assert str(w.message) == (
+        f"fastdp: the C core cannot run fastdp.comm's broadcast here ({REASON}); torch's own implementation is "
+        "used instead, for this and every later call that needs it. Fix: pip install nvidia-cuda-nvrtc matching "
+        "the driver (PyTorch's CUDA wheels bring it), or reinstall fastdp on a machine where nvcc is found. Set "
+        "FASTDP_STRICT=1 to make this an error. (Shown once per process.)"
+    )
     assert _fallback.reason() == REASON
     assert fastdp.info()["fallback"] == REASON
 
 
 def test_strict_raises_instead(unavailable, monkeypatch):
     monkeypatch.setenv("FASTDP_STRICT", "1")
-    with pytest.raises(fastdp.BackendUnavailableError, match="FASTDP_STRICT") as e:
+    with pytest.raises(fastdp.BackendUnavailableError) as e:
         comm.broadcast(torch.randn(3), CPU3)
-    assert REASON in str(e.value)
+    assert str(e.value) == f"{REASON} (FASTDP_STRICT is set, so fastdp does not fall back to torch)"
     assert _fallback.reason() is None
 
 

@@ -111,7 +111,7 @@ def test_context_inside_a_patch_leaves_it_patched():
 
 
 def test_context_restores_after_an_exception():
-    with pytest.raises(RuntimeError, match="inside"):
+    with pytest.raises(RuntimeError, match="^inside$"):
         with fastdp.patched():
             raise RuntimeError("inside")
     assert _names() == UPSTREAM

@@ -167,7 +167,10 @@ def test_every_base_exception_in_every_replica_then_good_steps():
                 dp(x)
             except BaseException as e:
                 assert type(e) is expected_type(cls), (cls, type(e))
-                assert f"Caught {cls.__name__} in replica {r} on device cpu." in str(e), str(e)[:300]
+                # upstream's ExceptionWrapper text: its first line exactly; the original traceback below (a tree for
+                # exception groups) is not compared
+                first = str(e).splitlines()[0]
+                assert first == f"Caught {cls.__name__} in replica {r} on device cpu.", str(e)[:300]
             else:
                 raise AssertionError(f"{cls.__name__} in replica {r} was swallowed")
     model.fail = None
@@ -211,7 +214,9 @@ def test_every_base_exception_in_every_replica_then_good_steps():
     try:
         dp(x)
     except RuntimeError as e:
-        assert "ended without reporting a result" in str(e), e
+        # Replica 0 runs on the calling thread; replicas 1 to 3 were handed to the vanished workers.
+        assert str(e) == ("fastdp: the worker thread(s) running replica(s) [1, 2, 3] ended without reporting a "
+                          "result (interpreter shutting down?)"), e
     else:
         raise AssertionError("a dead worker's replica was not reported")
     assert time.perf_counter() - t0 < 30
@@ -398,42 +403,48 @@ print("OK", flush=True)
 
 def test_overlap_matrix():
     run_case("""
-    INTERNAL = "more than one element of the written-to tensor refers to a single memory location"
-    PARTIAL = "some elements of the input tensor and the written-to tensor refer to a single memory location"
-
-    def refused(fn, text):
+    def raised(fn):
         try:
             fn()
         except RuntimeError as e:
-            assert text in str(e), str(e)
-            return
+            return str(e)
         raise AssertionError(f"accepted: {fn.__doc__}")
 
-    # torch itself refuses an expanded destination with the same text.
-    try:
-        torch.add(torch.ones(4), 1, out=torch.zeros(1).expand(4))
-    except RuntimeError as e:
-        assert INTERNAL in str(e)
+    # torch's own texts: an expanded destination, and a destination that partly overlaps its source. fastdp's
+    # message is torch's, then which tensors of the call collide.
+    INTERNAL = raised(lambda: torch.add(torch.ones(4), 1, out=torch.zeros(1).expand(4)))
+    PARTIAL = raised(lambda: (lambda t: t[2:5].copy_(t[:3]))(torch.zeros(9)))
+
+    def refused(fn, text):
+        message = raised(fn)
+        assert message == text, (message, text)
 
     b = torch.zeros(12)
     cases = [
-        # (what, call, text)
+        # (what, call, whole message)
         ("gather into an expanded out", lambda: comm.gather([torch.arange(3.)] * 2, out=torch.zeros(1).expand(6)),
-         INTERNAL),
+         f"{INTERNAL} (copy: destination 0)"),
         ("broadcast into an expanded out", lambda: comm.broadcast(torch.arange(4.), out=[torch.empty(4),
                                                                                      torch.zeros(1).expand(4)]),
-         INTERNAL),
+         f"{INTERNAL} (copy: destination 1)"),
         ("scatter into an expanded out", lambda: comm.scatter(torch.arange(4.), out=[torch.zeros(1).expand(2),
-                                                                                     torch.empty(2)]), INTERNAL),
-        ("scatter outs overlap", lambda: comm.scatter(torch.arange(6.), out=[b[:3], b[1:4]]), INTERNAL),
-        ("broadcast outs overlap", lambda: comm.broadcast(torch.arange(4.), out=[b[:4], b[2:6]]), INTERNAL),
-        ("broadcast outs are one tensor", lambda: comm.broadcast(torch.arange(4.), out=[b[:4], b[:4]]), INTERNAL),
-        ("broadcast out overlaps the source", lambda: comm.broadcast(b[:4], out=[b[2:6]]), PARTIAL),
-        ("scatter out overlaps the source", lambda: comm.scatter(b[:6], out=[b[4:7], b[7:10]]), PARTIAL),
-        ("gather out overlaps an input", lambda: comm.gather([b[:3], b[3:6]], out=b[2:8]), PARTIAL),
+                                                                                     torch.empty(2)]),
+         f"{INTERNAL} (copy: destination 0)"),
+        ("scatter outs overlap", lambda: comm.scatter(torch.arange(6.), out=[b[:3], b[1:4]]),
+         f"{INTERNAL} (copy: destinations 0 and 1 overlap)"),
+        ("broadcast outs overlap", lambda: comm.broadcast(torch.arange(4.), out=[b[:4], b[2:6]]),
+         f"{INTERNAL} (copy: destinations 0 and 1 overlap)"),
+        ("broadcast outs are one tensor", lambda: comm.broadcast(torch.arange(4.), out=[b[:4], b[:4]]),
+         f"{INTERNAL} (copy: destinations 0 and 1 overlap)"),
+        ("broadcast out overlaps the source", lambda: comm.broadcast(b[:4], out=[b[2:6]]),
+         f"{PARTIAL} (copy: destination 0 overlaps source 0)"),
+        ("scatter out overlaps the source", lambda: comm.scatter(b[:6], out=[b[4:7], b[7:10]]),
+         f"{PARTIAL} (copy: destination 0 overlaps source 1)"),
+        ("gather out overlaps an input", lambda: comm.gather([b[:3], b[3:6]], out=b[2:8]),
+         f"{PARTIAL} (copy: destination 0 overlaps source 0)"),
         ("gather out overlaps an input (columns)",
          lambda: comm.gather([b.view(3, 4)[:, 0:1], b.view(3, 4)[:, 1:2]], out=b.view(3, 4)[:, 1:3], dim=1),
-         PARTIAL),
+         f"{PARTIAL} (copy: destination 0 overlaps source 1)"),
     ]
     for what, fn, text in cases:
         fn.__doc__ = what

@@ -186,10 +186,21 @@ def test_batch_of_one_raises_like_batchnorm():
     dp = fastdp.DataParallel(fastdp.convert_sync_batchnorm(copy.deepcopy(bare)), device_ids=["cpu"] * 2,
                              chunk_sizes=[1, 0])
     x = torch.randn(1, 3)
-    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+    with pytest.raises(ValueError) as upstream:
         bare(x)
-    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+    with pytest.raises(ValueError) as info:
         dp(x)
+    _check_replica_error(info.value, "ValueError", 0, f"ValueError: {upstream.value}")
+
+
+def _check_replica_error(error, type_name, replica, last_line):
+    """`error` is what parallel_apply re-raises for an exception in `replica` (upstream's ExceptionWrapper text):
+    the "Caught" line, then the replica's traceback, whose frames are not compared, ending in `last_line`."""
+    lines = str(error).splitlines()
+    assert lines[:2] == [f"Caught {type_name} in replica {replica} on device cpu.",
+                         "Original Traceback (most recent call last):"]
+    assert all(line.startswith("  ") for line in lines[2:-1]), lines  # nothing but traceback frames between
+    assert lines[-1] == last_line
 
 
 def test_convert_sync_batchnorm_keeps_values():
@@ -208,8 +219,9 @@ def test_convert_sync_batchnorm_keeps_values():
     for k, v in expected.items():
         assert torch.equal(got[k], v), k
     assert type(fastdp.convert_sync_batchnorm(nn.BatchNorm3d(2))) is nn.SyncBatchNorm
-    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+    with pytest.raises(TypeError) as info:
         fastdp.convert_sync_batchnorm(lambda x: x)
+    assert str(info.value) == "convert_sync_batchnorm: module must be a torch.nn.Module, got function"
 
 
 def _no_hang(fn, timeout=60):
@@ -260,8 +272,17 @@ def test_failing_replica_releases_the_others(where, bad):
     expected = KeyError if where != "skip" else RuntimeError
     with pytest.raises(expected) as info:
         _no_hang(lambda: dp(x))
+    chosen = [2, 4, 3].index(bad)
     if where == "skip":
-        assert "ended its forward without reaching" in str(info.value)
+        # The first replica released: the lowest index other than the chosen one; layer 1 is bn2.
+        released = fastdp.sync_batchnorm.ReplicaReleased
+        _check_replica_error(
+            info.value, "ReplicaReleased", 1 if chosen == 0 else 0,
+            f"{released.__module__}.{released.__qualname__}: fastdp: replica {chosen} ended its forward without "
+            "reaching call 0 of SyncBatchNorm layer 1; every replica must run the same synced layers",
+        )
+    else:
+        _check_replica_error(info.value, "KeyError", chosen, "KeyError: 'chosen replica fails'")
     # The wrapper still works afterwards.
     dp.module.bad = -1
     _no_hang(lambda: dp(x))

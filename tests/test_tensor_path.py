@@ -131,8 +131,9 @@ def test_rejections_match_the_python_path(name):
 
 def test_not_a_sequence(path):
     for arg, kind in ((torch.ones(2), "Tensor"), ("ab", "str"), (5, "int")):
-        with pytest.raises(TypeError, match=f"tensors must be a sequence of tensors, got {kind}"):
+        with pytest.raises(TypeError) as info:
             _C.describe(arg)
+        assert str(info.value) == f"tensors must be a sequence of tensors, got {kind}"
 
 
 def test_copy_is_correct_on_strided_views(path):
@@ -180,16 +181,19 @@ def test_later_argument_failure_releases_the_list(path):
     t = torch.ones(3)
     before = sys.getrefcount(t)
     for _ in range(20):
-        with pytest.raises(TypeError):
+        with pytest.raises(TypeError) as info:
             _C.copy([t], [t], 5)
-        with pytest.raises(ValueError, match="copy: 1 destinations for 2 sources"):
+        assert str(info.value) == "streams must be a sequence of (device, handle) pairs"
+        with pytest.raises(ValueError) as info:
             _C.copy([t], [t, t])
+        assert str(info.value) == "copy: 1 destinations for 2 sources"
     assert sys.getrefcount(t) == before
 
 
 def test_set_tensor_path_rejects_unknown_names():
-    with pytest.raises(ValueError, match='expected "aoti" or "python"'):
+    with pytest.raises(ValueError) as info:
         _C.set_tensor_path("cuda")
+    assert str(info.value) == "set_tensor_path: expected \"aoti\" or \"python\", got 'cuda'"
 
 
 def _run(env_value):

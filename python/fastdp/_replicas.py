@@ -312,55 +312,89 @@ def reduce_bucket(bucket, grads):
     use a member). Under no_sync the sums stay per replica and None is returned.
     """
     state = bucket.state
-    k, nrep = len(bucket.members), len(state.tdevs)
     if state.sync and state.kept:  # the first backward after no_sync: buckets it never reaches are flushed
         state.kept = False
         torch.autograd.Variable._execution_engine.queue_callback(partial(_flush, state))
-    if (bucket.pack and (bucket.pending is None or bucket.pending_flat) and not torch.is_grad_enabled()
-            and not any(map(operator.is_, grads, repeat(None))) and not any(map(_is_sparse, grads))):
-        # Every replica produced every member's gradient (the common case): each replica's gradients packed
-        # into one flat tensor by torch's C++ and the packed tensors summed in one core call. no_sync keeps the
-        # packed per-replica sums.
-        flats = [_flatten_dense(grads[r * k : (r + 1) * k]) for r in range(nrep)]
-        if all(f.dtype == bucket.dtype for f in flats):
-            owned = k > 1  # one member: the packed tensor is a view of autograd's gradient, not a copy
-            if bucket.pending is not None:
-                flats = [acc[0] + f for acc, f in zip(bucket.pending, flats)]
-                bucket.pending, owned = None, True
-            if not state.sync:
-                bucket.pending = [[f if owned else f.clone()] for f in flats]
-                bucket.pending_flat = state.kept = True
-                return (None,) * k
-            out = torch.empty(bucket.numel, dtype=bucket.dtype, device=state.tdevs[0])
-            if bucket.dtype.is_complex:
-                reduce_columns([[to_core_dtype(f) for f in flats]], [to_core_dtype(out)])
-            else:
-                reduce_columns([flats], [out])
-            return tuple(_unflatten(out, bucket.like, bucket.sizes, bucket.shapes))
-    if bucket.pending is not None and bucket.pending_flat:  # the per-member form for the path below
+    if _packable(bucket, grads):
+        result = _reduce_packed(bucket, grads)
+        if result is not None:
+            return result
+    rows = _member_rows(bucket, grads)
+    if not state.sync:
+        return _keep_members(bucket, rows)
+    if torch.is_grad_enabled():
+        # create_graph=True: the differentiable reduction, whose backward broadcasts again (double backward).
+        return ReduceAddCoalesced.apply(state.devices[0], state.devices, len(bucket.members),
+                                        *(g for row in rows for g in row))
+    return _reduce_members(bucket, rows)
+
+
+def _packable(bucket, grads):
+    """Whether the packed path may run: every replica produced every member's dense gradient (the common
+    case), outside create_graph, and whatever no_sync kept is packed too."""
+    return (bucket.pack and (bucket.pending is None or bucket.pending_flat) and not torch.is_grad_enabled()
+            and not any(map(operator.is_, grads, repeat(None))) and not any(map(_is_sparse, grads)))
+
+
+def _reduce_packed(bucket, grads):
+    """Each replica's gradients packed into one flat tensor by torch's C++ and the packed tensors summed in one
+    core call; no_sync keeps the packed per-replica sums. None where packing changed a dtype (the caller then
+    takes the per-member path)."""
+    state = bucket.state
+    k, nrep = len(bucket.members), len(state.tdevs)
+    flats = [_flatten_dense(grads[r * k : (r + 1) * k]) for r in range(nrep)]
+    if not all(f.dtype == bucket.dtype for f in flats):
+        return None
+    owned = k > 1  # one member: the packed tensor is a view of autograd's gradient, not a copy
+    if bucket.pending is not None:
+        flats = [acc[0] + f for acc, f in zip(bucket.pending, flats)]
+        bucket.pending, owned = None, True
+    if not state.sync:
+        bucket.pending = [[f if owned else f.clone()] for f in flats]
+        bucket.pending_flat = state.kept = True
+        return (None,) * k
+    out = torch.empty(bucket.numel, dtype=bucket.dtype, device=state.tdevs[0])
+    if bucket.dtype.is_complex:
+        reduce_columns([[to_core_dtype(f) for f in flats]], [to_core_dtype(out)])
+    else:
+        reduce_columns([flats], [out])
+    return tuple(_unflatten(out, bucket.like, bucket.sizes, bucket.shapes))
+
+
+def _member_rows(bucket, grads):
+    """Per replica, per member, the gradient to reduce: this backward's plus whatever no_sync kept (which is
+    consumed)."""
+    k, nrep = len(bucket.members), len(bucket.state.tdevs)
+    rows = [list(grads[r * k : (r + 1) * k]) for r in range(nrep)]
+    if bucket.pending is None:
+        return rows
+    if bucket.pending_flat:  # the per-member form of the packed sums
         bucket.pending = [list(_unflatten(acc[0], bucket.like, bucket.sizes, bucket.shapes))
                           for acc in bucket.pending]
         bucket.pending_flat = False
-    rows = [list(grads[r * k : (r + 1) * k]) for r in range(nrep)]
-    if bucket.pending is not None:  # fold in what no_sync kept
-        for r in range(nrep):
-            for j, acc in enumerate(bucket.pending[r]):
-                if acc is not None:
-                    rows[r][j] = acc if rows[r][j] is None else acc + rows[r][j]
-        bucket.pending = None
-    if not state.sync:
-        bucket.pending = [[None if g is None else g.detach().clone() for g in row] for row in rows]
-        state.kept = True
-        return (None,) * k
-    if torch.is_grad_enabled():
-        # create_graph=True: the differentiable reduction, whose backward broadcasts again (double backward).
-        return ReduceAddCoalesced.apply(state.devices[0], state.devices, k, *(g for row in rows for g in row))
-    dest = state.tdevs[0]
-    result = [None] * k
+    for row, kept in zip(rows, bucket.pending):
+        for j, acc in enumerate(kept):
+            if acc is not None:
+                row[j] = acc if row[j] is None else acc + row[j]
+    bucket.pending = None
+    return rows
+
+
+def _keep_members(bucket, rows):
+    """no_sync: keeps the per-replica, per-member sums for a later synchronising backward."""
+    bucket.pending = [[None if g is None else g.detach().clone() for g in row] for row in rows]
+    bucket.state.kept = True
+    return (None,) * len(bucket.members)
+
+
+def _reduce_members(bucket, rows):
+    """Column by column in one core call into views of one flat result (sparse gradients through comm)."""
+    dest = bucket.state.tdevs[0]
+    result = [None] * len(bucket.members)
     columns, outs = [], []
     views = None
     complex_ = bucket.dtype.is_complex  # one dtype per bucket: only complex buckets need the real-pair views
-    for j in range(k):
+    for j in range(len(result)):
         column = [row[j] for row in rows if row[j] is not None]
         if not column:
             continue
@@ -371,12 +405,8 @@ def reduce_bucket(bucket, grads):
             views = _unflatten(torch.empty(bucket.numel, dtype=bucket.dtype, device=dest), bucket.like,
                                bucket.sizes, bucket.shapes)
         out = result[j] = views[j]
-        if complex_:
-            columns.append([to_core_dtype(_dense(g)) for g in column])
-            outs.append(to_core_dtype(out))
-        else:
-            columns.append([g if g.is_contiguous() else g.contiguous() for g in column])
-            outs.append(out)
+        columns.append([to_core_dtype(_dense(g)) if complex_ else _dense(g) for g in column])
+        outs.append(to_core_dtype(out) if complex_ else out)
     if columns:
         reduce_columns(columns, outs)
     return tuple(result)
@@ -389,6 +419,47 @@ def _buckets(state, tensors, indices, bucket_bytes, own_versions):
         return []
     plan = _C.plan([tensors[i].detach() for i in order], [0] * len(order), bucket_bytes)
     return [_Bucket(state, [order[m[0]] for m in members], tensors, own_versions) for _, members in plan]
+
+
+def _slots(modules, replicas, tensors):
+    """Where each replica keeps each tensor (its _parameters / _buffers dicts, RNN flat-weight lists): parallel
+    lists of containers, keys and (replica, tensor index) references."""
+    tindex = {id(t): i for i, t in enumerate(tensors)}
+    containers, keys, refs = [], [], []
+    for r, row in enumerate(replicas):
+        for m, replica in zip(modules, row):
+            names = replica.__dict__.get("_flat_weights_names")
+            for key, p in m._parameters.items():
+                if p is None:
+                    replica._parameters[key] = None
+                    continue
+                t = tindex[id(p)]
+                containers += [replica._parameters, replica._former_parameters]
+                keys += [key, key]
+                refs += [(r, t), (r, t)]
+                if names is not None and key in names:
+                    containers.append(replica._flat_weights)
+                    keys.append(names.index(key))
+                    refs.append((r, t))
+            for key, b in m._buffers.items():
+                if b is not None:
+                    containers.append(replica._buffers)
+                    keys.append(key)
+                    refs.append((r, tindex[id(b)]))
+    return containers, keys, refs
+
+
+def _layout(state, params, buffers, bucket_bytes):
+    """(grad buckets, detached buckets) over params + buffers: the parameters and buffers that require grad,
+    then the rest."""
+    tensors = params + buffers
+    n = len(params)
+    diff = [i for i in range(n) if params[i].requires_grad]
+    diff += [n + i for i, b in enumerate(buffers) if b.requires_grad]
+    taken = set(diff)
+    rest = [i for i in range(len(tensors)) if i not in taken]
+    return (_buckets(state, tensors, diff, bucket_bytes, False),
+            _buckets(state, tensors, rest, bucket_bytes, True))
 
 
 class ReplicaSet:
@@ -405,45 +476,15 @@ class ReplicaSet:
         self.params = list(network.parameters())
         self.buffers = list(network.buffers())
         self.tensors = self.params + self.buffers
-        tindex = {id(t): i for i, t in enumerate(self.tensors)}
-        # Slots: where each replica keeps each tensor (its _parameters / _buffers dicts, RNN flat-weight lists).
-        containers, keys, refs = [], [], []
-        for r, row in enumerate(self.replicas):
-            for i, m in enumerate(self.modules):
-                replica = row[i]
-                names = replica.__dict__.get("_flat_weights_names")
-                for key, p in m._parameters.items():
-                    if p is None:
-                        replica._parameters[key] = None
-                        continue
-                    t = tindex[id(p)]
-                    containers += [replica._parameters, replica._former_parameters]
-                    keys += [key, key]
-                    refs += [(r, t), (r, t)]
-                    if names is not None and key in names:
-                        containers.append(replica._flat_weights)
-                        keys.append(names.index(key))
-                        refs.append((r, t))
-                for key, b in m._buffers.items():
-                    if b is not None:
-                        containers.append(replica._buffers)
-                        keys.append(key)
-                        refs.append((r, tindex[id(b)]))
-        self.containers, self.keys, self.refs = containers, keys, refs
-        self.nones = [None] * len(containers)
+        self.containers, self.keys, self.refs = _slots(self.modules, self.replicas, self.tensors)
+        self.nones = [None] * len(self.containers)
         # A compiled wrapper's replica keeps its own attributes (its forward calls its own module: see NOTE
         # [compiled modules] in replicate.py); every other replica mirrors its master each step.
         self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)
                       if not is_compiled(m)]
         self.synced = layer_indices(self.modules)  # SyncBatchNorm layers (fastdp.sync_batchnorm)
         # One bucket layout for both grad modes: the master tensors of each bucket live in one flat buffer.
-        n = len(self.params)
-        diff = [i for i in range(n) if self.params[i].requires_grad]
-        diff += [n + i for i, b in enumerate(self.buffers) if b.requires_grad]
-        taken = set(diff)
-        rest = [i for i in range(len(self.tensors)) if i not in taken]
-        layout = (_buckets(self.state, self.tensors, diff, bucket_bytes, False),
-                  _buckets(self.state, self.tensors, rest, bucket_bytes, True))
+        layout = _layout(self.state, self.params, self.buffers, bucket_bytes)
         for bucket in chain(*layout):
             bucket.flatten()
         self.plans = {True: layout}  # (grad buckets, detached buckets): what a forward with autograd uses

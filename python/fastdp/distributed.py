@@ -282,6 +282,51 @@ _COPIED_LOADER_ARGS = (
 )
 
 
+def _shardable_shuffle(loader):
+    """The loader's shuffle setting, after checking that shard() can rebuild it around a DistributedSampler."""
+    if isinstance(loader.dataset, IterableDataset):
+        raise ValueError("shard() cannot shard an IterableDataset: split it by rank inside the dataset's __iter__")
+    if loader.batch_size is None:
+        raise ValueError(
+            "shard() needs a DataLoader built with batch_size= (and shuffle= or no sampler), not batch_sampler= "
+            "or batch_size=None; build a DistributedSampler yourself for custom batching"
+        )
+    if isinstance(loader.sampler, RandomSampler):
+        if loader.sampler.replacement or loader.sampler._num_samples is not None:
+            raise ValueError("shard() cannot shard a RandomSampler with replacement or num_samples")
+        return True
+    if isinstance(loader.sampler, SequentialSampler):
+        return False
+    raise ValueError(
+        f"shard() cannot shard a DataLoader with a custom sampler ({type(loader.sampler).__name__}); use "
+        "shuffle=True/False, or a torch.utils.data.DistributedSampler of your own"
+    )
+
+
+def _rank_batch_size(batch_size, num_replicas, split_batch):
+    """Each rank's batch size: the global batch split over the ranks with split_batch, else batch_size."""
+    if not split_batch:
+        return batch_size
+    if batch_size % num_replicas:
+        raise ValueError(
+            f"batch_size={batch_size} is the global batch (split_batch=True) and must be divisible by the "
+            f"world size {num_replicas}; pick a multiple of {num_replicas}, or pass split_batch=False to load "
+            f"batch_size samples on every rank"
+        )
+    return batch_size // num_replicas
+
+
+def _copied_loader_args(loader):
+    """The DataLoader arguments shard() copies from loader (those this torch accepts; the worker-only ones only
+    with workers)."""
+    accepted = inspect.signature(DataLoader.__init__).parameters
+    kwargs = {name: getattr(loader, name) for name in _COPIED_LOADER_ARGS if name in accepted and hasattr(loader, name)}
+    if not kwargs.get("num_workers"):
+        kwargs.pop("prefetch_factor", None)
+        kwargs.pop("persistent_workers", None)
+    return kwargs
+
+
 def shard(loader, *, split_batch=True, seed=0, num_replicas=None, rank=None):
     """Returns ``loader`` sharded across the ranks: one call, for DataLoaders built with ``batch_size=`` and
     ``shuffle=`` (or a default sampler).
@@ -302,41 +347,12 @@ def shard(loader, *, split_batch=True, seed=0, num_replicas=None, rank=None):
         rank = get_rank() if num_replicas > 1 else 0
     if num_replicas == 1:
         return loader
-    if isinstance(loader.dataset, IterableDataset):
-        raise ValueError("shard() cannot shard an IterableDataset: split it by rank inside the dataset's __iter__")
-    if loader.batch_size is None:
-        raise ValueError(
-            "shard() needs a DataLoader built with batch_size= (and shuffle= or no sampler), not batch_sampler= "
-            "or batch_size=None; build a DistributedSampler yourself for custom batching"
-        )
-    if isinstance(loader.sampler, RandomSampler):
-        if loader.sampler.replacement or loader.sampler._num_samples is not None:
-            raise ValueError("shard() cannot shard a RandomSampler with replacement or num_samples")
-        shuffle = True
-    elif isinstance(loader.sampler, SequentialSampler):
-        shuffle = False
-    else:
-        raise ValueError(
-            f"shard() cannot shard a DataLoader with a custom sampler ({type(loader.sampler).__name__}); use "
-            "shuffle=True/False, or a torch.utils.data.DistributedSampler of your own"
-        )
-    batch_size = loader.batch_size
-    if split_batch:
-        if batch_size % num_replicas:
-            raise ValueError(
-                f"batch_size={batch_size} is the global batch (split_batch=True) and must be divisible by the "
-                f"world size {num_replicas}; pick a multiple of {num_replicas}, or pass split_batch=False to load "
-                f"batch_size samples on every rank"
-            )
-        batch_size //= num_replicas
+    shuffle = _shardable_shuffle(loader)
+    batch_size = _rank_batch_size(loader.batch_size, num_replicas, split_batch)
     sampler = DistributedSampler(
         loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=loader.drop_last
     )
-    accepted = inspect.signature(DataLoader.__init__).parameters
-    kwargs = {name: getattr(loader, name) for name in _COPIED_LOADER_ARGS if name in accepted and hasattr(loader, name)}
-    if not kwargs.get("num_workers"):
-        kwargs.pop("prefetch_factor", None)
-        kwargs.pop("persistent_workers", None)
+    kwargs = _copied_loader_args(loader)
     inner = DataLoader(loader.dataset, batch_size=batch_size, sampler=sampler, drop_last=loader.drop_last, **kwargs)
     return ShardedLoader(inner, sampler)
 

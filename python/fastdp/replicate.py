@@ -119,6 +119,30 @@ def _set_parameter(replica, key, value):
         replica._flat_weights[names.index(key)] = value
 
 
+def _install_parameters(module, replicas, copies, index):
+    """Sets module's parameters on its replicas (one per device) from the per-device copies."""
+    for key, param in module._parameters.items():
+        for replica, got in zip(replicas, copies):
+            if param is None:
+                replica._parameters[key] = None
+            else:
+                _set_parameter(replica, key, got[index[id(param)]])
+
+
+def _install_buffers(module, replicas, grad, other):
+    """Sets module's buffers on its replicas from the differentiable copies (buffers that require grad) or the
+    detached ones; `grad` and `other` are (per-device copies, index by tensor id) pairs."""
+    (copies, index), (other_copies, other_index) = grad, other
+    for key, buf in module._buffers.items():
+        for replica, got, other_got in zip(replicas, copies, other_copies):
+            if buf is None:
+                replica._buffers[key] = None
+            elif id(buf) in index:
+                setattr(replica, key, got[index[id(buf)]])
+            else:
+                setattr(replica, key, other_got[other_index[id(buf)]])
+
+
 def replicate(network, devices, detach=False):
     """Returns one replica of ``network`` per entry of ``devices`` (ints, "cuda:k", torch.device or "cpu")."""
     if not isinstance(network, torch.nn.Module):
@@ -143,23 +167,9 @@ def replicate(network, devices, detach=False):
 
     modules = list(network.modules())
     module_copies = skeletons(modules, num_replicas)
-
     for i, module in enumerate(modules):
-        for key, param in module._parameters.items():
-            for j in range(num_replicas):
-                replica = module_copies[j][i]
-                if param is None:
-                    replica._parameters[key] = None
-                else:
-                    _set_parameter(replica, key, copies[j][index[id(param)]])
-        for key, buf in module._buffers.items():
-            for j in range(num_replicas):
-                replica = module_copies[j][i]
-                if buf is None:
-                    replica._buffers[key] = None
-                elif id(buf) in index:
-                    setattr(replica, key, copies[j][index[id(buf)]])
-                else:
-                    setattr(replica, key, other_copies[j][other_index[id(buf)]])
+        replicas = [row[i] for row in module_copies]
+        _install_parameters(module, replicas, copies, index)
+        _install_buffers(module, replicas, (copies, index), (other_copies, other_index))
 
     return [module_copies[j][0] for j in range(num_replicas)]

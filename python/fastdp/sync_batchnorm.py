@@ -71,24 +71,31 @@ def begin(master, replicas, devices, kept=None):
     known = kept is not None and kept.network is master and kept.replicas[-1][0] is replicas[-1]
     if (known and not kept.synced) or (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None  # nothing synced; or a process group, where torch's own SyncBatchNorm runs
-    if known:
-        roots = {id(r): i for i, r in enumerate(replicas)}
-        rows = [None] * len(replicas)
-        for row in kept.replicas:
-            if id(row[0]) in roots:
-                rows[roots[id(row[0])]] = [row[i] for i in kept.synced]
-        masters = [kept.modules[i] for i in kept.synced]
-    else:
-        modules = list(master.modules())
-        index = layer_indices(modules)
-        if not index:
-            return None
-        masters = [modules[i] for i in index]
-        rows = []
-        for r in replicas:
-            mods = list(r.modules())
-            rows.append([mods[i] for i in index])
+    masters, rows = _kept_layers(kept, replicas) if known else _walked_layers(master, replicas)
+    if not masters:
+        return None
     return _Session(masters, rows, list(devices))
+
+
+def _kept_layers(kept, replicas):
+    """(master layers, per replica its layers) from the layer list a fastdp._replicas.ReplicaSet keeps."""
+    roots = {id(r): i for i, r in enumerate(replicas)}
+    rows = [None] * len(replicas)
+    for row in kept.replicas:
+        if id(row[0]) in roots:
+            rows[roots[id(row[0])]] = [row[i] for i in kept.synced]
+    return [kept.modules[i] for i in kept.synced], rows
+
+
+def _walked_layers(master, replicas):
+    """(master layers, per replica its layers) found by walking the module trees."""
+    modules = list(master.modules())
+    index = layer_indices(modules)
+    rows = []
+    for r in replicas:
+        mods = list(r.modules())
+        rows.append([mods[i] for i in index])
+    return [modules[i] for i in index], rows
 
 
 class _Slot:
@@ -149,33 +156,10 @@ class _Session:
             slot.inputs[r] = x
             slot.arrived += 1
             last = slot.arrived == self.n
-            while not last and slot.outputs is None and slot.error is None:
-                gone = [q for q in range(self.n) if slot.inputs[q] is None and self.left[q] is not None]
-                if gone:
-                    q = gone[0]
-                    why = f" (it raised {self.left[q]})" if self.left[q] else ""
-                    raise ReplicaReleased(
-                        f"fastdp: replica {q} ended its forward without reaching call {key[1]} of "
-                        f"{self.names[j]} layer {j}{why}; every replica must run the same synced layers"
-                    )
-                self.cond.wait()
+            if not last:
+                self._await(slot, j, key[1])
         if last:
-            try:
-                outs = _SyncNorm.apply(self.devices, eps, *slot.inputs)
-            except BaseException as e:
-                with self.cond:
-                    slot.error = f"{type(e).__name__}: {e}"
-                    self.cond.notify_all()
-                raise
-            with self.cond:
-                slot.outputs = outs
-                slot.inputs = None  # the node holds what backward needs
-                slot.taken[r] = True
-                self.cond.notify_all()
-                # Wait until the others have their outputs: a thread that just woke up needs the GIL, which this
-                # one would otherwise keep for up to sys.getswitchinterval() (5 ms) per layer.
-                while not all(slot.taken[q] or self.left[q] is not None for q in range(self.n)):
-                    self.cond.wait()
+            self._exchange(slot, r, eps)
         elif slot.error is not None:
             raise ReplicaReleased(f"fastdp: the exchange of {self.names[j]} layer {j} failed in another replica: "
                                   f"{slot.error}")
@@ -185,6 +169,40 @@ class _Session:
                 self.cond.notify_all()
         n = self.n
         return slot.outputs[r], slot.outputs[n + r]
+
+    def _await(self, slot, j, call):
+        """Waits, holding self.cond, until the last arriver at `slot` (call `call` of layer j) has run the node or
+        failed; raises ReplicaReleased when a replica that has not brought its input has ended."""
+        while slot.outputs is None and slot.error is None:
+            gone = [q for q in range(self.n) if slot.inputs[q] is None and self.left[q] is not None]
+            if gone:
+                q = gone[0]
+                why = f" (it raised {self.left[q]})" if self.left[q] else ""
+                raise ReplicaReleased(
+                    f"fastdp: replica {q} ended its forward without reaching call {call} of "
+                    f"{self.names[j]} layer {j}{why}; every replica must run the same synced layers"
+                )
+            self.cond.wait()
+
+    def _exchange(self, slot, r, eps):
+        """The last arriver (replica r): runs the node over every replica's input, hands out the outputs and waits
+        until the others hold theirs."""
+        try:
+            outs = _SyncNorm.apply(self.devices, eps, *slot.inputs)
+        except BaseException as e:
+            with self.cond:
+                slot.error = f"{type(e).__name__}: {e}"
+                self.cond.notify_all()
+            raise
+        with self.cond:
+            slot.outputs = outs
+            slot.inputs = None  # the node holds what backward needs
+            slot.taken[r] = True
+            self.cond.notify_all()
+            # Wait until the others have their outputs: a thread that just woke up needs the GIL, which this
+            # one would otherwise keep for up to sys.getswitchinterval() (5 ms) per layer.
+            while not all(slot.taken[q] or self.left[q] is not None for q in range(self.n)):
+                self.cond.wait()
 
 
 class _Tracked:

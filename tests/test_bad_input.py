@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 
 import fastdp
+
+from _replica_errors import ReplicaError
 from fastdp import comm
 
 CPU2 = ["cpu", "cpu"]
@@ -42,23 +44,8 @@ def _input_overlap():
     return _torch_text(lambda: (lambda b: b[2:5].copy_(b[:3]))(torch.zeros(9)))
 
 
-class _ReplicaError:
-    """What parallel_apply re-raises for an exception in `replica` (upstream's ExceptionWrapper text): the "Caught"
-    line, then the replica's traceback, whose frames are not compared, ending in `last_line`."""
-
-    def __init__(self, type_name, replica, last_line):
-        self.head = [f"Caught {type_name} in replica {replica} on device cpu.",
-                     "Original Traceback (most recent call last):"]
-        self.last_line = last_line
-
-    def matches(self, text):
-        lines = text.splitlines()
-        return (lines[:2] == self.head and all(line.startswith("  ") for line in lines[2:-1])
-                and lines[-1] == self.last_line)
-
-
 # (id, call, exception type, message): the whole message, or a function giving it (a text torch or Python raises
-# itself, taken from them at run time), or a _ReplicaError (a replica's error with its traceback)
+# itself, taken from them at run time), or a ReplicaError (a replica's error with its traceback)
 CASES = [
     # ---- fastdp.comm.broadcast
     ("broadcast/tensor-not-tensor", lambda: comm.broadcast([1, 2], CPU2), TypeError,
@@ -210,7 +197,7 @@ CASES = [
      "The number of modules 2 is not equal to the number of inputs 1"),
     ("parallel_apply/replica-raises", lambda: fastdp.parallel_apply([_lin(), None], [torch.ones(1, 2)] * 2,
                                                                     devices=CPU2),
-     TypeError, _ReplicaError("TypeError", 1, "TypeError: 'NoneType' object is not callable")),
+     TypeError, ReplicaError("TypeError", 1, "TypeError: 'NoneType' object is not callable")),
     pytest.param("parallel_apply/cuda-without-cuda",
                  lambda: fastdp.parallel_apply([_lin()], [torch.ones(1, 2)], devices=[0]),
                  fastdp.BackendUnavailableError,
@@ -235,7 +222,7 @@ def test_bad_input(call, exc, message):
         call()
     assert type(info.value) is exc, f"{type(info.value).__name__}: {info.value}"
     text = str(info.value)
-    if isinstance(message, _ReplicaError):
+    if isinstance(message, ReplicaError):
         assert message.matches(text), text
     else:
         assert text == (message if isinstance(message, str) else message())

@@ -20,10 +20,16 @@ import torch.nn as nn
 
 import fastdp
 
+from _replica_errors import ReplicaError
+
 # Upstream's text for a parameter or buffer off device_ids[0] (torch.nn.DataParallel.forward; it needs CUDA to say it).
 MODULE_DEVICE = ("module must have its parameters and buffers on device {} (device_ids[0]) but found one of them on "
                  "device: {}")
 
+
+# Upstream's text (its Gather needs CUDA to say it).
+SCALARS_WARNING = ("Was asked to gather along dimension 0, but all input tensors were scalars; "
+                   "will instead unsqueeze and return a vector.")
 
 def _upstream_minus_one_warning():
     """The FutureWarning upstream's comm.gather gives for destination=-1 (what follows it may fail without CUDA)."""
@@ -431,10 +437,7 @@ def test_gather_scalars_become_a_vector_with_upstream_warning():
 
     m = Net()
     x = torch.randn(6, 3)
-    with pytest.warns(UserWarning, match="^" + re.escape(  # upstream's text (its Gather needs CUDA to say it)
-        "Was asked to gather along dimension 0, but all input tensors were scalars; "
-        "will instead unsqueeze and return a vector."
-    ) + "$"):
+    with pytest.warns(UserWarning, match="^" + re.escape(SCALARS_WARNING) + "$"):
         out = fastdp.DataParallel(m, device_ids=ids("cpu", 2))(x)
     assert out.shape == (2,)
     torch.testing.assert_close(out, torch.stack([m(x[:3]), m(x[3:])]))
@@ -506,8 +509,11 @@ def test_outputs_of_different_shapes_cannot_be_gathered():
     x = torch.zeros(4, 3)
     x[2:, 0] = 1
     x[:2, 1:] = 5
-    with pytest.raises(RuntimeError, match="Input tensor at index 1 has invalid shape"):  # the core's check (comm)
+    with pytest.raises(RuntimeError) as info:  # the core's check (comm), with the shapes it compared
         fastdp.DataParallel(Returns(lambda x: x[:, : int(x[0, 0])]), device_ids=ids("cpu", 2))(x)
+    shapes = [list(x[:2, :int(x[0, 0])].shape), list(x[2:, :int(x[2, 0])].shape)]
+    assert str(info.value) == (f"Input tensor at index 1 has invalid shape {shapes[1]}, but expected {shapes[0]} "
+                               "(all dimensions but 0 must match input 0)")
 
 
 def test_gather_of_none_is_none():
@@ -564,7 +570,7 @@ def test_gather_cpu():
     torch.autograd.gradgradcheck(lambda x, y: fastdp.gather((x, y), "cpu"), (a, b))
     sa = torch.randn((), dtype=torch.double, requires_grad=True)
     sb = torch.randn((), dtype=torch.double, requires_grad=True)
-    with pytest.warns(UserWarning, match="were scalars"):
+    with pytest.warns(UserWarning, match="^" + re.escape(SCALARS_WARNING) + "$"):
         v = fastdp.gather((sa, sb), "cpu")
     assert v.shape == (2,)
     v.backward(torch.tensor([2.0, 3.0], dtype=torch.double))
@@ -678,9 +684,11 @@ def test_zero_grad_inside_replica_warns_upstream_text():
             self.zero_grad()
             return self.l(x)
 
-    with pytest.warns(UserWarning, match=re.escape(
-        "Calling .zero_grad() from a module created with nn.DataParallel() has no effect."
-    )):
+    replica = nn.Linear(1, 1)
+    replica._is_replica = True
+    with pytest.warns(UserWarning) as upstream:  # torch's own text, from a module marked as a replica
+        replica.zero_grad()
+    with pytest.warns(UserWarning, match="^" + re.escape(str(upstream[0].message)) + "$"):
         fastdp.DataParallel(Net(), device_ids=ids("cpu", 2))(torch.randn(4, 2))
 
 
@@ -712,8 +720,11 @@ def test_rnn_flatten_parameters_no_grad_and_one_step():
 
 def test_lazy_linear_raises():
     dp = fastdp.DataParallel(nn.LazyLinear(10), device_ids=ids("cpu", 2))
-    with pytest.raises(ValueError, match="Attempted to use an uninitialized parameter"):
+    with pytest.raises(ValueError) as info:
         dp(torch.randn(4, 3))
+    with pytest.raises(ValueError) as upstream:  # torch's own text, naming fastdp's function
+        nn.UninitializedParameter.__torch_function__("fastdp.replicate", (), ())
+    assert str(info.value) == str(upstream.value)
 
 
 def test_script_module_replicates():
@@ -965,11 +976,13 @@ def test_parallel_apply_passes_exception():
         def forward(self, *args):
             return {}["wonderful"]
 
-    with pytest.raises(KeyError, match=r"Caught KeyError in replica \d on device cpu.\nOriginal Traceback[\s\S]+wonderful"):
+    with pytest.raises(KeyError) as info:
         fastdp.parallel_apply([TestModule()], [None], None, ["cpu"])
+    ReplicaError("KeyError", 0, "KeyError: 'wonderful'").check(info.value)
     dp = fastdp.DataParallel(TestModule(), device_ids=ids("cpu", 2))
-    with pytest.raises(KeyError, match=r"Caught KeyError in replica 0 on device cpu"):
+    with pytest.raises(KeyError) as info:
         dp(torch.randn(4, 1))
+    ReplicaError("KeyError", 0, "KeyError: 'wonderful'").check(info.value)
 
 
 def test_lowest_failing_replica_wins():
@@ -983,8 +996,9 @@ def test_lowest_failing_replica_wins():
             return x
 
     x = torch.arange(3.0).repeat_interleave(2).unsqueeze(1)
-    with pytest.raises(ValueError, match=r"Caught ValueError in replica 1 on device cpu.[\s\S]+from replica one"):
+    with pytest.raises(ValueError) as info:
         fastdp.DataParallel(Net(), device_ids=ids("cpu", 3))(x)
+    ReplicaError("ValueError", 1, "ValueError: from replica one").check(info.value)
 
 
 def test_forward_hooks_on_wrapper_run_once_and_on_module_per_replica():
@@ -1118,8 +1132,11 @@ def test_load_state_dict_strict_errors_name_plain_keys(form):
     if form == "prefixed":
         sd = collections.OrderedDict(("module." + k, v) for k, v in sd.items())
     dp = fastdp.DataParallel(_model(), device_ids=ids("cpu", 2))
-    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0.bias"[\s\S]*Unexpected key\(s\) in state_dict: "extra.weight"'):
+    with pytest.raises(RuntimeError) as info:
         dp.load_state_dict(sd)
+    with pytest.raises(RuntimeError) as bare:  # the bare model's text for the same keys, without the prefix
+        _model().load_state_dict(collections.OrderedDict((k.removeprefix("module."), v) for k, v in sd.items()))
+    assert str(info.value) == str(bare.value)
     result = dp.load_state_dict(sd, strict=False)
     assert result.missing_keys == ["0.bias"] and result.unexpected_keys == ["extra.weight"]
 

@@ -9,6 +9,8 @@ import torch.nn as nn
 
 import fastdp
 
+from _replica_errors import ReplicaError
+
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 
@@ -190,17 +192,7 @@ def test_batch_of_one_raises_like_batchnorm():
         bare(x)
     with pytest.raises(ValueError) as info:
         dp(x)
-    _check_replica_error(info.value, "ValueError", 0, f"ValueError: {upstream.value}")
-
-
-def _check_replica_error(error, type_name, replica, last_line):
-    """`error` is what parallel_apply re-raises for an exception in `replica` (upstream's ExceptionWrapper text):
-    the "Caught" line, then the replica's traceback, whose frames are not compared, ending in `last_line`."""
-    lines = str(error).splitlines()
-    assert lines[:2] == [f"Caught {type_name} in replica {replica} on device cpu.",
-                         "Original Traceback (most recent call last):"]
-    assert all(line.startswith("  ") for line in lines[2:-1]), lines  # nothing but traceback frames between
-    assert lines[-1] == last_line
+    ReplicaError("ValueError", 0, f"ValueError: {upstream.value}").check(info.value)
 
 
 def test_convert_sync_batchnorm_keeps_values():
@@ -276,13 +268,13 @@ def test_failing_replica_releases_the_others(where, bad):
     if where == "skip":
         # The first replica released: the lowest index other than the chosen one; layer 1 is bn2.
         released = fastdp.sync_batchnorm.ReplicaReleased
-        _check_replica_error(
-            info.value, "ReplicaReleased", 1 if chosen == 0 else 0,
+        ReplicaError(
+            "ReplicaReleased", 1 if chosen == 0 else 0,
             f"{released.__module__}.{released.__qualname__}: fastdp: replica {chosen} ended its forward without "
             "reaching call 0 of SyncBatchNorm layer 1; every replica must run the same synced layers",
-        )
+        ).check(info.value)
     else:
-        _check_replica_error(info.value, "KeyError", chosen, "KeyError: 'chosen replica fails'")
+        ReplicaError("KeyError", chosen, "KeyError: 'chosen replica fails'").check(info.value)
     # The wrapper still works afterwards.
     dp.module.bad = -1
     _no_hang(lambda: dp(x))

@@ -17,6 +17,14 @@ def test_stream_entries_must_be_tuples(item):
     assert str(info.value) == f"streams[1] must be a (device, handle) tuple, got {type(item).__name__}"
 
 
+@pytest.mark.parametrize("item", [(0,), (0, 0, 0), ()], ids=len)
+def test_stream_entries_must_be_pairs(item):
+    """A tuple of another length names the entry too (PyArg_ParseTuple's own text did not)."""
+    with pytest.raises(TypeError) as info:
+        _C.copy([torch.zeros(2)], [torch.ones(2)], [(0, 0), item])
+    assert str(info.value) == f"streams[1] must be a (device, handle) tuple, got a tuple of {len(item)} items"
+
+
 def test_chunk_sizes_length_is_checked_before_its_items():
     """The length message comes first, as before the converters, even when the items are not ints either."""
     with pytest.raises(ValueError) as info:

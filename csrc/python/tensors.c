@@ -234,8 +234,13 @@ int fdp__streams_converter(PyObject *obj, void *out) {
     int dev;
     unsigned long long handle;
     PyObject *pair = PySequence_Fast_GET_ITEM(fast, i);
-    if (!PyTuple_Check(pair)) { /* PyArg_ParseTuple would raise SystemError for it */
-      PyErr_Format(PyExc_TypeError, "streams[%zd] must be a (device, handle) tuple, got %s", i, Py_TYPE(pair)->tp_name);
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) { /* PyArg_ParseTuple would not name the entry */
+      if (PyTuple_Check(pair))
+        PyErr_Format(PyExc_TypeError, "streams[%zd] must be a (device, handle) tuple, got a tuple of %zd items", i,
+                     PyTuple_GET_SIZE(pair));
+      else
+        PyErr_Format(PyExc_TypeError, "streams[%zd] must be a (device, handle) tuple, got %s", i,
+                     Py_TYPE(pair)->tp_name);
       ok = 0;
       break;
     }

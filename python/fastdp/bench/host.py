@@ -1,6 +1,7 @@
 """The host backend's copy and sum next to torch's: ``_C.copy`` of one contiguous pair against ``dst.copy_(src)``,
 ``_C.reduce`` of several inputs into one output against ``a + b + c + d`` (out= chain) and ``torch.sum(torch.stack)``,
-for a few sizes and dtypes. Interleaved rounds, medians, one torch thread.
+for a few sizes and dtypes. Interleaved rounds (each starting at the next configuration, so that none always runs
+after the cache-evicting one), medians, one torch thread.
 
 python -m fastdp.bench.host [--sizes 331530,262144,4194304] [--dtypes float32,float64,bfloat16,float16]
                             [--inputs 4] [--rounds 9] [--calls 10] [--out bench-out]
@@ -58,8 +59,11 @@ def measure(numel, dtype, inputs=4, rounds=9, calls=10):
     samples = {name: [] for name in configs}
     for fn in configs.values():  # warm-up: pages touched, caches filled
         _per_call(fn, 2)
-    for _ in range(rounds):
-        for name, fn in configs.items():
+    order = list(configs)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:  # each round starts one further along
+            fn = configs[name]
+            fn()  # untimed: brings this configuration's tensors back into the caches the previous one evicted
             samples[name].append(_per_call(fn, calls))
     return {name: statistics.median(v) for name, v in samples.items()}
 

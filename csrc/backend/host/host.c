@@ -181,14 +181,18 @@ static void copy_range(void *ctx, int64_t begin, int64_t end) {
 
 static fdp_result_t host_copy(const fdp_copy_t *copies, int n, const fdp_streams_t *streams) {
   (void)streams;
-  int64_t min_bytes = fdp__param(FDP_PARAM_HOST_PARALLEL_MIN);
+  int64_t min_bytes = fdp__param(FDP_PARAM_HOST_PARALLEL_MIN), total = 0;
+  /* Threads when the whole call moves enough bytes (a scatter's chunks together), each thread then taking at least
+   * a quarter of that threshold. */
+  for (int i = 0; i < n; i++)
+    total += fdp_tensor_numel(&copies[i].src) * copies[i].src.elem_size;
   for (int i = 0; i < n; i++) {
     plan_copy_t p;
     plan_copy(&copies[i], &p);
     int64_t items = p.rows == 1 ? p.row_len : p.rows;
     int64_t bytes = p.rows * p.row_len * p.elem_size;
     int64_t item_bytes = bytes / (items ? items : 1);
-    int64_t grain = bytes < min_bytes ? items : (min_bytes / 4) / (item_bytes ? item_bytes : 1) + 1;
+    int64_t grain = total < min_bytes ? items : (min_bytes / 4) / (item_bytes ? item_bytes : 1) + 1;
     parallel_for(items, grain, copy_range, &p);
   }
   return FDP_OK;

@@ -269,8 +269,8 @@ static inline uint16_t f2bf(float f) {
   return (uint16_t)(x >> 16);
 }
 
-/* Integer and bool sums: out = inputs[0], then each later input added in turn, a block at a time so that the
- * block of out stays in the L1 cache. */
+/* Integer and bool sums, and half-type sums where no vector loop ran: out = inputs[0], then each later input added
+ * in turn, a block at a time so that the block of out stays in the L1 cache. */
 #define SUM_LOOP(T, OP)                                                                                                \
   do {                                                                                                                 \
     T *o = (T *)c->out->data;                                                                                          \
@@ -288,7 +288,8 @@ static inline uint16_t f2bf(float f) {
 
 /* float and double sums in input order, ((a + b) + c) + d element for element, with fewer passes over each block:
  * the first pass adds two inputs (or one, in place), each later pass two more. Separate loops for the in-place
- * case keep every `restrict` true: out is never an input other than inputs[0] (host_reduce checks). */
+ * case keep every `restrict` true: out overlaps no input but inputs[0], and that one only as the same view
+ * (fdp_op_reduce refuses partial overlaps, host_reduce any other input at out's address). */
 #define REAL_SUM(NAME, T)                                                                                              \
   static void NAME##_first(T *restrict o, const T *restrict a, const T *restrict b, int64_t len) {                     \
     for (int64_t i = 0; i < len; i++)                                                                                  \

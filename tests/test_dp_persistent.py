@@ -371,3 +371,32 @@ def test_batchnorm_stats_from_chunk0_with_kept_replicas():
     torch.testing.assert_close(model[1].running_mean, bare[1].running_mean)
     torch.testing.assert_close(model[1].running_var, bare[1].running_var)
     assert model[1].num_batches_tracked.item() == 3
+
+
+def _move_bias_to_buffers(m):
+    b = m[0]._parameters.pop("bias")  # the last parameter, becoming the only buffer: the same entries in order
+    m[0].register_buffer("bias", b)  # the same tensor object: only the list it sits in differs
+
+
+WALK_CHANGES = {
+    "param_to_buffer": _move_bias_to_buffers,
+    "param_to_none": lambda m: setattr(m[0], "bias", None),
+    "none_buffer": lambda m: m[0].register_buffer("spare", None),
+    "freeze": lambda m: m[1].weight.requires_grad_(False),
+    "swap_children": lambda m: m._modules.update({"0": m[1], "1": m[0]}),
+    "empty_child": lambda m: m[0].add_module("inner", nn.Identity()),
+    "shape": lambda m: setattr(m[0].weight, "data", torch.zeros(3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(WALK_CHANGES))
+def test_walk_signature_sees_structure_changes(name):
+    """The per-step structure signature changes with each change that makes kept replicas stale, and is stable
+    when nothing changed."""
+    from fastdp._replicas import walk
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    before = walk(model)[1]
+    assert walk(model)[1] == before
+    WALK_CHANGES[name](model)
+    assert walk(model)[1] != before

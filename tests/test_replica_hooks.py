@@ -98,3 +98,59 @@ def test_refresh_rejects_bad_mirror_count():
     with pytest.raises(ValueError) as info:
         _C.refresh([({}, {})], ("a",), 2)
     assert str(info.value) == "refresh: nmirrored must be between 0 and len(owned) (1), got 2"
+
+
+def _reference_refresh(master, replica, owned, nmirrored):
+    """refresh's documented result for one pair, computed in Python: the replica dict becomes a copy of the master's
+    (in its order), except that owned keys keep the replica's values (appended in `owned` order where the master
+    lacks them); the last `nmirrored` owned dicts keep their objects with the master's entries."""
+    saved = {k: replica[k] for k in owned if k in replica}
+    mirrored = owned[len(owned) - nmirrored:]
+    contents = {k: list(master[k].items()) if k in mirrored and k in master and saved.get(k) is not master[k]
+                else None for k in saved}
+    out = dict(master)
+    for k in owned:
+        if k in saved:
+            out[k] = saved[k]
+    return out, contents
+
+
+def _check_refresh(pairs, owned, nmirrored):
+    from fastdp import _C
+
+    want = [_reference_refresh(m, r, owned, nmirrored) for m, r in pairs]
+    _C.refresh(pairs, owned, nmirrored)
+    for (m, r), (items, contents) in zip(pairs, want):
+        assert list(r) == list(items)  # same keys, same order
+        assert all(r[k] is v for k, v in items.items())
+        for k, kv in contents.items():
+            if kv is not None:
+                assert list(r[k].items()) == kv
+
+
+def test_refresh_matches_reference_step_after_step():
+    """The in-place refresh (taken while the master's keys stay put) and the full one give the reference result:
+    values changed on the master, keys added, deleted and moved, owned keys only the replica has, hook dicts
+    refilled; each change followed by unchanged steps."""
+    owned, nmirrored = ("_own", "_only_replica", "_hooks_a", "_hooks_b"), 2
+    master = {"a": 1, "_own": ["master's"], "b": "x", "_hooks_a": {1: "h1"}, "c": 3.0}
+    replica = {"_own": ["replica's"], "_only_replica": True, "_hooks_a": {}, "_hooks_b": {7: "stale"}}
+    other = dict(master)  # a second pair sharing the master's values
+    other_replica = {"_own": ["other"], "_hooks_a": {}}
+    pairs = [(master, replica), (other, other_replica)]
+    changes = [
+        lambda: None,
+        lambda: master.__setitem__("a", object()),  # a new value
+        lambda: master["_hooks_a"].__setitem__(2, "h2"),  # a hook added on the master
+        lambda: master.__setitem__("d", [4]),  # a new key
+        lambda: master.pop("b"),  # a key gone
+        lambda: master.__setitem__("a", master.pop("a")),  # a key moved to the end
+        lambda: master.__setitem__("_hooks_b", {3: "h3"}),  # the master gains a mirrored dict
+        lambda: [master.__setitem__(f"k{i}", i) for i in range(40)],  # many new keys
+        lambda: [master.__setitem__(f"k{i}", -i) for i in range(40)],  # many changed values at once
+        lambda: replica.__setitem__("stray", 1),  # a key only the replica has, not owned: dropped
+    ]
+    for change in changes:
+        change()
+        for _ in range(3):
+            _check_refresh(pairs, owned, nmirrored)

@@ -412,16 +412,103 @@ static int restore_owned(PyObject *master, PyObject *replica, PyObject *key, PyO
   return PyDict_SetItem(replica, key, saved) < 0;
 }
 
+/* The owned keys of one refresh() call and their hashes, so that telling whether a dict key is owned costs integer
+ * compares (an equal key has an equal hash; only a hash match is compared, by identity, then by ==). */
+typedef struct {
+  PyObject *owned; /* the PySequence_Fast of keys */
+  Py_ssize_t n, nmirrored;
+  Py_hash_t hash[32];
+} owned_keys_t;
+
+/* The index of `key` among the owned keys, -1 when not owned, -2 on error. */
+static int owned_index(const owned_keys_t *ok, PyObject *key) {
+  Py_hash_t h = PyObject_Hash(key); /* a str caches its hash: no hashing after the first time */
+  if (h == -1) return -2;
+  for (Py_ssize_t k = 0; k < ok->n; k++) {
+    if (ok->hash[k] != h) continue;
+    PyObject *o = PySequence_Fast_GET_ITEM(ok->owned, k);
+    int eq = o == key ? 1 : PyObject_RichCompareBool(o, key, Py_EQ);
+    if (eq < 0) return -2;
+    if (eq) return (int)k;
+  }
+  return -1;
+}
+
+#define REFRESH_MAX_CHANGED 16
+
+/* refresh_pair's common case, with no table rebuilt: the replica's dict already holds the master's keys in the
+ * master's order, then only owned keys the master lacks, in the order of `owned` (what every refresh leaves while
+ * the master gains or loses no attribute). Then the outcome of the full refresh is reached by replacing only the
+ * values the master changed and refilling the mirrored dicts. Returns 1 when done, 0 when the full refresh must
+ * run instead (nothing touched), -1 on error. */
+static int refresh_in_place(PyObject *master, PyObject *replica, const owned_keys_t *ok) {
+  if (PyDict_GET_SIZE(master) > PyDict_GET_SIZE(replica)) return 0;
+  PyObject *set_key[REFRESH_MAX_CHANGED], *set_value[REFRESH_MAX_CHANGED], *mirror_m[32], *mirror_r[32];
+  int nset = 0, nmirror = 0, r = 1;
+  Py_ssize_t pm = 0, pr = 0;
+  PyObject *km, *vm, *kr, *vr;
+  /* Collected first (new references), applied after the walk: no dict changes while it is walked. */
+  while (r == 1 && PyDict_Next(master, &pm, &km, &vm)) {
+    if (!PyDict_Next(replica, &pr, &kr, &vr) || kr != km) {
+      r = 0;
+      break;
+    }
+    int k = owned_index(ok, km);
+    if (k == -2) {
+      r = -1;
+    } else if (k >= 0) {
+      if (k >= ok->n - ok->nmirrored) {
+        mirror_m[nmirror] = Py_NewRef(vm);
+        mirror_r[nmirror++] = Py_NewRef(vr);
+      }
+    } else if (vr != vm) {
+      if (nset == REFRESH_MAX_CHANGED) {
+        r = 0;
+      } else {
+        set_key[nset] = Py_NewRef(km);
+        set_value[nset++] = Py_NewRef(vm);
+      }
+    }
+  }
+  /* The replica's own keys after the master's: owned ones only, in increasing order (mirroring needs the master's
+   * dict, which is absent: nothing to refill). */
+  for (int last = -1; r == 1 && PyDict_Next(replica, &pr, &kr, &vr);) {
+    int k = owned_index(ok, kr);
+    if (k == -2)
+      r = -1;
+    else if (k <= last)
+      r = 0;
+    else
+      last = k;
+  }
+  for (int i = 0; i < nset; i++) {
+    if (r == 1 && PyDict_SetItem(replica, set_key[i], set_value[i]) < 0) r = -1;
+    Py_DECREF(set_key[i]);
+    Py_DECREF(set_value[i]);
+  }
+  for (int i = 0; i < nmirror; i++) {
+    if (r == 1 && mirror_dict(mirror_m[i], mirror_r[i]) < 0) r = -1;
+    Py_DECREF(mirror_m[i]);
+    Py_DECREF(mirror_r[i]);
+  }
+  return r;
+}
+
 /* One pair of refresh(): pairs[i], a (master, replica) tuple of dicts; at most 32 owned keys, the last `nmirrored`
  * of them mirrored. */
-static int refresh_pair(PyObject *pair, PyObject *owned, Py_ssize_t nowned, Py_ssize_t nmirrored, Py_ssize_t i) {
-  PyObject *saved[32];
+static int refresh_pair(PyObject *pair, const owned_keys_t *ok, Py_ssize_t i) {
+  PyObject *saved[32], *owned = ok->owned;
+  Py_ssize_t nowned = ok->n, nmirrored = ok->nmirrored;
   if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyDict_Check(PyTuple_GET_ITEM(pair, 0)) ||
       !PyDict_Check(PyTuple_GET_ITEM(pair, 1))) {
     PyErr_Format(PyExc_TypeError, "refresh: pairs[%zd] must be a (dict, dict) tuple", i);
     return -1;
   }
   PyObject *master = PyTuple_GET_ITEM(pair, 0), *replica = PyTuple_GET_ITEM(pair, 1);
+  if (master != replica) {
+    int done = refresh_in_place(master, replica, ok);
+    if (done != 0) return done < 0 ? -1 : 0;
+  }
   if (save_owned(replica, owned, nowned, saved) < 0) return -1;
   PyDict_Clear(replica);
   int bad = PyDict_Update(replica, master) < 0;
@@ -460,8 +547,11 @@ static PyObject *py_refresh(PyObject *module, PyObject *args) {
                  nmirrored);
     goto done;
   }
+  owned_keys_t ok = {owned, nowned, nmirrored, {0}};
+  for (Py_ssize_t k = 0; k < nowned; k++)
+    if ((ok.hash[k] = PyObject_Hash(PySequence_Fast_GET_ITEM(owned, k))) == -1) goto done;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(pairs); i++)
-    if (refresh_pair(PySequence_Fast_GET_ITEM(pairs, i), owned, nowned, nmirrored, i) < 0) goto done;
+    if (refresh_pair(PySequence_Fast_GET_ITEM(pairs, i), &ok, i) < 0) goto done;
   ret = Py_NewRef(Py_None);
 done:
   Py_DECREF(pairs);

@@ -80,22 +80,26 @@ def check_replicatable(network):
 def walk(root):
     """(every distinct module under root, root first; the structure signature: everything whose change makes kept
     skeletons or bucket layouts stale). One breadth-first pass over the modules' own dicts (no names built, unlike
-    ``root.modules()``), the per-tensor tuples built inline: this runs every step."""
+    ``root.modules()``), the per-tensor tuples built inline: this runs every step. Per module: a header with the
+    parameter and buffer counts (which say where each list ends), then one entry per parameter, buffer and child
+    (child entries are pairs, headers 4-tuples); empty dicts are not iterated."""
     todo, seen, sig = [root], {id(root)}, []
     append = sig.append
     for m in todo:  # grows while walked
-        append((id(m), type(m)))
-        for k, t in m._parameters.items():
-            append((k, None) if t is None else (k, id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout))
-        append(None)
-        for k, t in m._buffers.items():
-            append((k, None) if t is None else (k, id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout))
-        append(None)
-        for k, c in m._modules.items():
-            append((k, id(c)))
-            if c is not None and id(c) not in seen:
-                seen.add(id(c))
-                todo.append(c)
+        params, buffers, children = m._parameters, m._buffers, m._modules
+        append((id(m), type(m), len(params), len(buffers)))
+        if params:
+            for k, t in params.items():
+                append((k, None) if t is None else (k, id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout))
+        if buffers:
+            for k, t in buffers.items():
+                append((k, None) if t is None else (k, id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout))
+        if children:
+            for k, c in children.items():
+                append((k, id(c)))
+                if c is not None and id(c) not in seen:
+                    seen.add(id(c))
+                    todo.append(c)
     return todo, sig
 
 

@@ -1631,12 +1631,19 @@ static void reduce_case(int dtype, int n, int64_t numel, int in_place) {
   free(out);
 }
 
-/* Sums of chosen values through the backend, against the reference (rounding at the edges of each type). */
-static void reduce_values(int dtype, const uint16_t *a, const uint16_t *b, const uint16_t *c, int64_t numel) {
-  uint16_t out[32], ref[32];
-  void *in[3] = {(void *)a, (void *)b, (void *)c};
-  fdp_tensor_t ts[3] = {make_flat((void *)a, dtype, 2, numel), make_flat((void *)b, dtype, 2, numel),
-                        make_flat((void *)c, dtype, 2, numel)};
+/* Sums of chosen values through the backend, against the reference (rounding at the edges of each type). The
+ * values repeat over 70 elements, so that each is summed both by the vector loops (blocks of 32) and in the tail. */
+#define EDGE_NUMEL 70
+static void reduce_values(int dtype, const uint16_t *va, const uint16_t *vb, const uint16_t *vc, int64_t nvalues) {
+  uint16_t a[EDGE_NUMEL], b[EDGE_NUMEL], c[EDGE_NUMEL], out[EDGE_NUMEL], ref[EDGE_NUMEL];
+  const int64_t numel = EDGE_NUMEL;
+  for (int64_t i = 0; i < numel; i++) {
+    a[i] = va[i % nvalues];
+    b[i] = vb[i % nvalues];
+    c[i] = vc[i % nvalues];
+  }
+  void *in[3] = {a, b, c};
+  fdp_tensor_t ts[3] = {make_flat(a, dtype, 2, numel), make_flat(b, dtype, 2, numel), make_flat(c, dtype, 2, numel)};
   fdp_tensor_t o = make_flat(out, dtype, 2, numel);
   for (int n = 1; n <= 3; n++) {
     ref_sum(dtype, in, n, ref, numel);
@@ -1647,6 +1654,7 @@ static void reduce_values(int dtype, const uint16_t *a, const uint16_t *b, const
            at >= 0 ? c[at] : 0, at >= 0 ? out[at] : 0, at >= 0 ? ref[at] : 0);
   }
 }
+#undef EDGE_NUMEL
 
 static void test_reduce(void) {
   static const int64_t numels[] = {1, 2, 7, 1000, 5003};

@@ -233,3 +233,25 @@ def test_no_sync_packed_sums_match_accumulation(bucket_cap_mb, gates):
         loss_of(ref, x).backward()
     assert_same_grads(model, ref, tol=1e-12)
     assert not dp._replica_set.has_pending()
+
+
+def test_a_replaced_replica_set_is_freed_without_the_collector():
+    """Buckets and their shared state form no reference cycle: when a structure change replaces the replica set,
+    its flat buffers (device memory on a GPU) are freed at once, not at the next garbage collection."""
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 2)
+    gc.collect()
+    gc.disable()
+    try:
+        with dp.no_sync():  # kept sums, so the state's bucket list and the engine callback are in use
+            dp(torch.randn(4, 4)).sum().backward()
+        dp(torch.randn(4, 4)).sum().backward()
+        old = weakref.ref(dp._replica_set.state)
+        model.add_module("extra", nn.Linear(2, 2))  # a structure change: the next forward builds a new set
+        dp(torch.randn(4, 4)).sum().backward()
+        assert old() is None
+    finally:
+        gc.enable()

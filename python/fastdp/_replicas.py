@@ -171,14 +171,16 @@ class _FlatPool:
 class _State:
     """What the wrapper and the bucket nodes share: devices, the reduction mode, no_sync bookkeeping."""
 
-    __slots__ = ("devices", "tdevs", "collective", "sync", "grad_buckets", "kept")
+    __slots__ = ("devices", "tdevs", "collective", "sync", "grad_buckets", "kept", "__weakref__")
 
     def __init__(self, devices):
         self.devices = list(devices)
         self.tdevs = [_devices.torch_device(d) for d in devices]
         self.collective = comm._collective(self.tdevs)
         self.sync = True
-        self.grad_buckets = []  # every bucket with an autograd node (set by ReplicaSet)
+        # Weak references to every bucket with an autograd node (set by ReplicaSet): buckets hold the state, so
+        # strong ones would make a cycle, and a replaced ReplicaSet's flat buffers would wait for the collector.
+        self.grad_buckets = []
         self.kept = False  # whether no_sync kept sums that the next synchronising backward must reduce
 
 
@@ -186,8 +188,9 @@ def _flush(state):
     """At the end of the first synchronising backward after no_sync: reduces the sums still kept by buckets whose
     node that backward never ran (none of their members was used) and adds them to the master's ``.grad``."""
     with torch.no_grad():
-        for bucket in state.grad_buckets:
-            if bucket.pending is None:
+        for ref in state.grad_buckets:
+            bucket = ref()
+            if bucket is None or bucket.pending is None:
                 continue
             result = reduce_bucket(bucket, (None,) * (len(bucket.members) * len(state.tdevs)))
             for p, g in zip(bucket.master, result):
@@ -202,7 +205,7 @@ class _Bucket:
     """Tensors of one dtype broadcast and reduced together; `members` index the ReplicaSet's tensor list."""
 
     __slots__ = ("state", "members", "shapes", "sizes", "numel", "dtype", "pools", "src_pool", "pending", "like",
-                 "own_versions", "master", "flat", "ptrs", "reflattened", "pack", "pending_flat")
+                 "own_versions", "master", "flat", "ptrs", "reflattened", "pack", "pending_flat", "__weakref__")
 
     def __init__(self, state, members, tensors, own_versions):
         self.state = state
@@ -492,7 +495,7 @@ class ReplicaSet:
         for bucket in chain(*layout):
             bucket.flatten()
         self.plans = {True: layout}  # (grad buckets, detached buckets): what a forward with autograd uses
-        self.state.grad_buckets = layout[0]
+        self.state.grad_buckets = [weakref.ref(b) for b in layout[0]]
         self.detached = ([], layout[0] + layout[1])  # without autograd every bucket is copied detached
         self.picks = {True: self._picker(*layout), False: self._picker(*self.detached)}
 

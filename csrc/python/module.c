@@ -436,6 +436,63 @@ static int owned_index(const owned_keys_t *ok, PyObject *key) {
 
 #define REFRESH_MAX_CHANGED 16
 
+/* What refresh_in_place changes, collected (new references) before anything is changed: no dict changes while
+ * one is walked. */
+typedef struct {
+  PyObject *set_key[REFRESH_MAX_CHANGED], *set_value[REFRESH_MAX_CHANGED], *mirror_m[32], *mirror_r[32];
+  int nset, nmirror;
+} refresh_plan_t;
+
+/* Notes what master key `km` (value `vm`; the replica holds `vr` under the same key) needs: 1 noted, 0 when too
+ * many values changed (the full refresh runs), -1 on error. */
+static int plan_key(refresh_plan_t *p, const owned_keys_t *ok, PyObject *km, PyObject *vm, PyObject *vr) {
+  int k = owned_index(ok, km);
+  if (k == -2) return -1;
+  if (k >= ok->n - ok->nmirrored) { /* a mirrored dict: refilled from the master's */
+    p->mirror_m[p->nmirror] = Py_NewRef(vm);
+    p->mirror_r[p->nmirror++] = Py_NewRef(vr);
+  } else if (k < 0 && vr != vm) { /* not owned, and changed on the master */
+    if (p->nset == REFRESH_MAX_CHANGED) return 0;
+    p->set_key[p->nset] = Py_NewRef(km);
+    p->set_value[p->nset++] = Py_NewRef(vm);
+  }
+  return 1;
+}
+
+/* Walks the master's keys alongside the replica's, which must come in the same order; then the replica's own keys
+ * after them must be owned ones only, in increasing order (mirroring needs the master's dict, which is absent:
+ * nothing to refill). 1: planned, 0: the full refresh must run, -1: error. */
+static int plan_refresh(refresh_plan_t *p, PyObject *master, PyObject *replica, const owned_keys_t *ok) {
+  Py_ssize_t pm = 0, pr = 0;
+  PyObject *km, *vm, *kr, *vr;
+  int r = 1;
+  while (r == 1 && PyDict_Next(master, &pm, &km, &vm)) {
+    if (!PyDict_Next(replica, &pr, &kr, &vr) || kr != km) return 0;
+    r = plan_key(p, ok, km, vm, vr);
+  }
+  for (int last = -1; r == 1 && PyDict_Next(replica, &pr, &kr, &vr);) {
+    int k = owned_index(ok, kr);
+    r = k == -2 ? -1 : k <= last ? 0 : 1;
+    last = k;
+  }
+  return r;
+}
+
+/* Applies the plan when `r` is 1 and releases its references either way; returns the new `r`. */
+static int apply_refresh(refresh_plan_t *p, PyObject *replica, int r) {
+  for (int i = 0; i < p->nset; i++) {
+    if (r == 1 && PyDict_SetItem(replica, p->set_key[i], p->set_value[i]) < 0) r = -1;
+    Py_DECREF(p->set_key[i]);
+    Py_DECREF(p->set_value[i]);
+  }
+  for (int i = 0; i < p->nmirror; i++) {
+    if (r == 1 && mirror_dict(p->mirror_m[i], p->mirror_r[i]) < 0) r = -1;
+    Py_DECREF(p->mirror_m[i]);
+    Py_DECREF(p->mirror_r[i]);
+  }
+  return r;
+}
+
 /* refresh_pair's common case, with no table rebuilt: the replica's dict already holds the master's keys in the
  * master's order, then only owned keys the master lacks, in the order of `owned` (what every refresh leaves while
  * the master gains or loses no attribute). Then the outcome of the full refresh is reached by replacing only the
@@ -443,55 +500,9 @@ static int owned_index(const owned_keys_t *ok, PyObject *key) {
  * run instead (nothing touched), -1 on error. */
 static int refresh_in_place(PyObject *master, PyObject *replica, const owned_keys_t *ok) {
   if (PyDict_GET_SIZE(master) > PyDict_GET_SIZE(replica)) return 0;
-  PyObject *set_key[REFRESH_MAX_CHANGED], *set_value[REFRESH_MAX_CHANGED], *mirror_m[32], *mirror_r[32];
-  int nset = 0, nmirror = 0, r = 1;
-  Py_ssize_t pm = 0, pr = 0;
-  PyObject *km, *vm, *kr, *vr;
-  /* Collected first (new references), applied after the walk: no dict changes while it is walked. */
-  while (r == 1 && PyDict_Next(master, &pm, &km, &vm)) {
-    if (!PyDict_Next(replica, &pr, &kr, &vr) || kr != km) {
-      r = 0;
-      break;
-    }
-    int k = owned_index(ok, km);
-    if (k == -2) {
-      r = -1;
-    } else if (k >= 0) {
-      if (k >= ok->n - ok->nmirrored) {
-        mirror_m[nmirror] = Py_NewRef(vm);
-        mirror_r[nmirror++] = Py_NewRef(vr);
-      }
-    } else if (vr != vm) {
-      if (nset == REFRESH_MAX_CHANGED) {
-        r = 0;
-      } else {
-        set_key[nset] = Py_NewRef(km);
-        set_value[nset++] = Py_NewRef(vm);
-      }
-    }
-  }
-  /* The replica's own keys after the master's: owned ones only, in increasing order (mirroring needs the master's
-   * dict, which is absent: nothing to refill). */
-  for (int last = -1; r == 1 && PyDict_Next(replica, &pr, &kr, &vr);) {
-    int k = owned_index(ok, kr);
-    if (k == -2)
-      r = -1;
-    else if (k <= last)
-      r = 0;
-    else
-      last = k;
-  }
-  for (int i = 0; i < nset; i++) {
-    if (r == 1 && PyDict_SetItem(replica, set_key[i], set_value[i]) < 0) r = -1;
-    Py_DECREF(set_key[i]);
-    Py_DECREF(set_value[i]);
-  }
-  for (int i = 0; i < nmirror; i++) {
-    if (r == 1 && mirror_dict(mirror_m[i], mirror_r[i]) < 0) r = -1;
-    Py_DECREF(mirror_m[i]);
-    Py_DECREF(mirror_r[i]);
-  }
-  return r;
+  refresh_plan_t plan;
+  plan.nset = plan.nmirror = 0;
+  return apply_refresh(&plan, replica, plan_refresh(&plan, master, replica, ok));
 }
 
 /* One pair of refresh(): pairs[i], a (master, replica) tuple of dicts; at most 32 owned keys, the last `nmirrored`

@@ -417,14 +417,23 @@ __attribute__((target("avx2"))) static int64_t sum_bf16_x86(const sum_ctx_t *c, 
 }
 #endif
 
-static void sum_range(void *ctx, int64_t begin, int64_t end) {
-  const sum_ctx_t *c = ctx;
+/* The first element of [begin, end) the scalar loops still have to sum: past what the vector loops did. */
+static int64_t sum_vector_head(const sum_ctx_t *c, int64_t begin, int64_t end) {
 #ifdef HAVE_X86_HALF
   if (c->n > 1 && (c->out->dtype == FDP_DTYPE_F16 || c->out->dtype == FDP_DTYPE_BF16)) {
     pthread_once(&x86_half_once, x86_half_probe);
-    if (x86_half_ok) begin = c->out->dtype == FDP_DTYPE_F16 ? sum_f16_x86(c, begin, end) : sum_bf16_x86(c, begin, end);
+    if (x86_half_ok) return c->out->dtype == FDP_DTYPE_F16 ? sum_f16_x86(c, begin, end) : sum_bf16_x86(c, begin, end);
   }
+#else
+  (void)c;
+  (void)end;
 #endif
+  return begin;
+}
+
+static void sum_range(void *ctx, int64_t begin, int64_t end) {
+  const sum_ctx_t *c = ctx;
+  begin = sum_vector_head(c, begin, end);
   switch (c->out->dtype) {
   case FDP_DTYPE_F32: sum_f32(c, begin, end); break;
   case FDP_DTYPE_F64: sum_f64(c, begin, end); break;

@@ -91,6 +91,8 @@ def _walked_layers(master, replicas):
     """(master layers, per replica its layers) found by walking the module trees."""
     modules = list(master.modules())
     index = layer_indices(modules)
+    if not index:  # no SyncBatchNorm: the replicas' trees are not walked (this path runs every forward)
+        return [], []
     rows = []
     for r in replicas:
         mods = list(r.modules())

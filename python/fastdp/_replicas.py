@@ -8,14 +8,16 @@ move. Each step:
 2. each replica's ``__dict__`` is refreshed from its master module in C (what ``_replicate_for_data_parallel``
    would copy: attributes, hook dicts, the training flag), keeping the replica's own parameter/buffer/child dicts;
 3. parameters (and buffers that require grad) are broadcast bucket by bucket, each bucket one autograd node
-   (``_BucketBroadcast``) whose outputs are views into per-device flat buffers reused across steps; the other
+   whose outputs are the replicas' tensors: in the common case that node and its outputs are made once and kept
+   (``_KeptBroadcast``, see NOTE [kept replica tensors]), otherwise made every step (``_BucketBroadcast``, views
+   into per-device flat buffers reused across steps); the other
    buffers and frozen parameters are copied into reused flat buffers outside autograd. The master tensors of a
    bucket are themselves views of one flat buffer on device_ids[0] (their ``.data`` re-pointed when the replicas
    are built, as DDP's gradient_as_bucket_view), so a bucket is one copy or one NCCL broadcast per device;
    members whose ``.data`` was replaced since (``.to()``, ``p.data = ...``: a data pointer changed) are
    flattened again, and a bucket that cannot be flat (members sharing memory, non-contiguous members) is copied
    member by member;
-4. the fresh tensors are installed into the skeletons in C (``_C.rebind``).
+4. the tensors are installed into the skeletons in C (``_C.rebind``; kept ones only when they were not already).
 
 In backward, a bucket's node runs as soon as every replica has produced that bucket's gradients (buckets hold
 parameters in reverse registration order, so the last layers' reduction starts while earlier layers are still in
@@ -30,6 +32,24 @@ by a callback at its end.
 
 A flat buffer is reused only when none of the views it handed out is alive any more (a second forward before
 backward gets fresh buffers), so a graph still waiting for backward never sees its tensors overwritten.
+
+NOTE [kept replica tensors]
+Making R x N replica tensors every step (autograd outputs, views, replica 0's aliases) costs about 8 µs per
+parameter tensor at 4 replicas in torch's C++ alone, whatever the binding does. So when every grad bucket is flat
+and autograd is on, each bucket's node is made once and kept with its outputs: replica 0's tensors are detached
+aliases of the master tensors (sharing their storage and version counter, as upstream's aliases do), the other
+replicas' tensors detached views of flat buffers of their own; none is an autograd view, so writing the flat
+buffers in place never rewrites their grad_fn. Every step copies the master's flat buffer into the kept ones (one
+copy or broadcast per bucket and device) and nothing else; the node has no saved tensors, so every backward may
+run it again, and the gradients reaching it from all graphs alive are reduced by ``reduce_bucket`` as before.
+What users see is upstream's: replica tensors are non-leaves with a grad_fn, the master parameters are in the
+graph (``torch.autograd.grad``, hooks on them, double backward). Two things keep it honest:
+- a graph still waiting for backward may have saved kept tensors. The master is copied every step (``p.data``
+  edits are invisible to version counters), and when the master's version counters moved since the last copy
+  the kept buffers' counters are bumped too, so such a graph fails loudly in backward, as the bare model does
+  (replica 0's aliases share the master's counters already); an unchanged master is copied to equal values;
+- hooks registered on a replica tensor during forward belong to that step on a fresh replica: the kept tensors'
+  hook dicts are emptied before each forward.
 """
 
 import operator
@@ -276,10 +296,7 @@ class _Bucket:
             flats.append(f)
             views.append(vs)
         if flat is not None:
-            if self.state.collective:
-                _C.broadcast(flat, flats, streams_for([flat, *flats]))
-            else:
-                _C.copy(flats, [flat] * len(flats), streams_for([flat, *flats]))
+            _send(self.state, flat, flats)
             return views
         sources = [t.detach() for t in self.master]
         if self.state.collective:  # NCCL broadcasts one packed buffer from device_ids[0]
@@ -291,6 +308,15 @@ class _Bucket:
         else:  # host entries or repeated CUDA ids: every member straight into every replica's buffer, one call
             _C.copy([v for vs in views for v in vs], sources * len(views), streams_for([*sources, *flats]))
         return views
+
+
+def _send(state, flat, flats):
+    """The master's flat buffer of one bucket into the other devices' `flats`: one NCCL broadcast, or one copy
+    call."""
+    if state.collective:
+        _C.broadcast(flat, flats, streams_for([flat, *flats]))
+    else:
+        _C.copy(flats, [flat] * len(flats), streams_for([flat, *flats]))
 
 
 class _BucketBroadcast(Function):
@@ -306,6 +332,62 @@ class _BucketBroadcast(Function):
     @staticmethod
     def backward(ctx, *grads):
         return (None, None) + reduce_bucket(ctx.bucket, grads)
+
+
+class _KeptBroadcast(Function):
+    """One bucket's node made once and kept (NOTE [kept replica tensors]): outputs are replica 0's detached aliases
+    of the master tensors followed by the other replicas' detached views of `flats`; its backward reduces that
+    bucket's gradients, in every backward that reaches it."""
+
+    @staticmethod
+    def forward(ctx, bucket, flats, *sources):
+        ctx.bucket = bucket
+        ctx.set_materialize_grads(False)
+        outs = [t.detach() for t in sources]
+        for flat in flats:
+            outs += [v.detach() for v in _unflatten(flat, bucket.like, bucket.sizes, bucket.shapes)]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None) + reduce_bucket(ctx.bucket, grads)
+
+
+class _Kept:
+    """The grad buckets' kept nodes: per bucket the master flat buffer they were made from and the other devices'
+    flat buffers; `got` is what the kept path hands the picker (the master tensors, then every node's outputs)."""
+
+    __slots__ = ("sources", "flats", "outs", "got", "masters", "stamp")
+
+    def __init__(self, buckets, sources, tensors):
+        self.sources = sources
+        with torch.inference_mode(False):  # kept across grad modes: never inference tensors
+            self.flats = [[torch.empty(b.numel, dtype=b.dtype, device=d) for d in b.state.tdevs[1:]]
+                          for b in buckets]
+            self.outs = []
+            for bucket, flats in zip(buckets, self.flats):
+                self.outs += _KeptBroadcast.apply(bucket, flats, *bucket.master)
+        self.got = list(tensors) + self.outs
+        self.masters = list(chain.from_iterable(b.master for b in buckets))
+        self.stamp = None  # the master's version counters summed at the last copy
+
+    def step(self, state):
+        """Copies the master into the kept buffers; bumps their version counters where the master's moved."""
+        for flat, flats in zip(self.sources, self.flats):
+            _send(state, flat, flats)
+        stamp = sum(map(_version, self.masters))
+        if stamp != self.stamp:
+            if self.stamp is not None:
+                for flat in chain.from_iterable(self.flats):
+                    _increment_version(flat)
+            self.stamp = stamp
+        for hooks in filter(None, map(_tensor_hooks, self.outs)):
+            hooks.clear()  # registered on a replica tensor by last step's forward
+
+
+_version = operator.attrgetter("_version")
+_tensor_hooks = operator.attrgetter("_backward_hooks")
+_increment_version = torch.autograd.graph.increment_version
 
 
 def _dense(g):
@@ -498,14 +580,30 @@ class ReplicaSet:
         self.state.grad_buckets = [weakref.ref(b) for b in layout[0]]
         self.detached = ([], layout[0] + layout[1])  # without autograd every bucket is copied detached
         self.picks = {True: self._picker(*layout), False: self._picker(*self.detached)}
+        # The kept path (NOTE [kept replica tensors]) installs the grad buckets' slots once and the others' every
+        # step: the slots split by whether their tensor is in a grad bucket.
+        graded = set(chain.from_iterable(b.members for b in layout[0]))
+        split = ([], [])
+        for j, (_, t) in enumerate(self.refs):
+            split[t in graded].append(j)
+        self.kept_slots = self._slots_of(split[True], layout[0], [])
+        self.rest_slots = self._slots_of(split[False], [], layout[1])
+        self.kept = None  # _Kept, made at the first forward that can use it
+        self.bound = False  # whether the kept tensors are what the skeletons hold
+
+    def _slots_of(self, slots, grad_buckets, rest_buckets):
+        """(containers, keys, Nones, picker) of a subset of the slots."""
+        refs = [self.refs[j] for j in slots]
+        return ([self.containers[j] for j in slots], [self.keys[j] for j in slots], [None] * len(slots),
+                self._picker(grad_buckets, rest_buckets, refs))
 
     def _plan(self, grad_enabled):
         return self.plans[True] if grad_enabled else self.detached
 
-    def _picker(self, grad_buckets, rest_buckets):
+    def _picker(self, grad_buckets, rest_buckets, refs=None):
         """What step installs, as one C-level pick from the tensors it gathers in order: the master tensors
         (replica 0's default), then each grad bucket's node outputs (every replica, replica 0's aliases included),
-        then each other bucket's views (replicas 1 and up)."""
+        then each other bucket's views (replicas 1 and up). `refs`: the slots picked for (all by default)."""
         nrep = len(self.replicas)
         where = {(0, t): t for t in range(len(self.tensors))}
         at = len(self.tensors)
@@ -519,7 +617,7 @@ class ReplicaSet:
                 for i in bucket.members:
                     where[(r, i)] = at
                     at += 1
-        indices = [where[ref] for ref in self.refs]
+        indices = [where[ref] for ref in (self.refs if refs is None else refs)]
         if len(indices) > 1:
             return operator.itemgetter(*indices)
         return lambda got: [got[i] for i in indices]  # itemgetter of one index returns the item, not a tuple
@@ -536,6 +634,10 @@ class ReplicaSet:
         grad_buckets, rest_buckets = self._plan(grad_enabled)
         pick = self.picks[grad_enabled]
         _C.refresh(self.pairs, _KEPT, len(_MIRRORED))
+        if grad_enabled and self._keep(grad_buckets):
+            self._step_kept(rest_buckets)
+            return [row[0] for row in self.replicas]
+        self.bound = False
         # Drop last step's tensors first, so that flat buffers nobody else holds can be reused.
         _C.rebind(self.containers, self.keys, self.nones)
         got = list(self.tensors)  # gathered in the order _picker expects
@@ -553,3 +655,33 @@ class ReplicaSet:
                     got.extend(vs)
         _C.rebind(self.containers, self.keys, pick(got))
         return [row[0] for row in self.replicas]
+
+    def _keep(self, grad_buckets):
+        """Whether this forward takes the kept path (every grad bucket flat, outside inference mode), making or
+        remaking the kept nodes when a master flat buffer changed (flattened again after ``.data`` moved)."""
+        if torch.is_inference_mode_enabled() or not grad_buckets:
+            return False
+        sources = [b.master_flat() for b in grad_buckets]
+        if any(map(operator.is_, sources, repeat(None))):
+            return False
+        kept = self.kept
+        if kept is None or any(map(operator.is_not, sources, kept.sources)):
+            self.kept, self.bound = _Kept(grad_buckets, sources, self.tensors), False
+        return True
+
+    def _step_kept(self, rest_buckets):
+        self.kept.step(self.state)
+        if not self.bound:
+            containers, keys, _, pick = self.kept_slots
+            _C.rebind(containers, keys, pick(self.kept.got))
+            self.bound = True
+        containers, keys, nones, pick = self.rest_slots
+        if not containers:
+            return
+        _C.rebind(containers, keys, nones)  # last step's views released first, as in step
+        got = list(self.tensors)
+        with torch.no_grad():
+            for bucket in rest_buckets:
+                for vs in bucket.fill(bucket.master_flat()):
+                    got.extend(vs)
+        _C.rebind(containers, keys, pick(got))

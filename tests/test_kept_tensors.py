@@ -1,0 +1,235 @@
+"""Kept replica tensors (NOTE [kept replica tensors] in fastdp/_replicas.py) on emulated CPU replicas.
+
+The grad buckets' autograd nodes and the replicas' parameter tensors are made once and reused every step. Each
+test compares against the bare module on the full batch, doing the same thing, or against what the bare module
+does when it fails (a graph whose saved weights changed in place)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fastdp
+
+pytestmark = pytest.mark.usefixtures("cpu_apply")
+
+R = 3
+X = torch.randn(9, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def wrapped():
+    return fastdp.DataParallel(mlp(), device_ids=["cpu"] * R)
+
+
+def grads(model):
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def assert_all_close(a, b, tol=1e-12):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(x, y, rtol=0, atol=tol)
+
+
+def replica_weights(dp):
+    return [replica[0].weight for replica in (row[0] for row in dp._replica_set.replicas)]
+
+
+def test_kept_tensors_are_reused_and_training_equals_the_bare_model():
+    bare, dp = mlp(), wrapped()
+    opt_b = torch.optim.SGD(bare.parameters(), lr=0.1, momentum=0.9)
+    opt_d = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
+    first = None
+    for _ in range(5):
+        for model, opt in ((bare, opt_b), (dp, opt_d)):
+            opt.zero_grad()
+            model(X).pow(2).sum().backward()
+            opt.step()
+        weights = replica_weights(dp)
+        # Upstream's replica tensors: non-leaves with a grad_fn (its test_parameter_list_dict_replica).
+        assert all(w.grad_fn is not None and not w.is_leaf and w.requires_grad for w in weights)
+        assert type(weights[0].grad_fn).__name__ == "_KeptBroadcastBackward"
+        first = first or [id(w) for w in weights]
+        assert [id(w) for w in weights] == first
+        assert_all_close(list(dp.module.parameters()), list(bare.parameters()), 1e-10)
+    assert dp._replica_set.kept is not None and dp._replica_set.bound
+
+
+def test_two_forwards_then_one_backward():
+    bare, dp = mlp(), wrapped()
+    for model in (bare, dp):
+        (model(X).pow(2).sum() + model(X * 2).sin().sum()).backward()
+    assert_all_close(grads(dp.module), grads(bare))
+
+
+def test_retained_graph_backward_again_after_another_forward():
+    bare, dp = mlp(), wrapped()
+    for model in (bare, dp):
+        loss = model(X).pow(2).sum()
+        loss.backward(retain_graph=True)
+        model(X * 3).sum().backward()  # a forward (and its backward) between the two backwards of the first graph
+        loss.backward()
+    assert_all_close(grads(dp.module), grads(bare))
+
+
+def test_master_changed_in_place_before_backward_fails_loudly_as_on_the_bare_model():
+    # The bare model's saved weights change under the graph: autograd refuses. The kept buffers copied after the
+    # change must refuse the same way, not compute with the new weights.
+    for model in (mlp(), wrapped()):
+        loss = model(X.requires_grad_()).pow(2).sum()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        model(X)  # the next forward copies the changed master into every replica's kept buffers
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    X.requires_grad_(False)
+
+
+def test_data_edits_reach_every_replica():
+    # p.data edits move no version counter: the kept buffers are copied every step anyway.
+    bare, dp = mlp(), wrapped()
+    for model in (bare, dp):
+        model(X).sum().backward()
+        for p in model.parameters():
+            p.data.mul_(-0.5)
+            p.grad = None
+        out = model(X)
+        out.pow(2).sum().backward()
+    torch.testing.assert_close(dp(X), bare(X), rtol=0, atol=1e-12)
+    assert_all_close(grads(dp.module), grads(bare))
+
+
+def test_master_data_replaced_remakes_the_kept_nodes():
+    bare, dp = mlp(), wrapped()
+    dp(X).sum().backward()
+    before = dp._replica_set.kept
+    for model in (bare, dp.module):
+        model[0].weight.data = torch.full_like(model[0].weight, 0.25)
+        model.zero_grad()
+    for model in (bare, dp):
+        model(X).pow(2).sum().backward()
+    assert dp._replica_set.kept is not before
+    assert_all_close(grads(dp.module), grads(bare))
+
+
+class HookedLinear(nn.Linear):
+    """Registers a gradient hook on its weight in every forward (as gradient-inspecting code does)."""
+
+    calls = 0
+
+    def forward(self, x):
+        if self.weight.requires_grad:
+            self.weight.register_hook(self._count)
+        return super().forward(x)
+
+    @classmethod
+    def _count(cls, g):
+        cls.calls += 1
+
+
+def test_hooks_registered_on_replica_tensors_last_one_step():
+    torch.manual_seed(0)
+    dp = fastdp.DataParallel(nn.Sequential(HookedLinear(6, 3)).double(), device_ids=["cpu"] * R)
+    counts = []
+    for _ in range(4):
+        HookedLinear.calls = 0
+        dp(X).sum().backward()
+        counts.append(HookedLinear.calls)
+    assert counts == [R] * 4  # once per replica and step, as on fresh replicas; not growing with the steps
+
+
+def test_autograd_grad_and_hooks_on_master_parameters():
+    bare, dp = mlp(), wrapped()
+    seen = {id(bare): [], id(dp.module): []}
+    results = []
+    for model, master in ((bare, bare), (dp, dp.module)):
+        master[0].weight.register_hook(lambda g, key=id(master): seen[key].append(g.clone()))
+        for _ in range(2):
+            results.append(torch.autograd.grad(model(X).pow(2).sum(), list(master.parameters())))
+    assert_all_close(results[2], results[0])
+    assert_all_close(results[3], results[1])
+    assert_all_close(seen[id(dp.module)], seen[id(bare)])
+    assert len(seen[id(bare)]) == 2
+
+
+def test_double_backward_gradient_penalty():
+    bare, dp = mlp(), wrapped()
+    for model, master in ((bare, bare), (dp, dp.module)):
+        for _ in range(2):
+            gs = torch.autograd.grad(model(X).pow(2).sum(), list(master.parameters()), create_graph=True)
+            sum(g.pow(2).sum() for g in gs).backward()
+    assert_all_close(grads(dp.module), grads(bare), 1e-9)
+
+
+def test_no_grad_and_inference_forwards_between_training_steps():
+    bare, dp = mlp(), wrapped()
+    for _ in range(2):
+        for model in (bare, dp):
+            model(X).pow(2).sum().backward()
+            with torch.no_grad():
+                out_ng = model(X)
+            with torch.inference_mode():
+                out_inf = model(X)
+            torch.testing.assert_close(out_ng, out_inf, rtol=0, atol=0)
+            for p in model.parameters():
+                with torch.no_grad():
+                    p -= 0.1 * p.grad
+    torch.testing.assert_close(dp(X), bare(X), rtol=0, atol=1e-12)
+    assert_all_close(grads(dp.module), grads(bare), 1e-10)
+
+
+def test_frozen_parameters_and_buffers_beside_kept_ones():
+    def model_fn():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
+        m[0].bias.requires_grad_(False)
+        return m
+
+    bare = model_fn()
+    dp = fastdp.DataParallel(model_fn(), device_ids=["cpu"])  # BatchNorm statistics: one replica = full batch
+    dp3 = fastdp.DataParallel(model_fn(), device_ids=["cpu"] * R)
+    for _ in range(3):
+        for model in (bare, dp, dp3):
+            model(X).pow(2).sum().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p -= 0.1 * p.grad
+                        p.grad = None
+    assert dp3._replica_set.kept is not None
+    torch.testing.assert_close(dp.module[0].weight, bare[0].weight, rtol=0, atol=1e-12)
+    # Three replicas see three chunks (BatchNorm statistics per chunk, as upstream): compare against fresh
+    # replicas of the same wrapper instead.
+    fresh = fastdp.DataParallel(model_fn(), device_ids=["cpu"] * R)
+    fresh.replicate = lambda module, devices: fastdp.replicate(module, devices)
+    for _ in range(3):
+        fresh(X).pow(2).sum().backward()
+        with torch.no_grad():
+            for p in fresh.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+                    p.grad = None
+    assert_all_close(list(dp3.module.state_dict().values()), list(fresh.module.state_dict().values()), 1e-10)
+
+
+def test_a_graph_holding_another_replicas_tensor_fails_loudly_when_the_master_changed():
+    # Replica 0's tensors share the master's version counters; the other replicas' kept buffers are bumped when
+    # the master's counters moved, so a graph that saved one of them refuses instead of using the new values.
+    dp = wrapped()
+    dp(X).sum().backward()
+    w1 = replica_weights(dp)[1]
+    pending = (w1 * w1).sum()  # saves w1
+    dp(X)  # master unchanged: copied to equal values, the graph stays valid
+    pending.backward(retain_graph=True)
+    with torch.no_grad():
+        dp.module[0].weight.mul_(0.5)
+    dp(X)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        pending.backward()

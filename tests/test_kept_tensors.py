@@ -183,6 +183,15 @@ def test_no_grad_and_inference_forwards_between_training_steps():
                     p -= 0.1 * p.grad
     torch.testing.assert_close(dp(X), bare(X), rtol=0, atol=1e-12)
     assert_all_close(grads(dp.module), grads(bare), 1e-10)
+    # Without autograd the kept buffers serve too (plain aliases): no second set of replica buffers.
+    assert not any(pool.flats for b in dp._replica_set.plans[True][0] for pool in b.pools)
+    with torch.no_grad():
+        weights = replica_weights(dp)
+        dp(X)
+        plain = replica_weights(dp)
+    assert plain[0] is dp.module[0].weight  # replica 0 gets the master tensors, as upstream's detached replicate
+    assert all(not w.requires_grad for w in plain[1:])
+    assert all(p.data_ptr() == w.data_ptr() for p, w in zip(plain[1:], weights[1:]))
 
 
 def test_frozen_parameters_and_buffers_beside_kept_ones():

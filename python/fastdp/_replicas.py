@@ -357,16 +357,23 @@ class _Kept:
     """The grad buckets' kept nodes: per bucket the master flat buffer they were made from and the other devices'
     flat buffers; `got` is what the kept path hands the picker (the master tensors, then every node's outputs)."""
 
-    __slots__ = ("sources", "flats", "outs", "got", "masters", "stamp")
+    __slots__ = ("sources", "flats", "outs", "got", "plain", "masters", "stamp")
 
     def __init__(self, buckets, sources, tensors):
         self.sources = sources
-        with torch.inference_mode(False):  # kept across grad modes: never inference tensors
+        # Made in whatever mode the first forward runs, used in every mode: never inference tensors, always nodes.
+        with torch.inference_mode(False), torch.enable_grad():
             self.flats = [[torch.empty(b.numel, dtype=b.dtype, device=d) for d in b.state.tdevs[1:]]
                           for b in buckets]
             self.outs = []
             for bucket, flats in zip(buckets, self.flats):
                 self.outs += _KeptBroadcast.apply(bucket, flats, *bucket.master)
+            # Without autograd: the other replicas' tensors as plain aliases of the same buffers (in the order
+            # ReplicaSet._picker gives buckets without a node), so no second set of buffers is ever made.
+            self.plain = list(tensors)
+            for bucket, flats in zip(buckets, self.flats):
+                for flat in flats:
+                    self.plain += _unflatten(flat.detach(), bucket.like, bucket.sizes, bucket.shapes)
         self.got = list(tensors) + self.outs
         self.masters = list(chain.from_iterable(b.master for b in buckets))
         self.stamp = None  # the master's version counters summed at the last copy
@@ -586,16 +593,16 @@ class ReplicaSet:
         split = ([], [])
         for j, (_, t) in enumerate(self.refs):
             split[t in graded].append(j)
-        self.kept_slots = self._slots_of(split[True], layout[0], [])
-        self.rest_slots = self._slots_of(split[False], [], layout[1])
+        kept_refs = [self.refs[j] for j in split[True]]
+        # (containers, keys, pick of the kept outputs with autograd, pick of their plain aliases without)
+        self.kept_slots = ([self.containers[j] for j in split[True]], [self.keys[j] for j in split[True]],
+                           self._picker(layout[0], [], kept_refs), self._picker([], layout[0], kept_refs))
+        rest_refs = [self.refs[j] for j in split[False]]
+        self.rest_slots = ([self.containers[j] for j in split[False]], [self.keys[j] for j in split[False]],
+                           [None] * len(rest_refs), self._picker([], layout[1], rest_refs))
         self.kept = None  # _Kept, made at the first forward that can use it
-        self.bound = False  # whether the kept tensors are what the skeletons hold
-
-    def _slots_of(self, slots, grad_buckets, rest_buckets):
-        """(containers, keys, Nones, picker) of a subset of the slots."""
-        refs = [self.refs[j] for j in slots]
-        return ([self.containers[j] for j in slots], [self.keys[j] for j in slots], [None] * len(slots),
-                self._picker(grad_buckets, rest_buckets, refs))
+        self.bound = None  # what the grad buckets' slots hold: None (per-step tensors), True (kept outputs), False
+        # (their plain aliases)
 
     def _plan(self, grad_enabled):
         return self.plans[True] if grad_enabled else self.detached
@@ -634,10 +641,10 @@ class ReplicaSet:
         grad_buckets, rest_buckets = self._plan(grad_enabled)
         pick = self.picks[grad_enabled]
         _C.refresh(self.pairs, _KEPT, len(_MIRRORED))
-        if grad_enabled and self._keep(grad_buckets):
-            self._step_kept(rest_buckets)
+        if self._keep(self.plans[True][0]):
+            self._step_kept(grad_enabled)
             return [row[0] for row in self.replicas]
-        self.bound = False
+        self.bound = None
         # Drop last step's tensors first, so that flat buffers nobody else holds can be reused.
         _C.rebind(self.containers, self.keys, self.nones)
         got = list(self.tensors)  # gathered in the order _picker expects
@@ -657,31 +664,35 @@ class ReplicaSet:
         return [row[0] for row in self.replicas]
 
     def _keep(self, grad_buckets):
-        """Whether this forward takes the kept path (every grad bucket flat, outside inference mode), making or
-        remaking the kept nodes when a master flat buffer changed (flattened again after ``.data`` moved)."""
-        if torch.is_inference_mode_enabled() or not grad_buckets:
+        """Whether this forward takes the kept path (every grad bucket flat), making or remaking the kept nodes
+        when a master flat buffer changed (flattened again after ``.data`` moved)."""
+        if not grad_buckets:
             return False
         sources = [b.master_flat() for b in grad_buckets]
         if any(map(operator.is_, sources, repeat(None))):
             return False
         kept = self.kept
         if kept is None or any(map(operator.is_not, sources, kept.sources)):
-            self.kept, self.bound = _Kept(grad_buckets, sources, self.tensors), False
+            self.kept, self.bound = _Kept(grad_buckets, sources, self.tensors), None
         return True
 
-    def _step_kept(self, rest_buckets):
-        self.kept.step(self.state)
-        if not self.bound:
-            containers, keys, _, pick = self.kept_slots
-            _C.rebind(containers, keys, pick(self.kept.got))
-            self.bound = True
+    def _step_kept(self, grad_enabled):
+        """The kept path: with autograd the grad buckets' slots hold the kept nodes' outputs, without it (as
+        upstream's detached replicate) the master tensors on replica 0 and plain aliases of the kept buffers on
+        the others; the other buckets are copied as in step."""
+        kept = self.kept
+        kept.step(self.state)
+        if self.bound is not grad_enabled:
+            containers, keys, pick_outs, pick_plain = self.kept_slots
+            _C.rebind(containers, keys, pick_outs(kept.got) if grad_enabled else pick_plain(kept.plain))
+            self.bound = grad_enabled
         containers, keys, nones, pick = self.rest_slots
         if not containers:
             return
         _C.rebind(containers, keys, nones)  # last step's views released first, as in step
         got = list(self.tensors)
         with torch.no_grad():
-            for bucket in rest_buckets:
+            for bucket in self.plans[True][1]:
                 for vs in bucket.fill(bucket.master_flat()):
                     got.extend(vs)
         _C.rebind(containers, keys, pick(got))

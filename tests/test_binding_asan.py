@@ -32,6 +32,15 @@ for step in range(4):
     if step != 1:
         opt.step()
         opt.zero_grad()
+    if step == 2:
+        model.append(torch.nn.Identity())  # the structure check fails in C, the replicas are rebuilt
+from collections import OrderedDict
+odd = torch.nn.Linear(2, 2)
+odd._parameters = OrderedDict(odd._parameters)  # read through items() by walk and matches
+modules, sig = fastdp._C.walk(odd)
+assert fastdp._C.matches(modules, sig) and not fastdp._C.matches(modules, sig[:-1])
+odd.bias = None
+assert not fastdp._C.matches(modules, sig)
 print("trained")
 """
 

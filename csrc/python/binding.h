@@ -55,6 +55,13 @@ int fdp__describe_python(module_state *st, PyObject *obj, fdp_tensor_t *t, const
 what alone when `single` (a 1-tuple holding one tensor argument). */
 int fdp__describe_items(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single);
 
+/* ---- the structure signature (structure.c) ---- */
+
+/* walk(root) -> (modules, signature) of fastdp._replicas, and matches(modules, signature) -> bool; see
+ * structure.c. */
+PyObject *fdp__py_walk(PyObject *module, PyObject *root);
+PyObject *fdp__py_matches(PyObject *module, PyObject *args);
+
 /* ---- the shim path (aoti.c) ---- */
 
 typedef enum { FDP_TENSOR_PATH_PYTHON = 0, FDP_TENSOR_PATH_AOTI = 1 } fdp__tensor_path_t;

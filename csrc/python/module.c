@@ -1005,6 +1005,8 @@ static PyMethodDef methods[] = {
     {"refresh", py_refresh, METH_VARARGS,
      "refresh(pairs, owned, nmirrored=0): replica __dict__ = master's, owned kept, the last nmirrored refilled"},
     {"rebind", py_rebind, METH_VARARGS, "rebind(containers, keys, values): containers[i][keys[i]] = values[i]"},
+    {"walk", fdp__py_walk, METH_O, "walk(root) -> (modules, structure signature)"},
+    {"matches", fdp__py_matches, METH_VARARGS, "matches(modules, signature) -> whether walk(modules[0]) gives both"},
     {"plan", py_plan, METH_VARARGS, "plan(tensors, type_keys, bucket_bytes) -> buckets"},
     {"set_dtypes", py_set_dtypes, METH_VARARGS, "set_dtypes({torch.dtype: code}, torch.Tensor)"},
     {"dtype_codes", py_dtype_codes, METH_NOARGS, "{name: code} of the dtypes the core reduces"},

@@ -97,30 +97,11 @@ def check_replicatable(network):
     _check_initialized(network.buffers())
 
 
-def walk(root):
-    """(every distinct module under root, root first; the structure signature: everything whose change makes kept
-    skeletons or bucket layouts stale). One breadth-first pass over the modules' own dicts (no names built, unlike
-    ``root.modules()``), the per-tensor tuples built inline: this runs every step. Per module: a header with the
-    parameter and buffer counts (which say where each list ends), then one entry per parameter, buffer and child
-    (child entries are pairs, headers 4-tuples); empty dicts are not iterated."""
-    todo, seen, sig = [root], {id(root)}, []
-    append = sig.append
-    for m in todo:  # grows while walked
-        params, buffers, children = m._parameters, m._buffers, m._modules
-        append((id(m), type(m), len(params), len(buffers)))
-        if params:
-            for k, t in params.items():
-                append((k, None) if t is None else (k, id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout))
-        if buffers:
-            for k, t in buffers.items():
-                append((k, None) if t is None else (k, id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout))
-        if children:
-            for k, c in children.items():
-                append((k, id(c)))
-                if c is not None and id(c) not in seen:
-                    seen.add(id(c))
-                    todo.append(c)
-    return todo, sig
+# (every distinct module under root, root first; the structure signature: everything whose change makes kept
+# skeletons or bucket layouts stale: per module its id, type and tensor counts, per parameter and buffer slot its
+# tensor's id, dtype, shape, device, requires_grad and layout, per child slot the child's id). Built in C
+# (csrc/python/structure.c), where _C.matches compares a kept one with the modules in place every step.
+walk = _C.walk
 
 
 def _unflatten(flat, like, sizes, shapes):
@@ -630,7 +611,8 @@ class ReplicaSet:
         return lambda got: [got[i] for i in indices]  # itemgetter of one index returns the item, not a tuple
 
     def matches(self, network, devices):
-        return network is self.network and list(devices) == self.state.devices and walk(network)[1] == self.signature
+        return (network is self.network and list(devices) == self.state.devices
+                and _C.matches(self.modules, self.signature))
 
     def has_pending(self):
         return any(b.pending is not None for plan in self.plans.values() for b in plan[0])

@@ -1,0 +1,256 @@
+/* SPDX-License-Identifier: MIT */
+/* The structure signature of a module tree, built in C because it runs every step (fastdp._replicas compares it
+ * with the one its kept replicas were built from): the same list the Python walk it replaces built, entry for
+ * entry, without the interpreter's per-tensor work. */
+#include "binding.h"
+
+/* Attribute names, interned once per call: a lookup by an interned str is a pointer compare in the type's dict. */
+enum { N_PARAMS, N_BUFFERS, N_MODULES, N_DTYPE, N_SHAPE, N_DEVICE, N_REQUIRES_GRAD, N_LAYOUT, N_COUNT };
+static const char *const k_names[N_COUNT] = {"_parameters", "_buffers", "_modules",      "dtype",
+                                             "shape",       "device",   "requires_grad", "layout"};
+
+typedef struct {
+  PyObject *name[N_COUNT];
+  PyObject *todo, *seen, *sig; /* the modules in walk order; their ids (a set); the signature */
+} walk_t;
+
+static void walk_clear(walk_t *w) {
+  for (int i = 0; i < N_COUNT; i++)
+    Py_CLEAR(w->name[i]);
+  Py_CLEAR(w->todo);
+  Py_CLEAR(w->seen);
+  Py_CLEAR(w->sig);
+}
+
+/* Appends `entry` (a new reference, NULL after an error) to the signature; -1 on error. */
+static int append(walk_t *w, PyObject *entry) {
+  if (!entry) return -1;
+  int r = PyList_Append(w->sig, entry);
+  Py_DECREF(entry);
+  return r;
+}
+
+/* (key, None) for an empty slot, else (key, id, dtype, shape, device, requires_grad, layout); NULL on error. */
+static PyObject *tensor_entry(const walk_t *w, PyObject *key, PyObject *t) {
+  if (t == Py_None) return PyTuple_Pack(2, key, Py_None);
+  PyObject *e = PyTuple_New(7);
+  if (!e) return NULL;
+  PyTuple_SET_ITEM(e, 0, Py_NewRef(key));
+  PyObject *v = PyLong_FromVoidPtr(t);
+  for (int i = 1; v; i++) {
+    PyTuple_SET_ITEM(e, i, v);
+    if (i == 6) return e;
+    v = PyObject_GetAttr(t, w->name[N_DTYPE + i - 1]);
+  }
+  Py_DECREF(e); /* the slots not filled are NULL, which a tuple's deallocation skips */
+  return NULL;
+}
+
+/* The next (key, value) of `d` (a dict, or the items list of another mapping) at *pos; 0 when done, -1 on error. */
+static int next_item(PyObject *d, Py_ssize_t *pos, PyObject **key, PyObject **value) {
+  if (PyDict_CheckExact(d)) return PyDict_Next(d, pos, key, value);
+  if (*pos >= PyList_GET_SIZE(d)) return 0;
+  PyObject *pair = PyList_GET_ITEM(d, (*pos)++);
+  if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+    PyErr_SetString(PyExc_TypeError, "walk: a module's items() must yield (key, value) pairs");
+    return -1;
+  }
+  *key = PyTuple_GET_ITEM(pair, 0);
+  *value = PyTuple_GET_ITEM(pair, 1);
+  return 1;
+}
+
+/* One entry per tensor slot of `d`; -1 on error. */
+static int tensor_entries(walk_t *w, PyObject *d) {
+  Py_ssize_t pos = 0;
+  PyObject *key, *t;
+  int more;
+  while ((more = next_item(d, &pos, &key, &t)) == 1)
+    if (append(w, tensor_entry(w, key, t)) < 0) return -1;
+  return more;
+}
+
+/* (key, id(child)) per child, and each child not seen before queued; -1 on error. */
+static int child_entries(walk_t *w, PyObject *d) {
+  Py_ssize_t pos = 0;
+  PyObject *key, *c;
+  int more;
+  while ((more = next_item(d, &pos, &key, &c)) == 1) {
+    PyObject *id = PyLong_FromVoidPtr(c);
+    if (!id || append(w, PyTuple_Pack(2, key, id)) < 0) {
+      Py_XDECREF(id);
+      return -1;
+    }
+    int seen = c == Py_None ? 1 : PySet_Contains(w->seen, id);
+    if (seen == 0 && (PySet_Add(w->seen, id) < 0 || PyList_Append(w->todo, c) < 0)) seen = -1;
+    Py_DECREF(id);
+    if (seen < 0) return -1;
+  }
+  return more;
+}
+
+/* A module's _parameters, _buffers and _modules into d[0..3) (new references: a plain dict as it is, any other
+ * mapping, such as an OrderedDict, as its items() list, in its own order) and the first two's lengths; -1 on error
+ * with nothing held. */
+static int module_dicts(PyObject *const *name, PyObject *m, PyObject **d, Py_ssize_t *np, Py_ssize_t *nb) {
+  for (int i = 0; i < 3; i++) {
+    PyObject *attr = PyObject_GetAttr(m, name[N_PARAMS + i]);
+    d[i] = attr && !PyDict_CheckExact(attr) ? PyMapping_Items(attr) : attr;
+    if (d[i] != attr) Py_XDECREF(attr);
+    if (!d[i]) {
+      for (int j = 0; j < i; j++)
+        Py_CLEAR(d[j]);
+      return -1;
+    }
+  }
+  *np = PyObject_Length(d[0]);
+  *nb = PyObject_Length(d[1]);
+  if (*np >= 0 && *nb >= 0) return 0;
+  for (int i = 0; i < 3; i++)
+    Py_CLEAR(d[i]);
+  return -1;
+}
+
+/* (id, type, number of parameters, number of buffers): a module's header entry (new reference), NULL on error. */
+static PyObject *header_entry(PyObject *m, Py_ssize_t np, Py_ssize_t nb) {
+  PyObject *id = PyLong_FromVoidPtr(m), *cp = PyLong_FromSsize_t(np), *cb = PyLong_FromSsize_t(nb);
+  PyObject *header = id && cp && cb ? PyTuple_Pack(4, id, (PyObject *)Py_TYPE(m), cp, cb) : NULL;
+  Py_XDECREF(id);
+  Py_XDECREF(cp);
+  Py_XDECREF(cb);
+  return header;
+}
+
+/* A module's header, then its entries; -1 on error. */
+static int walk_module(walk_t *w, PyObject *m) {
+  PyObject *d[3];
+  Py_ssize_t np, nb;
+  if (module_dicts(w->name, m, d, &np, &nb) < 0) return -1;
+  int r = append(w, header_entry(m, np, nb)) < 0 || tensor_entries(w, d[0]) < 0 || tensor_entries(w, d[1]) < 0 ||
+                  child_entries(w, d[2]) < 0
+              ? -1
+              : 0;
+  for (int i = 0; i < 3; i++)
+    Py_DECREF(d[i]);
+  return r;
+}
+
+/* walk(root) -> (modules, signature): every distinct module under root, root first, breadth first (children in
+ * registration order); and per module a header (id, type, len(_parameters), len(_buffers)), one entry per
+ * parameter and buffer slot ((key, None) when empty, else (key, id, dtype, shape, device, requires_grad, layout))
+ * and one (key, id(child)) per child slot. Any change to these makes kept replicas or bucket layouts stale. */
+PyObject *fdp__py_walk(PyObject *module, PyObject *root) {
+  (void)module;
+  walk_t w = {{NULL}, PyList_New(0), PySet_New(NULL), PyList_New(0)};
+  PyObject *ret = NULL, *id = PyLong_FromVoidPtr(root);
+  if (!w.todo || !w.seen || !w.sig || !id || PySet_Add(w.seen, id) < 0 || PyList_Append(w.todo, root) < 0) goto done;
+  for (int i = 0; i < N_COUNT; i++)
+    if (!(w.name[i] = PyUnicode_InternFromString(k_names[i]))) goto done;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(w.todo); i++) /* grows while walked */
+    if (walk_module(&w, PyList_GET_ITEM(w.todo, i)) < 0) goto done;
+  ret = PyTuple_Pack(2, w.todo, w.sig);
+done:
+  Py_XDECREF(id);
+  walk_clear(&w);
+  return ret;
+}
+
+/* ---- matching a signature in place: what kept replicas check every step, with nothing built ---- */
+
+typedef struct {
+  PyObject *name[N_COUNT];
+  PyObject *sig; /* a list */
+  Py_ssize_t at; /* the next signature entry to compare */
+} match_t;
+
+/* The next signature entry when it is a tuple of `len` items, else NULL (a mismatch, no error set). */
+static PyObject *next_entry(match_t *mt, Py_ssize_t len) {
+  if (mt->at >= PyList_GET_SIZE(mt->sig)) return NULL;
+  PyObject *e = PyList_GET_ITEM(mt->sig, mt->at++);
+  return PyTuple_Check(e) && PyTuple_GET_SIZE(e) == len ? e : NULL;
+}
+
+/* 1 when `obj` is the object whose id the signature holds as `id`. */
+static int is_id(PyObject *id, PyObject *obj) {
+  return PyLong_CheckExact(id) && PyLong_AsVoidPtr(id) == (void *)obj;
+}
+
+/* 1 equal, 0 not, -1 error: identity first (dtypes and layouts are singletons), then ==. */
+static int same(PyObject *a, PyObject *b) {
+  return a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+/* Compares one tensor slot with the next entry: 1 equal, 0 not, -1 error. */
+static int match_tensor(match_t *mt, PyObject *key, PyObject *t) {
+  PyObject *e = next_entry(mt, t == Py_None ? 2 : 7);
+  if (!e) return 0;
+  int eq = same(PyTuple_GET_ITEM(e, 0), key);
+  if (eq != 1 || t == Py_None) return eq == 1 ? PyTuple_GET_ITEM(e, 1) == Py_None : eq;
+  if (!is_id(PyTuple_GET_ITEM(e, 1), t)) return 0;
+  for (int i = 0; eq == 1 && i < 5; i++) {
+    PyObject *v = PyObject_GetAttr(t, mt->name[N_DTYPE + i]);
+    eq = v ? same(v, PyTuple_GET_ITEM(e, 2 + i)) : -1;
+    Py_XDECREF(v);
+  }
+  return eq;
+}
+
+/* Compares one child slot with the next entry: 1 equal, 0 not, -1 error. */
+static int match_child(match_t *mt, PyObject *key, PyObject *c) {
+  PyObject *e = next_entry(mt, 2);
+  if (!e || !is_id(PyTuple_GET_ITEM(e, 1), c)) return 0;
+  return same(PyTuple_GET_ITEM(e, 0), key);
+}
+
+/* Compares the slots of one dict attribute: 1 equal, 0 not, -1 error. */
+static int match_slots(match_t *mt, PyObject *d, int children) {
+  Py_ssize_t pos = 0;
+  PyObject *key, *v;
+  int more, eq = 1;
+  while (eq == 1 && (more = next_item(d, &pos, &key, &v)) == 1)
+    eq = children ? match_child(mt, key, v) : match_tensor(mt, key, v);
+  return eq == 1 ? (more < 0 ? -1 : 1) : eq;
+}
+
+/* 1 when header entry `h` (NULL: none) names module m with these counts, 0 when not, -1 on error. */
+static int match_header(PyObject *h, PyObject *m, Py_ssize_t np, Py_ssize_t nb) {
+  if (!h || !is_id(PyTuple_GET_ITEM(h, 0), m) || PyTuple_GET_ITEM(h, 1) != (PyObject *)Py_TYPE(m)) return 0;
+  int eq = PyLong_AsSsize_t(PyTuple_GET_ITEM(h, 2)) == np && PyLong_AsSsize_t(PyTuple_GET_ITEM(h, 3)) == nb;
+  return PyErr_Occurred() ? -1 : eq;
+}
+
+/* Compares one module's header and slots: 1 equal, 0 not, -1 error. */
+static int match_module(match_t *mt, PyObject *m) {
+  PyObject *d[3];
+  Py_ssize_t np, nb;
+  if (module_dicts(mt->name, m, d, &np, &nb) < 0) return -1;
+  int eq = match_header(next_entry(mt, 4), m, np, nb);
+  for (int i = 0; eq == 1 && i < 3; i++)
+    eq = match_slots(mt, d[i], i == 2);
+  for (int i = 0; i < 3; i++)
+    Py_DECREF(d[i]);
+  return eq;
+}
+
+/* matches(modules, signature) -> bool: whether walk(modules[0]) would give (modules, signature) now, compared in
+ * place. The modules are not walked again: while every child slot holds the child it held, the breadth-first
+ * order over them is the one `modules` recorded, so each module is compared where it stands in it. */
+PyObject *fdp__py_matches(PyObject *module, PyObject *args) {
+  (void)module;
+  PyObject *modules, *sig;
+  if (!PyArg_ParseTuple(args, "O!O!:matches", &PyList_Type, &modules, &PyList_Type, &sig)) return NULL;
+  match_t mt = {{NULL}, sig, 0};
+  int eq = 1;
+  for (int i = 0; eq == 1 && i < N_COUNT; i++)
+    if (!(mt.name[i] = PyUnicode_InternFromString(k_names[i]))) eq = -1;
+  /* a list that changes while compared (a slot's __eq__ could) is read by index, with its size checked again */
+  for (Py_ssize_t i = 0; eq == 1 && i < PyList_GET_SIZE(modules); i++) {
+    PyObject *m = Py_NewRef(PyList_GET_ITEM(modules, i));
+    eq = match_module(&mt, m);
+    Py_DECREF(m);
+  }
+  for (int i = 0; i < N_COUNT; i++)
+    Py_XDECREF(mt.name[i]);
+  if (eq < 0) return NULL;
+  return PyBool_FromLong(eq == 1 && mt.at == PyList_GET_SIZE(sig));
+}

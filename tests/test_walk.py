@@ -1,0 +1,108 @@
+"""The structure signature built in C (``fastdp._C.walk``, csrc/python/structure.c) against the same walk written in
+Python over the modules' own dicts, on module trees with every kind of slot; and that a change of any kind the
+kept replicas depend on changes the signature."""
+
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fastdp import _C
+
+
+def reference_walk(root):
+    """Breadth first over every distinct module, root first: a header per module, then an entry per parameter,
+    buffer and child slot."""
+    todo, seen, sig = [root], {id(root)}, []
+    for m in todo:
+        params, buffers, children = m._parameters, m._buffers, m._modules
+        sig.append((id(m), type(m), len(params), len(buffers)))
+        for d in (params, buffers):
+            for k, t in d.items():
+                sig.append((k, None) if t is None else
+                           (k, id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout))
+        for k, c in children.items():
+            sig.append((k, id(c)))
+            if c is not None and id(c) not in seen:
+                seen.add(id(c))
+                todo.append(c)
+    return todo, sig
+
+
+class Odd(nn.Module):
+    """Empty slots, a shared child, a frozen parameter, buffers of other dtypes, an OrderedDict of parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = self.a  # the same child twice
+        self.c = None
+        self.register_parameter("none_p", None)
+        self.register_buffer("none_b", None)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.frozen = nn.Parameter(torch.ones(2, 2, dtype=torch.float64), requires_grad=False)
+        self.seq = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.ReLU())
+        self.plist = nn.ParameterList([nn.Parameter(torch.randn(3)) for _ in range(2)])
+        self.pdict = nn.ParameterDict({"x": nn.Parameter(torch.randn(1, 1))})
+        self.sparse = nn.Embedding(5, 2, sparse=True)
+        self.meta = nn.Linear(2, 2, device="meta")
+
+
+def models():
+    ordered = nn.Linear(2, 2)
+    ordered._parameters = OrderedDict(reversed(list(ordered._parameters.items())))  # not a plain dict
+    nested = nn.Sequential(Odd(), nn.Sequential(nn.Linear(4, 4)))
+    nested[1].append(nested[0].a)  # a module shared across branches
+    return [nn.Linear(2, 3), Odd(), ordered, nested, nn.TransformerEncoderLayer(8, 2, 16), nn.LSTM(3, 4, 2)]
+
+
+@pytest.mark.parametrize("model", models(), ids=lambda m: type(m).__name__)
+def test_c_walk_equals_the_python_walk(model):
+    modules, sig = _C.walk(model)
+    ref_modules, ref_sig = reference_walk(model)
+    assert [id(m) for m in modules] == [id(m) for m in ref_modules]
+    assert sig == ref_sig
+    assert len(sig) == len(ref_sig) and all(type(a) is type(b) for a, b in zip(sig, ref_sig))
+    assert _C.matches(modules, sig) is True
+    assert _C.matches(modules, sig[:-1]) is False and _C.matches(modules, sig + [sig[-1]]) is False
+    assert _C.matches(modules[:-1], sig) is False
+
+
+CHANGES = {
+    "requires_grad": lambda m: m[0].weight.requires_grad_(False),
+    "dtype": lambda m: setattr(m[0].weight, "data", m[0].weight.data.double()),
+    "shape": lambda m: setattr(m[0].weight, "data", m[0].weight.data.reshape(-1)),
+    "replaced parameter": lambda m: setattr(m[0], "weight", nn.Parameter(m[0].weight.detach().clone())),
+    "parameter removed": lambda m: setattr(m[0], "bias", None),
+    "buffer added": lambda m: m[2].register_buffer("extra", torch.zeros(1)),
+    "child added": lambda m: m.append(nn.ReLU()),
+    "child replaced": lambda m: m.__setitem__(1, nn.Tanh()),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_every_change_moves_the_signature(change):
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.BatchNorm1d(3))
+    modules, before = _C.walk(model)
+    assert _C.walk(model)[1] == before and _C.matches(modules, before)
+    CHANGES[change](model)
+    after = _C.walk(model)[1]
+    assert after != before
+    assert after == reference_walk(model)[1]
+    assert not _C.matches(modules, before)
+
+
+def test_errors_are_python_exceptions():
+    broken = nn.Sequential(nn.Linear(2, 2))
+    del broken[0].__dict__["_modules"]  # Module.__getattr__ then raises
+    with pytest.raises(AttributeError, match="_modules"):
+        _C.walk(broken)
+    with pytest.raises(AttributeError):
+        _C.walk(object())
+    modules, sig = _C.walk(nn.Sequential(nn.Linear(2, 2)))
+    del modules[1].__dict__["_parameters"]
+    with pytest.raises(AttributeError, match="_parameters"):
+        _C.matches(modules, sig)
+    with pytest.raises(TypeError):
+        _C.matches(tuple(modules), sig)

@@ -154,3 +154,22 @@ def test_refresh_matches_reference_step_after_step():
         change()
         for _ in range(3):
             _check_refresh(pairs, owned, nmirrored)
+
+
+def test_refresh_owned_keys_by_equality_among_many_keys():
+    """Owned keys given as other (non-interned) objects than the dicts' keys, and far more distinct keys than the
+    binding's per-call answer cache has slots, over many pairs: collisions and evictions change no answer."""
+    owned = tuple("".join(["_own", str(i)]) for i in range(3)) + ("".join(["_ho", "oks"]),)
+    pairs = []
+    for p in range(50):
+        master = {"".join(["k", str(p), "_", str(i)]): object() for i in range(40)}
+        master["".join(["_own", "1"])] = "master's"
+        master["".join(["_hoo", "ks"])] = {p: p}
+        replica = {"".join(["_own", "1"]): "replica's", "".join(["_own", "2"]): "only the replica's",
+                   "".join(["_h", "ooks"]): {}}
+        pairs.append((master, replica))
+    _check_refresh(pairs, owned, 1)
+    for master, _ in pairs:  # values changed on the master: the in-place path
+        master[next(iter(master))] = object()
+    _check_refresh(pairs, owned, 1)
+    assert all(r["_own1"] == "replica's" and r["_own2"] == "only the replica's" for _, r in pairs)

@@ -412,26 +412,43 @@ static int restore_owned(PyObject *master, PyObject *replica, PyObject *key, PyO
   return PyDict_SetItem(replica, key, saved) < 0;
 }
 
+#define OWNED_CACHE 64
+
 /* The owned keys of one refresh() call and their hashes, so that telling whether a dict key is owned costs integer
- * compares (an equal key has an equal hash; only a hash match is compared, by identity, then by ==). */
+ * compares (an equal key has an equal hash; only a hash match is compared, by identity, then by ==); and a
+ * direct-mapped cache of the answers by key object: every module's __dict__ holds the same interned attribute
+ * names, so after the first module each key is one pointer compare. The cache holds references to its keys,
+ * released by owned_keys_clear, so that no freed key's address can be taken for another key. */
 typedef struct {
   PyObject *owned; /* the PySequence_Fast of keys */
   Py_ssize_t n, nmirrored;
   Py_hash_t hash[32];
+  PyObject *cache_key[OWNED_CACHE];
+  int cache_index[OWNED_CACHE];
 } owned_keys_t;
 
+static void owned_keys_clear(owned_keys_t *ok) {
+  for (int i = 0; i < OWNED_CACHE; i++)
+    Py_CLEAR(ok->cache_key[i]);
+}
+
 /* The index of `key` among the owned keys, -1 when not owned, -2 on error. */
-static int owned_index(const owned_keys_t *ok, PyObject *key) {
+static int owned_index(owned_keys_t *ok, PyObject *key) {
+  size_t slot = ((uintptr_t)key >> 4) % OWNED_CACHE;
+  if (ok->cache_key[slot] == key) return ok->cache_index[slot];
   Py_hash_t h = PyObject_Hash(key); /* a str caches its hash: no hashing after the first time */
   if (h == -1) return -2;
-  for (Py_ssize_t k = 0; k < ok->n; k++) {
+  int index = -1;
+  for (Py_ssize_t k = 0; k < ok->n && index == -1; k++) {
     if (ok->hash[k] != h) continue;
     PyObject *o = PySequence_Fast_GET_ITEM(ok->owned, k);
     int eq = o == key ? 1 : PyObject_RichCompareBool(o, key, Py_EQ);
     if (eq < 0) return -2;
-    if (eq) return (int)k;
+    if (eq) index = (int)k;
   }
-  return -1;
+  Py_XSETREF(ok->cache_key[slot], Py_NewRef(key));
+  ok->cache_index[slot] = index;
+  return index;
 }
 
 #define REFRESH_MAX_CHANGED 16
@@ -445,7 +462,7 @@ typedef struct {
 
 /* Notes what master key `km` (value `vm`; the replica holds `vr` under the same key) needs: 1 noted, 0 when too
  * many values changed (the full refresh runs), -1 on error. */
-static int plan_key(refresh_plan_t *p, const owned_keys_t *ok, PyObject *km, PyObject *vm, PyObject *vr) {
+static int plan_key(refresh_plan_t *p, owned_keys_t *ok, PyObject *km, PyObject *vm, PyObject *vr) {
   int k = owned_index(ok, km);
   if (k == -2) return -1;
   if (k >= ok->n - ok->nmirrored) { /* a mirrored dict: refilled from the master's */
@@ -462,7 +479,7 @@ static int plan_key(refresh_plan_t *p, const owned_keys_t *ok, PyObject *km, PyO
 /* Walks the master's keys alongside the replica's, which must come in the same order; then the replica's own keys
  * after them must be owned ones only, in increasing order (mirroring needs the master's dict, which is absent:
  * nothing to refill). 1: planned, 0: the full refresh must run, -1: error. */
-static int plan_refresh(refresh_plan_t *p, PyObject *master, PyObject *replica, const owned_keys_t *ok) {
+static int plan_refresh(refresh_plan_t *p, PyObject *master, PyObject *replica, owned_keys_t *ok) {
   Py_ssize_t pm = 0, pr = 0;
   PyObject *km, *vm, *kr, *vr;
   int r = 1;
@@ -498,7 +515,7 @@ static int apply_refresh(refresh_plan_t *p, PyObject *replica, int r) {
  * the master gains or loses no attribute). Then the outcome of the full refresh is reached by replacing only the
  * values the master changed and refilling the mirrored dicts. Returns 1 when done, 0 when the full refresh must
  * run instead (nothing touched), -1 on error. */
-static int refresh_in_place(PyObject *master, PyObject *replica, const owned_keys_t *ok) {
+static int refresh_in_place(PyObject *master, PyObject *replica, owned_keys_t *ok) {
   if (PyDict_GET_SIZE(master) > PyDict_GET_SIZE(replica)) return 0;
   refresh_plan_t plan;
   plan.nset = plan.nmirror = 0;
@@ -507,7 +524,7 @@ static int refresh_in_place(PyObject *master, PyObject *replica, const owned_key
 
 /* One pair of refresh(): pairs[i], a (master, replica) tuple of dicts; at most 32 owned keys, the last `nmirrored`
  * of them mirrored. */
-static int refresh_pair(PyObject *pair, const owned_keys_t *ok, Py_ssize_t i) {
+static int refresh_pair(PyObject *pair, owned_keys_t *ok, Py_ssize_t i) {
   PyObject *saved[32], *owned = ok->owned;
   Py_ssize_t nowned = ok->n, nmirrored = ok->nmirrored;
   if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyDict_Check(PyTuple_GET_ITEM(pair, 0)) ||
@@ -549,6 +566,7 @@ static PyObject *py_refresh(PyObject *module, PyObject *args) {
   }
   Py_ssize_t nowned = PySequence_Fast_GET_SIZE(owned);
   PyObject *ret = NULL;
+  owned_keys_t ok = {owned, nowned, nmirrored, {0}, {NULL}, {0}};
   if (nowned > 32) {
     PyErr_SetString(PyExc_ValueError, "refresh: at most 32 owned keys");
     goto done;
@@ -558,13 +576,13 @@ static PyObject *py_refresh(PyObject *module, PyObject *args) {
                  nmirrored);
     goto done;
   }
-  owned_keys_t ok = {owned, nowned, nmirrored, {0}};
   for (Py_ssize_t k = 0; k < nowned; k++)
     if ((ok.hash[k] = PyObject_Hash(PySequence_Fast_GET_ITEM(owned, k))) == -1) goto done;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(pairs); i++)
     if (refresh_pair(PySequence_Fast_GET_ITEM(pairs, i), &ok, i) < 0) goto done;
   ret = Py_NewRef(Py_None);
 done:
+  owned_keys_clear(&ok);
   Py_DECREF(pairs);
   Py_DECREF(owned);
   return ret;

@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 
 import fastdp
+from test_dp_persistent import assert_grads_equal as assert_all_close
+from test_dp_persistent import grads
 
 pytestmark = pytest.mark.usefixtures("cpu_apply")
 
@@ -25,16 +27,14 @@ def wrapped():
     return fastdp.DataParallel(mlp(), device_ids=["cpu"] * R)
 
 
-def grads(model):
-    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-
-
-def assert_all_close(a, b, tol=1e-12):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert (x is None) == (y is None)
-        if x is not None:
-            torch.testing.assert_close(x, y, rtol=0, atol=tol)
+def sgd_step(model, lr=0.1):
+    """Squared-output loss, backward and plain SGD on the parameters that got a gradient."""
+    model(X).pow(2).sum().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+                p.grad = None
 
 
 def replica_weights(dp):
@@ -206,12 +206,7 @@ def test_frozen_parameters_and_buffers_beside_kept_ones():
     dp3 = fastdp.DataParallel(model_fn(), device_ids=["cpu"] * R)
     for _ in range(3):
         for model in (bare, dp, dp3):
-            model(X).pow(2).sum().backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p -= 0.1 * p.grad
-                        p.grad = None
+            sgd_step(model)
     assert dp3._replica_set.kept is not None
     torch.testing.assert_close(dp.module[0].weight, bare[0].weight, rtol=0, atol=1e-12)
     # Three replicas see three chunks (BatchNorm statistics per chunk, as upstream): compare against fresh
@@ -219,12 +214,7 @@ def test_frozen_parameters_and_buffers_beside_kept_ones():
     fresh = fastdp.DataParallel(model_fn(), device_ids=["cpu"] * R)
     fresh.replicate = lambda module, devices: fastdp.replicate(module, devices)
     for _ in range(3):
-        fresh(X).pow(2).sum().backward()
-        with torch.no_grad():
-            for p in fresh.parameters():
-                if p.grad is not None:
-                    p -= 0.1 * p.grad
-                    p.grad = None
+        sgd_step(fresh)
     assert_all_close(list(dp3.module.state_dict().values()), list(fresh.module.state_dict().values()), 1e-10)
 
 
@@ -242,3 +232,47 @@ def test_a_graph_holding_another_replicas_tensor_fails_loudly_when_the_master_ch
     dp(X)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         pending.backward()
+
+
+class Checkpointed(nn.Module):
+    """The middle layers recomputed in backward: the kept node is reached again from inside backward."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.inner, self.reentrant = mlp(), reentrant
+        self.head = nn.Linear(3, 2).double()
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.inner, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    torch.manual_seed(0)
+    bare = Checkpointed(reentrant)
+    dp = fastdp.DataParallel(Checkpointed(reentrant), device_ids=["cpu"] * R)
+    dp.module.load_state_dict(bare.state_dict())
+    x = X.clone().requires_grad_(reentrant)  # the reentrant variant needs an input that requires grad
+    for _ in range(2):
+        for model in (bare, dp):
+            model(x).pow(2).sum().backward()
+    assert_all_close(grads(dp.module), grads(bare), 1e-10)
+
+
+def test_parametrized_weights():
+    from torch.nn.utils import parametrizations
+
+    def model_fn():
+        torch.manual_seed(0)
+        m = mlp()
+        parametrizations.weight_norm(m[0])
+        parametrizations.orthogonal(m[2])
+        return m
+
+    bare, dp = model_fn(), fastdp.DataParallel(model_fn(), device_ids=["cpu"] * R)
+    for _ in range(3):
+        for model in (bare, dp):
+            sgd_step(model, 0.05)
+    torch.testing.assert_close(dp(X), bare(X), rtol=0, atol=1e-10)

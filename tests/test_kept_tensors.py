@@ -276,3 +276,48 @@ def test_parametrized_weights():
         for model in (bare, dp):
             sgd_step(model, 0.05)
     torch.testing.assert_close(dp(X), bare(X), rtol=0, atol=1e-10)
+
+
+def test_buckets_that_cannot_be_flat_are_kept_too():
+    # channels_last weights (not contiguous) and two parameters sharing one storage keep their own memory: their
+    # buckets are copied member by member into the kept buffers.
+    def model_fn():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Conv2d(2, 4, 3), nn.Tanh(), nn.Conv2d(4, 2, 3)).double()
+        m.to(memory_format=torch.channels_last)
+        return m
+
+    x = torch.randn(6, 2, 7, 7, dtype=torch.float64)
+    bare, dp = model_fn(), fastdp.DataParallel(model_fn(), device_ids=["cpu"] * R)
+    for _ in range(3):
+        for model in (bare, dp):
+            model(x).pow(2).sum().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+        assert any(b.flat is None for b in dp._replica_set.plans[True][0])
+        assert dp._replica_set.kept is not None and None in dp._replica_set.kept.sources
+    torch.testing.assert_close(dp(x), bare(x), rtol=0, atol=1e-10)
+    before = dp._replica_set.kept
+    for model in (bare, dp.module):  # a member's .data replaced: replica 0's alias would be stale
+        model[0].weight.data = model[0].weight.data.contiguous(memory_format=torch.channels_last) * 0.5
+    torch.testing.assert_close(dp(x), bare(x), rtol=0, atol=1e-10)
+    assert dp._replica_set.kept is not before
+
+
+def test_parameters_sharing_one_storage():
+    def model_fn():
+        torch.manual_seed(0)
+        m = mlp()
+        m[2].bias.data = m[2].weight.data[0]  # the bias a view of the weight's storage: not flattenable
+        return m
+
+    bare, dp = model_fn(), wrapped()
+    dp.module.load_state_dict(bare.state_dict())
+    dp.module[2].bias.data = dp.module[2].weight.data[0]
+    for _ in range(2):
+        for model in (bare, dp):
+            sgd_step(model, 0.05)
+    assert dp._replica_set.kept is not None and None in dp._replica_set.kept.sources
+    torch.testing.assert_close(dp(X), bare(X), rtol=0, atol=1e-10)

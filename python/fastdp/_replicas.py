@@ -35,12 +35,14 @@ backward gets fresh buffers), so a graph still waiting for backward never sees i
 
 NOTE [kept replica tensors]
 Making R x N replica tensors every step (autograd outputs, views, replica 0's aliases) costs about 8 µs per
-parameter tensor at 4 replicas in torch's C++ alone, whatever the binding does. So when every grad bucket is flat
-and autograd is on, each bucket's node is made once and kept with its outputs: replica 0's tensors are detached
-aliases of the master tensors (sharing their storage and version counter, as upstream's aliases do), the other
-replicas' tensors detached views of flat buffers of their own; none is an autograd view, so writing the flat
-buffers in place never rewrites their grad_fn. Every step copies the master's flat buffer into the kept ones (one
-copy or broadcast per bucket and device) and nothing else; the node has no saved tensors, so every backward may
+parameter tensor at 4 replicas in torch's C++ alone, whatever the binding does. So each grad bucket's node is made
+once and kept with its outputs: replica 0's tensors are detached aliases of the master tensors (sharing their
+storage and version counter, as upstream's aliases do), the other replicas' tensors detached views of flat buffers
+of their own; none is an autograd view, so writing the flat buffers in place never rewrites their grad_fn. Every
+step copies the master's flat buffer into the kept ones (one copy or broadcast per bucket and device; a bucket
+whose master cannot be flat is copied member by member, in one core call) and nothing else, whether autograd is
+on or not (without it the skeletons hold plain aliases of the same buffers); the node is remade when the master
+moves under it (flattened again, a member's ``.data`` replaced). The node has no saved tensors, so every backward may
 run it again, and the gradients reaching it from all graphs alive are reduced by ``reduce_bucket`` as before.
 What users see is upstream's: replica tensors are non-leaves with a grad_fn, the master parameters are in the
 graph (``torch.autograd.grad``, hooks on them, double backward). Two things keep it honest:
@@ -335,13 +337,18 @@ class _KeptBroadcast(Function):
 
 
 class _Kept:
-    """The grad buckets' kept nodes: per bucket the master flat buffer they were made from and the other devices'
-    flat buffers; `got` is what the kept path hands the picker (the master tensors, then every node's outputs)."""
+    """The grad buckets' kept nodes: per bucket the master flat buffer they were made from (None for a bucket copied
+    member by member, whose members' data pointers are noted instead) and the other devices' flat buffers; `got` is
+    what the kept path hands the picker (the master tensors, then every node's outputs)."""
 
-    __slots__ = ("sources", "flats", "outs", "got", "plain", "masters", "stamp")
+    __slots__ = ("buckets", "sources", "ptrs", "flats", "views", "staging", "outs", "got", "plain", "masters",
+                 "stamp")
 
     def __init__(self, buckets, sources, tensors):
-        self.sources = sources
+        self.buckets, self.sources = buckets, sources
+        # Replica 0's aliases of a member that is not flat stay right while its data pointer does.
+        self.ptrs = [None if s is not None else list(map(_data_ptr, b.master)) for b, s in zip(buckets, sources)]
+        self.staging = [None] * len(buckets)  # NCCL's packed source of a bucket copied member by member
         # Made in whatever mode the first forward runs, used in every mode: never inference tensors, always nodes.
         with torch.inference_mode(False), torch.enable_grad():
             self.flats = [[torch.empty(b.numel, dtype=b.dtype, device=d) for d in b.state.tdevs[1:]]
@@ -351,18 +358,28 @@ class _Kept:
                 self.outs += _KeptBroadcast.apply(bucket, flats, *bucket.master)
             # Without autograd: the other replicas' tensors as plain aliases of the same buffers (in the order
             # ReplicaSet._picker gives buckets without a node), so no second set of buffers is ever made.
-            self.plain = list(tensors)
+            self.plain, self.views = list(tensors), []
             for bucket, flats in zip(buckets, self.flats):
-                for flat in flats:
-                    self.plain += _unflatten(flat.detach(), bucket.like, bucket.sizes, bucket.shapes)
+                views = [_unflatten(flat.detach(), bucket.like, bucket.sizes, bucket.shapes) for flat in flats]
+                self.views.append(views)
+                for vs in views:
+                    self.plain += vs
         self.got = list(tensors) + self.outs
         self.masters = list(chain.from_iterable(b.master for b in buckets))
         self.stamp = None  # the master's version counters summed at the last copy
 
+    def valid(self, sources):
+        """Whether the kept nodes still alias the master: the same flat buffers, the same unflattened members."""
+        return all(map(operator.is_, sources, self.sources)) and all(
+            ptrs is None or list(map(_data_ptr, b.master)) == ptrs for b, ptrs in zip(self.buckets, self.ptrs))
+
     def step(self, state):
         """Copies the master into the kept buffers; bumps their version counters where the master's moved."""
-        for flat, flats in zip(self.sources, self.flats):
-            _send(state, flat, flats)
+        for i, (flat, flats) in enumerate(zip(self.sources, self.flats)):
+            if flat is not None:
+                _send(state, flat, flats)
+            else:
+                self._send_members(state, i)
         stamp = sum(map(_version, self.masters))
         if stamp != self.stamp:
             if self.stamp is not None:
@@ -371,6 +388,23 @@ class _Kept:
             self.stamp = stamp
         for hooks in filter(None, map(_tensor_hooks, self.outs)):
             hooks.clear()  # registered on a replica tensor by last step's forward
+
+
+    def _send_members(self, state, i):
+        """A bucket whose master is not flat: member by member into every other device's kept views, in one core
+        call (NCCL: packed into a kept staging buffer on device_ids[0] first, then one broadcast)."""
+        bucket, views = self.buckets[i], self.views[i]
+        sources = [t.detach() for t in bucket.master]
+        if not state.collective:
+            _C.copy([v for vs in views for v in vs], sources * len(views), streams_for([*sources, *self.flats[i]]))
+            return
+        if self.staging[i] is None:
+            with torch.inference_mode(False):
+                flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=state.tdevs[0])
+            self.staging[i] = (flat, _unflatten(flat, bucket.like, bucket.sizes, bucket.shapes))
+        flat, src_views = self.staging[i]
+        _C.copy(src_views, sources, streams_for([flat]))
+        _C.broadcast(flat, self.flats[i], streams_for([flat, *self.flats[i]]))
 
 
 _version = operator.attrgetter("_version")
@@ -646,15 +680,13 @@ class ReplicaSet:
         return [row[0] for row in self.replicas]
 
     def _keep(self, grad_buckets):
-        """Whether this forward takes the kept path (every grad bucket flat), making or remaking the kept nodes
-        when a master flat buffer changed (flattened again after ``.data`` moved)."""
+        """Whether this forward takes the kept path (there are grad buckets), making or remaking the kept nodes
+        when the master moved under them (flattened again, or a member's ``.data`` replaced)."""
         if not grad_buckets:
             return False
         sources = [b.master_flat() for b in grad_buckets]
-        if any(map(operator.is_, sources, repeat(None))):
-            return False
         kept = self.kept
-        if kept is None or any(map(operator.is_not, sources, kept.sources)):
+        if kept is None or not kept.valid(sources):
             self.kept, self.bound = _Kept(grad_buckets, sources, self.tensors), None
         return True
 

@@ -66,7 +66,7 @@ def test_replicas_are_kept_across_steps():
     dp_small = fastdp.DataParallel(mlp(), device_ids=["cpu"] * R, bucket_cap_mb=1e-5)
     out = dp_small(x)
     nodes = [n for n in _walk(out.grad_fn) if type(n).__name__ == "_KeptBroadcastBackward"]
-    assert len(nodes) == len(dp_small._replica_set.plans[True][0]) == len(list(dp_small.parameters()))
+    assert len(nodes) == len(dp_small._replica_set.layout[0]) == len(list(dp_small.parameters()))
 
 
 def _walk(fn, seen=None):
@@ -83,7 +83,7 @@ def test_buckets_reverse_order_dtype_homogeneous_and_frozen_excluded():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).half(), nn.Linear(4, 4))
     model[0].bias.requires_grad_(False)
     kept = _replicas.ReplicaSet(model, ["cpu"] * 2, 1 << 20)
-    diff, rest = kept._plan(True)
+    diff, rest = kept.layout
     params = kept.params
     members = [params[i] for b in diff for i in b.members]
     assert all(p.requires_grad for p in members) and id(model[0].bias) not in {id(m) for m in members}
@@ -212,44 +212,56 @@ def test_changing_number_of_replicas_between_steps():
 
 @pytest.fixture(params=["storage_use_count", "weak_references"])
 def liveness(request, monkeypatch):
-    """Both ways of deciding that a flat buffer is free on the per-step path (the kept tensors, NOTE [kept replica
-    tensors], are switched off): torch's storage use count, and the fallback."""
-    monkeypatch.setattr(_replicas.ReplicaSet, "_keep", lambda self, grad_buckets: False)
+    """Both ways of deciding that a buffer's flat buffer is free: torch's storage use count, and the fallback."""
     if request.param == "weak_references":
         monkeypatch.setattr(_replicas, "_use_count", None)
     return request.param
 
 
+def bn_model():
+    """BatchNorm in eval mode: its running statistics (buffers, copied into pooled flat buffers every step) are
+    saved for backward."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double().eval()
+    with torch.no_grad():
+        m[1].running_var.uniform_(0.5, 2.0)
+    return m
+
+
+def replica_running_var(dp):
+    return dp._replica_set.replicas[1][2].running_var.data_ptr()  # modules in walk order: root, Linear, BN, ...
+
+
 def test_two_forwards_before_backward(liveness):
-    """The second forward must not overwrite tensors the first graph still needs."""
-    model = mlp()
+    """The second forward must not overwrite buffers the first graph still needs."""
+    model = bn_model()
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
     x1, x2 = torch.randn(7, 6, dtype=torch.float64), torch.randn(9, 6, dtype=torch.float64)
     step(dp, x1)  # steady state: flats exist
     model.zero_grad(set_to_none=True)
-    replica_weight = lambda: dp._replica_set.replicas[1][1].weight.data_ptr()  # noqa: E731
     out1 = dp(x1)
-    ptr1 = replica_weight()
+    ptr1 = replica_running_var(dp)
     out2 = dp(x2)
-    assert replica_weight() != ptr1  # graph 1 still holds its replica tensors: fresh buffers for graph 2
+    assert replica_running_var(dp) != ptr1  # graph 1 still holds its replica buffers: fresh ones for graph 2
     (out1.sum() * out2.sum()).backward()
     del out1, out2
     model.zero_grad(set_to_none=True)
     (dp(x1).sum() * dp(x2).sum()).backward()
-    bare = mlp()
+    bare = bn_model()
     (bare(x1).sum() * bare(x2).sum()).backward()
     assert_grads_equal(grads(model), grads(bare))
 
 
 def test_flat_buffers_are_reused_in_steady_state(liveness):
-    model = mlp()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    dp = fastdp.DataParallel(bn_model(), device_ids=["cpu"] * R)
     x = torch.randn(9, 6, dtype=torch.float64)
-    ptrs = set()
+    ptrs, kept = set(), set()
     for _ in range(6):
         step(dp, x)
-        ptrs.add(dp._replica_set.replicas[1][1].weight.data_ptr())
+        ptrs.add(replica_running_var(dp))
+        kept.add(dp._replica_set.replicas[1][1].weight.data_ptr())
     assert len(ptrs) <= 2  # the same buffers, not new ones every step
+    assert len(kept) == 1  # parameters: the kept buffers
 
 
 def test_no_sync_equals_plain_accumulation():

@@ -35,7 +35,7 @@ def assert_same_grads(model, ref, tol=1e-10):
 
 def flat_buckets(dp):
     kept = dp._replica_set
-    return [b for b in kept.plans[True][0] + kept.plans[True][1]]
+    return [b for b in kept.layout[0] + kept.layout[1]]
 
 
 def test_master_tensors_become_views_of_one_flat_buffer_per_bucket():
@@ -173,7 +173,7 @@ def test_reduction_is_one_flat_sum_per_bucket(monkeypatch, zero):
         loss_of(dp, x).backward()
         loss_of(ref, x).backward()
         assert_same_grads(model, ref)
-        buckets = dp._replica_set.plans[True][0]
+        buckets = dp._replica_set.layout[0]
         assert len(buckets) > 1
         assert sorted(calls) == sorted((1, [b.numel] * R, b.numel) for b in buckets)
 

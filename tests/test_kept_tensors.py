@@ -184,7 +184,7 @@ def test_no_grad_and_inference_forwards_between_training_steps():
     torch.testing.assert_close(dp(X), bare(X), rtol=0, atol=1e-12)
     assert_all_close(grads(dp.module), grads(bare), 1e-10)
     # Without autograd the kept buffers serve too (plain aliases): no second set of replica buffers.
-    assert not any(pool.flats for b in dp._replica_set.plans[True][0] for pool in b.pools)
+    assert not any(pool.flats for b in dp._replica_set.layout[0] for pool in b.pools)
     with torch.no_grad():
         weights = replica_weights(dp)
         dp(X)
@@ -296,7 +296,7 @@ def test_buckets_that_cannot_be_flat_are_kept_too():
                 for p in model.parameters():
                     p -= 0.01 * p.grad
                     p.grad = None
-        assert any(b.flat is None for b in dp._replica_set.plans[True][0])
+        assert any(b.flat is None for b in dp._replica_set.layout[0])
         assert dp._replica_set.kept is not None and None in dp._replica_set.kept.sources
     torch.testing.assert_close(dp(x), bare(x), rtol=0, atol=1e-10)
     before = dp._replica_set.kept

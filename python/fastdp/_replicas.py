@@ -8,16 +8,15 @@ move. Each step:
 2. each replica's ``__dict__`` is refreshed from its master module in C (what ``_replicate_for_data_parallel``
    would copy: attributes, hook dicts, the training flag), keeping the replica's own parameter/buffer/child dicts;
 3. parameters (and buffers that require grad) are broadcast bucket by bucket, each bucket one autograd node
-   whose outputs are the replicas' tensors: in the common case that node and its outputs are made once and kept
-   (``_KeptBroadcast``, see NOTE [kept replica tensors]), otherwise made every step (``_BucketBroadcast``, views
-   into per-device flat buffers reused across steps); the other
-   buffers and frozen parameters are copied into reused flat buffers outside autograd. The master tensors of a
+   whose outputs are the replicas' tensors, made once and kept with them (``_KeptBroadcast``, see NOTE [kept
+   replica tensors]); the other buffers and frozen parameters are copied into flat buffers reused across steps,
+   outside autograd. The master tensors of a
    bucket are themselves views of one flat buffer on device_ids[0] (their ``.data`` re-pointed when the replicas
    are built, as DDP's gradient_as_bucket_view), so a bucket is one copy or one NCCL broadcast per device;
    members whose ``.data`` was replaced since (``.to()``, ``p.data = ...``: a data pointer changed) are
    flattened again, and a bucket that cannot be flat (members sharing memory, non-contiguous members) is copied
    member by member;
-4. the tensors are installed into the skeletons in C (``_C.rebind``; kept ones only when they were not already).
+4. the tensors are installed into the skeletons in C (``_C.rebind``; kept ones only when they change).
 
 In backward, a bucket's node runs as soon as every replica has produced that bucket's gradients (buckets hold
 parameters in reverse registration order, so the last layers' reduction starts while earlier layers are still in
@@ -30,8 +29,8 @@ per-replica sums instead (one packed tensor per replica and bucket where the mem
 at the first backward outside it; buckets that backward never reaches (none of their members used) are reduced
 by a callback at its end.
 
-A flat buffer is reused only when none of the views it handed out is alive any more (a second forward before
-backward gets fresh buffers), so a graph still waiting for backward never sees its tensors overwritten.
+A buffer's flat buffer is reused only when none of the views it handed out is alive any more (a second forward
+before backward gets fresh buffers), so a graph still waiting for backward never sees its tensors overwritten.
 
 NOTE [kept replica tensors]
 Making R x N replica tensors every step (autograd outputs, views, replica 0's aliases) costs about 8 µs per
@@ -144,15 +143,15 @@ def _free(entry):
 class _FlatPool:
     """Flat buffers of one bucket on one device, reused once no view handed out from them is alive."""
 
-    __slots__ = ("numel", "dtype", "device", "flats", "last")
+    __slots__ = ("numel", "dtype", "device", "flats")
 
     def __init__(self, numel, dtype, device):
         self.numel, self.dtype, self.device = numel, dtype, device
         self.flats = []  # [flat, [weakrefs of its views]]
-        self.last = None  # the entry handed out by the latest take()
 
-    def take(self, like, sizes, shapes, own_versions):
-        """A free flat buffer and fresh views of it shaped like the bucket's members (`like`)."""
+    def take(self, like, sizes, shapes, own_versions=True):
+        """A free flat buffer and fresh views of it shaped like the bucket's members (`like`); `own_versions`:
+        each view with a version counter of its own."""
         entry = next((e for e in self.flats if _free(e)), None)
         if entry is None:
             # Never an inference tensor: buffers made under inference_mode are reused by training forwards.
@@ -161,7 +160,6 @@ class _FlatPool:
             if len(self.flats) < _POOL:
                 self.flats.append(entry)
         views = _unflatten(entry[0], like, sizes, shapes)
-        self.last = entry
         if own_versions or _use_count is None:
             # .data: each buffer copy gets a version counter of its own, as upstream's broadcast copies do, so an
             # in-place update of one (BatchNorm statistics) never invalidates another saved for backward.
@@ -208,12 +206,11 @@ class _Bucket:
     """Tensors of one dtype broadcast and reduced together; `members` index the ReplicaSet's tensor list."""
 
     __slots__ = ("state", "members", "shapes", "sizes", "numel", "dtype", "pools", "src_pool", "pending", "like",
-                 "own_versions", "master", "flat", "ptrs", "reflattened", "pack", "pending_flat", "__weakref__")
+                 "master", "flat", "ptrs", "reflattened", "pack", "pending_flat", "__weakref__")
 
-    def __init__(self, state, members, tensors, own_versions):
+    def __init__(self, state, members, tensors):
         self.state = state
         self.members = members
-        self.own_versions = own_versions
         # Shape-only stand-ins for unflattening (meta tensors hold no memory and no reference to the master).
         self.like = [torch.empty(tensors[i].shape, device="meta") for i in members]
         self.shapes = [tensors[i].shape for i in members]
@@ -275,7 +272,7 @@ class _Bucket:
         are copied one by one (NCCL: packed first)."""
         flats, views = [], []
         for pool in self.pools:
-            f, vs = pool.take(self.like, self.sizes, self.shapes, self.own_versions)
+            f, vs = pool.take(self.like, self.sizes, self.shapes)
             flats.append(f)
             views.append(vs)
         if flat is not None:
@@ -300,21 +297,6 @@ def _send(state, flat, flats):
         _C.broadcast(flat, flats, streams_for([flat, *flats]))
     else:
         _C.copy(flats, [flat] * len(flats), streams_for([flat, *flats]))
-
-
-class _BucketBroadcast(Function):
-    """One bucket's broadcast as one autograd node: outputs are replica 0's aliases of the master tensors
-    followed by the other replicas' views; its backward reduces that bucket's gradients."""
-
-    @staticmethod
-    def forward(ctx, bucket, flat, *sources):
-        ctx.bucket = bucket
-        ctx.set_materialize_grads(False)
-        return sources + tuple(chain.from_iterable(bucket.fill(flat)))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None) + reduce_bucket(ctx.bucket, grads)
 
 
 class _KeptBroadcast(Function):
@@ -523,13 +505,13 @@ def _reduce_members(bucket, rows):
     return tuple(result)
 
 
-def _buckets(state, tensors, indices, bucket_bytes, own_versions):
+def _buckets(state, tensors, indices, bucket_bytes):
     """Dtype-homogeneous buckets of about bucket_bytes over `indices`, in reverse registration order."""
     order = list(reversed(indices))
     if not order:
         return []
     plan = _C.plan([tensors[i].detach() for i in order], [0] * len(order), bucket_bytes)
-    return [_Bucket(state, [order[m[0]] for m in members], tensors, own_versions) for _, members in plan]
+    return [_Bucket(state, [order[m[0]] for m in members], tensors) for _, members in plan]
 
 
 def _slots(modules, replicas, tensors):
@@ -569,8 +551,7 @@ def _layout(state, params, buffers, bucket_bytes):
     diff += [n + i for i, b in enumerate(buffers) if b.requires_grad]
     taken = set(diff)
     rest = [i for i in range(len(tensors)) if i not in taken]
-    return (_buckets(state, tensors, diff, bucket_bytes, False),
-            _buckets(state, tensors, rest, bucket_bytes, True))
+    return _buckets(state, tensors, diff, bucket_bytes), _buckets(state, tensors, rest, bucket_bytes)
 
 
 class ReplicaSet:
@@ -588,7 +569,6 @@ class ReplicaSet:
         self.buffers = list(network.buffers())
         self.tensors = self.params + self.buffers
         self.containers, self.keys, self.refs = _slots(self.modules, self.replicas, self.tensors)
-        self.nones = [None] * len(self.containers)
         # A compiled wrapper's replica keeps its own attributes (its forward calls its own module: see NOTE
         # [compiled modules] in replicate.py); every other replica mirrors its master each step.
         self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)
@@ -598,12 +578,10 @@ class ReplicaSet:
         layout = _layout(self.state, self.params, self.buffers, bucket_bytes)
         for bucket in chain(*layout):
             bucket.flatten()
-        self.plans = {True: layout}  # (grad buckets, detached buckets): what a forward with autograd uses
+        self.layout = layout  # (grad buckets, the other buckets)
         self.state.grad_buckets = [weakref.ref(b) for b in layout[0]]
-        self.detached = ([], layout[0] + layout[1])  # without autograd every bucket is copied detached
-        self.picks = {True: self._picker(*layout), False: self._picker(*self.detached)}
-        # The kept path (NOTE [kept replica tensors]) installs the grad buckets' slots once and the others' every
-        # step: the slots split by whether their tensor is in a grad bucket.
+        # The grad buckets' slots hold kept tensors (NOTE [kept replica tensors]), installed when they change; the
+        # others' are installed every step: the slots split by whether their tensor is in a grad bucket.
         graded = set(chain.from_iterable(b.members for b in layout[0]))
         split = ([], [])
         for j, (_, t) in enumerate(self.refs):
@@ -615,17 +593,14 @@ class ReplicaSet:
         rest_refs = [self.refs[j] for j in split[False]]
         self.rest_slots = ([self.containers[j] for j in split[False]], [self.keys[j] for j in split[False]],
                            [None] * len(rest_refs), self._picker([], layout[1], rest_refs))
-        self.kept = None  # _Kept, made at the first forward that can use it
-        self.bound = None  # what the grad buckets' slots hold: None (per-step tensors), True (kept outputs), False
-        # (their plain aliases)
+        self.kept = None  # _Kept, made at the first forward
+        self.bound = None  # what the grad buckets' slots hold: None (nothing yet), True (the kept nodes' outputs),
+        # False (their plain aliases)
 
-    def _plan(self, grad_enabled):
-        return self.plans[True] if grad_enabled else self.detached
-
-    def _picker(self, grad_buckets, rest_buckets, refs=None):
-        """What step installs, as one C-level pick from the tensors it gathers in order: the master tensors
-        (replica 0's default), then each grad bucket's node outputs (every replica, replica 0's aliases included),
-        then each other bucket's views (replicas 1 and up). `refs`: the slots picked for (all by default)."""
+    def _picker(self, grad_buckets, rest_buckets, refs):
+        """What step installs into the slots `refs`, as one C-level pick from the tensors it gathers in order: the
+        master tensors (replica 0's default), then each grad bucket's node outputs (every replica, replica 0's
+        aliases included), then each other bucket's views (replicas 1 and up)."""
         nrep = len(self.replicas)
         where = {(0, t): t for t in range(len(self.tensors))}
         at = len(self.tensors)
@@ -639,7 +614,7 @@ class ReplicaSet:
                 for i in bucket.members:
                     where[(r, i)] = at
                     at += 1
-        indices = [where[ref] for ref in (self.refs if refs is None else refs)]
+        indices = [where[ref] for ref in refs]
         if len(indices) > 1:
             return operator.itemgetter(*indices)
         return lambda got: [got[i] for i in indices]  # itemgetter of one index returns the item, not a tuple
@@ -649,64 +624,37 @@ class ReplicaSet:
                 and _C.matches(self.modules, self.signature))
 
     def has_pending(self):
-        return any(b.pending is not None for plan in self.plans.values() for b in plan[0])
+        return any(b.pending is not None for b in self.layout[0])
 
     def step(self):
         """Refreshes the kept replicas for one forward and returns their root modules."""
-        grad_enabled = torch.is_grad_enabled()
-        grad_buckets, rest_buckets = self._plan(grad_enabled)
-        pick = self.picks[grad_enabled]
         _C.refresh(self.pairs, _KEPT, len(_MIRRORED))
-        if self._keep(self.plans[True][0]):
-            self._step_kept(grad_enabled)
-            return [row[0] for row in self.replicas]
-        self.bound = None
-        # Drop last step's tensors first, so that flat buffers nobody else holds can be reused.
-        _C.rebind(self.containers, self.keys, self.nones)
-        got = list(self.tensors)  # gathered in the order _picker expects
-        for bucket in grad_buckets:
-            outs = _BucketBroadcast.apply(bucket, bucket.master_flat(), *bucket.master)
-            if _use_count is None:
-                # Autograd may return new tensor objects for views made in forward: liveness follows those.
-                k = len(bucket.members)
-                for r, pool in enumerate(bucket.pools, start=1):
-                    pool.last[1] = [weakref.ref(o) for o in outs[r * k : (r + 1) * k]]
-            got.extend(outs)
-        with torch.no_grad():
-            for bucket in rest_buckets:
-                for vs in bucket.fill(bucket.master_flat()):
-                    got.extend(vs)
-        _C.rebind(self.containers, self.keys, pick(got))
+        grad_buckets, rest_buckets = self.layout
+        if grad_buckets:
+            self._step_kept(grad_buckets, torch.is_grad_enabled())
+        containers, keys, nones, pick = self.rest_slots
+        if containers:
+            _C.rebind(containers, keys, nones)  # last step's views released first: their flat buffers can be reused
+            got = list(self.tensors)
+            with torch.no_grad():
+                for bucket in rest_buckets:
+                    for vs in bucket.fill(bucket.master_flat()):
+                        got.extend(vs)
+            _C.rebind(containers, keys, pick(got))
         return [row[0] for row in self.replicas]
 
-    def _keep(self, grad_buckets):
-        """Whether this forward takes the kept path (there are grad buckets), making or remaking the kept nodes
-        when the master moved under them (flattened again, or a member's ``.data`` replaced)."""
-        if not grad_buckets:
-            return False
+    def _step_kept(self, grad_buckets, grad_enabled):
+        """The grad buckets: the kept nodes (made again when the master moved under them: flattened again, a
+        member's ``.data`` replaced) get the master's values; with autograd the skeletons hold their outputs,
+        without it (as upstream's detached replicate) the master tensors on replica 0 and plain aliases of the kept
+        buffers on the others."""
         sources = [b.master_flat() for b in grad_buckets]
         kept = self.kept
         if kept is None or not kept.valid(sources):
-            self.kept, self.bound = _Kept(grad_buckets, sources, self.tensors), None
-        return True
-
-    def _step_kept(self, grad_enabled):
-        """The kept path: with autograd the grad buckets' slots hold the kept nodes' outputs, without it (as
-        upstream's detached replicate) the master tensors on replica 0 and plain aliases of the kept buffers on
-        the others; the other buckets are copied as in step."""
-        kept = self.kept
+            kept, self.bound = _Kept(grad_buckets, sources, self.tensors), None
+            self.kept = kept
         kept.step(self.state)
         if self.bound is not grad_enabled:
             containers, keys, pick_outs, pick_plain = self.kept_slots
             _C.rebind(containers, keys, pick_outs(kept.got) if grad_enabled else pick_plain(kept.plain))
             self.bound = grad_enabled
-        containers, keys, nones, pick = self.rest_slots
-        if not containers:
-            return
-        _C.rebind(containers, keys, nones)  # last step's views released first, as in step
-        got = list(self.tensors)
-        with torch.no_grad():
-            for bucket in self.plans[True][1]:
-                for vs in bucket.fill(bucket.master_flat()):
-                    got.extend(vs)
-        _C.rebind(containers, keys, pick(got))

@@ -371,7 +371,6 @@ class _Kept:
         for hooks in filter(None, map(_tensor_hooks, self.outs)):
             hooks.clear()  # registered on a replica tensor by last step's forward
 
-
     def _send_members(self, state, i):
         """A bucket whose master is not flat: member by member into every other device's kept views, in one core
         call (NCCL: packed into a kept staging buffer on device_ids[0] first, then one broadcast)."""

@@ -60,13 +60,20 @@ static int next_item(PyObject *d, Py_ssize_t *pos, PyObject **key, PyObject **va
   return 1;
 }
 
-/* One entry per tensor slot of `d`; -1 on error. */
+/* One entry per tensor slot of `d`; -1 on error. The slot's key and tensor are held while their attributes are read
+ * (a Python property could change the dict). */
 static int tensor_entries(walk_t *w, PyObject *d) {
   Py_ssize_t pos = 0;
   PyObject *key, *t;
   int more;
-  while ((more = next_item(d, &pos, &key, &t)) == 1)
-    if (append(w, tensor_entry(w, key, t)) < 0) return -1;
+  while ((more = next_item(d, &pos, &key, &t)) == 1) {
+    Py_INCREF(key);
+    Py_INCREF(t);
+    int r = append(w, tensor_entry(w, key, t));
+    Py_DECREF(key);
+    Py_DECREF(t);
+    if (r < 0) return -1;
+  }
   return more;
 }
 
@@ -163,11 +170,12 @@ typedef struct {
   Py_ssize_t at; /* the next signature entry to compare */
 } match_t;
 
-/* The next signature entry when it is a tuple of `len` items, else NULL (a mismatch, no error set). */
+/* The next signature entry (a new reference) when it is a tuple of `len` items, else NULL (a mismatch, no error
+ * set). Held by the caller: a comparison's __eq__ could change the list. */
 static PyObject *next_entry(match_t *mt, Py_ssize_t len) {
   if (mt->at >= PyList_GET_SIZE(mt->sig)) return NULL;
   PyObject *e = PyList_GET_ITEM(mt->sig, mt->at++);
-  return PyTuple_Check(e) && PyTuple_GET_SIZE(e) == len ? e : NULL;
+  return PyTuple_Check(e) && PyTuple_GET_SIZE(e) == len ? Py_NewRef(e) : NULL;
 }
 
 /* 1 when `obj` is the object whose id the signature holds as `id`. */
@@ -180,10 +188,8 @@ static int same(PyObject *a, PyObject *b) {
   return a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
 }
 
-/* Compares one tensor slot with the next entry: 1 equal, 0 not, -1 error. */
-static int match_tensor(match_t *mt, PyObject *key, PyObject *t) {
-  PyObject *e = next_entry(mt, t == Py_None ? 2 : 7);
-  if (!e) return 0;
+/* Compares one tensor slot with entry e: 1 equal, 0 not, -1 error. */
+static int match_tensor(match_t *mt, PyObject *e, PyObject *key, PyObject *t) {
   int eq = same(PyTuple_GET_ITEM(e, 0), key);
   if (eq != 1 || t == Py_None) return eq == 1 ? PyTuple_GET_ITEM(e, 1) == Py_None : eq;
   if (!is_id(PyTuple_GET_ITEM(e, 1), t)) return 0;
@@ -195,11 +201,22 @@ static int match_tensor(match_t *mt, PyObject *key, PyObject *t) {
   return eq;
 }
 
-/* Compares one child slot with the next entry: 1 equal, 0 not, -1 error. */
-static int match_child(match_t *mt, PyObject *key, PyObject *c) {
-  PyObject *e = next_entry(mt, 2);
-  if (!e || !is_id(PyTuple_GET_ITEM(e, 1), c)) return 0;
-  return same(PyTuple_GET_ITEM(e, 0), key);
+/* Compares one child slot with entry e: 1 equal, 0 not, -1 error. */
+static int match_child(PyObject *e, PyObject *key, PyObject *c) {
+  return is_id(PyTuple_GET_ITEM(e, 1), c) ? same(PyTuple_GET_ITEM(e, 0), key) : 0;
+}
+
+/* Compares one slot with the next entry: 1 equal, 0 not, -1 error. Entry, key and value are held meanwhile. */
+static int match_slot(match_t *mt, PyObject *key, PyObject *v, int child) {
+  PyObject *e = next_entry(mt, child ? 2 : v == Py_None ? 2 : 7);
+  if (!e) return 0;
+  Py_INCREF(key);
+  Py_INCREF(v);
+  int eq = child ? match_child(e, key, v) : match_tensor(mt, e, key, v);
+  Py_DECREF(key);
+  Py_DECREF(v);
+  Py_DECREF(e);
+  return eq;
 }
 
 /* Compares the slots of one dict attribute: 1 equal, 0 not, -1 error. */
@@ -208,7 +225,7 @@ static int match_slots(match_t *mt, PyObject *d, int children) {
   PyObject *key, *v;
   int more, eq = 1;
   while (eq == 1 && (more = next_item(d, &pos, &key, &v)) == 1)
-    eq = children ? match_child(mt, key, v) : match_tensor(mt, key, v);
+    eq = match_slot(mt, key, v, children);
   return eq == 1 ? (more < 0 ? -1 : 1) : eq;
 }
 
@@ -224,7 +241,9 @@ static int match_module(match_t *mt, PyObject *m) {
   PyObject *d[3];
   Py_ssize_t np, nb;
   if (module_dicts(mt->name, m, d, &np, &nb) < 0) return -1;
-  int eq = match_header(next_entry(mt, 4), m, np, nb);
+  PyObject *h = next_entry(mt, 4);
+  int eq = match_header(h, m, np, nb);
+  Py_XDECREF(h);
   for (int i = 0; eq == 1 && i < 3; i++)
     eq = match_slots(mt, d[i], i == 2);
   for (int i = 0; i < 3; i++)

@@ -167,8 +167,6 @@ def _add_kept(rows, notes, model, state):
         for r, row in enumerate(bucket.pending or []):
             rows[where[r]].pending_grads += sum(_bytes(g) for g in row if g is not None)
     if kept.kept is not None:  # the kept replica tensors' buffers (NOTE [kept replica tensors])
-        for flats, staging in zip(kept.kept.flats, kept.kept.staging):
+        for flats in kept.kept.flats:
             for r, flat in enumerate(flats, start=1):
                 rows[where[r]].replica_buffers += _bytes(flat)
-            if staging is not None:
-                rows[where[0]].staging += _bytes(staging[0])

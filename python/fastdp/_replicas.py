@@ -266,37 +266,35 @@ class _Bucket:
         return self.flat if self.flatten() else None
 
     def fill(self, flat):
-        """Copies the master tensors into fresh views on every other device; returns the views.
-
-        `flat` is the master's flat buffer (one copy or one NCCL broadcast per device), or None: then the members
-        are copied one by one (NCCL: packed first)."""
+        """Copies the master tensors into fresh views on every other device (see send); returns the views."""
         flats, views = [], []
         for pool in self.pools:
             f, vs = pool.take(self.like, self.sizes, self.shapes)
             flats.append(f)
             views.append(vs)
+        self.send(flat, flats, views)
+        return views
+
+    def send(self, flat, flats, views):
+        """Copies the master tensors into `flats`, one flat buffer per other device (`views`: per device, the
+        members' views of it). `flat` is the master's flat buffer (one copy or one NCCL broadcast per device), or
+        None: then the members are copied one by one (NCCL: packed first)."""
+        state = self.state
         if flat is not None:
-            _send(self.state, flat, flats)
-            return views
+            if state.collective:
+                _C.broadcast(flat, flats, streams_for([flat, *flats]))
+            else:
+                _C.copy(flats, [flat] * len(flats), streams_for([flat, *flats]))
+            return
         sources = [t.detach() for t in self.master]
-        if self.state.collective:  # NCCL broadcasts one packed buffer from device_ids[0]
+        if state.collective:  # NCCL broadcasts one packed buffer from device_ids[0]
             if self.src_pool is None:
-                self.src_pool = _FlatPool(self.numel, self.dtype, self.state.tdevs[0])
+                self.src_pool = _FlatPool(self.numel, self.dtype, state.tdevs[0])
             src_flat, src_views = self.src_pool.take(self.like, self.sizes, self.shapes, False)
             _C.copy(src_views, sources, streams_for([src_flat]))
             _C.broadcast(src_flat, flats, streams_for([src_flat, *flats]))
         else:  # host entries or repeated CUDA ids: every member straight into every replica's buffer, one call
             _C.copy([v for vs in views for v in vs], sources * len(views), streams_for([*sources, *flats]))
-        return views
-
-
-def _send(state, flat, flats):
-    """The master's flat buffer of one bucket into the other devices' `flats`: one NCCL broadcast, or one copy
-    call."""
-    if state.collective:
-        _C.broadcast(flat, flats, streams_for([flat, *flats]))
-    else:
-        _C.copy(flats, [flat] * len(flats), streams_for([flat, *flats]))
 
 
 class _KeptBroadcast(Function):
@@ -323,14 +321,12 @@ class _Kept:
     member by member, whose members' data pointers are noted instead) and the other devices' flat buffers; `got` is
     what the kept path hands the picker (the master tensors, then every node's outputs)."""
 
-    __slots__ = ("buckets", "sources", "ptrs", "flats", "views", "staging", "outs", "got", "plain", "masters",
-                 "stamp")
+    __slots__ = ("buckets", "sources", "ptrs", "flats", "views", "outs", "got", "plain", "masters", "stamp")
 
     def __init__(self, buckets, sources, tensors):
         self.buckets, self.sources = buckets, sources
         # Replica 0's aliases of a member that is not flat stay right while its data pointer does.
         self.ptrs = [None if s is not None else list(map(_data_ptr, b.master)) for b, s in zip(buckets, sources)]
-        self.staging = [None] * len(buckets)  # NCCL's packed source of a bucket copied member by member
         # Made in whatever mode the first forward runs, used in every mode: never inference tensors, always nodes.
         with torch.inference_mode(False), torch.enable_grad():
             self.flats = [[torch.empty(b.numel, dtype=b.dtype, device=d) for d in b.state.tdevs[1:]]
@@ -355,13 +351,10 @@ class _Kept:
         return all(map(operator.is_, sources, self.sources)) and all(
             ptrs is None or list(map(_data_ptr, b.master)) == ptrs for b, ptrs in zip(self.buckets, self.ptrs))
 
-    def step(self, state):
+    def step(self):
         """Copies the master into the kept buffers; bumps their version counters where the master's moved."""
-        for i, (flat, flats) in enumerate(zip(self.sources, self.flats)):
-            if flat is not None:
-                _send(state, flat, flats)
-            else:
-                self._send_members(state, i)
+        for bucket, flat, flats, views in zip(self.buckets, self.sources, self.flats, self.views):
+            bucket.send(flat, flats, views)
         stamp = sum(map(_version, self.masters))
         if stamp != self.stamp:
             if self.stamp is not None:
@@ -370,22 +363,6 @@ class _Kept:
             self.stamp = stamp
         for hooks in filter(None, map(_tensor_hooks, self.outs)):
             hooks.clear()  # registered on a replica tensor by last step's forward
-
-    def _send_members(self, state, i):
-        """A bucket whose master is not flat: member by member into every other device's kept views, in one core
-        call (NCCL: packed into a kept staging buffer on device_ids[0] first, then one broadcast)."""
-        bucket, views = self.buckets[i], self.views[i]
-        sources = [t.detach() for t in bucket.master]
-        if not state.collective:
-            _C.copy([v for vs in views for v in vs], sources * len(views), streams_for([*sources, *self.flats[i]]))
-            return
-        if self.staging[i] is None:
-            with torch.inference_mode(False):
-                flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=state.tdevs[0])
-            self.staging[i] = (flat, _unflatten(flat, bucket.like, bucket.sizes, bucket.shapes))
-        flat, src_views = self.staging[i]
-        _C.copy(src_views, sources, streams_for([flat]))
-        _C.broadcast(flat, self.flats[i], streams_for([flat, *self.flats[i]]))
 
 
 _version = operator.attrgetter("_version")
@@ -652,7 +629,7 @@ class ReplicaSet:
         if kept is None or not kept.valid(sources):
             kept, self.bound = _Kept(grad_buckets, sources, self.tensors), None
             self.kept = kept
-        kept.step(self.state)
+        kept.step()
         if self.bound is not grad_enabled:
             containers, keys, pick_outs, pick_plain = self.kept_slots
             _C.rebind(containers, keys, pick_outs(kept.got) if grad_enabled else pick_plain(kept.plain))

@@ -41,6 +41,17 @@ modules, sig = fastdp._C.walk(odd)
 assert fastdp._C.matches(modules, sig) and not fastdp._C.matches(modules, sig[:-1])
 odd.bias = None
 assert not fastdp._C.matches(modules, sig)
+from array import array
+views = fastdp._C.views(torch.arange(10.0), array("q", [2, 2, 2, 1, 3, 0]))  # the shim's views, if it has them
+assert views is None or [v.tolist() for v in views] == [[[0.0, 1.0], [2.0, 3.0]], [4.0, 5.0, 6.0], 7.0]
+for spec in (array("q", [1, 11]), array("q", [3, 1]), b"1234567"):
+    try:
+        fastdp._C.views(torch.arange(10.0), spec)
+    except ValueError:
+        pass
+out = torch.zeros(6)
+assert fastdp._C.reduce_rows([torch.ones(2, 3)] * 3, 1, out) in (True, False)  # False on the Python path
+assert not fastdp._C.reduce_rows([torch.ones(3, 2).t()] * 3, 1, out)
 print("trained")
 """
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import fastdp
-from fastdp import _replicas
+from fastdp import _C, _core, _replicas
 
 pytestmark = pytest.mark.usefixtures("cpu_apply")
 
@@ -149,33 +149,53 @@ def test_replicate_copies_one_flat_buffer_per_bucket_and_device(monkeypatch):
     assert calls == [R - 1] * len(buckets)  # one pair (flat -> replica flat) per replica, one call per bucket
 
 
+@pytest.mark.parametrize("path", ["aoti", "python"])
 @pytest.mark.parametrize("zero", ["set_to_none", "zeros", "accumulate"])
-def test_reduction_is_one_flat_sum_per_bucket(monkeypatch, zero):
-    """Each bucket's replica gradients are summed as R flat tensors in one call; .grad matches the bare module's
-    whether the optimizer drops gradients, zeroes them in place or lets them accumulate."""
+def test_reduction_is_one_flat_sum_per_bucket(monkeypatch, zero, path):
+    """Each bucket's replica gradients are summed in one call into one flat result: member by member straight from
+    the R x k gradients (reduce_rows) where tensors are read through the C shim, else as R packed flat tensors;
+    .grad matches the bare module's whether the optimizer drops gradients, zeroes them in place or lets them
+    accumulate."""
+    if path == "aoti" and not _core.tensor_shim_usable():
+        pytest.skip("this torch has no usable C shim")
+    previous = _C.set_tensor_path(path)
     calls = []
-    real = _replicas.reduce_columns
+    real_columns, real_rows = _replicas.reduce_columns, _C.reduce_rows
 
-    def spy(columns, outs):
-        calls.append((len(columns), [t.numel() for t in columns[0]], outs[0].numel()))
-        return real(columns, outs)
+    def spy_columns(columns, outs):
+        calls.append(("packed", len(columns), [t.numel() for t in columns[0]], outs[0].numel()))
+        return real_columns(columns, outs)
 
-    monkeypatch.setattr(_replicas, "reduce_columns", spy)
-    model, ref = mlp(), mlp()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R, bucket_cap_mb=0.0005)
-    torch.manual_seed(2)
-    for _ in range(3):
-        x = torch.randn(9, 6, dtype=torch.float64)
-        if zero != "accumulate":
-            model.zero_grad(set_to_none=zero == "set_to_none")
-            ref.zero_grad(set_to_none=zero == "set_to_none")
-        calls.clear()
-        loss_of(dp, x).backward()
-        loss_of(ref, x).backward()
-        assert_same_grads(model, ref)
-        buckets = dp._replica_set.layout[0]
-        assert len(buckets) > 1
-        assert sorted(calls) == sorted((1, [b.numel] * R, b.numel) for b in buckets)
+    def spy_rows(grads, k, out):
+        done = real_rows(grads, k, out)
+        if done:
+            calls.append(("rows", len(grads) // k, k, out.numel()))
+        return done
+
+    monkeypatch.setattr(_replicas, "reduce_columns", spy_columns)
+    monkeypatch.setattr(_C, "reduce_rows", spy_rows)
+    try:
+        model, ref = mlp(), mlp()
+        dp = fastdp.DataParallel(model, device_ids=["cpu"] * R, bucket_cap_mb=0.0005)
+        torch.manual_seed(2)
+        for _ in range(3):
+            x = torch.randn(9, 6, dtype=torch.float64)
+            if zero != "accumulate":
+                model.zero_grad(set_to_none=zero == "set_to_none")
+                ref.zero_grad(set_to_none=zero == "set_to_none")
+            calls.clear()
+            loss_of(dp, x).backward()
+            loss_of(ref, x).backward()
+            assert_same_grads(model, ref)
+            buckets = dp._replica_set.layout[0]
+            assert len(buckets) > 1
+            if path == "aoti":
+                want = [("rows", R, len(b.members), b.numel) for b in buckets]
+            else:
+                want = [("packed", 1, [b.numel] * R, b.numel) for b in buckets]
+            assert sorted(calls) == sorted(want)
+    finally:
+        _C.set_tensor_path(previous)
 
 
 @pytest.mark.parametrize("first", ["inference_mode", "no_grad"])

@@ -20,6 +20,8 @@ typedef int32_t (*shim_get_i32_fn)(fdp_aten_handle_t, int32_t *);
 typedef int32_t (*shim_delete_fn)(fdp_aten_handle_t);
 typedef int32_t (*shim_const_fn)(void);
 typedef size_t (*shim_elem_size_fn)(int32_t);
+typedef int32_t (*shim_reinterpret_fn)(fdp_aten_handle_t, int64_t, const int64_t *, const int64_t *, int64_t,
+                                       fdp_aten_handle_t *);
 
 #define FDP_SHIM_DTYPES 64 /* c10::ScalarType values are small; a larger one goes to the Python path */
 
@@ -29,7 +31,9 @@ static struct {
   shim_get_i64p_fn sizes, strides;
   shim_get_i32_fn dtype, device_type, device_index, layout;
   shim_delete_fn delete_tensor;
-  shim_elem_size_fn elem_size;       /* optional: dtypes the core does not sum need only their size */
+  shim_elem_size_fn elem_size;     /* optional: dtypes the core does not sum need only their size */
+  shim_reinterpret_fn reinterpret; /* optional, with storage_offset: fdp__aoti_views */
+  shim_get_i64_fn storage_offset;
   int32_t cpu, cuda, strided;        /* the shim's codes, read once */
   int8_t fdp_dtype[FDP_SHIM_DTYPES]; /* shim dtype -> fdp_dtype_t; -1: not in the core's table */
   int8_t size_of[FDP_SHIM_DTYPES];   /* shim dtype -> bytes per element; 0: unknown (Python path) */
@@ -126,10 +130,16 @@ static void map_dtypes(void *lib) {
   }
 }
 
+/* *slot = the symbol, or NULL: for the shim functions only some features need. */
+static void optional(void *lib, const char *name, void *slot) {
+  void *sym = dlsym(lib, name);
+  memcpy(slot, &sym, sizeof sym);
+}
+
 static int resolve(void *lib) {
-  shim.elem_size = NULL;
-  void *sym = dlsym(lib, "aoti_torch_dtype_element_size");
-  memcpy(&shim.elem_size, &sym, sizeof sym);
+  optional(lib, "aoti_torch_dtype_element_size", &shim.elem_size);
+  optional(lib, "aoti_torch__reinterpret_tensor", &shim.reinterpret);
+  optional(lib, "aoti_torch_get_storage_offset", &shim.storage_offset);
   int ok = need(lib, "aoti_torch_get_data_ptr", &shim.data_ptr) && need(lib, "aoti_torch_get_dim", &shim.dim) &&
            need(lib, "aoti_torch_get_sizes", &shim.sizes) && need(lib, "aoti_torch_get_strides", &shim.strides) &&
            need(lib, "aoti_torch_get_dtype", &shim.dtype) &&
@@ -252,4 +262,104 @@ int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, cons
   }
   Py_DECREF(handles);
   return rc;
+}
+
+/* ---- views of a flat buffer ---- */
+
+/* The handle of `flat` when it is a plain, dense, 1-D CPU or CUDA tensor at storage offset 0 (its element count into
+ * *numel); NULL with no error set when the Python path should make the views instead, NULL with an error set when
+ * the conversion itself failed. The caller deletes the handle. */
+static fdp_aten_handle_t flat_handle(module_state *st, PyObject *flat, int64_t *numel) {
+  PyObject *one = PyTuple_Pack(1, flat);
+  if (!one) return NULL;
+  fdp_aten_handle_t h = NULL;
+  if (plain_tensors(st, one)) {
+    PyObject *handles = PyObject_CallOneArg(st->to_handles, one);
+    if (handles && PyList_Check(handles) && PyList_GET_SIZE(handles) == 1) h = handle_of(PyList_GET_ITEM(handles, 0));
+    Py_XDECREF(handles);
+  }
+  Py_DECREF(one);
+  fdp_tensor_t t;
+  int64_t offset = -1;
+  if (h && (from_handle(h, &t) || shim.storage_offset(h, &offset) || offset != 0 || t.ndim != 1 ||
+            (t.sizes[0] > 1 && t.strides[0] != 1))) {
+    shim.delete_tensor(h);
+    return NULL;
+  }
+  if (h) *numel = t.sizes[0];
+  return h;
+}
+
+/* Deletes the handles the capsules of `caps` carry (views made, then not handed to torch). */
+static void delete_handles(PyObject *caps) {
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(caps); i++) {
+    fdp_aten_handle_t h = handle_of(PyList_GET_ITEM(caps, i));
+    if (h) shim.delete_tensor(h);
+  }
+}
+
+/* One view of `h` per spec entry (ndim, sizes...), contiguous and back to back from offset 0, as capsules appended
+ * to `caps`. -1 with an error set for a malformed spec, a spec longer than the buffer, or a failed shim call. */
+static int make_views(fdp_aten_handle_t h, int64_t numel, const int64_t *spec, Py_ssize_t n, PyObject *caps) {
+  int64_t offset = 0;
+  for (Py_ssize_t i = 0; i < n;) {
+    int64_t ndim = spec[i++], strides[FDP_MAX_DIMS], count = 1;
+    if (ndim < 0 || ndim > FDP_MAX_DIMS || ndim > n - i) {
+      PyErr_Format(PyExc_ValueError, "views: spec entry at %zd has %lld dimensions (0..%d, within the spec)", i - 1,
+                   (long long)ndim, FDP_MAX_DIMS);
+      return -1;
+    }
+    const int64_t *sizes = spec + i;
+    for (int64_t d = ndim - 1; d >= 0; d--) {
+      if (sizes[d] < 0 || (sizes[d] > 0 && count > INT64_MAX / sizes[d])) {
+        PyErr_Format(PyExc_ValueError, "views: spec entry at %zd has a bad size %lld", i - 1, (long long)sizes[d]);
+        return -1;
+      }
+      strides[d] = count;
+      count *= sizes[d];
+    }
+    i += (Py_ssize_t)ndim;
+    if (count > numel - offset) {
+      PyErr_Format(PyExc_ValueError, "views: the spec needs more than the buffer's %lld elements", (long long)numel);
+      return -1;
+    }
+    fdp_aten_handle_t view = NULL;
+    if (shim.reinterpret(h, ndim, sizes, strides, offset, &view) || !view) {
+      PyErr_SetString(PyExc_RuntimeError,
+                      "views: aoti_torch__reinterpret_tensor failed; set FASTDP_TENSOR_PATH=python");
+      return -1;
+    }
+    PyObject *cap = PyCapsule_New(view, NULL, NULL);
+    if (!cap || PyList_Append(caps, cap) < 0) {
+      Py_XDECREF(cap);
+      shim.delete_tensor(view);
+      return -1;
+    }
+    Py_DECREF(cap);
+    offset += count;
+  }
+  return 0;
+}
+
+/* See binding.h. */
+PyObject *fdp__aoti_views(module_state *st, PyObject *flat, const int64_t *spec, Py_ssize_t n) {
+  if (g_path != FDP_TENSOR_PATH_AOTI || !shim.reinterpret || !shim.storage_offset || !st->from_handles) Py_RETURN_NONE;
+  int64_t numel = 0;
+  fdp_aten_handle_t h = flat_handle(st, flat, &numel);
+  if (!h) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+  PyObject *caps = PyList_New(0);
+  int rc = caps ? make_views(h, numel, spec, n, caps) : -1;
+  shim.delete_tensor(h); /* each view holds its own reference to the storage */
+  /* torch takes over every handle of a list it converts; a failure before that (a list it cannot read) leaves them
+   * to us. */
+  Py_ssize_t made = caps ? PyList_GET_SIZE(caps) : 0;
+  PyObject *views = rc == 0 ? PyObject_CallOneArg(st->from_handles, caps) : NULL;
+  if (caps && !views) delete_handles(caps);
+  Py_XDECREF(caps);
+  if (views && (!PyList_Check(views) || PyList_GET_SIZE(views) != made)) {
+    Py_CLEAR(views);
+    PyErr_SetString(PyExc_RuntimeError, "torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs returned no tensor "
+                                        "list; set FASTDP_TENSOR_PATH=python");
+  }
+  return views;
 }

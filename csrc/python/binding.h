@@ -16,6 +16,7 @@ typedef struct {
   PyObject *tensor_type;    /* torch.Tensor */
   PyObject *parameter_type; /* torch.nn.Parameter: a subclass the shim path reads like a plain tensor */
   PyObject *to_handles;     /* torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors, or NULL */
+  PyObject *from_handles;   /* torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs, or NULL */
   PyObject *FastDPError, *CudaError, *NcclError, *BackendUnavailableError;
   /* Interned attribute names: the Python path runs them for every tensor of every call. */
   PyObject *s_data_ptr, *s_shape, *s_stride, *s_dtype, *s_is_cuda, *s_get_device, *s_device, *s_type, *s_itemsize;
@@ -79,5 +80,13 @@ int fdp__set_tensor_path(fdp__tensor_path_t path);
  * as plain strided CPU/CUDA memory (sparse, meta, unknown dtype) go to fdp__describe_python one by one, so both
  * paths raise the same errors. */
 int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single);
+/* A new list of tensors over the memory of `flat` (a dense 1-D tensor at storage offset 0): for each entry of `spec`
+ * (n int64 values: ndim, then ndim sizes, per entry), a contiguous tensor of those sizes, the entries back to back
+ * from element 0. They share flat's storage (each holds a reference to it) but are not autograd views of it: each
+ * has its own version counter, so they suit results nobody differentiates through (reduced gradients). None (a new
+ * reference) when the shim path is not in use or cannot make them (no aoti_torch__reinterpret_tensor, a flat that is
+ * not plain, dense, 1-D at offset 0): the caller makes views with torch instead. NULL with ValueError for a spec that
+ * is malformed or needs more elements than flat has. */
+PyObject *fdp__aoti_views(module_state *st, PyObject *flat, const int64_t *spec, Py_ssize_t n);
 
 #endif

@@ -372,6 +372,72 @@ static PyObject *py_reduce_many(PyObject *module, PyObject *args) {
   return ret;
 }
 
+/* Whether reduce_rows can sum these: host tensors of out's dtype, contiguous, each replica's member j the shape of
+ * replica 0's, the members fitting in `out` (1-D, contiguous) back to back. */
+static int rows_fit(const fdp_tensor_t *g, Py_ssize_t k, Py_ssize_t nrep, const fdp_tensor_t *out) {
+  if (out->device != FDP_HOST || out->ndim != 1 || !fdp_tensor_is_contiguous(out) || out->dtype < 0 ||
+      out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
+    return 0;
+  int64_t total = 0;
+  for (Py_ssize_t i = 0; i < k * nrep; i++) {
+    const fdp_tensor_t *t = &g[i], *first = &g[i % k];
+    if (t->device != FDP_HOST || t->dtype != out->dtype || t->elem_size != out->elem_size ||
+        !fdp_tensor_is_contiguous(t) || t->ndim != first->ndim ||
+        memcmp(t->sizes, first->sizes, (size_t)t->ndim * sizeof *t->sizes) != 0)
+      return 0;
+    if (i < k) total += fdp_tensor_numel(t);
+  }
+  return total <= out->sizes[0];
+}
+
+/* out[offset_j ...] = sum over replicas of member j, for every member (no GIL needed). */
+static fdp_result_t reduce_rows_impl(const fdp_tensor_t *g, Py_ssize_t k, Py_ssize_t nrep, const fdp_tensor_t *out) {
+  fdp_tensor_t in[FDP_MAX_DEVICES];
+  fdp_result_t r = FDP_OK;
+  char *at = out->data;
+  for (Py_ssize_t j = 0; j < k && r == FDP_OK; j++) {
+    for (Py_ssize_t q = 0; q < nrep; q++)
+      in[q] = g[q * k + j];
+    fdp_tensor_t o = in[0]; /* member j's shape, contiguous, at its place in out */
+    o.data = at;
+    for (int d = o.ndim - 1; d >= 0; d--)
+      o.strides[d] = d == o.ndim - 1 ? 1 : o.strides[d + 1] * o.sizes[d + 1];
+    r = fdp_op_reduce(in, (int)nrep, &o, NULL);
+    at += fdp_tensor_numel(&o) * o.elem_size;
+  }
+  return r;
+}
+
+/* reduce_rows(grads, k, out) -> bool: `grads` replica-major (k tensors per replica), member j's sum over the replicas
+ * written into `out` (a flat 1-D buffer) at the members' offsets back to back: the packed reduction of host
+ * replicas without packing each replica first. False, with nothing written, where the tensors are not all dense
+ * host tensors of out's dtype with matching shapes, or where tensors are read through their Python API (slower than
+ * torch's packing): the caller packs then. */
+static PyObject *py_reduce_rows(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  if (fdp__tensor_path() != FDP_TENSOR_PATH_AOTI) Py_RETURN_FALSE;
+  fdp__tensor_list_t g = FDP_ARG("grads");
+  fdp__tensor_arg_t out = FDP_ARG("out");
+  Py_ssize_t k;
+  if (!PyArg_ParseTuple(args, "O&nO&:reduce_rows", fdp__tensor_list_converter, &g, &k, fdp__tensor_converter, &out))
+    return NULL;
+  PyObject *ret = NULL;
+  Py_ssize_t nrep = k > 0 ? g.n / k : 0;
+  if (k <= 0 || g.n % k != 0 || nrep < 1 || nrep > FDP_MAX_DEVICES) {
+    PyErr_Format(PyExc_ValueError, "reduce_rows: %zd gradients are not 1 to %d rows of k=%zd", g.n, FDP_MAX_DEVICES, k);
+  } else if (!rows_fit(g.t, k, nrep, &out.t)) {
+    ret = Py_NewRef(Py_False);
+  } else {
+    fdp_result_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = reduce_rows_impl(g.t, k, nrep, &out.t);
+    Py_END_ALLOW_THREADS
+    ret = r == FDP_OK ? Py_NewRef(Py_True) : raise_result(st, r);
+  }
+  fdp__tensor_list_clear(&g);
+  return ret;
+}
+
 /* Refills the replica's own hook dict `rd` with the master's `md` entries. Two empty dicts, the common case, cost
  * two size reads; otherwise clear() and update() are called as methods: hook dicts are OrderedDicts, whose order
  * the PyDict_* calls would not maintain. */
@@ -632,6 +698,9 @@ static void init_tensor_path(module_state *st) {
   Py_XSETREF(st->parameter_type, lookup("torch.nn.parameter", "Parameter"));
   PyObject *aoti = lookup("torch._C", "_aoti");
   Py_XSETREF(st->to_handles, aoti ? PyObject_GetAttrString(aoti, "unsafe_alloc_void_ptrs_from_tensors") : NULL);
+  PyErr_Clear();
+  Py_XSETREF(st->from_handles, aoti ? PyObject_GetAttrString(aoti, "alloc_tensors_by_stealing_from_void_ptrs") : NULL);
+  PyErr_Clear();
   Py_XDECREF(aoti);
   PyObject *file = lookup("torch._C", "__file__");
   const char *path = file && PyUnicode_Check(file) ? PyUnicode_AsUTF8(file) : NULL;
@@ -702,6 +771,26 @@ static PyObject *py_describe(PyObject *module, PyObject *args) {
       PyList_SET_ITEM(ret, i, v);
   }
   fdp__tensor_list_clear(&ts);
+  return ret;
+}
+
+/* views(flat, spec) -> list or None: see fdp__aoti_views; spec is any buffer of int64 (array('q'), bytes). */
+static PyObject *py_views(PyObject *module, PyObject *args) {
+  module_state *st = get_state(module);
+  PyObject *flat;
+  Py_buffer spec;
+  if (!PyArg_ParseTuple(args, "Oy*:views", &flat, &spec)) return NULL;
+  PyObject *ret = NULL;
+  int64_t *copy = NULL; /* a buffer not aligned for int64 (a slice of bytes) is read from an aligned copy */
+  if (spec.len % (Py_ssize_t)sizeof(int64_t) != 0)
+    PyErr_Format(PyExc_ValueError, "views: spec must hold int64 values, got %zd bytes", spec.len);
+  else if ((uintptr_t)spec.buf % _Alignof(int64_t) != 0 && !(copy = PyMem_Malloc((size_t)spec.len)))
+    PyErr_NoMemory();
+  else
+    ret = fdp__aoti_views(st, flat, copy ? memcpy(copy, spec.buf, (size_t)spec.len) : spec.buf,
+                          spec.len / (Py_ssize_t)sizeof(int64_t));
+  PyMem_Free(copy);
+  PyBuffer_Release(&spec);
   return ret;
 }
 
@@ -1020,6 +1109,8 @@ static PyMethodDef methods[] = {
     {"scatter", py_scatter, METH_VARARGS, "scatter(src, outs, dim, chunk_sizes, streams=None)"},
     {"gather", py_gather, METH_VARARGS, "gather(inputs, out, dim, streams=None)"},
     {"reduce_many", py_reduce_many, METH_VARARGS, "reduce_many(columns, outs, streams=None)"},
+    {"reduce_rows", py_reduce_rows, METH_VARARGS,
+     "reduce_rows(grads, k, out) -> bool: per-member sums into a flat out"},
     {"refresh", py_refresh, METH_VARARGS,
      "refresh(pairs, owned, nmirrored=0): replica __dict__ = master's, owned kept, the last nmirrored refilled"},
     {"rebind", py_rebind, METH_VARARGS, "rebind(containers, keys, values): containers[i][keys[i]] = values[i]"},
@@ -1030,6 +1121,7 @@ static PyMethodDef methods[] = {
     {"dtype_codes", py_dtype_codes, METH_NOARGS, "{name: code} of the dtypes the core reduces"},
     {"tensor_path", py_tensor_path, METH_NOARGS, "tensor_path() -> (\"aoti\" or \"python\", why)"},
     {"set_tensor_path", py_set_tensor_path, METH_O, "set_tensor_path(\"aoti\" or \"python\") -> previous"},
+    {"views", py_views, METH_VARARGS, "views(flat, spec) -> tensors shaped by spec over flat, or None (use torch)"},
     {"describe", py_describe, METH_VARARGS, "describe(tensors) -> [(data, device, dtype, elem_size, sizes, strides)]"},
     {"info", (PyCFunction)(void (*)(void))py_info, METH_VARARGS | METH_KEYWORDS,
      "info(memory=False): backends, driver and NCCL versions, devices (free memory only where asked or active)"},
@@ -1090,6 +1182,7 @@ static int traverse(PyObject *m, visitproc visit, void *arg) {
   Py_VISIT(st->tensor_type);
   Py_VISIT(st->parameter_type);
   Py_VISIT(st->to_handles);
+  Py_VISIT(st->from_handles);
   Py_VISIT(st->FastDPError);
   Py_VISIT(st->CudaError);
   Py_VISIT(st->NcclError);
@@ -1104,6 +1197,7 @@ static int clear(PyObject *m) {
   Py_CLEAR(st->tensor_type);
   Py_CLEAR(st->parameter_type);
   Py_CLEAR(st->to_handles);
+  Py_CLEAR(st->from_handles);
   Py_CLEAR(st->s_data_ptr);
   Py_CLEAR(st->s_shape);
   Py_CLEAR(st->s_stride);

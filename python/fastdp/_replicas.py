@@ -55,6 +55,7 @@ graph (``torch.autograd.grad``, hooks on them, double backward). Two things keep
 
 import operator
 import weakref
+from array import array
 from functools import partial
 from itertools import chain, repeat
 
@@ -110,6 +111,14 @@ def _unflatten(flat, like, sizes, shapes):
     if _unflatten_dense is not None:
         return _unflatten_dense(flat, like)
     return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
+
+
+def _result_views(flat, bucket):
+    """Per member of `bucket`, a tensor over `flat` shaped like it, for results nobody differentiates through
+    (reduced gradients): the C shim makes plain tensors sharing flat's memory (0.34 µs each against 1.15 for
+    autograd views, 1000 members), torch makes views where the shim cannot."""
+    views = _C.views(flat, bucket.spec)
+    return views if views is not None else _unflatten(flat, bucket.like, bucket.sizes, bucket.shapes)
 
 
 _unflatten_dense = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
@@ -172,11 +181,12 @@ class _FlatPool:
 class _State:
     """What the wrapper and the bucket nodes share: devices, the reduction mode, no_sync bookkeeping."""
 
-    __slots__ = ("devices", "tdevs", "collective", "sync", "grad_buckets", "kept", "__weakref__")
+    __slots__ = ("devices", "tdevs", "host", "collective", "sync", "grad_buckets", "kept", "__weakref__")
 
     def __init__(self, devices):
         self.devices = list(devices)
         self.tdevs = [_devices.torch_device(d) for d in devices]
+        self.host = all(d.type == "cpu" for d in self.tdevs)  # emulated replicas: sums need no packing
         self.collective = comm._collective(self.tdevs)
         self.sync = True
         # Weak references to every bucket with an autograd node (set by ReplicaSet): buckets hold the state, so
@@ -206,7 +216,7 @@ class _Bucket:
     """Tensors of one dtype broadcast and reduced together; `members` index the ReplicaSet's tensor list."""
 
     __slots__ = ("state", "members", "shapes", "sizes", "numel", "dtype", "pools", "src_pool", "pending", "like",
-                 "master", "flat", "ptrs", "reflattened", "pack", "pending_flat", "__weakref__")
+                 "spec", "master", "flat", "ptrs", "reflattened", "pack", "pending_flat", "__weakref__")
 
     def __init__(self, state, members, tensors):
         self.state = state
@@ -215,6 +225,7 @@ class _Bucket:
         self.like = [torch.empty(tensors[i].shape, device="meta") for i in members]
         self.shapes = [tensors[i].shape for i in members]
         self.sizes = [tensors[i].numel() for i in members]
+        self.spec = array("q", [v for shape in self.shapes for v in (len(shape), *shape)])  # see _C.views
         self.numel = sum(self.sizes)
         self.dtype = tensors[members[0]].dtype
         self.pools = [_FlatPool(self.numel, self.dtype, d) for d in state.tdevs[1:]]
@@ -411,6 +422,10 @@ def _reduce_packed(bucket, grads):
     takes the per-member path)."""
     state = bucket.state
     k, nrep = len(bucket.members), len(state.tdevs)
+    if state.host and state.sync and bucket.pending is None and not bucket.dtype.is_complex:
+        out = torch.empty(bucket.numel, dtype=bucket.dtype)
+        if _C.reduce_rows(grads, k, out):  # host replicas: each member summed in place, nothing packed
+            return tuple(_result_views(out, bucket))
     flats = [_flatten_dense(grads[r * k : (r + 1) * k]) for r in range(nrep)]
     if not all(f.dtype == bucket.dtype for f in flats):
         return None
@@ -427,7 +442,7 @@ def _reduce_packed(bucket, grads):
         reduce_columns([[to_core_dtype(f) for f in flats]], [to_core_dtype(out)])
     else:
         reduce_columns([flats], [out])
-    return tuple(_unflatten(out, bucket.like, bucket.sizes, bucket.shapes))
+    return tuple(_result_views(out, bucket))
 
 
 def _member_rows(bucket, grads):
@@ -438,8 +453,7 @@ def _member_rows(bucket, grads):
     if bucket.pending is None:
         return rows
     if bucket.pending_flat:  # the per-member form of the packed sums
-        bucket.pending = [list(_unflatten(acc[0], bucket.like, bucket.sizes, bucket.shapes))
-                          for acc in bucket.pending]
+        bucket.pending = [list(_result_views(acc[0], bucket)) for acc in bucket.pending]
         bucket.pending_flat = False
     for row, kept in zip(rows, bucket.pending):
         for j, acc in enumerate(kept):
@@ -471,8 +485,7 @@ def _reduce_members(bucket, rows):
             result[j] = comm.reduce_add([g.to(dest) if g.device != dest else g for g in column], dest)
             continue
         if views is None:  # every member's view of one flat result, in one call
-            views = _unflatten(torch.empty(bucket.numel, dtype=bucket.dtype, device=dest), bucket.like,
-                               bucket.sizes, bucket.shapes)
+            views = _result_views(torch.empty(bucket.numel, dtype=bucket.dtype, device=dest), bucket)
         out = result[j] = views[j]
         columns.append([to_core_dtype(_dense(g)) if complex_ else _dense(g) for g in column])
         outs.append(to_core_dtype(out) if complex_ else out)

@@ -2,6 +2,8 @@
 after step and the master is left without them; hooks registered on the master still run on every replica."""
 
 import copy
+import sys
+from array import array
 
 import pytest
 import torch
@@ -106,8 +108,8 @@ def _reference_refresh(master, replica, owned, nmirrored):
     lacks them); the last `nmirrored` owned dicts keep their objects with the master's entries."""
     saved = {k: replica[k] for k in owned if k in replica}
     mirrored = owned[len(owned) - nmirrored:]
-    contents = {k: list(master[k].items()) if k in mirrored and k in master and saved.get(k) is not master[k]
-                else None for k in saved}
+    contents = {k: list(master[k].items()) if k in mirrored and isinstance(master.get(k), dict)
+                and saved.get(k) is not master[k] else None for k in saved}
     out = dict(master)
     for k in owned:
         if k in saved:
@@ -115,11 +117,14 @@ def _reference_refresh(master, replica, owned, nmirrored):
     return out, contents
 
 
-def _check_refresh(pairs, owned, nmirrored):
+def _check_refresh(pairs, owned, nmirrored, seen=None):
     from fastdp import _C
 
     want = [_reference_refresh(m, r, owned, nmirrored) for m, r in pairs]
-    _C.refresh(pairs, owned, nmirrored)
+    if seen is None:
+        assert _C.refresh(pairs, owned, nmirrored) == len(pairs)
+    else:
+        _C.refresh(pairs, owned, nmirrored, seen)
     for (m, r), (items, contents) in zip(pairs, want):
         assert list(r) == list(items)  # same keys, same order
         assert all(r[k] is v for k, v in items.items())
@@ -128,10 +133,16 @@ def _check_refresh(pairs, owned, nmirrored):
                 assert list(r[k].items()) == kv
 
 
-def test_refresh_matches_reference_step_after_step():
+def _records(npairs, nmirrored):
+    return array("Q", bytes(8 * npairs * (2 + 4 * nmirrored)))
+
+
+@pytest.mark.parametrize("records", [False, True])
+def test_refresh_matches_reference_step_after_step(records):
     """The in-place refresh (taken while the master's keys stay put) and the full one give the reference result:
     values changed on the master, keys added, deleted and moved, owned keys only the replica has, hook dicts
-    refilled; each change followed by unchanged steps."""
+    refilled; each change followed by unchanged steps. With records (NOTE [refresh records]) unchanged pairs are
+    skipped: every change, on either side and in either kind of dict, must still reach the replica."""
     owned, nmirrored = ("_own", "_only_replica", "_hooks_a", "_hooks_b"), 2
     master = {"a": 1, "_own": ["master's"], "b": "x", "_hooks_a": {1: "h1"}, "c": 3.0}
     replica = {"_own": ["replica's"], "_only_replica": True, "_hooks_a": {}, "_hooks_b": {7: "stale"}}
@@ -149,11 +160,49 @@ def test_refresh_matches_reference_step_after_step():
         lambda: [master.__setitem__(f"k{i}", i) for i in range(40)],  # many new keys
         lambda: [master.__setitem__(f"k{i}", -i) for i in range(40)],  # many changed values at once
         lambda: replica.__setitem__("stray", 1),  # a key only the replica has, not owned: dropped
+        lambda: replica.__setitem__("a", "set on the replica"),  # a mirrored value changed on the replica
+        lambda: replica["_hooks_a"].__setitem__(9, "replica's own"),  # a hook registered on the replica
+        lambda: replica["_hooks_b"].clear(),  # the replica's hook dict emptied
+        lambda: master["_hooks_b"].__setitem__(4, "h4"),  # the master's second hook dict, in place
+        lambda: master["_hooks_a"].pop(1),  # a hook removed on the master
+        lambda: other["_hooks_a"].__setitem__(5, "h5"),  # the other pair's master hook dict (shared object)
+        lambda: master.__setitem__("_hooks_a", {6: "h6"}),  # the master's hook dict replaced
+        lambda: master.pop("_hooks_b"),  # the master loses a mirrored dict
+        lambda: master.__setitem__("_hooks_b", "not a dict"),  # a mirrored key holding something else
     ]
+    seen = _records(len(pairs), nmirrored) if records else None
     for change in changes:
         change()
         for _ in range(3):
-            _check_refresh(pairs, owned, nmirrored)
+            _check_refresh(pairs, owned, nmirrored, seen)
+
+
+def test_refresh_records_skip_unchanged_pairs():
+    """With records, a second refresh walks only the pairs whose dicts changed (from Python 3.12 dicts carry no
+    version tag and every pair is walked)."""
+    from fastdp import _C
+
+    owned, nmirrored = ("_own", "_hooks"), 1
+    pairs = [({"a": i, "_own": 0, "_hooks": {}}, {"_own": i, "_hooks": {}}) for i in range(5)]
+    seen = _records(len(pairs), nmirrored)
+    assert _C.refresh(pairs, owned, nmirrored, seen) == 5
+    tags = sys.version_info < (3, 12)
+    assert _C.refresh(pairs, owned, nmirrored, seen) == (0 if tags else 5)
+    pairs[1][0]["a"] = "new"
+    pairs[3][0]["_hooks"][1] = "hook"
+    assert _C.refresh(pairs, owned, nmirrored, seen) == (2 if tags else 5)
+    assert pairs[1][1]["a"] == "new" and pairs[3][1]["_hooks"] == {1: "hook"}
+    assert _C.refresh(pairs, owned, nmirrored, seen) == (0 if tags else 5)
+    assert _C.refresh(pairs, owned, nmirrored) == 5  # without records: every pair
+
+
+@pytest.mark.parametrize("seen", [array("Q", bytes(8 * 5)), bytearray(8 * 6 + 1), b"\0" * 48],
+                         ids=["short", "long", "read-only"])
+def test_refresh_rejects_records_of_the_wrong_size(seen):
+    from fastdp import _C
+
+    with pytest.raises((ValueError, TypeError), match="seen|read-write"):
+        _C.refresh([({}, {})], ("_hooks", "_h2"), 1, seen)
 
 
 def test_refresh_owned_keys_by_equality_among_many_keys():

@@ -613,25 +613,87 @@ static int refresh_pair(PyObject *pair, owned_keys_t *ok, Py_ssize_t i) {
   return bad ? -1 : 0;
 }
 
-/* refresh(pairs, owned, nmirrored=0): for each (master_dict, replica_dict), makes the replica's __dict__ a fresh
- * shallow copy of the master's, as Module._replicate_for_data_parallel would, except for the keys in `owned`, which
- * keep the replica's own values (its parameter, buffer and child dicts). The last `nmirrored` owned keys name the
- * replica's own hook dicts: they keep their objects, refilled with the master's entries, so a hook a replica
- * registers during forward never lands on the master and is gone at the next refresh. Persistent replicas thus
- * see every attribute, hook and training flag the master has now. */
+/* NOTE [refresh records]: a pair whose dicts nobody changed since its last refresh needs no walk. CPython up to 3.11
+ * gives every dict a version tag (PEP 509: globally unique, new on every change); refresh() records, per pair, the
+ * tags of the master's and the replica's __dict__ and of both sides' mirrored hook dicts (with the hook dicts'
+ * addresses), and skips the pair while all of them are the same. A hook dict's address is followed only after its
+ * owner's tag matched: the owner then still holds it. From 3.12 the tag is deprecated (PEP 699), and every pair is
+ * walked. */
+#if PY_VERSION_HEX < 0x030C0000
+#define FDP_DICT_TAGS 1
+static uint64_t dict_tag(PyObject *d) {
+  return ((PyDictObject *)d)->ma_version_tag;
+}
+#else
+#define FDP_DICT_TAGS 0
+static uint64_t dict_tag(PyObject *d) {
+  (void)d;
+  return 0;
+}
+#endif
+
+/* uint64 values per pair in refresh()'s records: both __dict__ tags, then per mirrored key the master's hook dict
+ * (address, tag) and the replica's. */
+#define RECORD_LEN(nmirrored) (2 + 4 * (nmirrored))
+
+/* Whether the pair's record says nothing changed. */
+static int unchanged(PyObject *master, PyObject *replica, const uint64_t *rec, Py_ssize_t nmirrored) {
+  if (!FDP_DICT_TAGS || rec[0] == 0 || rec[0] != dict_tag(master) || rec[1] != dict_tag(replica)) return 0;
+  for (Py_ssize_t k = 0; k < 2 * nmirrored; k++) {
+    const uint64_t *hook = &rec[2 + 2 * k];
+    if (hook[0] && dict_tag((PyObject *)(uintptr_t)hook[0]) != hook[1]) return 0;
+  }
+  return 1;
+}
+
+/* Records the pair as it is after its refresh: 0 in rec[0] (walk next time) where a mirrored value is not a dict. */
+static int remember(PyObject *master, PyObject *replica, uint64_t *rec, const owned_keys_t *ok) {
+  rec[0] = 0;
+  for (Py_ssize_t k = 0; k < ok->nmirrored; k++) {
+    PyObject *key = PySequence_Fast_GET_ITEM(ok->owned, ok->n - ok->nmirrored + k);
+    for (int side = 0; side < 2; side++) {
+      PyObject *d = PyDict_GetItemWithError(side ? replica : master, key); /* borrowed */
+      if (!d && PyErr_Occurred()) return -1;
+      if (d && !PyDict_Check(d)) return 0;
+      rec[2 + 4 * k + 2 * side] = (uint64_t)(uintptr_t)d;
+      rec[3 + 4 * k + 2 * side] = d ? dict_tag(d) : 0;
+    }
+  }
+  rec[1] = dict_tag(replica);
+  rec[0] = dict_tag(master);
+  return 0;
+}
+
+/* The optional `seen` argument of refresh(): NULL when absent; ValueError when it does not hold one record per pair. */
+static uint64_t *records(Py_buffer *seen, Py_ssize_t npairs, Py_ssize_t nmirrored) {
+  if (!seen->obj) return NULL;
+  Py_ssize_t want = npairs * RECORD_LEN(nmirrored) * (Py_ssize_t)sizeof(uint64_t);
+  if (seen->len != want || (uintptr_t)seen->buf % _Alignof(uint64_t) != 0) {
+    PyErr_Format(PyExc_ValueError, "refresh: seen must be an aligned buffer of %zd bytes (%d uint64 per pair), got %zd",
+                 want, (int)RECORD_LEN(nmirrored), seen->len);
+    return NULL;
+  }
+  return seen->buf;
+}
+
+/* refresh(pairs, owned, nmirrored=0, seen=None) -> pairs walked: for each (master_dict, replica_dict), makes the
+ * replica's __dict__ a fresh shallow copy of the master's, as Module._replicate_for_data_parallel would, except for the
+ * keys in `owned`, which keep the replica's own values (its parameter, buffer and child dicts). The last `nmirrored`
+ * owned keys name the replica's own hook dicts: they keep their objects, refilled with the master's entries, so a
+ * hook a replica registers during forward never lands on the master and is gone at the next refresh. Persistent
+ * replicas thus see every attribute, hook and training flag the master has now. `seen`, a writable buffer of
+ * zeros the caller keeps with the pairs, lets unchanged pairs be skipped (NOTE [refresh records]). */
 static PyObject *py_refresh(PyObject *module, PyObject *args) {
   (void)module;
   PyObject *pairs_obj, *owned_obj;
   Py_ssize_t nmirrored = 0;
-  if (!PyArg_ParseTuple(args, "OO|n:refresh", &pairs_obj, &owned_obj, &nmirrored)) return NULL;
+  Py_buffer seen = {0};
+  if (!PyArg_ParseTuple(args, "OO|nw*:refresh", &pairs_obj, &owned_obj, &nmirrored, &seen)) return NULL;
   PyObject *pairs = PySequence_Fast(pairs_obj, "pairs must be a sequence of (dict, dict)");
   PyObject *owned = pairs ? PySequence_Fast(owned_obj, "owned must be a sequence of keys") : NULL;
-  if (!owned) {
-    Py_XDECREF(pairs);
-    return NULL;
-  }
-  Py_ssize_t nowned = PySequence_Fast_GET_SIZE(owned);
   PyObject *ret = NULL;
+  if (!owned) goto done;
+  Py_ssize_t nowned = PySequence_Fast_GET_SIZE(owned), npairs = PySequence_Fast_GET_SIZE(pairs), walked = 0;
   owned_keys_t ok = {owned, nowned, nmirrored, {0}, {NULL}, {0}};
   if (nowned > 32) {
     PyErr_SetString(PyExc_ValueError, "refresh: at most 32 owned keys");
@@ -642,15 +704,29 @@ static PyObject *py_refresh(PyObject *module, PyObject *args) {
                  nmirrored);
     goto done;
   }
+  uint64_t *rec = records(&seen, npairs, nmirrored);
+  if (!rec && PyErr_Occurred()) goto done;
   for (Py_ssize_t k = 0; k < nowned; k++)
-    if ((ok.hash[k] = PyObject_Hash(PySequence_Fast_GET_ITEM(owned, k))) == -1) goto done;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(pairs); i++)
-    if (refresh_pair(PySequence_Fast_GET_ITEM(pairs, i), &ok, i) < 0) goto done;
-  ret = Py_NewRef(Py_None);
-done:
+    if ((ok.hash[k] = PyObject_Hash(PySequence_Fast_GET_ITEM(owned, k))) == -1) goto clear;
+  for (Py_ssize_t i = 0; i < npairs; i++) {
+    PyObject *pair = PySequence_Fast_GET_ITEM(pairs, i);
+    uint64_t *r = rec ? rec + i * RECORD_LEN(nmirrored) : NULL;
+    int paired = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
+    if (r && paired && PyDict_Check(PyTuple_GET_ITEM(pair, 0)) && PyDict_Check(PyTuple_GET_ITEM(pair, 1)) &&
+        unchanged(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), r, nmirrored))
+      continue;
+    if (r) r[0] = 0; /* walked again next time unless this walk completes */
+    walked++;
+    if (refresh_pair(pair, &ok, i) < 0) goto clear;
+    if (r && FDP_DICT_TAGS && remember(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), r, &ok) < 0) goto clear;
+  }
+  ret = PyLong_FromSsize_t(walked);
+clear:
   owned_keys_clear(&ok);
-  Py_DECREF(pairs);
-  Py_DECREF(owned);
+done:
+  if (seen.obj) PyBuffer_Release(&seen);
+  Py_XDECREF(pairs);
+  Py_XDECREF(owned);
   return ret;
 }
 
@@ -1112,7 +1188,7 @@ static PyMethodDef methods[] = {
     {"reduce_rows", py_reduce_rows, METH_VARARGS,
      "reduce_rows(grads, k, out) -> bool: per-member sums into a flat out"},
     {"refresh", py_refresh, METH_VARARGS,
-     "refresh(pairs, owned, nmirrored=0): replica __dict__ = master's, owned kept, the last nmirrored refilled"},
+     "refresh(pairs, owned, nmirrored=0, seen=None) -> pairs walked: replica __dict__ = master's, owned kept"},
     {"rebind", py_rebind, METH_VARARGS, "rebind(containers, keys, values): containers[i][keys[i]] = values[i]"},
     {"walk", fdp__py_walk, METH_O, "walk(root) -> (modules, structure signature)"},
     {"matches", fdp__py_matches, METH_VARARGS, "matches(modules, signature) -> whether walk(modules[0]) gives both"},

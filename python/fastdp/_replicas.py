@@ -562,6 +562,8 @@ class ReplicaSet:
         # [compiled modules] in replicate.py); every other replica mirrors its master each step.
         self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)
                       if not is_compiled(m)]
+        # What refresh saw of each pair's dicts, to skip the unchanged ones (see _C.refresh, NOTE [refresh records]).
+        self.seen = array("Q", bytes(8 * len(self.pairs) * (2 + 4 * len(_MIRRORED))))
         self.synced = layer_indices(self.modules)  # SyncBatchNorm layers (fastdp.sync_batchnorm)
         # One bucket layout for both grad modes: the master tensors of each bucket live in one flat buffer.
         layout = _layout(self.state, self.params, self.buffers, bucket_bytes)
@@ -617,7 +619,7 @@ class ReplicaSet:
 
     def step(self):
         """Refreshes the kept replicas for one forward and returns their root modules."""
-        _C.refresh(self.pairs, _KEPT, len(_MIRRORED))
+        _C.refresh(self.pairs, _KEPT, len(_MIRRORED), self.seen)
         grad_buckets, rest_buckets = self.layout
         if grad_buckets:
             self._step_kept(grad_buckets, torch.is_grad_enabled())

@@ -188,9 +188,21 @@ def test_reduce_rows_rejects_bad_row_counts(aoti, k, n):
         _C.reduce_rows([torch.zeros(2)] * n, k, torch.zeros(2))
 
 
-def test_reduce_rows_names_a_bad_gradient(aoti):
-    with pytest.raises(TypeError, match=r"grads\[1\]"):
-        _C.reduce_rows([torch.zeros(2), "x"], 1, torch.zeros(2))
+@pytest.mark.parametrize("item", ["none", "string", "sparse", "meta", "subclass"])
+def test_reduce_rows_declines_what_the_shim_cannot_read(aoti, item):
+    class Sub(torch.Tensor):
+        pass
+
+    odd = {"none": None, "string": "x", "sparse": torch.zeros(2).to_sparse(), "meta": torch.zeros(2, device="meta"),
+           "subclass": torch.zeros(2).as_subclass(Sub)}[item]
+    out = torch.full((2,), 7.0)
+    assert _C.reduce_rows([torch.ones(2), odd], 1, out) is False
+    assert out.eq(7.0).all()
+
+
+def test_reduce_rows_rejects_a_non_sequence(aoti):
+    with pytest.raises(TypeError):
+        _C.reduce_rows(3, 1, torch.zeros(2))
 
 
 def test_training_on_host_replicas_takes_reduce_rows(monkeypatch):

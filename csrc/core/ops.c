@@ -280,7 +280,8 @@ static fdp_result_t run_on(const fdp_backend_t *be, fdp_op_t op, const work_t *w
 
 /* Runs the work on the first capable, usable backend; one that declines (FDP_UNAVAILABLE) hands it to the next.
  * When none runs it: FDP_UNAVAILABLE naming the capable backend that is not usable, else `none`. */
-static fdp_result_t route_run(fdp_op_t op, const fdp_tensor_t *const *ts, int n, const work_t *w, const char *none) {
+static fdp_result_t route_run(fdp_op_t op, const fdp_tensor_t *const *ts, int n, const work_t *w, const char *none,
+                              int none_device) {
   route_t rt = {0, NULL, ""};
   fdp_result_t r = FDP_OK;
   int ran = 0;
@@ -291,14 +292,15 @@ static fdp_result_t route_run(fdp_op_t op, const fdp_tensor_t *const *ts, int n,
   }
   if (ran) return r;
   if (rt.unusable) return fdp__fail(FDP_UNAVAILABLE, "the %s backend is not usable: %s", rt.unusable->name, rt.why);
-  return fdp__fail(FDP_UNAVAILABLE, "%s", none);
+  if (none_device < FDP_HOST) return fdp__fail(FDP_UNAVAILABLE, "%s", none);
+  return fdp__fail(FDP_UNAVAILABLE, "%s (or must first be copied to device %d)", none, none_device);
 }
 
 /* Copies already validated, on the backend routed for all of their descriptors (`all`: dst0, src0, ...). */
 static fdp_result_t copy_routed(const fdp_copy_t *copies, int k, const fdp_tensor_t *const *all, int nall,
                                 const fdp_streams_t *streams) {
   work_t w = {.copies = copies, .n = k, .streams = streams};
-  return route_run(FDP_OP_COPY, all, nall, &w, "copy: no backend moves these tensors");
+  return route_run(FDP_OP_COPY, all, nall, &w, "copy: no backend moves these tensors", FDP_HOST - 1);
 }
 
 fdp_result_t fdp__route_copy(const fdp_copy_t *copies, int n, const fdp_streams_t *streams) {
@@ -341,8 +343,13 @@ static fdp_result_t flat_buffers(const int *devices, int n, int dtype, fdp_tenso
     int dev = devices[i < n ? i : 0];
     if (dev < FDP_HOST || dev >= FDP_MAX_DEVICES)
       return fdp__fail(FDP_INVALID, "route: device %d is outside [-1, %d)", dev, FDP_MAX_DEVICES);
-    t[i] = (fdp_tensor_t){.data = (char *)(uintptr_t)(64 * (i + 1)), .device = dev, .dtype = dtype,
-                          .elem_size = dtype_size[dtype], .ndim = 1, .sizes = {1}, .strides = {1}};
+    t[i] = (fdp_tensor_t){.data = (char *)(uintptr_t)(64 * (i + 1)),
+                          .device = dev,
+                          .dtype = dtype,
+                          .elem_size = dtype_size[dtype],
+                          .ndim = 1,
+                          .sizes = {1},
+                          .strides = {1}};
     ts[i] = &t[i];
   }
   return FDP_OK;
@@ -447,11 +454,8 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
   int cuda = 0;
   FDP_CHECK(check_kind(all, n + 1, "reduce", &cuda));
   if (fdp_tensor_numel(out) == 0) return FDP_OK;
-  char none[160];
-  snprintf(none, sizeof none,
-           "reduce: inputs on several CUDA devices need NCCL (or must first be copied to device %d)", out->device);
   work_t w = {.tensors = inputs, .out = out, .n = n, .streams = streams};
-  return route_run(FDP_OP_REDUCE, all, n + 1, &w, none);
+  return route_run(FDP_OP_REDUCE, all, n + 1, &w, "reduce: inputs on several CUDA devices need NCCL", out->device);
 }
 
 static fdp_result_t check_dim(const fdp_tensor_t *t, int dim, const char *op) {

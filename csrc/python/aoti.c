@@ -239,7 +239,9 @@ static fdp_aten_handle_t handle_of(PyObject *obj) {
   return PyCapsule_CheckExact(obj) ? PyCapsule_GetPointer(obj, PyCapsule_GetName(obj)) : NULL;
 }
 
-int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
+/* fdp__aoti_describe, and fdp__aoti_try_describe when `what` is NULL: a tensor the shim cannot read then makes the
+ * result 1 instead of going to the Python path. */
+static int describe_handles(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
   if (!plain_tensors(st, items)) return 1;
   /* One call converts the whole list into new at::Tensor references (capsules without a destructor): every one
    * is deleted below, also after a failure, or each call would leak a TensorImpl reference per tensor. */
@@ -257,11 +259,21 @@ int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, cons
     fdp_aten_handle_t h = handle_of(cap);
     int slow = h ? from_handle(h, &ts[i]) : 1;
     if (h) shim.delete_tensor(h);
-    if (rc == 0 && slow && fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0)
+    if (rc == 0 && slow && !what) rc = 1;
+    if (rc == 0 && slow && what &&
+        fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0)
       rc = -1;
   }
   Py_DECREF(handles);
   return rc;
+}
+
+int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
+  return describe_handles(st, items, ts, what, single);
+}
+
+int fdp__aoti_try_describe(module_state *st, PyObject *items, fdp_tensor_t *ts) {
+  return describe_handles(st, items, ts, NULL, 0);
 }
 
 /* ---- views of a flat buffer ---- */

@@ -80,6 +80,9 @@ int fdp__set_tensor_path(fdp__tensor_path_t path);
  * as plain strided CPU/CUDA memory (sparse, meta, unknown dtype) go to fdp__describe_python one by one, so both
  * paths raise the same errors. */
 int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single);
+/* As fdp__aoti_describe, but 1 (nothing raised) as soon as one item is not a tensor the shim reads as plain strided
+ * CPU/CUDA memory (None, a subclass, sparse, meta): for callers with a fallback of their own. */
+int fdp__aoti_try_describe(module_state *st, PyObject *items, fdp_tensor_t *ts);
 /* A new list of tensors over the memory of `flat` (a dense 1-D tensor at storage offset 0): for each entry of `spec`
  * (n int64 values: ndim, then ndim sizes, per entry), a contiguous tensor of those sizes, the entries back to back
  * from element 0. They share flat's storage (each holds a reference to it) but are not autograd views of it: each

@@ -410,31 +410,38 @@ static fdp_result_t reduce_rows_impl(const fdp_tensor_t *g, Py_ssize_t k, Py_ssi
 
 /* reduce_rows(grads, k, out) -> bool: `grads` replica-major (k tensors per replica), member j's sum over the replicas
  * written into `out` (a flat 1-D buffer) at the members' offsets back to back: the packed reduction of host
- * replicas without packing each replica first. False, with nothing written, where the tensors are not all dense
- * host tensors of out's dtype with matching shapes, or where tensors are read through their Python API (slower than
- * torch's packing): the caller packs then. */
+ * replicas without packing each replica first. False, with nothing written, where the gradients are not all dense
+ * host tensors of out's dtype with matching shapes (None, sparse, strided, another dtype), or where tensors are read
+ * through their Python API (slower than torch's packing): the caller takes its other paths then. */
 static PyObject *py_reduce_rows(PyObject *module, PyObject *args) {
   module_state *st = get_state(module);
-  if (fdp__tensor_path() != FDP_TENSOR_PATH_AOTI) Py_RETURN_FALSE;
-  fdp__tensor_list_t g = FDP_ARG("grads");
+  PyObject *grads;
   fdp__tensor_arg_t out = FDP_ARG("out");
   Py_ssize_t k;
-  if (!PyArg_ParseTuple(args, "O&nO&:reduce_rows", fdp__tensor_list_converter, &g, &k, fdp__tensor_converter, &out))
-    return NULL;
-  PyObject *ret = NULL;
-  Py_ssize_t nrep = k > 0 ? g.n / k : 0;
-  if (k <= 0 || g.n % k != 0 || nrep < 1 || nrep > FDP_MAX_DEVICES) {
-    PyErr_Format(PyExc_ValueError, "reduce_rows: %zd gradients are not 1 to %d rows of k=%zd", g.n, FDP_MAX_DEVICES, k);
-  } else if (!rows_fit(g.t, k, nrep, &out.t)) {
+  if (!PyArg_ParseTuple(args, "OnO&:reduce_rows", &grads, &k, fdp__tensor_converter, &out)) return NULL;
+  if (fdp__tensor_path() != FDP_TENSOR_PATH_AOTI) Py_RETURN_FALSE;
+  PyObject *items = PySequence_Tuple(grads), *ret = NULL;
+  if (!items) return NULL;
+  Py_ssize_t n = PyTuple_GET_SIZE(items), nrep = k > 0 ? n / k : 0;
+  fdp_tensor_t *g = NULL;
+  int rc = -1;
+  if (k <= 0 || n % k != 0 || nrep < 1 || nrep > FDP_MAX_DEVICES)
+    PyErr_Format(PyExc_ValueError, "reduce_rows: %zd gradients are not 1 to %d rows of k=%zd", n, FDP_MAX_DEVICES, k);
+  else if (!(g = PyMem_Malloc((size_t)n * sizeof *g)))
+    PyErr_NoMemory();
+  else
+    rc = fdp__aoti_try_describe(st, items, g);
+  if (rc == 1 || (rc == 0 && !rows_fit(g, k, nrep, &out.t))) {
     ret = Py_NewRef(Py_False);
-  } else {
+  } else if (rc == 0) {
     fdp_result_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = reduce_rows_impl(g.t, k, nrep, &out.t);
+    r = reduce_rows_impl(g, k, nrep, &out.t);
     Py_END_ALLOW_THREADS
     ret = r == FDP_OK ? Py_NewRef(Py_True) : raise_result(st, r);
   }
-  fdp__tensor_list_clear(&g);
+  PyMem_Free(g);
+  Py_DECREF(items); /* kept until here: the gradients' memory stays alive while the GIL is released */
   return ret;
 }
 

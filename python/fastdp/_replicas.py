@@ -395,6 +395,10 @@ def reduce_bucket(bucket, grads):
     if state.sync and state.kept:  # the first backward after no_sync: buckets it never reaches are flushed
         state.kept = False
         torch.autograd.Variable._execution_engine.queue_callback(partial(_flush, state))
+    if state.host and state.sync and bucket.pending is None and not torch.is_grad_enabled():
+        out = torch.empty(bucket.numel, dtype=bucket.dtype)
+        if _C.reduce_rows(grads, len(bucket.members), out):  # each member summed in place, nothing packed
+            return tuple(_result_views(out, bucket))
     if _packable(bucket, grads):
         result = _reduce_packed(bucket, grads)
         if result is not None:
@@ -422,10 +426,6 @@ def _reduce_packed(bucket, grads):
     takes the per-member path)."""
     state = bucket.state
     k, nrep = len(bucket.members), len(state.tdevs)
-    if state.host and state.sync and bucket.pending is None and not bucket.dtype.is_complex:
-        out = torch.empty(bucket.numel, dtype=bucket.dtype)
-        if _C.reduce_rows(grads, k, out):  # host replicas: each member summed in place, nothing packed
-            return tuple(_result_views(out, bucket))
     flats = [_flatten_dense(grads[r * k : (r + 1) * k]) for r in range(nrep)]
     if not all(f.dtype == bucket.dtype for f in flats):
         return None

@@ -8,7 +8,18 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fastdp import _C
+from fastdp import _C, _core
+
+
+@pytest.fixture(params=["aoti", "python"])
+def path(request):
+    """matches() reads plain tensors through libtorch's C shim in one batch ("aoti"), or every tensor through its
+    Python attributes ("python"): both must give the same answers."""
+    if request.param == "aoti" and not _core.tensor_shim_usable():
+        pytest.skip("this torch has no usable C shim")
+    previous = _C.set_tensor_path(request.param)
+    yield request.param
+    _C.set_tensor_path(previous)
 
 
 def reference_walk(root):
@@ -58,13 +69,14 @@ def models():
 
 
 @pytest.mark.parametrize("model", models(), ids=lambda m: type(m).__name__)
-def test_c_walk_equals_the_python_walk(model):
+def test_c_walk_equals_the_python_walk(model, path):
     modules, sig = _C.walk(model)
     ref_modules, ref_sig = reference_walk(model)
     assert [id(m) for m in modules] == [id(m) for m in ref_modules]
     assert sig == ref_sig
     assert len(sig) == len(ref_sig) and all(type(a) is type(b) for a, b in zip(sig, ref_sig))
     assert _C.matches(modules, sig) is True
+    assert _C.matches(ref_modules, ref_sig) is True  # a device object per entry, as the Python walk makes them
     assert _C.matches(modules, sig[:-1]) is False and _C.matches(modules, sig + [sig[-1]]) is False
     assert _C.matches(modules[:-1], sig) is False
 
@@ -78,11 +90,15 @@ CHANGES = {
     "buffer added": lambda m: m[2].register_buffer("extra", torch.zeros(1)),
     "child added": lambda m: m.append(nn.ReLU()),
     "child replaced": lambda m: m.__setitem__(1, nn.Tanh()),
+    "buffer dtype": lambda m: setattr(m[2].running_mean, "data", m[2].running_mean.data.double()),
+    "buffer shape, same storage": lambda m: setattr(m[2].running_var, "data", m[2].running_var.data[:2]),
+    "buffer replaced": lambda m: setattr(m[2], "running_mean", m[2].running_mean.clone()),
+    "frozen buffer now requires grad": lambda m: m[2].running_mean.requires_grad_(True),
 }
 
 
 @pytest.mark.parametrize("change", CHANGES)
-def test_every_change_moves_the_signature(change):
+def test_every_change_moves_the_signature(change, path):
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.BatchNorm1d(3))
     modules, before = _C.walk(model)
     assert _C.walk(model)[1] == before and _C.matches(modules, before)
@@ -93,7 +109,30 @@ def test_every_change_moves_the_signature(change):
     assert not _C.matches(modules, before)
 
 
-def test_errors_are_python_exceptions():
+@pytest.mark.parametrize("field, value", [(2, torch.float64), (3, torch.Size([3, 4])), (3, (3, "3")),
+                                          (4, torch.device("cpu", 0)), (4, "cpu"), (5, True), (6, torch.sparse_coo)],
+                         ids=["dtype", "shape", "shape_not_ints", "device_index", "device_string", "requires_grad",
+                              "layout"])
+def test_matches_compares_every_field(field, value, path):
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    modules, sig = _C.walk(model)
+    model[1].running_mean.requires_grad_(False)
+    at = next(i for i, e in enumerate(sig) if len(e) == 7 and e[0] == "running_mean")
+    changed = list(sig[at])
+    changed[field] = value
+    assert _C.matches(modules, sig) is True
+    assert _C.matches(modules, sig[:at] + [tuple(changed)] + sig[at + 1:]) is False
+
+
+def test_walk_shares_equal_device_objects():
+    """Entries of tensors on one device hold one device object, so that matches() reads what it is once."""
+    modules, sig = _C.walk(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2, device="meta")))
+    devices = [e[4] for e in sig if len(e) == 7]
+    assert len(devices) == 9 and len({id(d) for d in devices}) == 2
+    assert [str(d) for d in devices] == ["cpu"] * 7 + ["meta"] * 2
+
+
+def test_errors_are_python_exceptions(path):
     broken = nn.Sequential(nn.Linear(2, 2))
     del broken[0].__dict__["_modules"]  # Module.__getattr__ then raises
     with pytest.raises(AttributeError, match="_modules"):

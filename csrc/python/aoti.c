@@ -205,10 +205,12 @@ static int device_of(fdp_aten_handle_t h, fdp_tensor_t *t) {
   return type == shim.cpu ? 0 : 1;
 }
 
-/* The core's dtype and the element size into t; 1 for a dtype of unknown size or a failed shim call. */
-static int dtype_of(fdp_aten_handle_t h, fdp_tensor_t *t) {
+/* The core's dtype and the element size into t, the shim's dtype code into *code; 1 for a dtype of unknown size or a
+ * failed shim call. */
+static int dtype_of(fdp_aten_handle_t h, fdp_tensor_t *t, int32_t *code) {
   int32_t dtype;
   if (shim.dtype(h, &dtype) || dtype < 0 || dtype >= FDP_SHIM_DTYPES || !shim.size_of[dtype]) return 1;
+  *code = dtype;
   t->dtype = shim.fdp_dtype[dtype] >= 0 ? shim.fdp_dtype[dtype] : FDP_DTYPE_OTHER;
   t->elem_size = shim.size_of[dtype];
   return 0;
@@ -216,11 +218,11 @@ static int dtype_of(fdp_aten_handle_t h, fdp_tensor_t *t) {
 
 /* Fills t from one handle. 1: the tensor is not plain strided CPU/CUDA memory of a known element size, or the shim
  * failed: the Python path describes it (and raises its usual error). */
-static int from_handle(fdp_aten_handle_t h, fdp_tensor_t *t) {
+static int from_handle(fdp_aten_handle_t h, fdp_tensor_t *t, int32_t *code) {
   int64_t ndim, *sizes, *strides;
   void *data;
   memset(t, 0, sizeof *t);
-  if (device_of(h, t) || dtype_of(h, t) || shim.dim(h, &ndim) || ndim > FDP_MAX_DIMS || shim.data_ptr(h, &data) ||
+  if (device_of(h, t) || dtype_of(h, t, code) || shim.dim(h, &ndim) || ndim > FDP_MAX_DIMS || shim.data_ptr(h, &data) ||
       shim.sizes(h, &sizes) || shim.strides(h, &strides))
     return 1;
   t->data = data;
@@ -240,8 +242,9 @@ static fdp_aten_handle_t handle_of(PyObject *obj) {
 }
 
 /* fdp__aoti_describe, and fdp__aoti_try_describe when `what` is NULL: a tensor the shim cannot read then makes the
- * result 1 instead of going to the Python path. */
-static int describe_handles(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
+ * result 1 (or, with `codes`, its code -1) instead of going to the Python path. */
+static int describe_handles(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes, const char *what,
+                            int single) {
   if (!plain_tensors(st, items)) return 1;
   /* One call converts the whole list into new at::Tensor references (capsules without a destructor): every one
    * is deleted below, also after a failure, or each call would leak a TensorImpl reference per tensor. */
@@ -257,23 +260,33 @@ static int describe_handles(module_state *st, PyObject *items, fdp_tensor_t *ts,
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
     PyObject *cap = PyList_GET_ITEM(handles, i);
     fdp_aten_handle_t h = handle_of(cap);
-    int slow = h ? from_handle(h, &ts[i]) : 1;
+    int32_t code = -1;
+    int slow = h ? from_handle(h, &ts[i], &code) : 1;
     if (h) shim.delete_tensor(h);
-    if (rc == 0 && slow && !what) rc = 1;
-    if (rc == 0 && slow && what &&
-        fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0)
+    if (codes) {
+      codes[i] = slow ? -1 : code;
+    } else if (rc == 0 && slow && !what) {
+      rc = 1;
+    } else if (rc == 0 && slow &&
+               fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0) {
       rc = -1;
+    }
   }
   Py_DECREF(handles);
   return rc;
 }
 
 int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
-  return describe_handles(st, items, ts, what, single);
+  return describe_handles(st, items, ts, NULL, what, single);
 }
 
 int fdp__aoti_try_describe(module_state *st, PyObject *items, fdp_tensor_t *ts) {
-  return describe_handles(st, items, ts, NULL, 0);
+  return describe_handles(st, items, ts, NULL, NULL, 0);
+}
+
+int fdp__aoti_facts(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes) {
+  if (g_path != FDP_TENSOR_PATH_AOTI) return 1;
+  return describe_handles(st, items, ts, codes, NULL, 0);
 }
 
 /* ---- views of a flat buffer ---- */
@@ -293,7 +306,8 @@ static fdp_aten_handle_t flat_handle(module_state *st, PyObject *flat, int64_t *
   Py_DECREF(one);
   fdp_tensor_t t;
   int64_t offset = -1;
-  if (h && (from_handle(h, &t) || shim.storage_offset(h, &offset) || offset != 0 || t.ndim != 1 ||
+  int32_t code;
+  if (h && (from_handle(h, &t, &code) || shim.storage_offset(h, &offset) || offset != 0 || t.ndim != 1 ||
             (t.sizes[0] > 1 && t.strides[0] != 1))) {
     shim.delete_tensor(h);
     return NULL;

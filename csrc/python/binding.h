@@ -83,6 +83,10 @@ int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, cons
 /* As fdp__aoti_describe, but 1 (nothing raised) as soon as one item is not a tensor the shim reads as plain strided
  * CPU/CUDA memory (None, a subclass, sparse, meta): for callers with a fallback of their own. */
 int fdp__aoti_try_describe(module_state *st, PyObject *items, fdp_tensor_t *ts);
+/* For the tuple `items` of exact torch.Tensor / Parameter objects: each one's descriptor into ts[i] and the shim's
+ * dtype code (c10::ScalarType) into codes[i], -1 where the shim cannot read it as plain strided CPU/CUDA memory.
+ * 0 done, 1 nothing done (the Python path is in use, or an item is of another type), -1 with an error set. */
+int fdp__aoti_facts(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes);
 /* A new list of tensors over the memory of `flat` (a dense 1-D tensor at storage offset 0): for each entry of `spec`
  * (n int64 values: ndim, then ndim sizes, per entry), a contiguous tensor of those sizes, the entries back to back
  * from element 0. They share flat's storage (each holds a reference to it) but are not autograd views of it: each

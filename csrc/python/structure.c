@@ -12,6 +12,7 @@ static const char *const k_names[N_COUNT] = {"_parameters", "_buffers", "_module
 typedef struct {
   PyObject *name[N_COUNT];
   PyObject *todo, *seen, *sig; /* the modules in walk order; their ids (a set); the signature */
+  PyObject *device;            /* the last device entered: equal devices share one object (see match_batch) */
 } walk_t;
 
 static void walk_clear(walk_t *w) {
@@ -20,6 +21,22 @@ static void walk_clear(walk_t *w) {
   Py_CLEAR(w->todo);
   Py_CLEAR(w->seen);
   Py_CLEAR(w->sig);
+  Py_CLEAR(w->device);
+}
+
+/* `v` (a tensor's device, a new reference; NULL after an error), or the last device entered when equal to it. */
+static PyObject *shared_device(walk_t *w, PyObject *v) {
+  if (!v) return NULL;
+  if (w->device && v != w->device) {
+    int eq = PyObject_RichCompareBool(v, w->device, Py_EQ);
+    if (eq < 0) PyErr_Clear(); /* a comparison that failed only loses the sharing */
+    if (eq == 1) {
+      Py_SETREF(v, Py_NewRef(w->device));
+      return v;
+    }
+  }
+  Py_XSETREF(w->device, Py_NewRef(v));
+  return v;
 }
 
 /* Appends `entry` (a new reference, NULL after an error) to the signature; -1 on error. */
@@ -31,7 +48,7 @@ static int append(walk_t *w, PyObject *entry) {
 }
 
 /* (key, None) for an empty slot, else (key, id, dtype, shape, device, requires_grad, layout); NULL on error. */
-static PyObject *tensor_entry(const walk_t *w, PyObject *key, PyObject *t) {
+static PyObject *tensor_entry(walk_t *w, PyObject *key, PyObject *t) {
   if (t == Py_None) return PyTuple_Pack(2, key, Py_None);
   PyObject *e = PyTuple_New(7);
   if (!e) return NULL;
@@ -41,6 +58,7 @@ static PyObject *tensor_entry(const walk_t *w, PyObject *key, PyObject *t) {
     PyTuple_SET_ITEM(e, i, v);
     if (i == 6) return e;
     v = PyObject_GetAttr(t, w->name[N_DTYPE + i - 1]);
+    if (N_DTYPE + i - 1 == N_DEVICE) v = shared_device(w, v);
   }
   Py_DECREF(e); /* the slots not filled are NULL, which a tuple's deallocation skips */
   return NULL;
@@ -148,7 +166,7 @@ static int walk_module(walk_t *w, PyObject *m) {
  * and one (key, id(child)) per child slot. Any change to these makes kept replicas or bucket layouts stale. */
 PyObject *fdp__py_walk(PyObject *module, PyObject *root) {
   (void)module;
-  walk_t w = {{NULL}, PyList_New(0), PySet_New(NULL), PyList_New(0)};
+  walk_t w = {{NULL}, PyList_New(0), PySet_New(NULL), PyList_New(0), NULL};
   PyObject *ret = NULL, *id = PyLong_FromVoidPtr(root);
   if (!w.todo || !w.seen || !w.sig || !id || PySet_Add(w.seen, id) < 0 || PyList_Append(w.todo, root) < 0) goto done;
   for (int i = 0; i < N_COUNT; i++)
@@ -166,8 +184,12 @@ done:
 
 typedef struct {
   PyObject *name[N_COUNT];
-  PyObject *sig; /* a list */
-  Py_ssize_t at; /* the next signature entry to compare */
+  PyObject *sig;             /* a list */
+  Py_ssize_t at;             /* the next signature entry to compare */
+  module_state *st;          /* NULL: every tensor compared through its Python attributes */
+  PyObject *batch, *batched; /* tensors whose attributes match_batch compares, and their entries */
+  PyObject *device;          /* the last entry device read, and what it is (see entry_device) */
+  int device_kind;
 } match_t;
 
 /* The next signature entry (a new reference) when it is a tuple of `len` items, else NULL (a mismatch, no error
@@ -188,16 +210,114 @@ static int same(PyObject *a, PyObject *b) {
   return a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
 }
 
-/* Compares one tensor slot with entry e: 1 equal, 0 not, -1 error. */
-static int match_tensor(match_t *mt, PyObject *e, PyObject *key, PyObject *t) {
-  int eq = same(PyTuple_GET_ITEM(e, 0), key);
-  if (eq != 1 || t == Py_None) return eq == 1 ? PyTuple_GET_ITEM(e, 1) == Py_None : eq;
-  if (!is_id(PyTuple_GET_ITEM(e, 1), t)) return 0;
+/* Compares a tensor's attributes with entry e through its Python API: 1 equal, 0 not, -1 error. */
+static int match_attributes(match_t *mt, PyObject *e, PyObject *t) {
+  int eq = 1;
   for (int i = 0; eq == 1 && i < 5; i++) {
     PyObject *v = PyObject_GetAttr(t, mt->name[N_DTYPE + i]);
     eq = v ? same(v, PyTuple_GET_ITEM(e, 2 + i)) : -1;
     Py_XDECREF(v);
   }
+  return eq;
+}
+
+/* Compares one tensor slot with entry e: 1 equal, 0 not, -1 error. A plain tensor's attributes are compared later,
+ * with every other one's, by match_batch. */
+static int match_tensor(match_t *mt, PyObject *e, PyObject *key, PyObject *t) {
+  int eq = same(PyTuple_GET_ITEM(e, 0), key);
+  if (eq != 1 || t == Py_None) return eq == 1 ? PyTuple_GET_ITEM(e, 1) == Py_None : eq;
+  if (!is_id(PyTuple_GET_ITEM(e, 1), t)) return 0;
+  PyObject *type = (PyObject *)Py_TYPE(t);
+  if (!mt->st || (type != mt->st->tensor_type && type != mt->st->parameter_type)) return match_attributes(mt, e, t);
+  return PyList_Append(mt->batch, t) < 0 || PyList_Append(mt->batched, e) < 0 ? -1 : 1;
+}
+
+/* ---- the batch: tensor attributes read through libtorch's C shim ---- */
+
+/* What the shim's codes stand for, learned from tensors read both ways: the torch.dtype of each dtype code, and
+ * torch.strided. Strong references to torch's singletons, for the life of the process. */
+static PyObject *g_dtype_objects[64];
+static PyObject *g_strided;
+
+enum { DEVICE_UNKNOWN = -3, DEVICE_CPU = FDP_HOST }; /* else a CUDA ordinal */
+
+/* What the entry's device object is (cached for the last one: walk makes equal devices one object). */
+static int entry_device(match_t *mt, PyObject *device) {
+  if (device == mt->device) return mt->device_kind;
+  PyObject *type = PyObject_GetAttrString(device, "type"),
+           *index = type ? PyObject_GetAttrString(device, "index") : NULL;
+  int kind = DEVICE_UNKNOWN;
+  if (type && index && PyUnicode_Check(type)) {
+    if (PyUnicode_CompareWithASCIIString(type, "cpu") == 0 && index == Py_None) {
+      kind = DEVICE_CPU;
+    } else if (PyUnicode_CompareWithASCIIString(type, "cuda") == 0 && PyLong_Check(index)) {
+      long i = PyLong_AsLong(index);
+      kind = i >= 0 && i < FDP_MAX_DEVICES ? (int)i : DEVICE_UNKNOWN;
+    }
+  }
+  Py_XDECREF(type);
+  Py_XDECREF(index);
+  PyErr_Clear(); /* an unreadable device is only unknown: the Python path compares that tensor */
+  Py_XSETREF(mt->device, Py_NewRef(device));
+  mt->device_kind = kind;
+  return kind;
+}
+
+/* Whether shape entry `shape` (a torch.Size) holds t's sizes; -1 when it is not a tuple of ints. */
+static int same_sizes(PyObject *shape, const fdp_tensor_t *t) {
+  if (!PyTuple_Check(shape)) return -1;
+  if (PyTuple_GET_SIZE(shape) != t->ndim) return 0;
+  for (int d = 0; d < t->ndim; d++) {
+    long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return -1;
+    }
+    if (v != t->sizes[d]) return 0;
+  }
+  return 1;
+}
+
+/* Learns the objects of t's dtype code and layout from its Python attributes (once per code). */
+static int learn(PyObject *t, int32_t code) {
+  if (!g_dtype_objects[code] && !(g_dtype_objects[code] = PyObject_GetAttrString(t, "dtype"))) return -1;
+  if (!g_strided && !(g_strided = PyObject_GetAttrString(t, "layout"))) return -1;
+  return 0;
+}
+
+/* Compares a tensor the shim read (ts, dtype code) with entry e: 1 equal, 0 not, -1 error, 2 undecided (an entry
+ * object not known here: the Python path compares it). */
+static int match_facts(match_t *mt, PyObject *e, PyObject *t, const fdp_tensor_t *ts, int32_t code) {
+  if (learn(t, code) < 0) return -1;
+  if (PyTuple_GET_ITEM(e, 2) != g_dtype_objects[code] || PyTuple_GET_ITEM(e, 6) != g_strided) return 2;
+  int device = entry_device(mt, PyTuple_GET_ITEM(e, 4)), sizes = same_sizes(PyTuple_GET_ITEM(e, 3), ts);
+  if (device == DEVICE_UNKNOWN || sizes < 0) return 2;
+  if (device != ts->device || !sizes) return 0;
+  PyObject *rg = PyObject_GetAttr(t, mt->name[N_REQUIRES_GRAD]);
+  if (!rg) return -1;
+  int eq = same(rg, PyTuple_GET_ITEM(e, 5));
+  Py_DECREF(rg);
+  return eq;
+}
+
+/* Compares the batched tensors with their entries: 1 equal, 0 not, -1 error. One conversion to handles for all. */
+static int match_batch(match_t *mt) {
+  Py_ssize_t n = PyList_GET_SIZE(mt->batch);
+  if (n == 0) return 1;
+  PyObject *items = PyList_AsTuple(mt->batch);
+  fdp_tensor_t *ts = PyMem_Malloc((size_t)n * sizeof *ts);
+  int32_t *codes = PyMem_Malloc((size_t)n * sizeof *codes);
+  int rc = items && ts && codes ? fdp__aoti_facts(mt->st, items, ts, codes) : -1;
+  if (rc < 0 && !PyErr_Occurred()) PyErr_NoMemory();
+  int eq = rc < 0 ? -1 : 1;
+  for (Py_ssize_t i = 0; eq == 1 && i < n; i++) {
+    PyObject *t = PyTuple_GET_ITEM(items, i), *e = PyList_GET_ITEM(mt->batched, i);
+    int r = rc == 0 && codes[i] >= 0 && codes[i] < 64 ? match_facts(mt, e, t, &ts[i], codes[i]) : 2;
+    eq = r == 2 ? match_attributes(mt, e, t) : r;
+  }
+  Py_XDECREF(items);
+  PyMem_Free(ts);
+  PyMem_Free(codes);
   return eq;
 }
 
@@ -255,11 +375,12 @@ static int match_module(match_t *mt, PyObject *m) {
  * place. The modules are not walked again: while every child slot holds the child it held, the breadth-first
  * order over them is the one `modules` recorded, so each module is compared where it stands in it. */
 PyObject *fdp__py_matches(PyObject *module, PyObject *args) {
-  (void)module;
   PyObject *modules, *sig;
   if (!PyArg_ParseTuple(args, "O!O!:matches", &PyList_Type, &modules, &PyList_Type, &sig)) return NULL;
-  match_t mt = {{NULL}, sig, 0};
-  int eq = 1;
+  module_state *st = PyModule_GetState(module);
+  int shim = st && st->tensor_type && fdp__tensor_path() == FDP_TENSOR_PATH_AOTI;
+  match_t mt = {{NULL}, sig, 0, shim ? st : NULL, PyList_New(0), PyList_New(0), NULL, DEVICE_UNKNOWN};
+  int eq = mt.batch && mt.batched ? 1 : -1;
   for (int i = 0; eq == 1 && i < N_COUNT; i++)
     if (!(mt.name[i] = PyUnicode_InternFromString(k_names[i]))) eq = -1;
   /* a list that changes while compared (a slot's __eq__ could) is read by index, with its size checked again */
@@ -268,8 +389,12 @@ PyObject *fdp__py_matches(PyObject *module, PyObject *args) {
     eq = match_module(&mt, m);
     Py_DECREF(m);
   }
+  if (eq == 1) eq = match_batch(&mt);
   for (int i = 0; i < N_COUNT; i++)
     Py_XDECREF(mt.name[i]);
+  Py_XDECREF(mt.batch);
+  Py_XDECREF(mt.batched);
+  Py_XDECREF(mt.device);
   if (eq < 0) return NULL;
   return PyBool_FromLong(eq == 1 && mt.at == PyList_GET_SIZE(sig));
 }

@@ -63,6 +63,14 @@ fdp_result_t fdp__fail_status(fdp_result_t r, int status, const char *fmt, ...)
 #endif
     ;
 
+/* Temporary arrays of one call (scratch.c). fdp__scratch_alloc is malloc (uninitialised; NULL when out of memory),
+ * but blocks of 64 KiB and more given back with fdp__scratch_free are kept, up to 4 per thread, and handed out again,
+ * so that calls with thousands of tensors reuse warm pages. A block may be freed on any thread (it joins that
+ * thread's kept ones); a thread's kept blocks are freed when it exits, or by fdp__scratch_release on it. */
+void *fdp__scratch_alloc(size_t bytes);
+void fdp__scratch_free(void *p);
+void fdp__scratch_release(void);
+
 /* Writes one line to stderr when FASTDP_DEBUG is set; the only output fastdp's C code ever makes. */
 void fdp__log(const char *fmt, ...)
 #if defined(__GNUC__)
@@ -72,20 +80,20 @@ void fdp__log(const char *fmt, ...)
 
 /* Environment knobs, declared once in param.c with their defaults. */
 typedef enum {
-  FDP_PARAM_DEBUG,             /* FASTDP_DEBUG: log to stderr */
-  FDP_PARAM_HOST_THREADS,      /* FASTDP_HOST_THREADS: worker threads for host copies and sums (0: cores) */
-  FDP_PARAM_HOST_PARALLEL_MIN, /* FASTDP_HOST_PARALLEL_MIN: bytes below which host work stays on one thread */
-  FDP_PARAM_DISABLE_NCCL,      /* FASTDP_DISABLE_NCCL: never pick the nccl backend */
-  FDP_PARAM_DISABLE_CUDA,      /* FASTDP_DISABLE_CUDA: do not load the CUDA driver */
+  FDP_PARAM_DEBUG,               /* FASTDP_DEBUG: log to stderr */
+  FDP_PARAM_HOST_THREADS,        /* FASTDP_HOST_THREADS: worker threads for host copies and sums (0: cores) */
+  FDP_PARAM_HOST_PARALLEL_MIN,   /* FASTDP_HOST_PARALLEL_MIN: bytes below which host work stays on one thread */
+  FDP_PARAM_DISABLE_NCCL,        /* FASTDP_DISABLE_NCCL: never pick the nccl backend */
+  FDP_PARAM_DISABLE_CUDA,        /* FASTDP_DISABLE_CUDA: do not load the CUDA driver */
   FDP_PARAM_CUDA_DRIVER_LIBRARY, /* FASTDP_CUDA_DRIVER_LIBRARY (string): load exactly this file as the driver */
   FDP_PARAM_NCCL_LIBRARY,        /* FASTDP_NCCL_LIBRARY (string): load exactly this file as NCCL */
-  FDP_PARAM_DISABLE_NVRTC,     /* FASTDP_DISABLE_NVRTC: never compile kernels at run time */
-  FDP_PARAM_DISABLE_FATBIN,    /* FASTDP_DISABLE_FATBIN: ignore the build-time fatbin (NVRTC only) */
-  FDP_PARAM_KERNEL_CACHE,      /* FASTDP_KERNEL_CACHE: 0 keeps NVRTC output in memory only (no disk cache) */
-  FDP_PARAM_STRICT,            /* FASTDP_STRICT: the Python layer raises instead of falling back to torch */
-  FDP_PARAM_CACHE_DIR,         /* FASTDP_CACHE_DIR (string): kernel cache folder (default ~/.cache/fastdp/kernels) */
-  FDP_PARAM_NVRTC_LIBRARY,     /* FASTDP_NVRTC_LIBRARY (string): the libnvrtc.so to load, tried first */
-  FDP_PARAM_TENSOR_PATH,       /* FASTDP_TENSOR_PATH (string): "python" reads tensors through their Python API */
+  FDP_PARAM_DISABLE_NVRTC,       /* FASTDP_DISABLE_NVRTC: never compile kernels at run time */
+  FDP_PARAM_DISABLE_FATBIN,      /* FASTDP_DISABLE_FATBIN: ignore the build-time fatbin (NVRTC only) */
+  FDP_PARAM_KERNEL_CACHE,        /* FASTDP_KERNEL_CACHE: 0 keeps NVRTC output in memory only (no disk cache) */
+  FDP_PARAM_STRICT,              /* FASTDP_STRICT: the Python layer raises instead of falling back to torch */
+  FDP_PARAM_CACHE_DIR,           /* FASTDP_CACHE_DIR (string): kernel cache folder (default ~/.cache/fastdp/kernels) */
+  FDP_PARAM_NVRTC_LIBRARY,       /* FASTDP_NVRTC_LIBRARY (string): the libnvrtc.so to load, tried first */
+  FDP_PARAM_TENSOR_PATH,         /* FASTDP_TENSOR_PATH (string): "python" reads tensors through their Python API */
   FDP_PARAM_COUNT
 } fdp_param_t;
 

@@ -4,6 +4,8 @@
  * around the core, and turns result codes into exceptions in one place. */
 #include "binding.h"
 
+#include "core/backend.h"
+
 #include <string.h>
 
 static module_state *get_state(PyObject *module) {
@@ -427,7 +429,7 @@ static PyObject *py_reduce_rows(PyObject *module, PyObject *args) {
   int rc = -1;
   if (k <= 0 || n % k != 0 || nrep < 1 || nrep > FDP_MAX_DEVICES)
     PyErr_Format(PyExc_ValueError, "reduce_rows: %zd gradients are not 1 to %d rows of k=%zd", n, FDP_MAX_DEVICES, k);
-  else if (!(g = PyMem_Malloc((size_t)n * sizeof *g)))
+  else if (!(g = fdp__scratch_alloc((size_t)n * sizeof *g)))
     PyErr_NoMemory();
   else
     rc = fdp__aoti_try_describe(st, items, g);
@@ -440,7 +442,7 @@ static PyObject *py_reduce_rows(PyObject *module, PyObject *args) {
     Py_END_ALLOW_THREADS
     ret = r == FDP_OK ? Py_NewRef(Py_True) : raise_result(st, r);
   }
-  PyMem_Free(g);
+  fdp__scratch_free(g);
   Py_DECREF(items); /* kept until here: the gradients' memory stays alive while the GIL is released */
   return ret;
 }

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1099,6 +1100,55 @@ static void test_copy_threaded(void) {
   }
 }
 
+/* ---- scratch blocks ---- */
+
+static void *scratch_thread(void *arg) {
+  size_t bytes = (size_t)(uintptr_t)arg;
+  char *p = fdp__scratch_alloc(bytes);
+  if (p) memset(p, 0x5a, bytes);
+  fdp__scratch_free(p); /* kept by this thread, freed when it exits (ASan reports a leak otherwise) */
+  return p;
+}
+
+static void test_scratch(void) {
+  const size_t big = 200 * 1024, small = 1024;
+  fdp__scratch_release();
+  char *a = fdp__scratch_alloc(big);
+  CHECK(a != NULL && (uintptr_t)a % _Alignof(max_align_t) == 0);
+  memset(a, 1, big);
+  fdp__scratch_free(a);
+  char *b = fdp__scratch_alloc(big / 2); /* a kept block large enough is handed out again */
+  CHECK(b == a);
+  char *c = fdp__scratch_alloc(big); /* the kept one is taken: a new block */
+  CHECK(c != NULL && c != b);
+  fdp__scratch_free(b);
+  fdp__scratch_free(c);
+  char *d = fdp__scratch_alloc(big); /* the smallest block that fits: either, both have room for big */
+  CHECK(d == a || d == c);
+  fdp__scratch_free(d);
+  char *blocks[6];
+  for (int i = 0; i < 6; i++) { /* more blocks than are kept: the extra ones are freed, none lost (ASan) */
+    blocks[i] = fdp__scratch_alloc(big * (size_t)(i + 1));
+    CHECK(blocks[i] != NULL);
+    if (blocks[i]) memset(blocks[i], i, big * (size_t)(i + 1));
+  }
+  for (int i = 0; i < 6; i++)
+    fdp__scratch_free(blocks[i]);
+  char *e = fdp__scratch_alloc(big * 6); /* the largest ones were kept */
+  CHECK(e == blocks[5]);
+  fdp__scratch_free(e);
+  char *s1 = fdp__scratch_alloc(small);
+  memset(s1, 2, small);
+  fdp__scratch_free(s1); /* small blocks go back to malloc */
+  fdp__scratch_free(NULL);
+  CHECK(fdp__scratch_alloc(SIZE_MAX) == NULL);
+  pthread_t th;
+  void *ret = NULL;
+  CHECK(pthread_create(&th, NULL, scratch_thread, (void *)(uintptr_t)big) == 0 && pthread_join(th, &ret) == 0);
+  CHECK(ret != NULL);
+  fdp__scratch_release();
+}
+
 /* ---- broadcast, scatter, gather ---- */
 
 static void bcast_readonly_child(void) {
@@ -1826,6 +1876,7 @@ static const suite_t k_suites[] = {
     {"plan", test_plan},
     {"copy", test_copy},
     {"copy_threaded", test_copy_threaded},
+    {"scratch", test_scratch},
     {"broadcast", test_broadcast},
     {"scatter", test_scatter},
     {"gather", test_gather},

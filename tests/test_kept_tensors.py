@@ -321,3 +321,26 @@ def test_parameters_sharing_one_storage():
             sgd_step(model, 0.05)
     assert dp._replica_set.kept is not None and None in dp._replica_set.kept.sources
     torch.testing.assert_close(dp(X), bare(X), rtol=0, atol=1e-10)
+
+
+def test_version_sum_and_clear_hooks_against_python():
+    """The two per-step scans of the kept path in C: the masters' summed version counters, and emptying the hook
+    dicts a forward left on kept replica tensors, compared with the same done in Python."""
+    from fastdp import _C
+
+    ts = [torch.zeros(3, requires_grad=i % 2 == 0).detach() for i in range(7)]
+    assert _C.version_sum(ts) == sum(t._version for t in ts)
+    ts[3].add_(1)
+    ts[5].mul_(2)
+    assert _C.version_sum(ts) == sum(t._version for t in ts) == 2
+    views = [t.detach().requires_grad_() for t in ts]
+    handles = [views[i].register_hook(lambda g: g) for i in (1, 4, 6)]
+    assert [bool(v._backward_hooks) for v in views] == [i in (1, 4, 6) for i in range(7)]
+    assert _C.clear_hooks(views) == 3
+    assert not any(v._backward_hooks for v in views)
+    assert _C.clear_hooks(views) == 0
+    del handles
+    with pytest.raises(TypeError):
+        _C.version_sum(3)
+    with pytest.raises(AttributeError):
+        _C.clear_hooks([views[0], object()])

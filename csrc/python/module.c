@@ -739,6 +739,53 @@ done:
   return ret;
 }
 
+/* version_sum(tensors) -> sum of their _version counters: whether any of them was written in place since the last
+ * call, in one pass (kept replica tensors, NOTE [kept replica tensors] in fastdp/_replicas.py). */
+static PyObject *py_version_sum(PyObject *module, PyObject *arg) {
+  (void)module;
+  PyObject *fast = PySequence_Fast(arg, "version_sum: expected a sequence of tensors");
+  if (!fast) return NULL;
+  PyObject *name = PyUnicode_InternFromString("_version");
+  unsigned long long sum = 0;
+  int ok = name != NULL;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); i++) {
+    PyObject *v = PyObject_GetAttr(PySequence_Fast_GET_ITEM(fast, i), name);
+    unsigned long long n = v ? PyLong_AsUnsignedLongLongMask(v) : 0;
+    ok = v && !PyErr_Occurred();
+    Py_XDECREF(v);
+    sum += n; /* wraps: only equality with the last sum is asked */
+  }
+  Py_XDECREF(name);
+  Py_DECREF(fast);
+  return ok ? PyLong_FromUnsignedLongLong(sum) : NULL;
+}
+
+/* clear_hooks(tensors) -> how many were cleared: empties each tensor's _backward_hooks dict (the hooks a forward
+ * registered on a kept replica tensor), in one pass; tensors without hooks cost one attribute read. */
+static PyObject *py_clear_hooks(PyObject *module, PyObject *arg) {
+  (void)module;
+  PyObject *fast = PySequence_Fast(arg, "clear_hooks: expected a sequence of tensors");
+  if (!fast) return NULL;
+  PyObject *name = PyUnicode_InternFromString("_backward_hooks");
+  Py_ssize_t cleared = 0;
+  int ok = name != NULL;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); i++) {
+    PyObject *hooks = PyObject_GetAttr(PySequence_Fast_GET_ITEM(fast, i), name);
+    ok = hooks != NULL;
+    if (ok && hooks != Py_None && PyObject_IsTrue(hooks) == 1) { /* an OrderedDict: cleared through its method */
+      PyObject *r = PyObject_CallMethod(hooks, "clear", NULL);
+      ok = r != NULL;
+      Py_XDECREF(r);
+      cleared++;
+    }
+    if (ok && PyErr_Occurred()) ok = 0;
+    Py_XDECREF(hooks);
+  }
+  Py_XDECREF(name);
+  Py_DECREF(fast);
+  return ok ? PyLong_FromSsize_t(cleared) : NULL;
+}
+
 /* rebind(containers, keys, values): containers[i][keys[i]] = values[i] for every i — the per-step installation
  * of fresh parameter and buffer tensors into persistent replicas. */
 static PyObject *py_rebind(PyObject *module, PyObject *args) {
@@ -1198,6 +1245,8 @@ static PyMethodDef methods[] = {
      "reduce_rows(grads, k, out) -> bool: per-member sums into a flat out"},
     {"refresh", py_refresh, METH_VARARGS,
      "refresh(pairs, owned, nmirrored=0, seen=None) -> pairs walked: replica __dict__ = master's, owned kept"},
+    {"version_sum", py_version_sum, METH_O, "version_sum(tensors) -> sum of their _version counters"},
+    {"clear_hooks", py_clear_hooks, METH_O, "clear_hooks(tensors) -> how many _backward_hooks dicts were emptied"},
     {"rebind", py_rebind, METH_VARARGS, "rebind(containers, keys, values): containers[i][keys[i]] = values[i]"},
     {"walk", fdp__py_walk, METH_O, "walk(root) -> (modules, structure signature)"},
     {"matches", fdp__py_matches, METH_VARARGS, "matches(modules, signature) -> whether walk(modules[0]) gives both"},

@@ -366,18 +366,15 @@ class _Kept:
         """Copies the master into the kept buffers; bumps their version counters where the master's moved."""
         for bucket, flat, flats, views in zip(self.buckets, self.sources, self.flats, self.views):
             bucket.send(flat, flats, views)
-        stamp = sum(map(_version, self.masters))
+        stamp = _C.version_sum(self.masters)
         if stamp != self.stamp:
             if self.stamp is not None:
                 for flat in chain.from_iterable(self.flats):
                     _increment_version(flat)
             self.stamp = stamp
-        for hooks in filter(None, map(_tensor_hooks, self.outs)):
-            hooks.clear()  # registered on a replica tensor by last step's forward
+        _C.clear_hooks(self.outs)  # hooks registered on a replica tensor by last step's forward
 
 
-_version = operator.attrgetter("_version")
-_tensor_hooks = operator.attrgetter("_backward_hooks")
 _increment_version = torch.autograd.graph.increment_version
 
 

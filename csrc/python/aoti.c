@@ -241,6 +241,11 @@ static fdp_aten_handle_t handle_of(PyObject *obj) {
   return PyCapsule_CheckExact(obj) ? PyCapsule_GetPointer(obj, PyCapsule_GetName(obj)) : NULL;
 }
 
+/* A tensor the shim could not read, through the Python path: 0, or -1 with its error set. */
+static int unread(module_state *st, PyObject *obj, fdp_tensor_t *t, const char *what, Py_ssize_t index) {
+  return fdp__describe_python(st, obj, t, what, index) < 0 ? -1 : 0;
+}
+
 /* fdp__aoti_describe, and fdp__aoti_try_describe when `what` is NULL: a tensor the shim cannot read then makes the
  * result 1 (or, with `codes`, its code -1) instead of going to the Python path. */
 static int describe_handles(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes, const char *what,
@@ -258,19 +263,13 @@ static int describe_handles(module_state *st, PyObject *items, fdp_tensor_t *ts,
   }
   int rc = 0;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
-    PyObject *cap = PyList_GET_ITEM(handles, i);
-    fdp_aten_handle_t h = handle_of(cap);
+    fdp_aten_handle_t h = handle_of(PyList_GET_ITEM(handles, i));
     int32_t code = -1;
     int slow = h ? from_handle(h, &ts[i], &code) : 1;
     if (h) shim.delete_tensor(h);
-    if (codes) {
-      codes[i] = slow ? -1 : code;
-    } else if (rc == 0 && slow && !what) {
-      rc = 1;
-    } else if (rc == 0 && slow &&
-               fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0) {
-      rc = -1;
-    }
+    if (codes) codes[i] = slow ? -1 : code;
+    if (rc == 0 && slow && !codes)
+      rc = what ? unread(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) : 1;
   }
   Py_DECREF(handles);
   return rc;

@@ -685,6 +685,48 @@ static uint64_t *records(Py_buffer *seen, Py_ssize_t npairs, Py_ssize_t nmirrore
   return seen->buf;
 }
 
+/* Checks `owned` and `nmirrored` and hashes the owned keys into ok (zeroed by the caller); -1 with an error set. */
+static int owned_keys_init(owned_keys_t *ok, PyObject *owned, Py_ssize_t nmirrored) {
+  Py_ssize_t nowned = PySequence_Fast_GET_SIZE(owned);
+  if (nowned > 32) {
+    PyErr_SetString(PyExc_ValueError, "refresh: at most 32 owned keys");
+    return -1;
+  }
+  if (nmirrored < 0 || nmirrored > nowned) {
+    PyErr_Format(PyExc_ValueError, "refresh: nmirrored must be between 0 and len(owned) (%zd), got %zd", nowned,
+                 nmirrored);
+    return -1;
+  }
+  ok->owned = owned;
+  ok->n = nowned;
+  ok->nmirrored = nmirrored;
+  for (Py_ssize_t k = 0; k < nowned; k++)
+    if ((ok->hash[k] = PyObject_Hash(PySequence_Fast_GET_ITEM(owned, k))) == -1) return -1;
+  return 0;
+}
+
+/* Whether pairs[i] may be skipped: a (dict, dict) pair its record says is unchanged. */
+static int skippable(PyObject *pair, const uint64_t *r, Py_ssize_t nmirrored) {
+  return r && PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 && PyDict_Check(PyTuple_GET_ITEM(pair, 0)) &&
+         PyDict_Check(PyTuple_GET_ITEM(pair, 1)) &&
+         unchanged(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), r, nmirrored);
+}
+
+/* Refreshes every pair not skipped; the pairs walked, or -1 with an error set. */
+static Py_ssize_t refresh_pairs(PyObject *pairs, owned_keys_t *ok, uint64_t *rec) {
+  Py_ssize_t walked = 0;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(pairs); i++) {
+    PyObject *pair = PySequence_Fast_GET_ITEM(pairs, i);
+    uint64_t *r = rec ? rec + i * RECORD_LEN(ok->nmirrored) : NULL;
+    if (skippable(pair, r, ok->nmirrored)) continue;
+    if (r) r[0] = 0; /* walked again next time unless this walk completes */
+    walked++;
+    if (refresh_pair(pair, ok, i) < 0) return -1;
+    if (r && FDP_DICT_TAGS && remember(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), r, ok) < 0) return -1;
+  }
+  return walked;
+}
+
 /* refresh(pairs, owned, nmirrored=0, seen=None) -> pairs walked: for each (master_dict, replica_dict), makes the
  * replica's __dict__ a fresh shallow copy of the master's, as Module._replicate_for_data_parallel would, except for the
  * keys in `owned`, which keep the replica's own values (its parameter, buffer and child dicts). The last `nmirrored`
@@ -701,38 +743,13 @@ static PyObject *py_refresh(PyObject *module, PyObject *args) {
   PyObject *pairs = PySequence_Fast(pairs_obj, "pairs must be a sequence of (dict, dict)");
   PyObject *owned = pairs ? PySequence_Fast(owned_obj, "owned must be a sequence of keys") : NULL;
   PyObject *ret = NULL;
-  if (!owned) goto done;
-  Py_ssize_t nowned = PySequence_Fast_GET_SIZE(owned), npairs = PySequence_Fast_GET_SIZE(pairs), walked = 0;
-  owned_keys_t ok = {owned, nowned, nmirrored, {0}, {NULL}, {0}};
-  if (nowned > 32) {
-    PyErr_SetString(PyExc_ValueError, "refresh: at most 32 owned keys");
-    goto done;
+  owned_keys_t ok = {NULL, 0, 0, {0}, {NULL}, {0}};
+  if (owned && owned_keys_init(&ok, owned, nmirrored) == 0) {
+    uint64_t *rec = records(&seen, PySequence_Fast_GET_SIZE(pairs), nmirrored);
+    Py_ssize_t walked = rec || !PyErr_Occurred() ? refresh_pairs(pairs, &ok, rec) : -1;
+    ret = walked < 0 ? NULL : PyLong_FromSsize_t(walked);
   }
-  if (nmirrored < 0 || nmirrored > nowned) {
-    PyErr_Format(PyExc_ValueError, "refresh: nmirrored must be between 0 and len(owned) (%zd), got %zd", nowned,
-                 nmirrored);
-    goto done;
-  }
-  uint64_t *rec = records(&seen, npairs, nmirrored);
-  if (!rec && PyErr_Occurred()) goto done;
-  for (Py_ssize_t k = 0; k < nowned; k++)
-    if ((ok.hash[k] = PyObject_Hash(PySequence_Fast_GET_ITEM(owned, k))) == -1) goto clear;
-  for (Py_ssize_t i = 0; i < npairs; i++) {
-    PyObject *pair = PySequence_Fast_GET_ITEM(pairs, i);
-    uint64_t *r = rec ? rec + i * RECORD_LEN(nmirrored) : NULL;
-    int paired = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
-    if (r && paired && PyDict_Check(PyTuple_GET_ITEM(pair, 0)) && PyDict_Check(PyTuple_GET_ITEM(pair, 1)) &&
-        unchanged(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), r, nmirrored))
-      continue;
-    if (r) r[0] = 0; /* walked again next time unless this walk completes */
-    walked++;
-    if (refresh_pair(pair, &ok, i) < 0) goto clear;
-    if (r && FDP_DICT_TAGS && remember(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), r, &ok) < 0) goto clear;
-  }
-  ret = PyLong_FromSsize_t(walked);
-clear:
   owned_keys_clear(&ok);
-done:
   if (seen.obj) PyBuffer_Release(&seen);
   Py_XDECREF(pairs);
   Py_XDECREF(owned);

@@ -373,6 +373,15 @@ static int match_module(match_t *mt, PyObject *m) {
   return eq;
 }
 
+/* The attribute names, interned into name[] (set to NULL first); -1 with an error set. */
+static int intern_names(PyObject **name) {
+  for (int i = 0; i < N_COUNT; i++)
+    name[i] = NULL;
+  for (int i = 0; i < N_COUNT; i++)
+    if (!(name[i] = PyUnicode_InternFromString(k_names[i]))) return -1;
+  return 0;
+}
+
 /* matches(modules, signature) -> bool: whether walk(modules[0]) would give (modules, signature) now, compared in
  * place. The modules are not walked again: while every child slot holds the child it held, the breadth-first
  * order over them is the one `modules` recorded, so each module is compared where it stands in it. */
@@ -382,9 +391,7 @@ PyObject *fdp__py_matches(PyObject *module, PyObject *args) {
   module_state *st = PyModule_GetState(module);
   int shim = st && st->tensor_type && fdp__tensor_path() == FDP_TENSOR_PATH_AOTI;
   match_t mt = {{NULL}, sig, 0, shim ? st : NULL, PyList_New(0), PyList_New(0), NULL, DEVICE_UNKNOWN};
-  int eq = mt.batch && mt.batched ? 1 : -1;
-  for (int i = 0; eq == 1 && i < N_COUNT; i++)
-    if (!(mt.name[i] = PyUnicode_InternFromString(k_names[i]))) eq = -1;
+  int eq = mt.batch && mt.batched && intern_names(mt.name) == 0 ? 1 : -1;
   /* a list that changes while compared (a slot's __eq__ could) is read by index, with its size checked again */
   for (Py_ssize_t i = 0; eq == 1 && i < PyList_GET_SIZE(modules); i++) {
     PyObject *m = Py_NewRef(PyList_GET_ITEM(modules, i));

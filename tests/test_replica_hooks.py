@@ -3,7 +3,6 @@ after step and the master is left without them; hooks registered on the master s
 
 import copy
 import sys
-from array import array
 
 import pytest
 import torch
@@ -134,7 +133,9 @@ def _check_refresh(pairs, owned, nmirrored, seen=None):
 
 
 def _records(npairs, nmirrored):
-    return array("Q", bytes(8 * npairs * (2 + 4 * nmirrored)))
+    from fastdp import _C
+
+    return _C.refresh_records(npairs, nmirrored)
 
 
 @pytest.mark.parametrize("records", [False, True])
@@ -196,13 +197,23 @@ def test_refresh_records_skip_unchanged_pairs():
     assert _C.refresh(pairs, owned, nmirrored) == 5  # without records: every pair
 
 
-@pytest.mark.parametrize("seen", [array("Q", bytes(8 * 5)), bytearray(8 * 6 + 1), b"\0" * 48],
-                         ids=["short", "long", "read-only"])
+@pytest.mark.parametrize("seen", ["short", "long", "read-only", "unaligned"])
 def test_refresh_rejects_records_of_the_wrong_size(seen):
     from fastdp import _C
 
+    right = _records(1, 1)
+    buf = {"short": right[:-8], "long": right + b"\0", "read-only": bytes(right),
+           "unaligned": memoryview(bytearray(len(right) + 1))[1:]}[seen]
     with pytest.raises((ValueError, TypeError), match="seen|read-write"):
-        _C.refresh([({}, {})], ("_hooks", "_h2"), 1, seen)
+        _C.refresh([({}, {})], ("_hooks", "_h2"), 1, buf)
+
+
+@pytest.mark.parametrize("npairs, nmirrored", [(-1, 1), (1, -1), (1, 33), (2**62, 7)])
+def test_refresh_records_reject_bad_counts(npairs, nmirrored):
+    from fastdp import _C
+
+    with pytest.raises(ValueError, match="refresh_records: bad counts"):
+        _C.refresh_records(npairs, nmirrored)
 
 
 def test_refresh_owned_keys_by_equality_among_many_keys():

@@ -280,8 +280,11 @@ static fdp_result_t run_on(const fdp_backend_t *be, fdp_op_t op, const work_t *w
   return fdp__fail(FDP_INTERNAL, "route: unknown operation %d", (int)op);
 }
 
+enum { NO_DEVICE = FDP_HOST - 1 }; /* route_run's none_device when `none` names no device */
+
 /* Runs the work on the first capable, usable backend; one that declines (FDP_UNAVAILABLE) hands it to the next.
- * When none runs it: FDP_UNAVAILABLE naming the capable backend that is not usable, else `none`. */
+ * When none runs it: FDP_UNAVAILABLE naming the capable backend that is not usable, else `none` (with
+ * "or must first be copied to device <none_device>" unless NO_DEVICE): formatted only then, not on every call. */
 static fdp_result_t route_run(fdp_op_t op, const fdp_tensor_t *const *ts, int n, const work_t *w, const char *none,
                               int none_device) {
   route_t rt = {0, NULL, ""};
@@ -294,7 +297,7 @@ static fdp_result_t route_run(fdp_op_t op, const fdp_tensor_t *const *ts, int n,
   }
   if (ran) return r;
   if (rt.unusable) return fdp__fail(FDP_UNAVAILABLE, "the %s backend is not usable: %s", rt.unusable->name, rt.why);
-  if (none_device < FDP_HOST) return fdp__fail(FDP_UNAVAILABLE, "%s", none);
+  if (none_device == NO_DEVICE) return fdp__fail(FDP_UNAVAILABLE, "%s", none);
   return fdp__fail(FDP_UNAVAILABLE, "%s (or must first be copied to device %d)", none, none_device);
 }
 
@@ -302,7 +305,7 @@ static fdp_result_t route_run(fdp_op_t op, const fdp_tensor_t *const *ts, int n,
 static fdp_result_t copy_routed(const fdp_copy_t *copies, int k, const fdp_tensor_t *const *all, int nall,
                                 const fdp_streams_t *streams) {
   work_t w = {.copies = copies, .n = k, .streams = streams};
-  return route_run(FDP_OP_COPY, all, nall, &w, "copy: no backend moves these tensors", FDP_HOST - 1);
+  return route_run(FDP_OP_COPY, all, nall, &w, "copy: no backend moves these tensors", NO_DEVICE);
 }
 
 fdp_result_t fdp__route_copy(const fdp_copy_t *copies, int n, const fdp_streams_t *streams) {

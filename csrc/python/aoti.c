@@ -23,8 +23,6 @@ typedef size_t (*shim_elem_size_fn)(int32_t);
 typedef int32_t (*shim_reinterpret_fn)(fdp_aten_handle_t, int64_t, const int64_t *, const int64_t *, int64_t,
                                        fdp_aten_handle_t *);
 
-#define FDP_SHIM_DTYPES 64 /* c10::ScalarType values are small; a larger one goes to the Python path */
-
 static struct {
   shim_get_ptr_fn data_ptr;
   shim_get_i64_fn dim;

@@ -67,6 +67,8 @@ PyObject *fdp__py_matches(PyObject *module, PyObject *args);
 
 typedef enum { FDP_TENSOR_PATH_PYTHON = 0, FDP_TENSOR_PATH_AOTI = 1 } fdp__tensor_path_t;
 
+#define FDP_SHIM_DTYPES 64 /* c10::ScalarType values are small; a larger one goes to the Python path */
+
 /* Resolves the aoti_torch_* functions from the libtorch that torch's _C module loaded (torch_c_file: that module's
  * file) and picks the path FASTDP_TENSOR_PATH asks for, or the default. Never raises; a shim that cannot be used
  * leaves the Python path in use, with the reason in fdp__tensor_path_why. */

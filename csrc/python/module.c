@@ -685,6 +685,22 @@ static uint64_t *records(Py_buffer *seen, Py_ssize_t npairs, Py_ssize_t nmirrore
   return seen->buf;
 }
 
+/* refresh_records(npairs, nmirrored) -> the zeroed `seen` buffer refresh() wants for that many pairs: the caller
+ * keeps it with the pairs and never needs the record layout. */
+static PyObject *py_refresh_records(PyObject *module, PyObject *args) {
+  (void)module;
+  Py_ssize_t npairs, nmirrored;
+  if (!PyArg_ParseTuple(args, "nn:refresh_records", &npairs, &nmirrored)) return NULL;
+  if (npairs < 0 || nmirrored < 0 || nmirrored > 32 ||
+      npairs > PY_SSIZE_T_MAX / (RECORD_LEN(32) * (Py_ssize_t)sizeof(uint64_t))) {
+    PyErr_Format(PyExc_ValueError, "refresh_records: bad counts (%zd pairs, %zd mirrored)", npairs, nmirrored);
+    return NULL;
+  }
+  PyObject *buf = PyByteArray_FromStringAndSize(NULL, npairs * RECORD_LEN(nmirrored) * (Py_ssize_t)sizeof(uint64_t));
+  if (buf) memset(PyByteArray_AS_STRING(buf), 0, (size_t)PyByteArray_GET_SIZE(buf));
+  return buf;
+}
+
 /* Checks `owned` and `nmirrored` and hashes the owned keys into ok (zeroed by the caller); -1 with an error set. */
 static int owned_keys_init(owned_keys_t *ok, PyObject *owned, Py_ssize_t nmirrored) {
   Py_ssize_t nowned = PySequence_Fast_GET_SIZE(owned);
@@ -732,8 +748,8 @@ static Py_ssize_t refresh_pairs(PyObject *pairs, owned_keys_t *ok, uint64_t *rec
  * keys in `owned`, which keep the replica's own values (its parameter, buffer and child dicts). The last `nmirrored`
  * owned keys name the replica's own hook dicts: they keep their objects, refilled with the master's entries, so a
  * hook a replica registers during forward never lands on the master and is gone at the next refresh. Persistent
- * replicas thus see every attribute, hook and training flag the master has now. `seen`, a writable buffer of
- * zeros the caller keeps with the pairs, lets unchanged pairs be skipped (NOTE [refresh records]). */
+ * replicas thus see every attribute, hook and training flag the master has now. `seen`, the buffer
+ * refresh_records() made for these pairs, lets unchanged pairs be skipped (NOTE [refresh records]). */
 static PyObject *py_refresh(PyObject *module, PyObject *args) {
   (void)module;
   PyObject *pairs_obj, *owned_obj;
@@ -1262,6 +1278,8 @@ static PyMethodDef methods[] = {
      "reduce_rows(grads, k, out) -> bool: per-member sums into a flat out"},
     {"refresh", py_refresh, METH_VARARGS,
      "refresh(pairs, owned, nmirrored=0, seen=None) -> pairs walked: replica __dict__ = master's, owned kept"},
+    {"refresh_records", py_refresh_records, METH_VARARGS,
+     "refresh_records(npairs, nmirrored) -> the zeroed seen buffer of refresh()"},
     {"version_sum", py_version_sum, METH_O, "version_sum(tensors) -> sum of their _version counters"},
     {"clear_hooks", py_clear_hooks, METH_O, "clear_hooks(tensors) -> how many _backward_hooks dicts were emptied"},
     {"rebind", py_rebind, METH_VARARGS, "rebind(containers, keys, values): containers[i][keys[i]] = values[i]"},

@@ -238,7 +238,7 @@ static int match_tensor(match_t *mt, PyObject *e, PyObject *key, PyObject *t) {
 
 /* What the shim's codes stand for, learned from tensors read both ways: the torch.dtype of each dtype code, and
  * torch.strided. Strong references to torch's singletons, for the life of the process. */
-static PyObject *g_dtype_objects[64];
+static PyObject *g_dtype_objects[FDP_SHIM_DTYPES];
 static PyObject *g_strided;
 
 enum { DEVICE_UNKNOWN = -3, DEVICE_CPU = FDP_HOST }; /* else a CUDA ordinal */
@@ -308,18 +308,18 @@ static int match_batch(match_t *mt) {
   if (n == 0) return 1;
   PyObject *items = PyList_AsTuple(mt->batch);
   fdp_tensor_t *ts = fdp__scratch_alloc((size_t)n * sizeof *ts);
-  int32_t *codes = PyMem_Malloc((size_t)n * sizeof *codes);
+  int32_t *codes = fdp__scratch_alloc((size_t)n * sizeof *codes);
   int rc = items && ts && codes ? fdp__aoti_facts(mt->st, items, ts, codes) : -1;
   if (rc < 0 && !PyErr_Occurred()) PyErr_NoMemory();
   int eq = rc < 0 ? -1 : 1;
   for (Py_ssize_t i = 0; eq == 1 && i < n; i++) {
     PyObject *t = PyTuple_GET_ITEM(items, i), *e = PyList_GET_ITEM(mt->batched, i);
-    int r = rc == 0 && codes[i] >= 0 && codes[i] < 64 ? match_facts(mt, e, t, &ts[i], codes[i]) : 2;
+    int r = rc == 0 && codes[i] >= 0 && codes[i] < FDP_SHIM_DTYPES ? match_facts(mt, e, t, &ts[i], codes[i]) : 2;
     eq = r == 2 ? match_attributes(mt, e, t) : r;
   }
   Py_XDECREF(items);
   fdp__scratch_free(ts);
-  PyMem_Free(codes);
+  fdp__scratch_free(codes);
   return eq;
 }
 

@@ -560,7 +560,7 @@ class ReplicaSet:
         self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)
                       if not is_compiled(m)]
         # What refresh saw of each pair's dicts, to skip the unchanged ones (see _C.refresh, NOTE [refresh records]).
-        self.seen = array("Q", bytes(8 * len(self.pairs) * (2 + 4 * len(_MIRRORED))))
+        self.seen = _C.refresh_records(len(self.pairs), len(_MIRRORED))
         self.synced = layer_indices(self.modules)  # SyncBatchNorm layers (fastdp.sync_batchnorm)
         # One bucket layout for both grad modes: the master tensors of each bucket live in one flat buffer.
         layout = _layout(self.state, self.params, self.buffers, bucket_bytes)

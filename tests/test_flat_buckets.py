@@ -38,7 +38,7 @@ def flat_buckets(dp):
     return [b for b in kept.layout[0] + kept.layout[1]]
 
 
-def test_master_tensors_become_views_of_one_flat_buffer_per_bucket():
+def test_master_tensors_become_pieces_of_one_flat_buffer_per_bucket():
     model = mlp()
     model.add_module("bn", nn.BatchNorm1d(3).double())
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -52,7 +52,9 @@ def test_master_tensors_become_views_of_one_flat_buffer_per_bucket():
         size = bucket.flat.element_size()
         offsets = [(t.data_ptr() - start) // size for t in bucket.master]
         assert offsets == _cumulative(bucket.sizes)  # member j at the sum of the sizes before it
-        assert all(t.untyped_storage().data_ptr() == start for t in bucket.master)
+        # Each member on a storage of its own covering exactly its bytes (serialisers write only those).
+        assert all(t.untyped_storage().data_ptr() == t.data_ptr() for t in bucket.master)
+        assert [t.untyped_storage().nbytes() for t in bucket.master] == [n * size for n in bucket.sizes]
     # Values are unchanged by flattening (BatchNorm's statistics moved by the training forward are skipped).
     for k, v in model.state_dict().items():
         if not k.startswith("bn.running") and k != "bn.num_batches_tracked":

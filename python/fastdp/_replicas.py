@@ -113,6 +113,20 @@ def _unflatten(flat, like, sizes, shapes):
     return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
 
 
+def _pieces(flat, shapes, sizes):
+    """Tensors over consecutive pieces of `flat`, shaped `shapes`, each on a storage of its own covering exactly
+    its bytes: a slice of flat's storage, which keeps flat's memory alive. The master's members are made so: one
+    copy replicates a whole bucket, yet pickle, torch.save and safetensors write each member's own bytes, as for
+    the bare model, never the whole flat buffer (a view's storage is the whole buffer)."""
+    storage, item = flat.untyped_storage(), flat.element_size()
+    pieces, at = [], 0
+    for shape, n in zip(shapes, sizes):
+        piece = storage[at * item : (at + n) * item]
+        pieces.append(torch.empty(0, dtype=flat.dtype, device=flat.device).set_(piece, 0, shape))
+        at += n
+    return pieces
+
+
 def _result_views(flat, bucket):
     """Per member of `bucket`, a tensor over `flat` shaped like it, for results nobody differentiates through
     (reduced gradients): the C shim makes plain tensors sharing flat's memory (0.34 µs each against 1.15 for
@@ -245,12 +259,10 @@ class _Bucket:
         """Moves the master tensors into one flat buffer (their ``.data`` become views of it), so that replicate
         copies one buffer per device; False (and the members left as they are) where they cannot be flat."""
         master = self.master
-        own = None if self.flat is None else self.flat.untyped_storage().data_ptr()
-        # Members still in this bucket's previous flat buffer are fine; any other member must own its memory
-        # alone (members sharing memory, tied through .data or cuDNN's flat RNN weights, stay as they are).
-        others = [t for t in master if t.untyped_storage().data_ptr() != own]
-        storages = {t.untyped_storage().data_ptr() for t in others}
-        if self.reflattened > _REFLATTEN or len(storages) != len(others) or not all(map(_flattenable, others)):
+        # Every member must own its memory alone (members sharing memory, tied through .data or cuDNN's flat RNN
+        # weights, stay as they are); members of this bucket's previous flat buffer do (see _pieces).
+        storages = {t.untyped_storage().data_ptr() for t in master}
+        if self.reflattened > _REFLATTEN or len(storages) != len(master) or not all(map(_flattenable, master)):
             self.flat = self.ptrs = None
             self.reflattened = _REFLATTEN + 1  # checked once: the per-member path from now on
             return False
@@ -258,10 +270,10 @@ class _Bucket:
         # tensors, which training could not save for backward afterwards.
         with torch.inference_mode(False), torch.no_grad():
             flat = torch.empty(self.numel, dtype=self.dtype, device=master[0].device)
-            views = _unflatten(flat, self.like, self.sizes, self.shapes)
-            torch._foreach_copy_(views, [t.detach() for t in master])
-            for t, v in zip(master, views):
-                t.data = v
+            pieces = _pieces(flat, self.shapes, self.sizes)
+            torch._foreach_copy_(pieces, [t.detach() for t in master])
+            for t, piece in zip(master, pieces):
+                t.data = piece
         self.flat = flat
         self.ptrs = list(map(_data_ptr, master))
         self.reflattened += 1

@@ -268,10 +268,13 @@ def test_no_sync_equals_plain_accumulation():
     xs = [torch.randn(n, 6, dtype=torch.float64) for n in (7, 10, 5)]
     model = mlp()
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    share = mlp()  # replica 0's share: the first chunk of each micro-batch (torch.chunk's rule)
     with dp.no_sync():
         for x in xs[:-1]:
             step(dp, x)
-            assert all(p.grad is None for p in model.parameters())  # nothing reduced yet
+            step(share, x.chunk(R)[0])
+            # Nothing reduced yet: .grad holds replica 0's own accumulation, as a DDP rank's does.
+            assert_grads_equal(grads(model), grads(share), 1e-12)
     step(dp, xs[-1])
     bare = mlp()
     for x in xs:
@@ -279,18 +282,28 @@ def test_no_sync_equals_plain_accumulation():
     assert_grads_equal(grads(model), grads(bare), 1e-12)
 
 
-def test_no_sync_pending_blocks_structure_change():
-    model = mlp()
+@pytest.mark.parametrize("change", ["append", "replace"])
+def test_no_sync_sums_survive_a_structure_change(change):
+    """A structure change while no_sync keeps sums rebuilds the replicas; the sums reach the master's .grad first,
+    so .grad ends as accumulating on the bare model with the same change (a replaced parameter keeps what it
+    accumulated, its successor starts without)."""
+    xs = [torch.randn(n, 6, dtype=torch.float64) for n in (6, 7)]
+    bare, model = mlp(), mlp()
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
-    with dp.no_sync():
-        step(dp, torch.randn(6, 6, dtype=torch.float64))
-    model.append(nn.Identity())
-    with pytest.raises(RuntimeError) as info:
-        dp(torch.randn(6, 6, dtype=torch.float64))
-    assert str(info.value) == (
-        "the module or device list changed while gradients accumulated under no_sync() were not yet reduced; run a "
-        "backward outside no_sync() before changing them"
-    )
+    old = []
+    for m, run in ((bare, bare), (model, dp)):
+        with dp.no_sync():
+            step(run, xs[0])
+        if change == "append":
+            m.append(nn.Linear(3, 3).double())
+            m[-1].load_state_dict(bare[-1].state_dict())
+        else:
+            old.append(m[0].weight)
+            m[0].weight = nn.Parameter(bare[0].weight.detach().clone() if m is model else m[0].weight.detach())
+        step(run, xs[1])
+    assert_grads_equal(grads(model), grads(bare), 1e-12)
+    if old:
+        assert_grads_equal([old[1].grad], [old[0].grad], 1e-12)
 
 
 def test_worker_threads_are_reused(cpu_apply):

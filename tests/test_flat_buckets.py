@@ -246,15 +246,17 @@ def test_no_sync_packed_sums_match_accumulation(bucket_cap_mb, gates):
         x = torch.randn(9, 6, dtype=torch.float64)
         x[:, 0] = g * x[:, 0].abs()  # every replica's chunk takes the same branch
         xs.append(x)
+    share = _Gated()  # replica 0's share: the first chunk of each micro-batch
     with dp.no_sync():
         for x in xs[:-1]:
             loss_of(dp, x).backward()
-    assert all(p.grad is None for p in model.parameters())
+            loss_of(share, x.chunk(R)[0]).backward()
+    assert_same_grads(model, share, tol=1e-12)  # nothing reduced: .grad holds replica 0's accumulation
     loss_of(dp, xs[-1]).backward()
     for x in xs:
         loss_of(ref, x).backward()
     assert_same_grads(model, ref, tol=1e-12)
-    assert not dp._replica_set.has_pending()
+    assert all(b.pending is None for b in dp._replica_set.layout[0])
 
 
 def test_a_replaced_replica_set_is_freed_without_the_collector():

@@ -58,7 +58,8 @@ def test_kept_tensors_are_reused_and_training_equals_the_bare_model():
         first = first or [id(w) for w in weights]
         assert [id(w) for w in weights] == first
         assert_all_close(list(dp.module.parameters()), list(bare.parameters()), 1e-10)
-    assert dp._replica_set.kept is not None and dp._replica_set.bound
+    kept = dp._replica_set
+    assert kept.kept is not None and kept.sets[(True, True)].kept is kept.kept
 
 
 def test_two_forwards_then_one_backward():

@@ -155,17 +155,15 @@ def _add_kept(rows, notes, model, state):
         if hasattr(model, "_replica_set"):
             notes.append("no kept replicas yet (or the module replicates afresh every step): fastdp holds no buffers")
         return
-    positions = state.get("_replica_positions")
-    nrep = len(kept.state.devices)
-    where = positions if positions is not None and len(positions) == nrep else list(range(nrep))
+    where = kept.positions if kept.positions is not None else list(range(len(kept.state.devices)))
     for bucket in kept.layout[0] + kept.layout[1]:
         size = bucket.numel * torch.empty((), dtype=bucket.dtype).element_size()
         for r, pool in enumerate(bucket.pools, start=1):
             rows[where[r]].replica_buffers += size * len(pool.flats)
         if bucket.src_pool is not None:
             rows[where[0]].staging += size * len(bucket.src_pool.flats)
-        for r, row in enumerate(bucket.pending or []):
-            rows[where[r]].pending_grads += sum(_bytes(g) for g in row if g is not None)
+        for r, row in enumerate(bucket.pending or []):  # replica 0's row is None: its share is in .grad
+            rows[where[r]].pending_grads += sum(_bytes(g) for g in row or () if g is not None)
     if kept.kept is not None:  # the kept replica tensors' buffers (NOTE [kept replica tensors])
         for flats in kept.kept.flats:
             for r, flat in enumerate(flats, start=1):

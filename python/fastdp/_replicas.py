@@ -195,7 +195,8 @@ class _FlatPool:
 class _State:
     """What the wrapper and the bucket nodes share: devices, the reduction mode, no_sync bookkeeping."""
 
-    __slots__ = ("devices", "tdevs", "host", "collective", "sync", "grad_buckets", "kept", "__weakref__")
+    __slots__ = ("devices", "tdevs", "host", "collective", "sync", "grad_buckets", "kept", "marking", "network",
+                 "__weakref__")
 
     def __init__(self, devices):
         self.devices = list(devices)
@@ -207,30 +208,15 @@ class _State:
         # strong ones would make a cycle, and a replaced ReplicaSet's flat buffers would wait for the collector.
         self.grad_buckets = []
         self.kept = False  # whether no_sync kept sums that the next synchronising backward must reduce
-
-
-def _flush(state):
-    """At the end of the first synchronising backward after no_sync: reduces the sums still kept by buckets whose
-    node that backward never ran (none of their members was used) and adds them to the master's ``.grad``."""
-    with torch.no_grad():
-        for ref in state.grad_buckets:
-            bucket = ref()
-            if bucket is None or bucket.pending is None:
-                continue
-            result = reduce_bucket(bucket, (None,) * (len(bucket.members) * len(state.tdevs)))
-            for p, g in zip(bucket.master, result):
-                if g is not None:
-                    if p.grad is None:
-                        p.grad = g
-                    else:
-                        p.grad += g
+        self.marking = False  # whether this backward's end notes the master's .grad (see _mark_grads)
+        self.network = None  # a weak reference to the master module (names parameters in errors)
 
 
 class _Bucket:
     """Tensors of one dtype broadcast and reduced together; `members` index the ReplicaSet's tensor list."""
 
     __slots__ = ("state", "members", "shapes", "sizes", "numel", "dtype", "pools", "src_pool", "pending", "like",
-                 "spec", "master", "flat", "ptrs", "reflattened", "pack", "pending_flat", "__weakref__")
+                 "spec", "master", "flat", "ptrs", "reflattened", "pack", "pending_flat", "marks", "__weakref__")
 
     def __init__(self, state, members, tensors):
         self.state = state
@@ -244,8 +230,11 @@ class _Bucket:
         self.dtype = tensors[members[0]].dtype
         self.pools = [_FlatPool(self.numel, self.dtype, d) for d in state.tdevs[1:]]
         self.src_pool = None  # staging for NCCL's packed source, only while the master is not flat
-        self.pending = None  # no_sync: per replica, per member, the gradient sums kept so far
+        # no_sync: per replica, per member, the gradient sums kept so far (replica 0's row None: its gradients go
+        # to the master's .grad at once); see NOTE [no_sync sums]
+        self.pending = None
         self.pending_flat = False  # whether pending holds one packed sum per replica instead (pending[r][0])
+        self.marks = None  # per member, the master's .grad as the last no_sync backward left it (see _mark_grads)
         self.master = [tensors[i] for i in members]  # the master tensors, in member order
         self.flat = None  # the master's flat buffer on device_ids[0] when the members are views of it
         self.ptrs = None  # the members' data pointers when flattened: any difference means .data was replaced
@@ -278,6 +267,20 @@ class _Bucket:
         self.ptrs = list(map(_data_ptr, master))
         self.reflattened += 1
         return True
+
+    def keeps_pending(self):
+        """Whether no_sync still keeps sums for this bucket, once those of members whose master ``.grad`` the user
+        cleared since the last no_sync backward are dropped (NOTE [no_sync sums])."""
+        if self.pending is None or self.marks is None:
+            return self.pending is not None
+        cleared = [j for j, (p, mark) in enumerate(zip(self.master, self.marks)) if _cleared(self.state, p, mark)]
+        if len(cleared) == len(self.members):
+            self.pending = None
+        elif cleared:  # (the marks are taken again at the end of the next no_sync backward)
+            for row in _pending_rows(self)[1:]:
+                for j in cleared:
+                    row[j] = None
+        return self.pending is not None
 
     def master_flat(self):
         """The master's flat buffer, flattened again when a member's ``.data`` was replaced (``.to()``,
@@ -398,13 +401,17 @@ def reduce_bucket(bucket, grads):
     """Sums the replicas' gradients of one bucket onto device_ids[0]; one gradient (or None) per member.
 
     `grads` is replica-major: the k gradients of replica 0, then replica 1's, ... (None where a replica did not
-    use a member). Under no_sync the sums stay per replica and None is returned.
+    use a member). Under no_sync replica 0's gradients are returned and the others' kept (NOTE [no_sync sums]).
     """
     state = bucket.state
-    if state.sync and state.kept:  # the first backward after no_sync: buckets it never reaches are flushed
+    if bucket.pending is not None:
+        bucket.keeps_pending()  # drops the sums of members whose .grad the user cleared since
+    if not state.sync:
+        return _accumulate(bucket, grads)
+    if state.kept:  # the first backward after no_sync: buckets it never reaches are flushed
         state.kept = False
         torch.autograd.Variable._execution_engine.queue_callback(partial(_flush, state))
-    if state.host and state.sync and bucket.pending is None and not torch.is_grad_enabled():
+    if state.host and bucket.pending is None and not torch.is_grad_enabled():
         out = torch.empty(bucket.numel, dtype=bucket.dtype)
         if _C.reduce_rows(grads, len(bucket.members), out):  # each member summed in place, nothing packed
             return tuple(_result_views(out, bucket))
@@ -413,13 +420,133 @@ def reduce_bucket(bucket, grads):
         if result is not None:
             return result
     rows = _member_rows(bucket, grads)
-    if not state.sync:
-        return _keep_members(bucket, rows)
     if torch.is_grad_enabled():
         # create_graph=True: the differentiable reduction, whose backward broadcasts again (double backward).
         return ReduceAddCoalesced.apply(state.devices[0], state.devices, len(bucket.members),
                                         *(g for row in rows for g in row))
     return _reduce_members(bucket, rows)
+
+
+# NOTE [no_sync sums]
+# Under DDP's no_sync, whose contract fastdp keeps, each rank accumulates its own gradients in .grad, and what the
+# user does to .grad (zero_grad in either set_to_none mode, p.grad = None, a new optimizer's zero_grad) is done to
+# that accumulation. Here replica 0 plays the rank: its gradients are returned to autograd, which accumulates them
+# in the master's .grad; the other replicas' are summed per replica and kept until the next synchronising backward
+# (no reduction while no_sync lasts). A member replica 0 did not use takes another replica's gradient instead, so
+# whatever a member accumulated shows in its .grad. At the end of each no_sync backward the master's .grad objects
+# and version counters are noted (_mark_grads); before the kept sums are used, a member whose .grad is gone,
+# replaced or zeroed since was cleared by the user, and its kept sums are dropped with it. A .grad changed in
+# place to anything but zeros cannot be applied to sums kept apart, and raises instead of being silently ignored.
+
+
+def _accumulate(bucket, grads):
+    """no_sync: replica 0's gradients for autograd to accumulate in the master's .grad, the others' kept."""
+    state = bucket.state
+    k, nrep, dest = len(bucket.members), len(state.tdevs), state.tdevs[0]
+    own = list(grads[:k])
+    rows = [None] + [list(grads[r * k : (r + 1) * k]) for r in range(1, nrep)]
+    for j, g in enumerate(own):
+        if g is None:  # replica 0 did not use this member: another replica's gradient shows in .grad instead
+            for row in rows[1:]:
+                if row[j] is not None:
+                    own[j], row[j] = row[j].to(dest), None
+                    break
+    if any(g is not None for row in rows[1:] for g in row):
+        _keep(bucket, rows)
+    if not state.marking:
+        state.marking = True
+        torch.autograd.Variable._execution_engine.queue_callback(partial(_mark_grads, state))
+    return tuple(own)
+
+
+def _keep(bucket, rows):
+    """Adds replicas 1.. 's gradients to the sums kept for them: packed into one tensor per replica where every
+    member is there and dense (and what is kept is packed too), else member by member."""
+    pending = bucket.pending
+    if (bucket.pack and (pending is None or bucket.pending_flat)
+            and not any(g is None or g.is_sparse for row in rows[1:] for g in row)):
+        flats = [None] + [_flatten_dense([g.detach() for g in row]) for row in rows[1:]]
+        if all(f.dtype == bucket.dtype for f in flats[1:]):
+            if pending is None:  # one member: the packed tensor is a view of autograd's gradient, not a copy
+                flats = [None] + [f.clone() if len(row) == 1 else f for f, row in zip(flats[1:], rows[1:])]
+            else:
+                flats = [None] + [acc[0] + f for acc, f in zip(pending[1:], flats[1:])]
+            bucket.pending, bucket.pending_flat = [None] + [[f] for f in flats[1:]], True
+            bucket.state.kept = True
+            return
+    kept = _pending_rows(bucket)
+    for row, acc in zip(rows[1:], kept[1:]):
+        for j, g in enumerate(row):
+            if g is not None:
+                g = g.detach()
+                acc[j] = g.clone() if acc[j] is None else acc[j] + g
+    bucket.pending = kept
+    bucket.state.kept = True
+
+
+def _pending_rows(bucket):
+    """The kept sums member by member (packed ones cut into views), empty rows where nothing is kept."""
+    k, nrep = len(bucket.members), len(bucket.state.tdevs)
+    if bucket.pending is None:
+        bucket.pending_flat = False
+        return [None] + [[None] * k for _ in range(1, nrep)]
+    if bucket.pending_flat:
+        bucket.pending = [None] + [list(_result_views(acc[0], bucket)) for acc in bucket.pending[1:]]
+        bucket.pending_flat = False
+    return bucket.pending
+
+
+def _grad_mark(g):
+    return None if g is None else (weakref.ref(g), g._version)
+
+
+def _cleared(state, p, mark):
+    """Whether master parameter p's .grad was cleared since `mark` (gone, replaced, or zeroed in place)."""
+    if mark is None:
+        return False  # nothing was accumulated for p: nothing is kept for it either
+    g = p.grad
+    if g is None or g is not mark[0]():
+        return True
+    if g._version == mark[1]:
+        return False
+    if not (g._values() if g.is_sparse else g).any():
+        return True
+    network = state.network and state.network()
+    name = next((n for n, q in network.named_parameters() if q is p), None) if network is not None else None
+    raise RuntimeError(
+        f"the .grad of parameter {name or tuple(p.shape)!r} was changed in place while gradients accumulated "
+        "under no_sync() were not yet reduced: .grad shows replica 0's share only (the others' are kept apart "
+        "until the next backward outside no_sync()), so a change other than clearing it (zero_grad(), "
+        "p.grad = None) cannot be applied to them. Change .grad after the backward outside no_sync()."
+    )
+
+
+def _mark_grads(state):
+    """At the end of a no_sync backward: notes each master member's .grad (object and version) of the buckets that
+    keep sums, so that a later clear is seen (NOTE [no_sync sums])."""
+    state.marking = False
+    for ref in state.grad_buckets:
+        bucket = ref()
+        if bucket is not None and bucket.pending is not None:
+            bucket.marks = [_grad_mark(p.grad) for p in bucket.master]
+
+
+def _flush(state):
+    """Reduces the sums no_sync still keeps and adds them to the master's ``.grad``: at the end of the first
+    synchronising backward after no_sync for buckets whose node it never ran (none of their members was used),
+    or for every bucket when the set is replaced."""
+    with torch.no_grad():
+        for ref in state.grad_buckets:
+            bucket = ref()
+            if bucket is None or not bucket.keeps_pending():
+                continue
+            result = _reduce_members(bucket, _member_rows(bucket, (None,) * (len(bucket.members) * len(state.tdevs))))
+            for p, g in zip(bucket.master, result):
+                if g is not None:
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad += g
 
 
 def _packable(bucket, grads):
@@ -431,21 +558,16 @@ def _packable(bucket, grads):
 
 def _reduce_packed(bucket, grads):
     """Each replica's gradients packed into one flat tensor by torch's C++ and the packed tensors summed in one
-    core call; no_sync keeps the packed per-replica sums. None where packing changed a dtype (the caller then
-    takes the per-member path)."""
+    core call, with the packed sums no_sync kept. None where packing changed a dtype (the caller then takes the
+    per-member path)."""
     state = bucket.state
     k, nrep = len(bucket.members), len(state.tdevs)
     flats = [_flatten_dense(grads[r * k : (r + 1) * k]) for r in range(nrep)]
     if not all(f.dtype == bucket.dtype for f in flats):
         return None
-    owned = k > 1  # one member: the packed tensor is a view of autograd's gradient, not a copy
     if bucket.pending is not None:
-        flats = [acc[0] + f for acc, f in zip(bucket.pending, flats)]
-        bucket.pending, owned = None, True
-    if not state.sync:
-        bucket.pending = [[f if owned else f.clone()] for f in flats]
-        bucket.pending_flat = state.kept = True
-        return (None,) * k
+        flats = [f if acc is None else acc[0] + f for acc, f in zip(bucket.pending, flats)]
+        bucket.pending = None
     out = torch.empty(bucket.numel, dtype=bucket.dtype, device=state.tdevs[0])
     if bucket.dtype.is_complex:
         reduce_columns([[to_core_dtype(f) for f in flats]], [to_core_dtype(out)])
@@ -461,22 +583,12 @@ def _member_rows(bucket, grads):
     rows = [list(grads[r * k : (r + 1) * k]) for r in range(nrep)]
     if bucket.pending is None:
         return rows
-    if bucket.pending_flat:  # the per-member form of the packed sums
-        bucket.pending = [list(_result_views(acc[0], bucket)) for acc in bucket.pending]
-        bucket.pending_flat = False
-    for row, kept in zip(rows, bucket.pending):
+    for row, kept in zip(rows[1:], _pending_rows(bucket)[1:]):
         for j, acc in enumerate(kept):
             if acc is not None:
                 row[j] = acc if row[j] is None else acc + row[j]
     bucket.pending = None
     return rows
-
-
-def _keep_members(bucket, rows):
-    """no_sync: keeps the per-replica, per-member sums for a later synchronising backward."""
-    bucket.pending = [[None if g is None else g.detach().clone() for g in row] for row in rows]
-    bucket.state.kept = True
-    return (None,) * len(bucket.members)
 
 
 def _reduce_members(bucket, rows):
@@ -552,27 +664,52 @@ def _layout(state, params, buffers, bucket_bytes):
     return _buckets(state, tensors, diff, bucket_bytes), _buckets(state, tensors, rest, bucket_bytes)
 
 
-class ReplicaSet:
-    """Kept replicas of one master module on one device list."""
+class _Skeletons:
+    """One set of replica skeletons (per replica, one module per master module, in walk order) and what is
+    installed in them: their ``__dict__`` refresh records, their tensor slots (those of grad-bucket members, and
+    the rest) and the kept nodes whose tensors the grad slots hold."""
 
-    def __init__(self, network, devices, bucket_bytes):
+    __slots__ = ("replicas", "pairs", "seen", "kept_containers", "rest_containers", "kept")
+
+    def __init__(self, modules, replicas, containers, kept_index, rest_index):
+        self.replicas = replicas
+        # A compiled wrapper's replica keeps its own attributes (its forward calls its own module: see NOTE
+        # [compiled modules] in replicate.py); every other replica mirrors its master each step.
+        self.pairs = [(m.__dict__, row[i].__dict__) for row in replicas for i, m in enumerate(modules)
+                      if not is_compiled(m)]
+        # What refresh saw of each pair's dicts, to skip the unchanged ones (see _C.refresh, NOTE [refresh records]).
+        self.seen = _C.refresh_records(len(self.pairs), len(_MIRRORED))
+        self.kept_containers = [containers[j] for j in kept_index]
+        self.rest_containers = [containers[j] for j in rest_index]
+        self.kept = None  # the _Kept whose tensors the grad slots hold
+
+
+class ReplicaSet:
+    """Kept replicas of one master module on one device list.
+
+    NOTE [one skeleton set per kind of forward]
+    A graph still waiting for backward may run its replica modules again inside that backward: a checkpointed
+    block (``torch.utils.checkpoint``, either mode) recomputes its forward there, reading the replica's training
+    flag, attributes and parameter slots as they are then. With one set of skeletons, a forward of another kind in
+    between (under ``no_grad`` or ``inference_mode``, where the slots hold plain tensors; after ``eval()``) would
+    have rewritten them, and that backward's gradients would be silently wrong or its recomputation refused. So
+    the skeletons come in sets, one per kind of forward (grad mode, the root's training flag), made when that kind
+    first runs: a forward refreshes and rebinds only its own kind's set, and a pending graph of another kind finds
+    its replicas as its forward left them. The tensors behind them (the kept buffers, the master) are shared;
+    their version counters guard them as the bare model's guard its parameters.
+    """
+
+    def __init__(self, network, devices, bucket_bytes, positions=None):
         self.network = network
         self.state = _State(devices)
+        self.positions = positions  # the device_ids positions of `devices` (None: devices a caller named)
         self.bucket_bytes = bucket_bytes
         self.modules, self.signature = walk(network)
-        nrep = len(devices)
-        self.replicas = skeletons(self.modules, nrep)
+        self.nrep = len(devices)
         # Every distinct parameter, then every distinct buffer: the tensors refreshed each step.
         self.params = list(network.parameters())
         self.buffers = list(network.buffers())
         self.tensors = self.params + self.buffers
-        self.containers, self.keys, self.refs = _slots(self.modules, self.replicas, self.tensors)
-        # A compiled wrapper's replica keeps its own attributes (its forward calls its own module: see NOTE
-        # [compiled modules] in replicate.py); every other replica mirrors its master each step.
-        self.pairs = [(m.__dict__, row[i].__dict__) for row in self.replicas for i, m in enumerate(self.modules)
-                      if not is_compiled(m)]
-        # What refresh saw of each pair's dicts, to skip the unchanged ones (see _C.refresh, NOTE [refresh records]).
-        self.seen = _C.refresh_records(len(self.pairs), len(_MIRRORED))
         self.synced = layer_indices(self.modules)  # SyncBatchNorm layers (fastdp.sync_batchnorm)
         # One bucket layout for both grad modes: the master tensors of each bucket live in one flat buffer.
         layout = _layout(self.state, self.params, self.buffers, bucket_bytes)
@@ -580,28 +717,48 @@ class ReplicaSet:
             bucket.flatten()
         self.layout = layout  # (grad buckets, the other buckets)
         self.state.grad_buckets = [weakref.ref(b) for b in layout[0]]
+        self.state.network = weakref.ref(network)
         # The grad buckets' slots hold kept tensors (NOTE [kept replica tensors]), installed when they change; the
-        # others' are installed every step: the slots split by whether their tensor is in a grad bucket.
+        # others' are installed every step: the slots split by whether their tensor is in a grad bucket. Every
+        # skeleton set has the same slots in the same order, so the split and the picks are made once.
+        replicas = skeletons(self.modules, self.nrep)
+        containers, keys, refs = _slots(self.modules, replicas, self.tensors)
         graded = set(chain.from_iterable(b.members for b in layout[0]))
-        split = ([], [])
-        for j, (_, t) in enumerate(self.refs):
-            split[t in graded].append(j)
-        kept_refs = [self.refs[j] for j in split[True]]
-        # (containers, keys, pick of the kept outputs with autograd, pick of their plain aliases without)
-        self.kept_slots = ([self.containers[j] for j in split[True]], [self.keys[j] for j in split[True]],
-                           self._picker(layout[0], [], kept_refs), self._picker([], layout[0], kept_refs))
-        rest_refs = [self.refs[j] for j in split[False]]
-        self.rest_slots = ([self.containers[j] for j in split[False]], [self.keys[j] for j in split[False]],
-                           [None] * len(rest_refs), self._picker([], layout[1], rest_refs))
+        self.split = ([], [])  # (slots of the other tensors, slots of grad-bucket members)
+        for j, (_, t) in enumerate(refs):
+            self.split[t in graded].append(j)
+        kept_refs = [refs[j] for j in self.split[True]]
+        rest_refs = [refs[j] for j in self.split[False]]
+        self.kept_keys = [keys[j] for j in self.split[True]]
+        self.rest_keys = [keys[j] for j in self.split[False]]
+        self.rest_nones = [None] * len(rest_refs)
+        # What the grad slots hold: the kept nodes' outputs with autograd, their plain aliases without.
+        self.pick_outs = self._picker(layout[0], [], kept_refs)
+        self.pick_plain = self._picker([], layout[0], kept_refs)
+        self.pick_rest = self._picker([], layout[1], rest_refs)
+        self.sets = {}  # (grad mode, training) -> _Skeletons: NOTE [one skeleton set per kind of forward]
+        self.unused = (replicas, containers)  # the first set's skeletons, until a forward takes them
+        self.replicas = replicas  # the rows of the set the last forward ran
         self.kept = None  # _Kept, made at the first forward
-        self.bound = None  # what the grad buckets' slots hold: None (nothing yet), True (the kept nodes' outputs),
-        # False (their plain aliases)
+
+    def _skeletons(self, kind):
+        """The skeleton set for one kind of forward, made on its first use."""
+        skel = self.sets.get(kind)
+        if skel is None:
+            if self.unused is not None:
+                (replicas, containers), self.unused = self.unused, None
+            else:
+                replicas = skeletons(self.modules, self.nrep)
+                containers = _slots(self.modules, replicas, self.tensors)[0]
+            skel = self.sets[kind] = _Skeletons(self.modules, replicas, containers, self.split[True],
+                                                self.split[False])
+        return skel
 
     def _picker(self, grad_buckets, rest_buckets, refs):
         """What step installs into the slots `refs`, as one C-level pick from the tensors it gathers in order: the
         master tensors (replica 0's default), then each grad bucket's node outputs (every replica, replica 0's
         aliases included), then each other bucket's views (replicas 1 and up)."""
-        nrep = len(self.replicas)
+        nrep = self.nrep
         where = {(0, t): t for t in range(len(self.tensors))}
         at = len(self.tensors)
         for bucket in grad_buckets:
@@ -623,38 +780,43 @@ class ReplicaSet:
         return (network is self.network and list(devices) == self.state.devices
                 and _C.matches(self.modules, self.signature))
 
-    def has_pending(self):
-        return any(b.pending is not None for b in self.layout[0])
+    def reduce_pending(self):
+        """Reduces the gradient sums no_sync() still keeps into the master's ``.grad`` (before the set is replaced:
+        a changed structure or device list then loses nothing, as accumulating on the bare model would not)."""
+        _flush(self.state)
 
     def step(self):
         """Refreshes the kept replicas for one forward and returns their root modules."""
-        _C.refresh(self.pairs, _KEPT, len(_MIRRORED), self.seen)
+        grad_enabled = torch.is_grad_enabled()
+        skel = self._skeletons((grad_enabled, self.network.training))
+        _C.refresh(skel.pairs, _KEPT, len(_MIRRORED), skel.seen)
         grad_buckets, rest_buckets = self.layout
         if grad_buckets:
-            self._step_kept(grad_buckets, torch.is_grad_enabled())
-        containers, keys, nones, pick = self.rest_slots
-        if containers:
-            _C.rebind(containers, keys, nones)  # last step's views released first: their flat buffers can be reused
+            kept = self._step_kept(grad_buckets)
+            if skel.kept is not kept:
+                _C.rebind(skel.kept_containers, self.kept_keys,
+                          self.pick_outs(kept.got) if grad_enabled else self.pick_plain(kept.plain))
+                skel.kept = kept
+        if skel.rest_containers:
+            # Last step's views released first: their flat buffers can be reused.
+            _C.rebind(skel.rest_containers, self.rest_keys, self.rest_nones)
             got = list(self.tensors)
             with torch.no_grad():
                 for bucket in rest_buckets:
                     for vs in bucket.fill(bucket.master_flat()):
                         got.extend(vs)
-            _C.rebind(containers, keys, pick(got))
-        return [row[0] for row in self.replicas]
+            _C.rebind(skel.rest_containers, self.rest_keys, self.pick_rest(got))
+        self.replicas = skel.replicas
+        return [row[0] for row in skel.replicas]
 
-    def _step_kept(self, grad_buckets, grad_enabled):
-        """The grad buckets: the kept nodes (made again when the master moved under them: flattened again, a
-        member's ``.data`` replaced) get the master's values; with autograd the skeletons hold their outputs,
+    def _step_kept(self, grad_buckets):
+        """The grad buckets' kept nodes, made again when the master moved under them (flattened again, a member's
+        ``.data`` replaced), with the master's values copied in. With autograd the skeletons hold their outputs;
         without it (as upstream's detached replicate) the master tensors on replica 0 and plain aliases of the kept
         buffers on the others."""
         sources = [b.master_flat() for b in grad_buckets]
         kept = self.kept
         if kept is None or not kept.valid(sources):
-            kept, self.bound = _Kept(grad_buckets, sources, self.tensors), None
-            self.kept = kept
+            kept = self.kept = _Kept(grad_buckets, sources, self.tensors)
         kept.step()
-        if self.bound is not grad_enabled:
-            containers, keys, pick_outs, pick_plain = self.kept_slots
-            _C.rebind(containers, keys, pick_outs(kept.got) if grad_enabled else pick_plain(kept.plain))
-            self.bound = grad_enabled
+        return kept

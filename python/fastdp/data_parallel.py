@@ -508,21 +508,31 @@ class DataParallel(Module):
         if module is not self.module or self.__dict__.get("_is_replica") or id(self) in getattr(_FRESH, "ids", ()):
             return replicate(module, device_ids, not torch.is_grad_enabled())
         devices = _devices.normalize_list(device_ids, "device_ids")
+        positions = self._replica_positions  # set by forward: which device_ids entries these devices are
+        if positions is not None and [self.device_ids[i] for i in positions] != devices:
+            positions = None  # a call of its own (an override's, a user's): the devices as named
         kept = self._replica_set
-        if kept is None or not kept.matches(module, devices):
-            if kept is not None and kept.has_pending():
-                raise RuntimeError(
-                    "the module or device list changed while gradients accumulated under no_sync() were not yet "
-                    "reduced; run a backward outside no_sync() before changing them"
-                )
+        # Kept replicas cover every position a forward ran on since they were built: a batch with fewer chunks
+        # than devices (torch.chunk's rule, chunk_sizes with zeros) runs on some of them, and what they keep
+        # (no_sync sums, buffers) carries on.
+        cover = positions
+        if positions is not None and kept is not None and kept.positions is not None and kept.network is module:
+            cover = sorted(set(positions).union(kept.positions))
+        wanted = devices if cover is None else [self.device_ids[i] for i in cover]
+        if kept is None or not kept.matches(module, wanted):
             self._replica_set = None
+            if kept is not None:
+                kept.reduce_pending()  # sums no_sync kept reach the master's .grad before the set goes
             if not _replicas.persistable(module):  # checked on (re)build only: module types are in the signature
                 # Rebuilt every step; under no_sync() each backward then reduces at once (same .grad in the end).
                 return replicate(module, device_ids, not torch.is_grad_enabled())
             _replicas.check_replicatable(module)
-            kept = self._replica_set = _replicas.ReplicaSet(module, devices, self._bucket_bytes)
+            kept = self._replica_set = _replicas.ReplicaSet(module, wanted, self._bucket_bytes, cover)
         kept.state.sync = self._sync_enabled
-        return kept.step()
+        roots = kept.step()
+        if cover is None or cover == positions:
+            return roots
+        return [roots[cover.index(i)] for i in positions]
 
     @contextlib.contextmanager
     def no_sync(self):

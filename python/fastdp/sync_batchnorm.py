@@ -68,7 +68,7 @@ def begin(master, replicas, devices, kept=None):
     (no SyncBatchNorm layer, or a single replica, which is plain batch norm)."""
     if len(replicas) < 2:
         return None  # one replica: plain BatchNorm
-    known = kept is not None and kept.network is master and kept.replicas[-1][0] is replicas[-1]
+    known = kept is not None and kept.network is master and any(row[0] is replicas[-1] for row in kept.replicas)
     if (known and not kept.synced) or (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None  # nothing synced; or a process group, where torch's own SyncBatchNorm runs
     masters, rows = _kept_layers(kept, replicas) if known else _walked_layers(master, replicas)

@@ -12,7 +12,7 @@ VPY=.venv/bin/python
 need() { ! "$VPY" -c "import $1" >/dev/null 2>&1; }
 if need torch; then "$VPY" -m pip install -q torch==2.13.0; fi
 missing=""
-for mod in setuptools wheel pytest numpy; do if need "$mod"; then missing="$missing $mod"; fi; done
+for mod in setuptools wheel pytest numpy hypothesis; do if need "$mod"; then missing="$missing $mod"; fi; done
 if [ -n "$missing" ]; then "$VPY" -m pip install -q $missing; fi
 # No build isolation: the build needs only setuptools and a C compiler, and some machines have no index.
 FASTDP_WERROR=${FASTDP_WERROR:-1} "$VPY" -m pip install -q --no-build-isolation --force-reinstall --no-deps .

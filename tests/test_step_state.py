@@ -7,6 +7,7 @@ Each test runs the same script on the bare model (full batch) and on the wrapper
 import copy
 import io
 import pickle
+import time
 
 import pytest
 import torch
@@ -388,3 +389,46 @@ def test_save_pretrained(tmp_path):
     assert size <= 1.1 * sum(f.stat().st_size for f in (tmp_path / "bare").iterdir())
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "dp")
     _equal_tensors(loaded.state_dict(), bare.state_dict())
+
+
+# ---- the process forked after training steps -----------------------------------------------------------------------
+
+
+def test_forked_child_trains_like_the_bare_model():
+    """A child forked after steps (a DataLoader worker, multiprocessing with fork) has the parent's kept replicas
+    and worker pool in memory, its threads gone: a step there still equals the bare model's."""
+    import os
+    import signal
+
+    bare, dp = pair(Checkpointed)
+    for model in (bare, dp):
+        loss_of(model, batch(8, 0)).backward()
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when equal, 1 otherwise; an alarm ends it if anything hangs
+        code = 1
+        try:
+            signal.alarm(60)
+            # As DataLoader workers do: torch's OpenMP pool is not usable after a fork (the bare model hangs too).
+            torch.set_num_threads(1)
+            for model in (bare, dp):
+                with dp.no_sync():
+                    loss_of(model, batch(5, 1)).backward()
+                loss_of(model, batch(8, 2)).backward()
+            assert_same(bare, dp)
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child did not finish within 120 s")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    loss_of(dp, batch(8, 3)).backward()  # and the parent carries on
+    loss_of(bare, batch(8, 3)).backward()
+    assert_same(bare, dp)

@@ -10,9 +10,9 @@ move. Each step:
 3. parameters (and buffers that require grad) are broadcast bucket by bucket, each bucket one autograd node
    whose outputs are the replicas' tensors, made once and kept with them (``_KeptBroadcast``, see NOTE [kept
    replica tensors]); the other buffers and frozen parameters are copied into flat buffers reused across steps,
-   outside autograd. The master tensors of a
-   bucket are themselves views of one flat buffer on device_ids[0] (their ``.data`` re-pointed when the replicas
-   are built, as DDP's gradient_as_bucket_view), so a bucket is one copy or one NCCL broadcast per device;
+   outside autograd. The master tensors of a bucket themselves live in one flat buffer on device_ids[0] (their
+   ``.data`` re-pointed to slices of its storage when the replicas are built, as DDP's gradient_as_bucket_view;
+   see _pieces), so a bucket is one copy or one NCCL broadcast per device;
    members whose ``.data`` was replaced since (``.to()``, ``p.data = ...``: a data pointer changed) are
    flattened again, and a bucket that cannot be flat (members sharing memory, non-contiguous members) is copied
    member by member;
@@ -24,10 +24,10 @@ backward); when every replica has every member's gradient and the members are sm
 would cost more than copying the bytes), each replica's gradients are packed into one flat tensor by torch's C++
 and the R flat tensors are summed onto ``device_ids[0]`` in one core call (otherwise, and for sparse gradients,
 column by column in one core call, without packing); the master parameters get views of the flat result (autograd's
-AccumulateGrad takes them as ``.grad`` or adds them to the ``.grad`` already there). ``no_sync()`` keeps
-per-replica sums instead (one packed tensor per replica and bucket where the members are small) and reduces them
-at the first backward outside it; buckets that backward never reaches (none of their members used) are reduced
-by a callback at its end.
+AccumulateGrad takes them as ``.grad`` or adds them to the ``.grad`` already there). ``no_sync()`` hands replica
+0's gradients to the master's ``.grad`` and keeps the other replicas' sums (one packed tensor per replica and
+bucket where the members are small; NOTE [no_sync sums]), reduced at the first backward outside it; buckets that
+backward never reaches (none of their members used) are reduced by a callback at its end.
 
 A buffer's flat buffer is reused only when none of the views it handed out is alive any more (a second forward
 before backward gets fresh buffers), so a graph still waiting for backward never sees its tensors overwritten.
@@ -236,7 +236,7 @@ class _Bucket:
         self.pending_flat = False  # whether pending holds one packed sum per replica instead (pending[r][0])
         self.marks = None  # per member, the master's .grad as the last no_sync backward left it (see _mark_grads)
         self.master = [tensors[i] for i in members]  # the master tensors, in member order
-        self.flat = None  # the master's flat buffer on device_ids[0] when the members are views of it
+        self.flat = None  # the master's flat buffer on device_ids[0] when the members live in it
         self.ptrs = None  # the members' data pointers when flattened: any difference means .data was replaced
         self.reflattened = 0
         # Gradients packed before the sum only where members are small on average: packing costs a copy of every

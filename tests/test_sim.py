@@ -67,27 +67,41 @@ def _run(args, timeout, detect_leaks=False, extra_env=None):
     return out
 
 
-def test_gpu_ops_on_simulated_gpu():
+# The core's scratch memory: the driver's pool (a PyTorch without CUDA, other embedders), or a caching allocator
+# registered as the binding registers PyTorch's (every CUDA build of torch: the route users take). See
+# tests/sim/README.md, "The registered allocator".
+ROUTES = {"pool": {}, "caching": {"SIMGPU_ALLOCATOR": "caching"}}
+SCRATCH = {"pool": "the driver's pool", "caching": "the simulated caching allocator (registered)"}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_gpu_ops_on_simulated_gpu(route):
     _need_cc()
-    out = _run([], timeout=300, detect_leaks=True)
-    assert "simulated GPU" in out
+    out = _run([], timeout=300, detect_leaks=True, extra_env=ROUTES[route])
+    assert "simulated GPU" in out and f"scratch memory: {SCRATCH[route]}" in out
 
 
-def test_gpu_ops_on_one_simulated_gpu():
+@pytest.mark.parametrize("route", ROUTES)
+def test_gpu_ops_on_one_simulated_gpu(route):
     """The GPU check machine has one GPU: the program must pass there too."""
     _need_cc()
     _gpu_ops_exe()
-    out = _run([], timeout=300, extra_env={"SIMGPU_DEVICES": "1"})
+    out = _run([], timeout=300, extra_env={"SIMGPU_DEVICES": "1", **ROUTES[route]})
     assert "1 device(s)" in out
 
 
-@pytest.mark.parametrize("entry", SWEPT)
-def test_fault_injection_sweep(entry):
+# Each route's own allocation entry: cuMemAllocAsync (the pool), simgpu_cache_alloc (the registered allocator).
+SWEEPS = [(entry, route) for route in ROUTES for entry in SWEPT + ["simgpu_cache_alloc"]
+          if entry not in ("cuMemAllocAsync", "simgpu_cache_alloc") or (entry == "simgpu_cache_alloc") == (route == "caching")]
+
+
+@pytest.mark.parametrize("entry, route", SWEEPS)
+def test_fault_injection_sweep(entry, route):
     """Every operation with each call of `entry` failing in turn: FDP_CUDA/FDP_NCCL with a detail (or success),
     no misuse, no leaked push/stream/event/allocation/group, caches released at shutdown, and the next call
     succeeds with the right result."""
     _need_cc()
-    out = _run(["--sweep", "--only", entry], timeout=240)
+    out = _run(["--sweep", "--only", entry], timeout=240, extra_env=ROUTES[route])
     assert re.search(r"^sweep: ", out, re.MULTILINE), out
 
 

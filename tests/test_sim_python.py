@@ -24,8 +24,18 @@ def _env():
     return dict(os.environ, **_simbuild.env())
 
 
+@pytest.fixture(params=["pool", "caching"], autouse=True)
+def scratch(request, monkeypatch):
+    """Every case runs twice: the core's scratch memory from the driver's pool (a PyTorch without CUDA), and from a
+    caching allocator registered as fastdp._core registers PyTorch's (every CUDA build of torch: the users'
+    route). tests/sim/pycases.py sets it up from SIMGPU_ALLOCATOR."""
+    monkeypatch.setenv("SIMGPU_ALLOCATOR", request.param)
+    return request.param
+
+
 def _case(name, timeout=300, **env):
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sim", "pycases.py"), name], env=dict(_env(), **env),
+    env = dict(_env(), SIMGPU_ALLOCATOR=os.environ["SIMGPU_ALLOCATOR"], **env)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "sim", "pycases.py"), name], env=env,
                           cwd=HERE,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     assert proc.returncode == 0 and proc.stdout.rstrip().endswith("PASS"), proc.stdout[-20000:]

@@ -97,6 +97,10 @@ static struct {
   long long (*calls)(const char *);
   const char *(*entry)(int);
   long long (*stat)(const char *);
+  /* The simulated caching allocator (PyTorch's route: SIMGPU_ALLOCATOR=caching registers it with the core). */
+  int (*cache_alloc)(void *, int, size_t, void *, void **, void **, char *, size_t);
+  void (*cache_free)(void *, int, void *, void *);
+  int (*cache_trim)(void);
 } S;
 
 static int g_ndev;
@@ -132,6 +136,9 @@ static int driver_open(void) {
   sym(h, "simgpu_calls", &S.calls, 0);
   sym(h, "simgpu_entry", &S.entry, 0);
   sym(h, "simgpu_stat", &S.stat, 0);
+  sym(h, "simgpu_cache_alloc", &S.cache_alloc, 0);
+  sym(h, "simgpu_cache_free", &S.cache_free, 0);
+  sym(h, "simgpu_cache_trim", &S.cache_trim, 0);
   if (!ok || D.Init(0) != CUDA_SUCCESS || D.DeviceGetCount(&g_ndev) != CUDA_SUCCESS) return 0;
   if (g_ndev > 8) g_ndev = 8;
   for (int d = 0; d < g_ndev; d++) {
@@ -164,7 +171,8 @@ static int sim(void) {
 static const char *const k_paths[] = {"cuMemcpyAsync",       "cuMemcpy2DAsync_v2",   "cuMemcpy3DPeerAsync",
                                       "cuMemcpyPeerAsync",   "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2",
                                       "cuLaunchKernel",      "cuMemAllocAsync",      "cuStreamWaitEvent",
-                                      "ncclBroadcast",       "ncclReduce",           "ncclGroupStart"};
+                                      "ncclBroadcast",       "ncclReduce",           "ncclGroupStart",
+                                      "simgpu_cache_alloc"};
 #define NPATHS (sizeof k_paths / sizeof k_paths[0])
 static long long g_path_calls[NPATHS];
 
@@ -1127,6 +1135,19 @@ int main(int argc, char **argv) {
     return 77;
   }
   printf("%d device(s), %s\n", g_ndev, sim() ? "simulated GPU (misuse and race checks on)" : "real driver");
+  const char *route = getenv("SIMGPU_ALLOCATOR");
+  int caching = route != NULL && strcmp(route, "caching") == 0;
+  if (caching) {
+    /* Scratch memory from a caching allocator, as every PyTorch user's process has it (the binding registers
+     * PyTorch's), instead of the driver's pool. */
+    if (!sim() || S.cache_alloc == NULL) {
+      printf("skipped: SIMGPU_ALLOCATOR=caching needs the simulated GPU\n");
+      return 77;
+    }
+    fdp_allocator_t cache = {S.cache_alloc, S.cache_free, NULL};
+    fdp_set_device_allocator(&cache);
+  }
+  printf("scratch memory: %s\n", caching ? "the simulated caching allocator (registered)" : "the driver's pool");
   const char *why = NULL;
   CHECKF(fdp_backend_usable(FDP_BACKEND_CUDA, &why), "the cuda backend is not usable: %s", why ? why : "");
   if (sim()) S.reset();
@@ -1152,12 +1173,18 @@ int main(int argc, char **argv) {
           continue;
         int multi = strstr(k_paths[i], "Peer") || strstr(k_paths[i], "nccl") || strstr(k_paths[i], "WaitEvent");
         if (multi && g_ndev < 2) continue; /* one device: no cross-device path exists */
+        /* Scratch memory comes from one of the two: the driver's pool, or the registered allocator. */
+        if (strcmp(k_paths[i], caching ? "cuMemAllocAsync" : "simgpu_cache_alloc") == 0) continue;
         printf("  %-22s %lld calls\n", k_paths[i], g_path_calls[i]);
         CHECKF(g_path_calls[i] > 0, "no operation reached %s", k_paths[i]);
       }
     }
   }
   fdp_shutdown();
+  if (caching) {
+    fdp_set_device_allocator(NULL);
+    S.cache_trim(); /* the blocks it holds as free go back before the contexts do (torch.cuda.empty_cache) */
+  }
   if (do_sweep && sim()) {
     /* A failed free or destroy may leave its object behind by necessity; those go with the contexts. */
     sim_clean("sweep");

@@ -385,13 +385,17 @@ def case_defect_peer_access(sim):
 
 
 def case_defect_staging_retry(sim):
-    """A staging buffer that cannot be had at once is retried (or comes from PyTorch's allocator): a strided
-    cross-device copy survives a transient cuMemAllocAsync OOM."""
+    """A staging buffer that cannot be had at once is retried (or comes from PyTorch's allocator, which retries
+    itself): a strided cross-device copy survives a transient cuMemAllocAsync OOM, and with the registered
+    allocator the driver's pool is never asked."""
     src_cpu = rand((8, 300), torch.float32).t()
     src, dst = sim.tensor(src_cpu, 0), sim.tensor(torch.zeros(300, 10)[:, 1:9], 1)
     sim.fail_at("cuMemAllocAsync", 1, CUDA_ERROR_OUT_OF_MEMORY)
+    before = sim.calls("simgpu_cache_alloc")
     _C.copy([dst], [src])
     same(dst.cpu(), src_cpu, "staged copy after a transient OOM")
+    if caching():
+        assert sim.calls("cuMemAllocAsync") == 0 and sim.calls("simgpu_cache_alloc") > before
     src.release()
     dst.release()
 
@@ -409,6 +413,7 @@ def case_defect_shutdown_order(sim):
     for t in [src] + outs + strided:
         t.release()
     assert sim.stat("comms") > 0
+    sim.trim()  # the client's caching allocator gives its free blocks back first (PyTorch's empty_cache)
     sim.close()  # the client lets go of its contexts: fastdp's own references keep them alive
     sim.assert_clean("before shutdown")
     _C.shutdown()
@@ -427,16 +432,18 @@ def _staged_copy(sim):
 
 def case_status(sim):
     src_cpu, src, dst = _staged_copy(sim)
-    # Out of memory in the driver's pool, with no retry (the device sync before it fails too).
-    sim.fail_at("cuMemAllocAsync", 1, CUDA_ERROR_OUT_OF_MEMORY)
-    sim.fail_at("cuCtxSynchronize", 1, CUDA_ERROR_UNKNOWN)
+    if caching():  # out of memory in the registered allocator (PyTorch's has retried inside already)
+        sim.fail_at("simgpu_cache_alloc", 1, CUDA_ERROR_OUT_OF_MEMORY)
+    else:  # out of memory in the driver's pool, with no retry (the device sync before it fails too)
+        sim.fail_at("cuMemAllocAsync", 1, CUDA_ERROR_OUT_OF_MEMORY)
+        sim.fail_at("cuCtxSynchronize", 1, CUDA_ERROR_UNKNOWN)
     try:
         _C.copy([dst], [src])
         raise AssertionError("the copy succeeded with no memory")
     except torch.OutOfMemoryError as e:
         assert isinstance(e, fastdp.CudaOutOfMemoryError) and isinstance(e, fastdp.CudaError), type(e)
         assert e.status == CUDA_ERROR_OUT_OF_MEMORY and e.code == "FDP_CUDA", (e.status, e.code)
-        assert "CUDA_ERROR_OUT_OF_MEMORY" in str(e), str(e)
+        assert ("CUDA out of memory" if caching() else "CUDA_ERROR_OUT_OF_MEMORY") in str(e), str(e)
     sim.reset()
     _C.copy([dst], [src])
     same(dst.cpu(), src_cpu, "the copy after out of memory")
@@ -471,7 +478,7 @@ def case_status(sim):
     except fastdp.CudaOutOfMemoryError as e:
         assert e.status == CUDA_ERROR_OUT_OF_MEMORY and "Tried to allocate" in str(e), (e.status, str(e))
     finally:
-        _C.set_device_allocator(None)
+        scratch_route(sim)
     # Failures that are not a library's carry no status.
     small, big = sim.tensor(rand((3,), torch.float32), 0), sim.empty((4,), torch.float32, 0)
     try:
@@ -532,12 +539,27 @@ def case_no_kernels(sim):
         t.release()
 
 
+def caching():
+    return os.environ.get("SIMGPU_ALLOCATOR", "pool") == "caching"
+
+
+def scratch_route(sim):
+    """The core's scratch memory for this run (SIMGPU_ALLOCATOR): the simulated caching allocator registered as
+    fastdp._core registers PyTorch's ("caching", every CUDA build's route), or the driver's pool ("pool", a
+    PyTorch without CUDA). Set either way, whatever this process's torch registered at import."""
+    assert os.environ.get("SIMGPU_ALLOCATOR", "pool") in ("pool", "caching")
+    _C.set_device_allocator(sim.caching_allocator() if caching() else None)
+
+
 def main(name):
     sim = Sim().open()
     sim.reset()
+    scratch_route(sim)
     globals()["case_" + name](sim)
     sim.assert_clean(name)
     _C.shutdown()
+    _C.set_device_allocator(None)
+    sim.trim()
     sim.close()
     sim.assert_clean(name + " (shutdown)")
     leaks = {k: sim.stat(k) for k in ("allocations", "streams", "events", "modules", "pushes", "retains", "comms",

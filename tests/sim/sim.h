@@ -25,7 +25,7 @@
   X(cuEventSynchronize) X(cuEventQuery) X(cuStreamWaitEvent) X(cuModuleLoadData) X(cuModuleUnload)                  \
   X(cuModuleGetFunction) X(cuLaunchKernel) X(cuStreamCreate) X(cuStreamDestroy_v2) X(ncclGetVersion)                \
   X(ncclCommInitAll) X(ncclCommDestroy) X(ncclCommAbort) X(ncclCommGetAsyncError) X(ncclGetLastError)               \
-  X(ncclGroupStart) X(ncclGroupEnd) X(ncclBroadcast) X(ncclReduce) X(ncclGetErrorString)
+  X(ncclGroupStart) X(ncclGroupEnd) X(ncclBroadcast) X(ncclReduce) X(ncclGetErrorString) X(simgpu_cache_alloc)
 
 typedef enum {
 #define SIM_X(name) SIM_E_##name,

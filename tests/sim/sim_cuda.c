@@ -39,6 +39,11 @@ typedef struct sim_alloc {
   int dev;
   int freed;
   int async;
+  /* Blocks of the simulated caching allocator (simgpu_cache_alloc): owned by it, the stream they belong to, whether
+   * it holds them as free now, and the size the current owner asked for (accesses past it are overruns). */
+  int cache_owned, cached;
+  sim_stream_t *cache_stream;
+  size_t asked;
   unsigned char *mem;
   uint32_t *w, *r; /* per-byte epochs of the last write and the last read: (agent << 22) | clock */
 } sim_alloc_t;
@@ -93,6 +98,7 @@ static long long g_fail_at[SIM_E_COUNT]; /* call number that fails (0: none) */
 static int g_fail_code[SIM_E_COUNT];
 static long long g_nerrors, g_nraces;
 static char g_errors[MAX_ERRORS_KEPT][512];
+static long long g_cache_reuses; /* blocks the simulated caching allocator handed out again */
 static long long g_live_allocs, g_live_streams, g_live_events, g_live_modules, g_pushes, g_comms, g_groups;
 static long long g_peer_enables;
 static int g_verbose;
@@ -337,9 +343,15 @@ unsigned char *sim_check_range(sim_op_t *op, CUdeviceptr p, size_t n) {
                dev, a->size);
     return NULL;
   }
-  if (p + n > a->base + a->size) {
+  if (a->cached) {
+    sim_misuse("%s: 0x%llx is in a %zu-byte block that the caching allocator holds as free on device %d (used after "
+               "it was given back)", op->name, (unsigned long long)p, a->size, dev);
+    return NULL;
+  }
+  size_t usable = a->cache_owned ? a->asked : a->size;
+  if (p + n > a->base + usable) {
     sim_misuse("%s: [0x%llx, +%zu) runs past the end of its %zu-byte allocation on device %d", op->name,
-               (unsigned long long)p, n, a->size, dev);
+               (unsigned long long)p, n, usable, dev);
     return NULL;
   }
   if (dev != op->dev && !op->any_peer) {
@@ -870,6 +882,11 @@ static sim_alloc_t *alloc_to_free(CUdeviceptr p, const char *op, CUresult *err) 
   sim_alloc_t *a = find_alloc(p, &dev);
   if (a == NULL || a->base != p) {
     sim_misuse("%s: 0x%llx is not the start of a device allocation", op, (unsigned long long)p);
+    *err = CUDA_ERROR_INVALID_VALUE;
+    return NULL;
+  }
+  if (a->cache_owned) {
+    sim_misuse("%s: 0x%llx belongs to the caching allocator (give it back with its free)", op, (unsigned long long)p);
     *err = CUDA_ERROR_INVALID_VALUE;
     return NULL;
   }
@@ -1623,6 +1640,7 @@ long long simgpu_stat(const char *name) {
   else if (strcmp(name, "peer_enables") == 0) v = g_peer_enables;
   else if (strcmp(name, "races") == 0) v = g_nraces;
   else if (strcmp(name, "errors") == 0) v = g_nerrors;
+  else if (strcmp(name, "cache_reuses") == 0) v = g_cache_reuses;
   else if (strcmp(name, "retains") == 0 || strcmp(name, "contexts") == 0) {
     v = 0;
     for (int d = 0; d < g_ndev; d++)
@@ -1662,6 +1680,136 @@ int simgpu_free(unsigned long long p) {
   }
   sim_unlock();
   return a ? 0 : -1;
+}
+
+/* ---- a caching allocator as PyTorch's, for the core's registered-allocator route (fdp_set_device_allocator) ----
+ * What matters of PyTorch's CUDA caching allocator: a block belongs to the stream current when it was allocated; given
+ * back, it is handed out again at once to the next request on that same stream (stream order makes that safe for
+ * work on that stream only), and never to another stream. Blocks here are whole simulated allocations, rounded up to
+ * 512 bytes as PyTorch rounds, reused best fit. So the hazards of the route become checks: a block used after it was
+ * given back is a misuse (it is poisoned while the allocator holds it); a block used on a second stream without
+ * ordering races with its next owner, whose work on the first stream is not ordered after that use (the shadow
+ * memory keeps every byte's last accesses across owners); an access past the size asked for is an overrun. The
+ * signatures are fdp_allocator_t's (csrc/core/fastdp.h): alloc and free run with `device`'s primary context current. */
+
+static sim_stream_t *cache_stream(int device, void *stream, const char *op) {
+  sim_ctx_t *c = current();
+  if (c == NULL || !c->alive || c != sim_primary(device)) {
+    sim_misuse("%s: device %d's primary context is not current", op, device);
+    return NULL;
+  }
+  CUresult err;
+  return resolve_stream((CUstream)stream, c, op, &err);
+}
+
+/* The next request on the block's stream may use it at once, from any thread: so every use so far, on any stream,
+ * must be ordered before this point of that stream (a write of the whole block there, as cuMemFreeAsync's). */
+static void cache_give_back(sim_alloc_t *a) {
+  sim_op_t op;
+  sim_op_begin(&op, a->cache_stream, "the caching allocator's free", a->dev);
+  op.any_peer = 1;
+  a->asked = a->size;
+  sim_access(&op, a->base, a->size, 1);
+  a->cached = 1;
+}
+
+int simgpu_cache_alloc(void *ctx, int device, size_t bytes, void *stream, void **ptr, void **handle, char *err,
+                       size_t err_len) {
+  (void)ctx;
+  sim_lock();
+  int inj = sim_enter(SIM_E_simgpu_cache_alloc);
+  if (inj) {
+    const char *name = "?";
+    cuGetErrorName((CUresult)inj, &name);
+    snprintf(err, err_len, "injected failure %s", name);
+    sim_unlock();
+    return inj == CUDA_ERROR_OUT_OF_MEMORY ? 2 : 1;
+  }
+  sim_stream_t *s = device >= 0 && device < g_ndev ? cache_stream(device, stream, "simgpu_cache_alloc") : NULL;
+  if (s == NULL) {
+    snprintf(err, err_len, "no usable stream or context for device %d", device);
+    sim_unlock();
+    return 1;
+  }
+  size_t want = bytes ? (bytes + 511) & ~(size_t)511 : 512;
+  device_t *D = &g_dev[device];
+  sim_alloc_t *best = NULL;
+  for (size_t i = 0; i < D->nallocs; i++) {
+    sim_alloc_t *a = D->allocs[i];
+    if (a->cached && a->cache_stream == s && a->size >= want && (best == NULL || a->size < best->size)) best = a;
+  }
+  if (best != NULL) {
+    best->cached = 0;
+    g_cache_reuses++;
+  } else {
+    CUdeviceptr p;
+    CUresult e = alloc_new(device, want, 0, &p);
+    if (e != CUDA_SUCCESS) {
+      snprintf(err, err_len, "CUDA out of memory: %zu bytes on simulated device %d", want, device);
+      sim_unlock();
+      return e == CUDA_ERROR_OUT_OF_MEMORY ? 2 : 1;
+    }
+    best = D->allocs[D->nallocs - 1];
+    best->cache_owned = 1;
+    best->cache_stream = s;
+  }
+  best->asked = bytes;
+  *ptr = (void *)(uintptr_t)best->base;
+  *handle = best;
+  sim_unlock();
+  return 0;
+}
+
+void simgpu_cache_free(void *ctx, int device, void *stream, void *handle) {
+  (void)ctx;
+  sim_lock();
+  setup();
+  sim_alloc_t *a = NULL;
+  for (int d = 0; d < g_ndev && a == NULL; d++)
+    for (size_t i = 0; i < g_dev[d].nallocs; i++)
+      if (g_dev[d].allocs[i] == handle) a = handle;
+  if (a == NULL || !a->cache_owned || a->freed || a->cached) {
+    sim_misuse("simgpu_cache_free: %p is not a block the caching allocator handed out (given back twice?)", handle);
+  } else if (a->dev != device) {
+    sim_misuse("simgpu_cache_free: a block of device %d given back as device %d's", a->dev, device);
+  } else {
+    sim_stream_t *s = cache_stream(device, stream, "simgpu_cache_free");
+    if (s != NULL && s != a->cache_stream)
+      sim_misuse("simgpu_cache_free: a block of stream %d given back on stream %d (a block belongs to the stream it "
+                 "was allocated on)", a->cache_stream->agent, s->agent);
+    cache_give_back(a);
+  }
+  sim_unlock();
+}
+
+/* As a harness's own stream-ordered free, for a handle held in Python (the block's own stream, whatever is current:
+ * PyTorch gives a dying tensor's block back to the stream it was allocated on). */
+void simgpu_cache_release(void *handle) {
+  sim_lock();
+  sim_alloc_t *a = handle;
+  if (a != NULL && a->cache_owned && !a->freed && !a->cached)
+    cache_give_back(a);
+  else
+    sim_misuse("simgpu_cache_release: %p is not a block in use", handle);
+  sim_unlock();
+}
+
+/* Frees every block the caching allocator holds as free (torch.cuda.empty_cache); returns how many. */
+int simgpu_cache_trim(void) {
+  sim_lock();
+  setup();
+  int n = 0;
+  for (int d = 0; d < g_ndev; d++)
+    for (size_t i = 0; i < g_dev[d].nallocs; i++) {
+      sim_alloc_t *a = g_dev[d].allocs[i];
+      if (a->cache_owned && a->cached && !a->freed) {
+        a->cached = 0;
+        alloc_free(a);
+        n++;
+      }
+    }
+  sim_unlock();
+  return n;
 }
 
 /* Host access to device memory as after a device synchronisation (the host waits for every stream first). */

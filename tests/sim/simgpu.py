@@ -28,6 +28,9 @@ class Sim:
             ("simgpu_fail_at", ctypes.c_int, [cp, ll, ctypes.c_int]), ("simgpu_reset", None, []),
             ("simgpu_peer_enabled", ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
             ("simgpu_alloc", u64, [ctypes.c_int, sz]), ("simgpu_free", ctypes.c_int, [u64]),
+            ("simgpu_cache_alloc", ctypes.c_int, [vp, ctypes.c_int, sz, vp, ctypes.POINTER(vp), ctypes.POINTER(vp),
+                                                  cp, sz]),
+            ("simgpu_cache_release", None, [vp]), ("simgpu_cache_trim", ctypes.c_int, []),
             ("simgpu_read", ctypes.c_int, [vp, u64, sz]), ("simgpu_write", ctypes.c_int, [u64, vp, sz]),
             ("cuInit", ctypes.c_int, [ctypes.c_uint]),
             ("cuDeviceGetCount", ctypes.c_int, [ctypes.POINTER(ctypes.c_int)]),
@@ -123,6 +126,30 @@ class Sim:
     def peer_enabled(self, dev, peer):
         return bool(self.lib.simgpu_peer_enabled(dev, peer))
 
+    # ---- scratch memory for the core: PyTorch's route ----
+    def caching_allocator(self):
+        """What fastdp._core registers where torch has CUDA (PyTorch's caching allocator), here the simulated one:
+        alloc(device, nbytes, stream) -> an object with data_ptr(); the block goes back to its stream's pool when
+        the core drops it, as a dying tensor's does (misuse and races on that route are the simulator's checks)."""
+        lib = self.lib
+
+        def alloc(device, nbytes, stream):
+            ptr, handle = ctypes.c_void_p(), ctypes.c_void_p()
+            err = ctypes.create_string_buffer(256)
+            rc = lib.simgpu_cache_alloc(None, device, nbytes, stream, ctypes.byref(ptr), ctypes.byref(handle), err,
+                                        len(err))
+            if rc == 2:
+                raise torch.OutOfMemoryError(f"CUDA out of memory (simulated caching allocator): {err.value.decode()}")
+            if rc != 0:
+                raise RuntimeError(f"the simulated caching allocator failed: {err.value.decode()}")
+            return _Block(lib, ptr.value, handle.value)
+
+        return alloc
+
+    def trim(self):
+        """Frees the blocks the caching allocator holds as free (torch.cuda.empty_cache)."""
+        return self.lib.simgpu_cache_trim()
+
     # ---- memory ----
     def alloc(self, dev, nbytes):
         p = self.lib.simgpu_alloc(dev, max(nbytes, 1))
@@ -147,6 +174,21 @@ class Sim:
         n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
         raw = torch.randint(0, 256, (n,), dtype=torch.uint8)
         return SimTensor(self, raw.view(dtype).reshape(shape), dev)
+
+
+class _Block:
+    """A block of the simulated caching allocator, held by the core as a tensor of PyTorch's would be."""
+
+    __slots__ = ("lib", "ptr", "handle")
+
+    def __init__(self, lib, ptr, handle):
+        self.lib, self.ptr, self.handle = lib, ptr, handle
+
+    def data_ptr(self):
+        return self.ptr
+
+    def __del__(self):
+        self.lib.simgpu_cache_release(self.handle)
 
 
 class SimTensor(torch.Tensor):

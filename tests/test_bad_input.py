@@ -16,6 +16,9 @@ from fastdp import comm
 
 CPU2 = ["cpu", "cpu"]
 NO_CUDA = not torch.cuda.is_available()
+# What fastdp says where CUDA cannot run, by build: a CPU build has no CUDA at all; a CUDA build (what `pip install
+# torch` gives on Linux, GPU or not) has it, but sees no device here.
+NO_CUDA_WHY = "this torch build has no CUDA" if not torch.backends.cuda.is_built() else "no CUDA device is visible"
 
 
 def _lin():
@@ -64,7 +67,7 @@ CASES = [
      RuntimeError, lambda: f"{_written_twice()} (copy: destination 1)"),
     pytest.param("broadcast/cuda-without-cuda", lambda: comm.broadcast(torch.ones(2), [0, 1]),
                  fastdp.BackendUnavailableError,
-                 'devices: cuda:0 is a CUDA device, but this torch build has no CUDA; use "cpu" devices (emulated '
+                 f'devices: cuda:0 is a CUDA device, but {NO_CUDA_WHY}; use "cpu" devices (emulated '
                  "replicas) on this machine",
                  marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA is available")),
     ("broadcast/mixed", lambda: comm.broadcast(torch.ones(2), ["cpu", 0]), ValueError,
@@ -89,7 +92,7 @@ CASES = [
      "int32, int64, float16, bfloat16, float32, float64))"),
     pytest.param("reduce_add/cuda-destination", lambda: comm.reduce_add([torch.ones(2)], destination=0),
                  fastdp.BackendUnavailableError,
-                 'destination: cuda:0 is a CUDA device, but this torch build has no CUDA; use "cpu" devices (emulated '
+                 f'destination: cuda:0 is a CUDA device, but {NO_CUDA_WHY}; use "cpu" devices (emulated '
                  "replicas) on this machine",
                  marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA is available")),
     # ---- fastdp.comm.reduce_add_coalesced
@@ -117,7 +120,7 @@ CASES = [
      RuntimeError, lambda: f"{_input_overlap()} (copy: destination 0 overlaps source 0)"),
     pytest.param("scatter/cuda-without-cuda", lambda: comm.scatter(torch.ones(4), [0, 1]),
                  fastdp.BackendUnavailableError,
-                 'devices: cuda:0 is a CUDA device, but this torch build has no CUDA; use "cpu" devices (emulated '
+                 f'devices: cuda:0 is a CUDA device, but {NO_CUDA_WHY}; use "cpu" devices (emulated '
                  "replicas) on this machine",
                  marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA is available")),
     # ---- fastdp.comm.gather
@@ -132,7 +135,7 @@ CASES = [
      RuntimeError, "'destination' must not be specified when 'out' is specified, but got destination=cpu"),
     pytest.param("gather/cuda-without-cuda", lambda: comm.gather([torch.ones(2)], destination=0),
                  fastdp.BackendUnavailableError,
-                 'destination: cuda:0 is a CUDA device, but this torch build has no CUDA; use "cpu" devices (emulated '
+                 f'destination: cuda:0 is a CUDA device, but {NO_CUDA_WHY}; use "cpu" devices (emulated '
                  "replicas) on this machine",
                  marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA is available")),
     # ---- fastdp.DataParallel
@@ -175,7 +178,7 @@ CASES = [
      "[0, 1])."),
     pytest.param("replicate/cuda-without-cuda", lambda: fastdp.replicate(_lin(), [0, 1]),
                  fastdp.BackendUnavailableError,
-                 'devices: cuda:0 is a CUDA device, but this torch build has no CUDA; use "cpu" devices (emulated '
+                 f'devices: cuda:0 is a CUDA device, but {NO_CUDA_WHY}; use "cpu" devices (emulated '
                  "replicas) on this machine",
                  marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA is available")),
     # ---- fastdp.scatter / scatter_kwargs / gather
@@ -189,7 +192,7 @@ CASES = [
      "Cannot gather output: replica 0 returned a Tensor but replica 1 returned int"),
     pytest.param("gather_fn/cuda-without-cuda", lambda: fastdp.gather([torch.ones(2)], 0),
                  fastdp.BackendUnavailableError,
-                 'target_device: cuda:0 is a CUDA device, but this torch build has no CUDA; use "cpu" devices '
+                 f'target_device: cuda:0 is a CUDA device, but {NO_CUDA_WHY}; use "cpu" devices '
                  "(emulated replicas) on this machine",
                  marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA is available")),
     # ---- fastdp.parallel_apply
@@ -201,7 +204,7 @@ CASES = [
     pytest.param("parallel_apply/cuda-without-cuda",
                  lambda: fastdp.parallel_apply([_lin()], [torch.ones(1, 2)], devices=[0]),
                  fastdp.BackendUnavailableError,
-                 'device: cuda:0 is a CUDA device, but this torch build has no CUDA; use "cpu" devices (emulated '
+                 f'device: cuda:0 is a CUDA device, but {NO_CUDA_WHY}; use "cpu" devices (emulated '
                  "replicas) on this machine",
                  marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA is available")),
     # ---- fastdp.memory_report

@@ -3,8 +3,10 @@
 keep nothing alive after a call; FASTDP_TENSOR_PATH=python selects the Python path and `fastdp info` says which
 path is in use."""
 
+import concurrent.futures
 import gc
 import os
+import re
 import subprocess
 import sys
 
@@ -15,6 +17,7 @@ import fastdp
 from fastdp import _C, _core
 
 SHIM = _core.tensor_shim_usable()
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(params=["aoti", "python"])
@@ -246,3 +249,71 @@ print(torch.equal(d[0], s[0]))
     assert name == "python" and copied == "True"
     assert why == "the C shim cannot be used: torch has no torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors"
     assert error == "the C shim path cannot be used here: " + why.split(": ", 1)[1]
+
+
+def _shim_entry_points():
+    """Every aoti_torch_* name the binding looks up (csrc/python/aoti.c): functions, constants and dtype getters."""
+    with open(os.path.join(os.path.dirname(HERE), "csrc", "python", "aoti.c")) as f:
+        text = f.read()
+    names = set(re.findall(r'"(aoti_torch_\w+)"', text))
+    table = text[text.index("shim_dtypes[] = {"):]
+    names |= {"aoti_torch_dtype_" + d for d in re.findall(r'"(\w+)"', table[:table.index("};")])}
+    return sorted(names)
+
+
+_HIDDEN_CHECK = """
+from array import array
+import torch, fastdp
+from fastdp import _C
+name, why = _C.tensor_path()
+print(name)
+print(why)
+for dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+              torch.bfloat16, torch.float32, torch.float64, torch.complex64):
+    src = torch.arange(24).to(dtype).reshape(4, 6).t()
+    dst = torch.zeros(6, 4, dtype=dtype)
+    _C.copy([dst], [src])
+    assert torch.equal(dst, src), dtype
+flat = torch.arange(10.0)
+views = _C.views(flat, array("q", [1, 4, 2, 2, 3]))
+if views is not None:
+    assert [torch.equal(v, r) for v, r in zip(views, (flat[:4], flat[4:].view(2, 3)))] == [True, True]
+torch.manual_seed(0)
+bare = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).double()
+dp = fastdp.DataParallel(__import__("copy").deepcopy(bare), device_ids=["cpu"] * 3)
+x = torch.randn(7, 4, dtype=torch.float64)
+for model in (bare, dp):
+    for _ in range(2):
+        model(x).pow(2).sum().backward()
+for p, q in zip(dp.module.parameters(), bare.parameters()):
+    torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not SHIM, reason="this torch has no C shim path: nothing to hide")
+def test_each_shim_entry_point_hidden_in_turn():
+    """A torch without any one of the shim's entry points (FASTDP_SHIM_ABSENT hides it): a required one sends every
+    tensor through the Python path and `info` names it; an optional one or a dtype getter keeps the shim path;
+    results are torch's either way (copies over every dtype, the reduced-gradient views, training steps)."""
+    names = _shim_entry_points()
+    assert len(names) > 30, names
+    with open(os.path.join(os.path.dirname(HERE), "csrc", "python", "aoti.c")) as f:
+        required = set(re.findall(r'(?:need|shim_const)\(lib, "(aoti_torch_\w+)"', f.read()))
+    assert len(required) >= 10, required
+    env = {k: v for k, v in os.environ.items() if k != "FASTDP_TENSOR_PATH"}
+
+    def run(name):  # one process per name: the knob is read once per process
+        return subprocess.run([sys.executable, "-c", _HIDDEN_CHECK], capture_output=True, text=True, timeout=120,
+                              env=dict(env, FASTDP_SHIM_ABSENT=f"something_else,{name}"))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(run, names))
+    for name, r in zip(names, results):
+        assert r.returncode == 0 and r.stdout.endswith("ok\n"), (name, r.stdout, r.stderr[-3000:])
+        path, why = r.stdout.splitlines()[:2]
+        if name in required:
+            assert path == "python" and why == f"the C shim cannot be used: libtorch has no {name} (torch too old " \
+                                                "for the C shim path)", (name, path, why)
+        else:
+            assert path == "aoti", (name, path, why)

@@ -94,6 +94,7 @@ typedef enum {
   FDP_PARAM_CACHE_DIR,           /* FASTDP_CACHE_DIR (string): kernel cache folder (default ~/.cache/fastdp/kernels) */
   FDP_PARAM_NVRTC_LIBRARY,       /* FASTDP_NVRTC_LIBRARY (string): the libnvrtc.so to load, tried first */
   FDP_PARAM_TENSOR_PATH,         /* FASTDP_TENSOR_PATH (string): "python" reads tensors through their Python API */
+  FDP_PARAM_SHIM_ABSENT,         /* FASTDP_SHIM_ABSENT (string): C-shim entry points to treat as missing */
   FDP_PARAM_COUNT
 } fdp_param_t;
 

@@ -26,6 +26,9 @@ static const struct {
     [FDP_PARAM_CACHE_DIR] = {"FASTDP_CACHE_DIR", 0, 1},
     [FDP_PARAM_NVRTC_LIBRARY] = {"FASTDP_NVRTC_LIBRARY", 0, 1},
     [FDP_PARAM_TENSOR_PATH] = {"FASTDP_TENSOR_PATH", 0, 1},
+    /* Comma-separated aoti_torch_* names the binding treats as absent: how a torch without them behaves, on any
+     * torch (the tests hide each entry point in turn). */
+    [FDP_PARAM_SHIM_ABSENT] = {"FASTDP_SHIM_ABSENT", 0, 1},
 };
 
 static int64_t values[FDP_PARAM_COUNT];

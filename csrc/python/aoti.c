@@ -72,9 +72,18 @@ static void *torch_library(const char *torch_c_file) {
   return dlopen(path, RTLD_NOLOAD | RTLD_NOW);
 }
 
+/* dlsym, except for the names FASTDP_SHIM_ABSENT lists: what a torch without them gets. */
+static void *shim_sym(void *lib, const char *name) {
+  const char *absent = fdp__param_str(FDP_PARAM_SHIM_ABSENT);
+  size_t n = strlen(name);
+  for (const char *p = absent ? strstr(absent, name) : NULL; p != NULL; p = strstr(p + 1, name))
+    if ((p == absent || p[-1] == ',') && (p[n] == '\0' || p[n] == ',')) return NULL;
+  return dlsym(lib, name);
+}
+
 /* Resolves one symbol into *slot; records the first missing name in g_shim_why. */
 static int need(void *lib, const char *name, void *slot) {
-  void *sym = dlsym(lib, name);
+  void *sym = shim_sym(lib, name);
   memcpy(slot, &sym, sizeof sym);
   if (!sym) snprintf(g_shim_why, sizeof g_shim_why, "libtorch has no %s (torch too old for the C shim path)", name);
   return sym != NULL;
@@ -100,7 +109,7 @@ static int32_t shim_dtype(void *lib, const char *name) {
   char sym_name[64];
   snprintf(sym_name, sizeof sym_name, "aoti_torch_dtype_%s", name);
   shim_const_fn fn = NULL;
-  void *sym = dlsym(lib, sym_name);
+  void *sym = shim_sym(lib, sym_name);
   memcpy(&fn, &sym, sizeof sym);
   int32_t code = fn ? fn() : -1;
   return code >= 0 && code < FDP_SHIM_DTYPES ? code : -1;
@@ -130,7 +139,7 @@ static void map_dtypes(void *lib) {
 
 /* *slot = the symbol, or NULL: for the shim functions only some features need. */
 static void optional(void *lib, const char *name, void *slot) {
-  void *sym = dlsym(lib, name);
+  void *sym = shim_sym(lib, name);
   memcpy(slot, &sym, sizeof sym);
 }
 

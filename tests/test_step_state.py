@@ -432,3 +432,26 @@ def test_forked_child_trains_like_the_bare_model():
     loss_of(dp, batch(8, 3)).backward()  # and the parent carries on
     loss_of(bare, batch(8, 3)).backward()
     assert_same(bare, dp)
+
+
+@pytest.mark.parametrize("path", ["python", "aoti"])
+def test_zeroing_one_grad_in_place_keeps_the_others_sums(path):
+    """Reduced gradients are separate tensors over one flat result, each with its own version counter on either
+    tensor path: zeroing one parameter's .grad between no_sync micro-batches clears that one only (torch's views
+    share one counter, which made the others look changed in place)."""
+    from fastdp import _C, _core
+
+    if path == "aoti" and not _core.tensor_shim_usable():
+        pytest.skip("this torch has no C shim path")
+    previous = _C.set_tensor_path(path)
+    try:
+        bare, dp = pair(Checkpointed)
+        for model, run in ((bare, bare), (dp.module, dp)):
+            loss_of(run, batch(8, 0)).backward()  # synchronising: .grad cut from one flat result
+            with dp.no_sync():
+                loss_of(run, batch(8, 1)).backward()
+            model.head.weight.grad.zero_()
+            loss_of(run, batch(8, 2)).backward()
+        assert_same(bare, dp)
+    finally:
+        _C.set_tensor_path(previous)

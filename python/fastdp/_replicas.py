@@ -130,9 +130,13 @@ def _pieces(flat, shapes, sizes):
 def _result_views(flat, bucket):
     """Per member of `bucket`, a tensor over `flat` shaped like it, for results nobody differentiates through
     (reduced gradients): the C shim makes plain tensors sharing flat's memory (0.34 µs each against 1.15 for
-    autograd views, 1000 members), torch makes views where the shim cannot."""
+    autograd views, 1000 members), torch makes views where the shim cannot, detached by ``.data`` into plain tensors
+    too. Either way each has a version counter of its own, as a gradient autograd made would: zeroing one member's
+    ``.grad`` in place must not look like a change to the others' (NOTE [no_sync sums])."""
     views = _C.views(flat, bucket.spec)
-    return views if views is not None else _unflatten(flat, bucket.like, bucket.sizes, bucket.shapes)
+    if views is not None:
+        return views
+    return [v.data for v in _unflatten(flat, bucket.like, bucket.sizes, bucket.shapes)]
 
 
 _unflatten_dense = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)

@@ -488,8 +488,9 @@ def _scatter_into(tensor, src, dim, out):
 
 
 def _index(i, s):
-    """chunk_sizes[i] as an int: numpy integers too, as DataParallel's chunk_sizes accepts."""
-    if isinstance(s, (bool, torch.Tensor)) or not hasattr(s, "__index__"):
+    """chunk_sizes[i] as an int: numpy integers too, as DataParallel's chunk_sizes accepts. Booleans never: numpy 1's
+    bool_ still has a (deprecated) __index__, numpy 2's has none."""
+    if isinstance(s, (bool, torch.Tensor)) or type(s).__name__ in ("bool", "bool_") or not hasattr(s, "__index__"):
         raise TypeError(f"'chunk_sizes'[{i}] must be an int, got {type(s).__name__}")
     s = operator.index(s)
     if s < 0:

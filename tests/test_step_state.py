@@ -455,3 +455,21 @@ def test_zeroing_one_grad_in_place_keeps_the_others_sums(path):
         assert_same(bare, dp)
     finally:
         _C.set_tensor_path(previous)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copied_inside_an_accumulation_window(how):
+    """A wrapper copied (or pickled and loaded) between no_sync micro-batches: the copy and the original each end
+    the window with the bare model's .grad, as a copy of the bare model would (a copy has no .grad, and none of
+    the original's kept sums)."""
+    bare, dp = pair(Checkpointed)
+    for model, run in ((bare, bare), (dp.module, dp)):
+        with dp.no_sync():
+            loss_of(run, batch(8, 0)).backward()
+    copies = [copy.deepcopy(m) if how == "deepcopy" else pickle.loads(pickle.dumps(m)) for m in (bare, dp)]
+    for (b, d) in ((bare, dp), tuple(copies)):
+        for model, run in ((b, b), (d.module, d)):
+            with d.no_sync():
+                loss_of(run, batch(5, 1)).backward()
+            loss_of(run, batch(8, 2)).backward()
+        assert_same(b, d)

@@ -473,3 +473,15 @@ def test_copied_inside_an_accumulation_window(how):
                 loss_of(run, batch(5, 1)).backward()
             loss_of(run, batch(8, 2)).backward()
         assert_same(b, d)
+
+
+def test_device_ids_shortened_between_steps():
+    """device_ids set to fewer devices after steps ran on more: the kept replicas are rebuilt for the new list."""
+    bare, dp = pair(Checkpointed)
+    for model in (bare, dp):
+        loss_of(model, batch(8, 0)).backward()
+    dp.device_ids = ["cpu"] * 2
+    for model in (bare, dp):
+        loss_of(model, batch(8, 1)).backward()
+        loss_of(model, batch(1, 2)).backward()
+    assert_same(bare, dp)

@@ -516,7 +516,8 @@ class DataParallel(Module):
         # than devices (torch.chunk's rule, chunk_sizes with zeros) runs on some of them, and what they keep
         # (no_sync sums, buffers) carries on.
         cover = positions
-        if positions is not None and kept is not None and kept.positions is not None and kept.network is module:
+        if (positions is not None and kept is not None and kept.positions is not None and kept.network is module
+                and max(kept.positions) < len(self.device_ids)):  # (device_ids may have been shortened since)
             cover = sorted(set(positions).union(kept.positions))
         wanted = devices if cover is None else [self.device_ids[i] for i in cover]
         if kept is None or not kept.matches(module, wanted):

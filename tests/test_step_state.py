@@ -485,3 +485,34 @@ def test_device_ids_shortened_between_steps():
         loss_of(model, batch(8, 1)).backward()
         loss_of(model, batch(1, 2)).backward()
     assert_same(bare, dp)
+
+
+@pytest.mark.parametrize("clear", [True, False])
+def test_an_interrupted_no_sync_backward_then_a_fresh_window(clear):
+    """A no_sync backward that fails after the wrapper's reduction nodes ran (a hook on a master parameter raises,
+    as Ctrl-C could land there), then .grad cleared and a new accumulation window: the bare model's .grad."""
+    bare, dp = pair(Checkpointed)
+    armed = []
+
+    def hook(p):
+        if armed:
+            armed.clear()
+            raise KeyboardInterrupt("interrupted backward (test)")
+
+    for model, run in ((bare, bare), (dp.module, dp)):
+        model.stem.weight.register_post_accumulate_grad_hook(hook)
+        with dp.no_sync():
+            loss_of(run, batch(8, 0)).backward()
+            armed.append(True)
+            with pytest.raises(KeyboardInterrupt):
+                loss_of(run, batch(8, 1)).backward()
+        if clear:
+            model.zero_grad()
+        with dp.no_sync():
+            loss_of(run, batch(8, 2)).backward()
+            loss_of(run, batch(8, 3)).backward()
+        loss_of(run, batch(8, 4)).backward()
+    if clear:
+        assert_same(bare, dp)
+    else:  # what the failed backward accumulated before failing differs by where it failed: only no error here
+        assert all(p.grad is not None for p in dp.module.parameters())

@@ -212,7 +212,7 @@ class _State:
         # strong ones would make a cycle, and a replaced ReplicaSet's flat buffers would wait for the collector.
         self.grad_buckets = []
         self.kept = False  # whether no_sync kept sums that the next synchronising backward must reduce
-        self.marking = False  # whether this backward's end notes the master's .grad (see _mark_grads)
+        self.marking = None  # the backward whose end notes the master's .grad (its graph task id; _mark_grads)
         self.network = None  # a weak reference to the master module (names parameters in errors)
 
 
@@ -277,7 +277,11 @@ class _Bucket:
         cleared since the last no_sync backward are dropped (NOTE [no_sync sums])."""
         if self.pending is None or self.marks is None:
             return self.pending is not None
-        cleared = [j for j, (p, mark) in enumerate(zip(self.master, self.marks)) if _cleared(self.state, p, mark)]
+        # A no_sync backward that failed before its end (an error in a hook, Ctrl-C) never took the marks: what it
+        # accumulated counts as kept, and only a .grad now gone or zero counts as cleared.
+        state = self.state
+        stale = state.marking is not None and state.marking != _graph_task_id()
+        cleared = [j for j, (p, mark) in enumerate(zip(self.master, self.marks)) if _cleared(state, p, mark, stale)]
         if len(cleared) == len(self.members):
             self.pending = None
         elif cleared:  # (the marks are taken again at the end of the next no_sync backward)
@@ -457,10 +461,14 @@ def _accumulate(bucket, grads):
                     break
     if any(g is not None for row in rows[1:] for g in row):
         _keep(bucket, rows)
-    if not state.marking:
-        state.marking = True
+    task = _graph_task_id()  # once per backward; a backward that failed before its end never ran its callback
+    if state.marking != task:
+        state.marking = task
         torch.autograd.Variable._execution_engine.queue_callback(partial(_mark_grads, state))
     return tuple(own)
+
+
+_graph_task_id = torch._C._current_graph_task_id  # the backward running in this thread (torch 2.1 and newer)
 
 
 def _keep(bucket, rows):
@@ -504,12 +512,17 @@ def _grad_mark(g):
     return None if g is None else (weakref.ref(g), g._version)
 
 
-def _cleared(state, p, mark):
-    """Whether master parameter p's .grad was cleared since `mark` (gone, replaced, or zeroed in place)."""
-    if mark is None:
+def _cleared(state, p, mark, stale=False):
+    """Whether master parameter p's .grad was cleared since `mark` (gone, replaced, or zeroed in place); with
+    `stale` marks, whether it is gone or zero."""
+    if mark is None and not stale:
         return False  # nothing was accumulated for p: nothing is kept for it either
     g = p.grad
-    if g is None or g is not mark[0]():
+    if g is None:
+        return True
+    if stale:
+        return not (g._values() if g.is_sparse else g).any()
+    if g is not mark[0]():
         return True
     if g._version == mark[1]:
         return False
@@ -528,7 +541,7 @@ def _cleared(state, p, mark):
 def _mark_grads(state):
     """At the end of a no_sync backward: notes each master member's .grad (object and version) of the buckets that
     keep sums, so that a later clear is seen (NOTE [no_sync sums])."""
-    state.marking = False
+    state.marking = None
     for ref in state.grad_buckets:
         bucket = ref()
         if bucket is not None and bucket.pending is not None:

@@ -91,8 +91,9 @@ def test_gpu_ops_on_one_simulated_gpu(route):
 
 
 # Each route's own allocation entry: cuMemAllocAsync (the pool), simgpu_cache_alloc (the registered allocator).
+_ALLOCATING = {"cuMemAllocAsync": "pool", "simgpu_cache_alloc": "caching"}
 SWEEPS = [(entry, route) for route in ROUTES for entry in SWEPT + ["simgpu_cache_alloc"]
-          if entry not in ("cuMemAllocAsync", "simgpu_cache_alloc") or (entry == "simgpu_cache_alloc") == (route == "caching")]
+          if _ALLOCATING.get(entry, route) == route]
 
 
 @pytest.mark.parametrize("entry, route", SWEEPS)

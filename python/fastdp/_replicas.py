@@ -249,8 +249,9 @@ class _Bucket:
         self.pack = _flatten_dense is not None and self.numel <= _PACK_MEAN * len(members)
 
     def flatten(self):
-        """Moves the master tensors into one flat buffer (their ``.data`` become views of it), so that replicate
-        copies one buffer per device; False (and the members left as they are) where they cannot be flat."""
+        """Moves the master tensors into one flat buffer (their ``.data`` become pieces of it, see _pieces), so that
+        replicate copies one buffer per device; False (and the members left as they are) where they cannot be
+        flat."""
         master = self.master
         # Every member must own its memory alone (members sharing memory, tied through .data or cuDNN's flat RNN
         # weights, stay as they are); members of this bucket's previous flat buffer do (see _pieces).
@@ -828,9 +829,9 @@ class ReplicaSet:
 
     def _step_kept(self, grad_buckets):
         """The grad buckets' kept nodes, made again when the master moved under them (flattened again, a member's
-        ``.data`` replaced), with the master's values copied in. With autograd the skeletons hold their outputs;
-        without it (as upstream's detached replicate) the master tensors on replica 0 and plain aliases of the kept
-        buffers on the others."""
+        ``.data`` replaced), with the master's values copied in. (The skeleton sets of forwards with autograd hold
+        their outputs; the others, as upstream's detached replicate, the master tensors on replica 0 and plain
+        aliases of the kept buffers on the others.)"""
         sources = [b.master_flat() for b in grad_buckets]
         kept = self.kept
         if kept is None or not kept.valid(sources):

@@ -29,8 +29,8 @@ __all__ = ["convert_sync_batchnorm"]
 # current stream of every device (captured by begin() in the caller's thread): the replicas' inputs and gradients
 # were made there, and the thread that runs it (the last arriver, or autograd's) would otherwise use its own
 # streams. The last arriver then waits until the others hold their outputs: otherwise it would keep the GIL and
-# each woken replica would wait up to sys.getswitchinterval() (5 ms) per layer. Replicas must run at the same time: emulated "cpu" replicas then run on worker threads
-# (parallel_apply asks needs_threads). A replica that raises, or ends without reaching a layer the others wait
+# each woken replica would wait up to sys.getswitchinterval() (5 ms) per layer. Replicas must run at the same
+# time: emulated "cpu" replicas then run on worker threads (parallel_apply asks needs_threads). A replica that raises, or ends without reaching a layer the others wait
 # in, releases them with an error. Running statistics are updated on every replica's buffers with the full-batch
 # values (replica 0's are the master's; the copy-back used when device 0 runs no chunk sees the same values).
 

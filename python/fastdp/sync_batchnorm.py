@@ -18,21 +18,21 @@ from . import _streams, comm
 __all__ = ["convert_sync_batchnorm"]
 
 # NOTE [synced layers]: for one forward the wrapper opens a _Session over the replicas it runs. Each replica's
-# SyncBatchNorm layers get an instance ``forward`` (removed again by end(), and wiped anyway by the next refresh of
-# a kept replica) that meets the other replicas' calls of the same layer at a rendezvous (one per layer and call
-# number). The last replica to arrive runs one autograd node (_SyncNorm) over every replica's input: per-replica
-# mean and variance (torch's batch-norm statistics kernel) are gathered onto device_ids[0] through fastdp.comm,
-# combined there (Chan's formula, float64, each replica weighted by its count, so uneven chunk sizes give the
-# full-batch result) and broadcast back; the node's backward sees every replica's gradient at once, sums
-# (sum dy, sum dy * x_hat) onto device_ids[0] and broadcasts them back. Per layer: one small exchange (3 x C
-# values) in forward and one (2 x C) in backward. On CUDA the exchange, forward and backward, runs on the caller's
-# current stream of every device (captured by begin() in the caller's thread): the replicas' inputs and gradients
-# were made there, and the thread that runs it (the last arriver, or autograd's) would otherwise use its own
-# streams. The last arriver then waits until the others hold their outputs: otherwise it would keep the GIL and
-# each woken replica would wait up to sys.getswitchinterval() (5 ms) per layer. Replicas must run at the same
-# time: emulated "cpu" replicas then run on worker threads (parallel_apply asks needs_threads). A replica that raises, or ends without reaching a layer the others wait
-# in, releases them with an error. Running statistics are updated on every replica's buffers with the full-batch
-# values (replica 0's are the master's; the copy-back used when device 0 runs no chunk sees the same values).
+# SyncBatchNorm layers get an instance ``forward`` (removed again by end(), and wiped anyway by the next refresh of a
+# kept replica) that meets the other replicas' calls of the same layer at a rendezvous (one per layer and call number).
+# The last replica to arrive runs one autograd node (_SyncNorm) over every replica's input: per-replica mean and
+# variance (torch's batch-norm statistics kernel) are gathered onto device_ids[0] through fastdp.comm, combined there
+# (Chan's formula, float64, each replica weighted by its count, so uneven chunk sizes give the full-batch result) and
+# broadcast back; the node's backward sees every replica's gradient at once, sums (sum dy, sum dy * x_hat) onto
+# device_ids[0] and broadcasts them back. Per layer: one small exchange (3 x C values) in forward and one (2 x C) in
+# backward. On CUDA the exchange, forward and backward, runs on the caller's current stream of every device (captured by
+# begin() in the caller's thread): the replicas' inputs and gradients were made there, and the thread that runs it (the
+# last arriver, or autograd's) would otherwise use its own streams. The last arriver then waits until the others hold
+# their outputs: otherwise it would keep the GIL and each woken replica would wait up to sys.getswitchinterval() (5 ms)
+# per layer. Replicas must run at the same time: emulated "cpu" replicas then run on worker threads (parallel_apply asks
+# needs_threads). A replica that raises, or ends without reaching a layer the others wait in, releases them with an
+# error. Running statistics are updated on every replica's buffers with the full-batch values (replica 0's are the
+# master's; the copy-back used when device 0 runs no chunk sees the same values).
 
 
 def convert_sync_batchnorm(module):

@@ -230,9 +230,10 @@ def test_syncbn_exchange_runs_on_the_callers_streams(cuda, monkeypatch):
     host = _HostComm(cuda)
     monkeypatch.setattr(sbn, "comm", host)
     caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
-    layers = [nn.SyncBatchNorm(3), nn.SyncBatchNorm(3)]
+    master = nn.Sequential(nn.SyncBatchNorm(3))
+    replicas = [master, copy.deepcopy(master)]
     with cuda.stream(caller[0]), cuda.stream(caller[1]):
-        session = sbn._Session([layers[0]], [[layers[0]], [layers[1]]], [0, 1], sbn._streams.current([0, 1]))
+        session = sbn.begin(master, replicas, [0, 1])  # in the caller's thread, as the wrapper's forward opens it
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(4, 3, 5, generator=g, requires_grad=True) for _ in range(2)]
     outs = [None, None]

@@ -185,3 +185,17 @@ def test_tracer_notes_the_mapped_functions_that_ran(tmp_path):
                          check=True)
     assert re.search(r"yes\s+python/fastdp/parallel_apply.py _run\s+host", out.stdout), out.stdout
     assert re.search(r"NO\s+python/fastdp/_core.py _scratch\s+c-gpu-ops", out.stdout), out.stdout
+
+
+def test_gpu_checks_compare_on_host_and_catch_a_wrong_gradient(monkeypatch, capsys):
+    """The GPU checks' comparison with the bare model, run on emulated replicas: they pass, and fail once
+    SyncBatchNorm's backward is off by 10%."""
+    helper = _helper()
+    assert helper.main(["syncbn-dtypes", "--device", "cpu"]) == 0
+    assert helper.main(["output-cpu", "--device", "cpu"]) == 0
+    from fastdp import sync_batchnorm
+
+    real = sync_batchnorm._grad_sums
+    monkeypatch.setattr(sync_batchnorm, "_grad_sums", lambda *a: tuple(t * 1.1 for t in real(*a)))
+    assert helper.main(["syncbn-dtypes", "--device", "cpu"]) == 1
+    assert "gradient of" in capsys.readouterr().out

@@ -111,12 +111,18 @@ def map_report(trace_dir, path=MAP_DOC, out=sys.stdout):
 # ---- the checks (torch and fastdp imported here) ---------------------------------------------------------------
 
 
+DEVICE = "cuda"  # "cpu": the comparisons themselves checked on emulated replicas (tests/test_gpu_map.py)
+
+
 def _setup():
-    global torch, nn, fastdp
+    global torch, fastdp
     import torch
-    import torch.nn as nn
 
     import fastdp
+
+
+def _ids():
+    return [0, 0] if DEVICE == "cuda" else ["cpu", "cpu"]
 
 
 def _close(a, b, tol):
@@ -148,47 +154,53 @@ def _compare(name, wrapped, bare, tol):
 
 
 def _train(steps, dp_kwargs=None, x_of=None, stream=None, loss_on_replicas=False, bn=False, sync=False,
-           dtype=None, tol=1e-4, name="", around=None):
+           dtype=None, tol=1e-4, name="", around=None, size=10):
     """``steps`` training steps (forward, backward, SGD) of fastdp.DataParallel(device_ids=[0, 0]) against the bare
     model on the whole batch (in float64 for other dtypes than float32); True when every step's gradients agree.
     ``stream(step)``: the caller's stream of that step; ``around(step)``: a context around the wrapper's step."""
     torch.manual_seed(0)
     dtype = dtype or torch.float32
-    bare = _net(bn, False).cuda()
-    model = _net(bn, sync).cuda()
+    bare = _net(bn, False).to(DEVICE)
+    model = _net(bn, sync).to(DEVICE)
     model.load_state_dict(bare.state_dict())
     model.to(dtype)
     if dtype != torch.float32:
         bare.double()
     ref_dtype = next(bare.parameters()).dtype
     criterion = torch.nn.MSELoss()
-    kwargs = dict(device_ids=[0, 0])
+    kwargs = dict(device_ids=_ids())
     kwargs.update(dp_kwargs or {})
     if loss_on_replicas:
         kwargs["criterion"] = criterion
     dp = fastdp.DataParallel(model, **kwargs)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, bare)]
+    cuda = DEVICE == "cuda"
     ok = True
     for step in range(steps):
-        x = torch.randn(16, 3, 10, 10, device="cuda")
-        y = torch.randn(16, 5, device="cuda")
+        x = torch.randn(16, 3, size, size, device=DEVICE)
+        y = torch.randn(16, 5, device=DEVICE)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-        caller = stream(step) if stream is not None else torch.cuda.current_stream()
-        caller.wait_stream(torch.cuda.current_stream())  # the batch and the last optimizer step
+        caller = None
+        if cuda:
+            caller = stream(step) if stream is not None else torch.cuda.current_stream()
+            caller.wait_stream(torch.cuda.current_stream())  # the batch and the last optimizer step
         xin = (x_of(x) if x_of is not None else x).to(dtype)
-        with torch.cuda.stream(caller), (around(step) if around is not None else contextlib.nullcontext()):
+        with (torch.cuda.stream(caller) if cuda else contextlib.nullcontext()), (
+                around(step) if around is not None else contextlib.nullcontext()):
             if loss_on_replicas:
                 loss = dp(xin, target=y.to(dtype))
             else:
                 loss = criterion(dp(xin).to(y.device).to(dtype), y.to(dtype))
             loss.backward()
-        torch.cuda.current_stream().wait_stream(caller)
+        if cuda:
+            torch.cuda.current_stream().wait_stream(caller)
         criterion(bare(x.to(ref_dtype)), y.to(ref_dtype)).backward()
         ok &= _compare(f"{name} step {step}", model, bare, tol)
         for opt in opts:
             opt.step()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     return ok
 
 
@@ -261,8 +273,7 @@ def check_cpu_batch():
     ok = True
     for what, to_host in [("pageable", lambda x: x.cpu()), ("pinned", lambda x: x.cpu().pin_memory())]:
         ok &= _train(3, x_of=to_host, name=f"{what} small")
-    big = lambda x: x.cpu().repeat(1, 1, 32, 32)[:, :, :10, :10].contiguous()  # same values through a big tensor
-    ok &= _train(2, x_of=big, name="large")
+    ok &= _train(2, x_of=lambda x: x.cpu(), size=80, name="large pageable (pinned by fastdp)")  # 1.2 MiB
     return ok
 
 
@@ -314,6 +325,8 @@ CHECKS = {
     "syncbn-dtypes": check_syncbn_dtypes,
     "graph-capture": check_graph_capture,
 }
+HOST_CHECKS = ("output-cpu", "syncbn-dtypes", "per-replica-loss")
+CHECKS["per-replica-loss"] = lambda: _train(3, loss_on_replicas=True, bn=True, sync=True, name="per-replica loss")
 
 
 def main(argv=None):
@@ -321,14 +334,21 @@ def main(argv=None):
     p.add_argument("check", choices=sorted(CHECKS) + ["map-report"])
     p.add_argument("--trace", help="folder for the trace files (map-report reads them)")
     p.add_argument("--name", help="the trace file's name (default: the check's)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: the comparisons on emulated replicas (a check of this script; no CUDA branch runs)")
     p.add_argument("--map", default=MAP_DOC, help="the document holding the map (default: docs/gpu-verification.md)")
     args = p.parse_args(argv)
     if args.check == "map-report":
         map_report(args.trace or ".", args.map)
         return 0
+    global DEVICE
+    DEVICE = args.device
     _setup()
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA device")
+        return 2
+    if DEVICE == "cpu" and args.check not in HOST_CHECKS:
+        print(f"{args.check} needs a CUDA device; on the host: {', '.join(sorted(HOST_CHECKS))}")
         return 2
     tracer = None
     if args.trace:

@@ -82,6 +82,9 @@ def open_peers(indices):
     key = frozenset(indices)
     if key in _PEERS_OPEN:
         return
+    if not torch.cuda.is_available():  # no PyTorch allocator to ask (tensors that only present themselves as CUDA)
+        _PEERS_OPEN.add(key)
+        return
     for a in key:
         for b in key:
             if a != b and torch.cuda.can_device_access_peer(b, a):

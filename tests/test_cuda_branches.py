@@ -139,6 +139,7 @@ def test_parallel_apply_workers_run_on_the_callers_streams(cuda, monkeypatch):
     assert seen[1][:3] == (1, "caller@1", False)
     # the caller's CUDA autocast dtype reaches the worker (bf16 stays bf16)
     assert ("cuda", torch.bfloat16, False) in autocast
+    assert cuda.host_syncs() == []
 
 
 # ---- a CPU batch sent to CUDA replicas ---------------------------------------------------------------------------
@@ -250,6 +251,7 @@ def test_syncbn_exchange_runs_on_the_callers_streams(cuda, monkeypatch):
     torch.cat(outs).square().sum().backward()  # this thread: default streams, as autograd's own threads have
     assert [w for w, _ in host.calls] == ["gather", "broadcast", "reduce_add", "broadcast"]
     assert all(streams == ("caller@0", "caller@1") for _, streams in host.calls), host.calls
+    assert cuda.host_syncs() == []
     ref_x = torch.cat([x.detach() for x in xs]).requires_grad_()
     ref = torch.nn.functional.batch_norm(ref_x, None, None, training=True, eps=1e-5)
     torch.testing.assert_close(torch.cat(outs), ref)
@@ -364,6 +366,7 @@ def test_kept_nodes_are_remade_for_a_forward_on_other_streams(cuda, monkeypatch)
     assert roots[1].weight.grad_fn is not node
     out.backward()  # this thread's streams are the defaults, as in autograd's device threads
     assert reduced == [("second@0", "second@1")]
+    assert cuda.host_syncs() == []
     torch.testing.assert_close(net.weight.grad, 2 * x.sum(0).expand(3, 4))
 
 

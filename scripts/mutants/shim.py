@@ -26,6 +26,11 @@ MUTANTS = [
          find="state.append((device_type, torch.get_autocast_dtype(device_type)))",
          replace="state.append((device_type, torch.float16))",
          what="workers re-enter autocast with float16 whatever dtype the caller chose"),
+    dict(name="apply-host-sync", file="python/fastdp/parallel_apply.py",
+         find="            results[index] = module(*args, **kwargs)",
+         replace="            results[index] = module(*args, **kwargs)\n"
+                 "            if device != _devices.CPU:\n                torch.cuda.synchronize(device)",
+         what="each replica worker waits for its device after the forward (a host sync per replica and step)"),
     dict(name="core-default-stream", file="python/fastdp/_core.py",
          find="seen[index] = torch.cuda.current_stream(index).cuda_stream",
          replace="seen[index] = torch.cuda.default_stream(index).cuda_stream",

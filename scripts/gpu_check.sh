@@ -9,8 +9,10 @@
 #   GPU_CHECK_STEPS=copy-paths,pytest-gpu bash scripts/gpu_check.sh  # a rerun: these (env, build, helpers always)
 #
 # Budget (seconds; each is the step's hard timeout, together at most GPU_CHECK_TOTAL_S = 450, i.e. 7.5 min):
-#   env 10 · build 45 · info 15 · helpers 20 · nccl-selftest 25 · copy-paths 35 · dp-repeated 25 ·
-#   pytest-gpu 75 · c-gpu-ops 30 · c-memcheck 60 · c-racecheck 40 · bench-comm 30 · bench-train 40
+#   env 10 · build 40 · info 10 · helpers 15 · nccl-selftest 20 · copy-paths 25 · dp-repeated 18 ·
+#   sync-debug 14 · alloc-expandable 14 · alloc-async 14 · caller-stream 14 · cpu-batch 10 · output-cpu 8 ·
+#   syncbn-dtypes 14 · graph-capture 10 · pytest-gpu 60 · c-gpu-ops 30 · c-memcheck 50 · c-racecheck 35 ·
+#   bench-comm 15 · bench-train 20 · map-report 4
 # A step never runs past the total: it gets what is left, and is "skipped: out of time" (a failure) under 5 s.
 # GPU_CHECK_TIME_SCALE (an integer, default 1) multiplies every limit, for slow shared machines (the CPU dry run).
 #
@@ -236,19 +238,38 @@ step_c_memcheck() { step_c_sanitizer memcheck; }
 step_c_racecheck() { step_c_sanitizer racecheck; }
 
 step_bench_comm() {
-  cd "$WORK" && "$PY" -m fastdp.bench comm --sizes-mb 1,16,64 --seconds 0.1 --out "$OUT"
+  cd "$WORK" && "$PY" -m fastdp.bench comm --sizes-mb 1,16 --seconds 0.1 --out "$OUT"
 }
 
 step_bench_train() {
-  cd "$WORK" && "$PY" -m fastdp.bench train --rounds 3 --steps 10 --out "$OUT"
+  cd "$WORK" && "$PY" -m fastdp.bench train --rounds 2 --steps 6 --out "$OUT"
 }
+
+# The shim's CUDA-only branches (docs/gpu-verification.md): one check of scripts/gpu/cuda_branches.py per step,
+# each tracing which entries of the map it ran into $OUT/map-trace/<name>.txt for map-report.
+cuda_branch_check() {
+  local check=$1 name=${2:-$1}
+  cd "$WORK" && FASTDP_STRICT=1 "$PY" "$ROOT/scripts/gpu/cuda_branches.py" "$check" --trace "$OUT/map-trace" \
+    --name "$name"
+}
+step_sync_debug() { cuda_branch_check sync-debug; }
+step_alloc_expandable() { PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cuda_branch_check allocator alloc-expandable; }
+step_alloc_async() { PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync cuda_branch_check allocator alloc-async; }
+step_caller_stream() { cuda_branch_check caller-stream; }
+step_cpu_batch() { cuda_branch_check cpu-batch; }
+step_output_cpu() { cuda_branch_check output-cpu; }
+step_syncbn_dtypes() { cuda_branch_check syncbn-dtypes; }
+step_graph_capture() { cuda_branch_check graph-capture; }
+step_map_report() { "$PY" "$ROOT/scripts/gpu/cuda_branches.py" map-report --trace "$OUT/map-trace"; }
 
 # What the steps' child shells see: the chosen tools, the scratch build first on PYTHONPATH, the step functions.
 export_for_steps() {
   export ROOT OUT WORK PY SANITIZER
   export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   export -f step_env step_build step_info step_helpers c_env step_nccl_selftest step_copy_paths step_dp_repeated \
-    step_pytest_gpu step_c_gpu_ops step_c_sanitizer step_c_memcheck step_c_racecheck step_bench_comm step_bench_train
+    step_pytest_gpu step_c_gpu_ops step_c_sanitizer step_c_memcheck step_c_racecheck step_bench_comm step_bench_train \
+    cuda_branch_check step_sync_debug step_alloc_expandable step_alloc_async step_caller_stream step_cpu_batch \
+    step_output_cpu step_syncbn_dtypes step_graph_capture step_map_report
 }
 
 main() {
@@ -266,18 +287,27 @@ main() {
   echo "fastdp GPU check: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), GPUs: $GPU_COUNT, out: $OUT"
 
   step env 10 - step_env
-  step build 45 - step_build
-  step info 15 - step_info
-  step helpers 20 - step_helpers
-  step nccl-selftest 25 gpu step_nccl_selftest
-  step copy-paths 35 gpu step_copy_paths
-  step dp-repeated 25 gpu step_dp_repeated
-  step pytest-gpu 75 gpu step_pytest_gpu
+  step build 40 - step_build
+  step info 10 - step_info
+  step helpers 15 - step_helpers
+  step nccl-selftest 20 gpu step_nccl_selftest
+  step copy-paths 25 gpu step_copy_paths
+  step dp-repeated 18 gpu step_dp_repeated
+  step sync-debug 14 gpu step_sync_debug
+  step alloc-expandable 14 gpu step_alloc_expandable
+  step alloc-async 14 gpu step_alloc_async
+  step caller-stream 14 gpu step_caller_stream
+  step cpu-batch 10 gpu step_cpu_batch
+  step output-cpu 8 gpu step_output_cpu
+  step syncbn-dtypes 14 gpu step_syncbn_dtypes
+  step graph-capture 10 gpu step_graph_capture
+  step pytest-gpu 60 gpu step_pytest_gpu
   step c-gpu-ops 30 gpu,gpu-ops step_c_gpu_ops
-  step c-memcheck 60 gpu,gpu-ops step_c_memcheck
-  step c-racecheck 40 gpu,gpu-ops step_c_racecheck
-  step bench-comm 30 gpu step_bench_comm
-  step bench-train 40 gpu step_bench_train
+  step c-memcheck 50 gpu,gpu-ops step_c_memcheck
+  step c-racecheck 35 gpu,gpu-ops step_c_racecheck
+  step bench-comm 15 gpu step_bench_comm
+  step bench-train 20 gpu step_bench_train
+  step map-report 4 - step_map_report
   summary
 }
 

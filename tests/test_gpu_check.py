@@ -19,8 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
 HELPERS = os.path.join(ROOT, "scripts", "gpu")
 NON_GPU_STEPS = ["env", "build", "info", "helpers"]
-GPU_STEPS = ["nccl-selftest", "copy-paths", "dp-repeated", "pytest-gpu", "c-gpu-ops", "c-memcheck", "c-racecheck",
-             "bench-comm", "bench-train"]
+GPU_STEPS = ["nccl-selftest", "copy-paths", "dp-repeated", "sync-debug", "alloc-expandable", "alloc-async",
+             "caller-stream", "cpu-batch", "output-cpu", "syncbn-dtypes", "graph-capture", "pytest-gpu", "c-gpu-ops",
+             "c-memcheck", "c-racecheck", "bench-comm", "bench-train"]
+LAST_STEPS = ["map-report"]  # runs everywhere: on a CPU it lists every entry of the map as not run
 # Where an index or any network use would go: nowhere (a closed local port), so a step that tried would fail.
 NO_NETWORK = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "http_proxy": "http://127.0.0.1:9",
               "https_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
@@ -63,8 +65,8 @@ def test_dry_run_without_gpu_or_index(tmp_path):
     out = env["OUT"]
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
     summary = read_summary(out)
-    assert list(summary) == NON_GPU_STEPS + GPU_STEPS
-    for name in NON_GPU_STEPS:
+    assert list(summary) == NON_GPU_STEPS + GPU_STEPS + LAST_STEPS
+    for name in NON_GPU_STEPS + LAST_STEPS:
         assert summary[name]["result"] == "ok", (name, summary[name])
     for name in GPU_STEPS:
         assert summary[name]["result"] == "skipped: no GPU", (name, summary[name])
@@ -252,6 +254,7 @@ step pytest-gpu 120 gpu step_pytest_gpu
 step copy-paths 60 gpu step_copy_paths
 step dp-repeated 60 gpu step_dp_repeated
 step nccl-selftest 10 gpu step_nccl_selftest
+step map-report 60 - step_map_report
 summary
 """, CUDA_VISIBLE_DEVICES="")
     rows = read_summary(str(tmp_path))
@@ -259,4 +262,22 @@ summary
     assert re.search(r"\d+ skipped, \d+ deselected", res.stdout) and " passed" not in res.stdout
     assert rows["copy-paths"]["result"] == rows["dp-repeated"]["result"] == "FAILED rc=2"
     assert res.stdout.count("no CUDA device") == 2
+    assert rows["map-report"]["result"] == "ok" and "python entries that ran: 0 of " in res.stdout
     assert rows["nccl-selftest"]["result"] == "FAILED rc=127" and "work/bin/nccl_selftest" in res.stderr
+
+
+def test_cuda_branch_steps_commands_run_here(tmp_path):
+    """A step of the CUDA-only branch checks, forced to run here: the helper starts with the allocator setting in
+    its environment, finds no CUDA device, and leaves no trace file behind."""
+    res = run_helper(tmp_path, f"""
+PY="{sys.executable}"; WORK="{tmp_path}/work"; SANITIZER=""; GPU_COUNT=1
+mkdir -p "$WORK/site"
+export_for_steps
+step alloc-async 50 gpu step_alloc_async
+summary
+""", CUDA_VISIBLE_DEVICES="")
+    rows = read_summary(str(tmp_path))
+    assert rows["alloc-async"]["result"] == "FAILED rc=2", res.stdout[-3000:]
+    assert "no CUDA device" in res.stdout
+    assert not os.path.exists(os.path.join(str(tmp_path), "map-trace", "alloc-async.txt"))
+

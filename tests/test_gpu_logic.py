@@ -265,6 +265,7 @@ def test_scatter_allocates_under_the_writing_stream(monkeypatch):
 
     seen = []
     monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda device, peer: False)  # no peer pairs to open
     monkeypatch.setattr(_devices, "_require_cuda", lambda d, what: d)  # CUDA devices without CUDA: the check passes them
     monkeypatch.setattr(comm, "_empty_like", empty_like)
     monkeypatch.setattr(_C, "scatter", lambda src, outs, dim, sizes, streams: seen.append(streams))

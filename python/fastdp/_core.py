@@ -47,7 +47,8 @@ def to_core_dtype(t):
 
 
 def streams_for(tensors):
-    """(device, stream handle) of PyTorch's current stream for each CUDA device among tensors; None if none."""
+    """(device, stream handle) of PyTorch's current stream for each CUDA device among tensors; None if none. Work
+    over several devices gets peer access through PyTorch first (open_peers)."""
     seen = None
     for t in tensors:
         if t.is_cuda:
@@ -56,7 +57,45 @@ def streams_for(tensors):
             index = t.get_device()
             if index not in seen:
                 seen[index] = torch.cuda.current_stream(index).cuda_stream
-    return None if seen is None else list(seen.items())
+    if seen is None:
+        return None
+    if len(seen) > 1:
+        open_peers(seen)
+    return list(seen.items())
+
+
+# NOTE [peer access through PyTorch]
+# A cross-device copy by the core runs on the destination's stream and reads the source device's memory. Enabling
+# peer access on the driver's contexts (cuCtxEnablePeerAccess) covers memory from cuMemAlloc, but not what PyTorch
+# hands out under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (virtual memory, mapped per device with
+# cuMemSetAccess) or backend:cudaMallocAsync (a memory pool, opened per device with cudaMemPoolSetAccess): only
+# PyTorch's allocator can grant a peer access to its memory, and it does in every mode when asked through its own
+# path (at::cuda::get_p2p_access, which torch's copy between two devices takes). So before the core first works
+# over a set of devices, every ordered pair that the hardware connects is opened that way, once per process; the
+# core's own cuCtxEnablePeerAccess then finds access already enabled.
+_PEERS_OPEN = set()  # frozensets of device indices whose ordered pairs have been opened through PyTorch
+
+
+def open_peers(indices):
+    """Opens peer access through PyTorch (NOTE [peer access through PyTorch]) between every ordered pair of the CUDA
+    devices ``indices`` (device indices), once per set of devices and process."""
+    key = frozenset(indices)
+    if key in _PEERS_OPEN:
+        return
+    if not torch.cuda.is_available():  # no PyTorch allocator to ask (tensors that only present themselves as CUDA)
+        _PEERS_OPEN.add(key)
+        return
+    for a in key:
+        for b in key:
+            if a != b and torch.cuda.can_device_access_peer(b, a):
+                _grant_peer(b, a)
+    _PEERS_OPEN.add(key)
+
+
+def _grant_peer(device, peer):
+    """Lets ``device`` access ``peer``'s memory from PyTorch's allocator: torch copies between two devices on the
+    source device, after asking its allocator for access from there to the destination (one element, once)."""
+    torch.empty(1, device=torch.device("cuda", peer)).copy_(torch.empty(1, device=torch.device("cuda", device)))
 
 
 def _scratch(device, nbytes, stream):

@@ -99,16 +99,17 @@ _PIN_MIN_BYTES = 1 << 20
 def _scatter_host_to_cuda(input, target_devices, chunk_sizes, dim):
     """A CPU batch straight to each GPU, every chunk its own host-to-device copy (nothing staged on device 0).
 
-    Batches of 1 MiB and more go through pinned memory so the copies run asynchronously on each device's current
-    stream; torch's own copy is used for that because only its pinned-memory allocator knows when a pinned block
-    may be reused.
+    Every copy is asynchronous, on each device's current stream: batches of 1 MiB and more go through pinned memory
+    (torch's own copy is used for that because only its pinned-memory allocator knows when a pinned block may be
+    reused); smaller ones are copied from where they are, since the driver has read pageable host memory by the
+    time the copy call returns. A blocking copy would wait for the device on every step.
     """
     sizes = chunk_sizes if chunk_sizes is not None else comm._chunk_sizes(input.size(dim), len(target_devices))
     src = input
     if not src.is_pinned() and src.numel() * src.element_size() >= _PIN_MIN_BYTES:
         src = src.pin_memory()
     chunks = src.split(list(sizes), dim)
-    return tuple(c.to(_devices.torch_device(d), non_blocking=src.is_pinned()) for c, d in zip(chunks, target_devices))
+    return tuple(c.to(_devices.torch_device(d), non_blocking=True) for c, d in zip(chunks, target_devices))
 
 
 class Scatter(Function):

@@ -133,10 +133,10 @@ def combine(results, targets, rule, dim, device, gather):
     for t in targets:
         first = _first_tensor(t)
         counts.append(first.shape[dim] if first is not None and first.dim() > 0 else 1)
-    vec = _scalars_to(losses, device)
     total = sum(counts)
-    weights = torch.tensor([c / total for c in counts], dtype=vec.dtype, device=vec.device)
-    return (vec * weights).sum()
+    # Each loss weighted on its own device by a Python number: a weight tensor made from a list on a CUDA device
+    # would be a host-to-device copy that waits for the device in every step.
+    return _scalars_to([loss * (c / total) for loss, c in zip(losses, counts)], device).sum()
 
 
 def pair(replicas, criterion, devices, target, dim):

@@ -62,7 +62,7 @@ from itertools import chain, repeat
 import torch
 from torch.autograd import Function
 
-from . import _devices, _hooks, comm
+from . import _devices, _hooks, _streams, comm
 from ._fallback import core as _C  # _C, with torch behind every data-moving call
 from ._core import reduce_columns, streams_for, to_core_dtype
 from ._functions import ReduceAddCoalesced
@@ -338,8 +338,9 @@ class _KeptBroadcast(Function):
     bucket's gradients, in every backward that reaches it."""
 
     @staticmethod
-    def forward(ctx, bucket, flats, *sources):
+    def forward(ctx, bucket, flats, streams, *sources):
         ctx.bucket = bucket
+        ctx.streams = streams
         ctx.set_materialize_grads(False)
         outs = [t.detach() for t in sources]
         for flat in flats:
@@ -348,7 +349,10 @@ class _KeptBroadcast(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None) + reduce_bucket(ctx.bucket, grads)
+        # Autograd hands the replicas' gradients over on the streams current when the node was made (one per
+        # device); the reduction runs there, whichever thread autograd runs it on.
+        with _streams.entered(ctx.streams):
+            return (None, None, None) + reduce_bucket(ctx.bucket, grads)
 
 
 class _Kept:
@@ -356,10 +360,15 @@ class _Kept:
     member by member, whose members' data pointers are noted instead) and the other devices' flat buffers; `got` is
     what the kept path hands the picker (the master tensors, then every node's outputs)."""
 
-    __slots__ = ("buckets", "sources", "ptrs", "flats", "views", "outs", "got", "plain", "masters", "stamp")
+    __slots__ = ("buckets", "sources", "ptrs", "flats", "views", "outs", "got", "plain", "masters", "stamp",
+                 "streams", "devices")
 
-    def __init__(self, buckets, sources, tensors):
+    def __init__(self, buckets, sources, tensors, devices):
         self.buckets, self.sources = buckets, sources
+        # The current stream of each CUDA device when the nodes are made: autograd orders their backward on these
+        # for good, so a forward on other streams needs new nodes (see valid).
+        self.devices = devices
+        self.streams = _streams.current(devices)
         # Replica 0's aliases of a member that is not flat stay right while its data pointer does.
         self.ptrs = [None if s is not None else list(map(_data_ptr, b.master)) for b, s in zip(buckets, sources)]
         # Made in whatever mode the first forward runs, used in every mode: never inference tensors, always nodes.
@@ -368,7 +377,7 @@ class _Kept:
                           for b in buckets]
             self.outs = []
             for bucket, flats in zip(buckets, self.flats):
-                self.outs += _KeptBroadcast.apply(bucket, flats, *bucket.master)
+                self.outs += _KeptBroadcast.apply(bucket, flats, self.streams, *bucket.master)
             # Without autograd: the other replicas' tensors as plain aliases of the same buffers (in the order
             # ReplicaSet._picker gives buckets without a node), so no second set of buffers is ever made.
             self.plain, self.views = list(tensors), []
@@ -382,9 +391,12 @@ class _Kept:
         self.stamp = None  # the master's version counters summed at the last copy
 
     def valid(self, sources):
-        """Whether the kept nodes still alias the master: the same flat buffers, the same unflattened members."""
-        return all(map(operator.is_, sources, self.sources)) and all(
-            ptrs is None or list(map(_data_ptr, b.master)) == ptrs for b, ptrs in zip(self.buckets, self.ptrs))
+        """Whether the kept nodes still alias the master (the same flat buffers, the same unflattened members) and
+        were made on this forward's streams."""
+        same_ptrs = all(ptrs is None or list(map(_data_ptr, b.master)) == ptrs
+                        for b, ptrs in zip(self.buckets, self.ptrs))
+        return (all(map(operator.is_, sources, self.sources)) and same_ptrs
+                and (not self.streams or _streams.current(self.devices) == self.streams))
 
     def step(self):
         """Copies the master into the kept buffers; bumps their version counters where the master's moved."""
@@ -413,6 +425,8 @@ def reduce_bucket(bucket, grads):
     use a member). Under no_sync replica 0's gradients are returned and the others' kept (NOTE [no_sync sums]).
     """
     state = bucket.state
+    if not state.host:
+        _streams.refuse_capture("fastdp.DataParallel's gradient reduction")
     if bucket.pending is not None:
         bucket.keeps_pending()  # drops the sums of members whose .grad the user cleared since
     if not state.sync:
@@ -835,6 +849,6 @@ class ReplicaSet:
         sources = [b.master_flat() for b in grad_buckets]
         kept = self.kept
         if kept is None or not kept.valid(sources):
-            kept = self.kept = _Kept(grad_buckets, sources, self.tensors)
+            kept = self.kept = _Kept(grad_buckets, sources, self.tensors, self.state.devices)
         kept.step()
         return kept

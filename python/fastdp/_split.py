@@ -244,15 +244,22 @@ def begin_forward(rule, inputs, kwargs, dim, ndev, *, with_target, training, siz
 
 
 class _CudaPeaks:
-    """Peak allocated bytes of each device since the previous call (the peak counters are reset after reading)."""
+    """Each device's highest allocated bytes seen since the previous call. The allocator's current figure
+    (``torch.cuda.memory_allocated``, a host-side counter: no device synchronisation) is sampled when the wrapper
+    asks (``sample``: at the end of each training forward, when that step's activations are all alive) and at every
+    call; the process-wide peak counters (``torch.cuda.max_memory_allocated``) are never reset, so the user's own
+    readings of them stay whole."""
 
     def __init__(self, devices):
         self.devices = list(devices)
+        self.high = [0] * len(self.devices)
+
+    def sample(self):
+        self.high = [max(h, torch.cuda.memory_allocated(d)) for h, d in zip(self.high, self.devices)]
 
     def __call__(self):
-        peaks = [torch.cuda.max_memory_allocated(d) for d in self.devices]
-        for d in self.devices:
-            torch.cuda.reset_peak_memory_stats(d)
+        self.sample()
+        peaks, self.high = self.high, [0] * len(self.devices)
         return peaks
 
 
@@ -260,8 +267,9 @@ class AutoSplit:
     """``chunk_sizes="auto"``: device 0's share (relative to each other device) found from measured peak memory.
 
     Training forwards (grad enabled, module in training mode) drive it: at the start of each one, ``reader()``
-    returns every device's peak allocated bytes since the previous call (the default reader uses
-    ``torch.cuda.max_memory_allocated`` and resets the peak counters). The first ``warmup`` steps are not judged
+    returns every device's peak allocated bytes since the previous call (the default reader samples
+    ``torch.cuda.memory_allocated`` at the end of each training forward and at that call, see _CudaPeaks; the
+    process-wide peak counters are left alone). The first ``warmup`` steps are not judged
     (optimizers allocate their state in the first step). Then the share starts at 1 (equal split); while device
     0's peak exceeds ``(1 + tolerance)`` times the median of the others', the share is bisected in [0, 1] for
     ``probes`` steps, and settles on the largest share measured within the bound (0 if none was). Steps whose
@@ -353,6 +361,11 @@ class AutoSplit:
         else:
             self.share = (self._lo + self._hi) / 2
         self._step_share = self.share
+
+    def sample(self):
+        """Called at the end of every training forward: the default reader notes each device's allocated bytes."""
+        if not self.settled and isinstance(self.reader, _CudaPeaks):
+            self.reader.sample()
 
     def describe(self):
         state = f"settled ({self.reason})" if self.settled else f"measuring, {len(self.history)} steps judged"

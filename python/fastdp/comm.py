@@ -28,7 +28,7 @@ import torch
 
 from . import _devices
 from ._fallback import core as _C  # _C, with torch behind every data-moving call
-from ._core import dtype_key, prepare, reduce_columns, streams_for, to_core_dtype
+from ._core import dtype_key, open_peers, prepare, reduce_columns, streams_for, to_core_dtype
 
 __all__ = [
     "broadcast",
@@ -448,7 +448,8 @@ def _scatter_streams(src, devices, streams):
     """{device index: stream} of a scatter with explicit streams, the one stream the core orders each device's work
     on. The source's device keeps its current stream, the one whose work produced the source: every copy waits
     for it there, and it waits for the copies before the source's memory can be reused. A target gets its given
-    stream (its current one where None); a device listed twice uses the stream of its first entry."""
+    stream (its current one where None); a device listed twice is written on the stream of its first entry, and
+    the other entries' streams are handed their chunks by _hand_over."""
     chosen = {}
     if src.is_cuda:
         chosen[src.get_device()] = torch.cuda.current_stream(src.device)
@@ -456,6 +457,20 @@ def _scatter_streams(src, devices, streams):
         if d.type == "cuda" and d.index not in chosen:
             chosen[d.index] = s if s is not None else torch.cuda.current_stream(d)
     return chosen
+
+
+def _hand_over(results, devices, given, chosen):
+    """Each chunk the core wrote on another stream than the one given for its entry (a device listed twice, the
+    source's device) becomes that stream's: the given stream waits for the copy before anything it runs reads the
+    chunk, and the chunk's block, allocated on the writing stream, is recorded as used on the given one, so the
+    allocator does not hand it out again while that stream may still use it."""
+    for r, d, s in zip(results, devices, given):
+        if s is None or d.type != "cuda":
+            continue
+        writer = chosen[d.index]
+        if s != writer:
+            s.wait_stream(writer)
+            r.record_stream(s)
 
 
 def _not_with_out(name, value):
@@ -559,7 +574,11 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
         stream_pairs = streams_for([src, *results])
     else:
         stream_pairs = [(k, s.cuda_stream) for k, s in chosen.items()]
+        if len(chosen) > 1:
+            open_peers(chosen)
     _C.scatter(src, results, d, sizes, stream_pairs)
+    if given is not None:
+        _hand_over(results, used, given, chosen)
     return tuple(results)
 
 

@@ -15,7 +15,7 @@ from itertools import chain
 import torch
 from torch.nn.modules import Module
 
-from . import _devices, _idle_master, _launch, _replica_loss, _replicas, _split, sync_batchnorm
+from . import _devices, _idle_master, _launch, _replica_loss, _replicas, _split, _streams, sync_batchnorm
 from .parallel_apply import _HELD, parallel_apply
 from .replicate import is_compiled, replicate
 from .scatter_gather import gather, scatter_kwargs
@@ -396,6 +396,8 @@ class DataParallel(Module):
             # The short path: one device and every input already there. Scattering would only wrap each
             # tensor in a view (and an autograd node): the module gets them as they are.
             return module(*inputs, **kwargs)
+        if self.src_device_obj.type == "cuda":
+            _streams.refuse_capture("fastdp.DataParallel's forward over several devices")
         return self._forward_held(inputs, kwargs, criterion if with_loss else None)
 
     def _forward_held(self, inputs, kwargs, criterion):
@@ -436,6 +438,9 @@ class DataParallel(Module):
         inputs, module_kwargs = plan.keep(inputs), plan.keep(module_kwargs)
         replicas, devices, watch, rule, synced = self._replicas_for(plan, criterion, inputs[0])
         outputs = self._run_replicas(replicas, inputs, module_kwargs, devices, synced)
+        split = self.__dict__.get("_split")
+        if isinstance(split, _split.AutoSplit) and torch.is_grad_enabled() and self.module.training:
+            split.sample()  # the step's activations are alive now: "auto" notes the memory they take
         if watch is not None:
             watch.copy_back()
         return self._finish(rule, outputs, inputs)

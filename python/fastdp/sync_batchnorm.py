@@ -13,24 +13,26 @@ from torch.autograd import Function
 from torch._utils import ExceptionWrapper
 from torch.autograd.function import once_differentiable
 
-from . import comm
+from . import _streams, comm
 
 __all__ = ["convert_sync_batchnorm"]
 
 # NOTE [synced layers]: for one forward the wrapper opens a _Session over the replicas it runs. Each replica's
-# SyncBatchNorm layers get an instance ``forward`` (removed again by end(), and wiped anyway by the next refresh of
-# a kept replica) that meets the other replicas' calls of the same layer at a rendezvous (one per layer and call
-# number). The last replica to arrive runs one autograd node (_SyncNorm) over every replica's input: per-replica
-# mean and variance (torch's batch-norm statistics kernel) are gathered onto device_ids[0] through fastdp.comm,
-# combined there (Chan's formula, float64, each replica weighted by its count, so uneven chunk sizes give the
-# full-batch result) and broadcast back; the node's backward sees every replica's gradient at once, sums
-# (sum dy, sum dy * x_hat) onto device_ids[0] and broadcasts them back. Per layer: one small exchange (3 x C
-# values) in forward and one (2 x C) in backward. The last arriver then waits until the others hold their
-# outputs: otherwise it would keep the GIL and each woken replica would wait up to sys.getswitchinterval()
-# (5 ms) per layer. Replicas must run at the same time: emulated "cpu" replicas then run on worker threads
-# (parallel_apply asks needs_threads). A replica that raises, or ends without reaching a layer the others wait
-# in, releases them with an error. Running statistics are updated on every replica's buffers with the full-batch
-# values (replica 0's are the master's; the copy-back used when device 0 runs no chunk sees the same values).
+# SyncBatchNorm layers get an instance ``forward`` (removed again by end(), and wiped anyway by the next refresh of a
+# kept replica) that meets the other replicas' calls of the same layer at a rendezvous (one per layer and call number).
+# The last replica to arrive runs one autograd node (_SyncNorm) over every replica's input: per-replica mean and
+# variance (torch's batch-norm statistics kernel) are gathered onto device_ids[0] through fastdp.comm, combined there
+# (Chan's formula, float64, each replica weighted by its count, so uneven chunk sizes give the full-batch result) and
+# broadcast back; the node's backward sees every replica's gradient at once, sums (sum dy, sum dy * x_hat) onto
+# device_ids[0] and broadcasts them back. Per layer: one small exchange (3 x C values) in forward and one (2 x C) in
+# backward. On CUDA the exchange, forward and backward, runs on the caller's current stream of every device (captured by
+# begin() in the caller's thread): the replicas' inputs and gradients were made there, and the thread that runs it (the
+# last arriver, or autograd's) would otherwise use its own streams. The last arriver then waits until the others hold
+# their outputs: otherwise it would keep the GIL and each woken replica would wait up to sys.getswitchinterval() (5 ms)
+# per layer. Replicas must run at the same time: emulated "cpu" replicas then run on worker threads (parallel_apply asks
+# needs_threads). A replica that raises, or ends without reaching a layer the others wait in, releases them with an
+# error. Running statistics are updated on every replica's buffers with the full-batch values (replica 0's are the
+# master's; the copy-back used when device 0 runs no chunk sees the same values).
 
 
 def convert_sync_batchnorm(module):
@@ -74,7 +76,7 @@ def begin(master, replicas, devices, kept=None):
     masters, rows = _kept_layers(kept, replicas) if known else _walked_layers(master, replicas)
     if not masters:
         return None
-    return _Session(masters, rows, list(devices))
+    return _Session(masters, rows, list(devices), _streams.current(devices))
 
 
 def _kept_layers(kept, replicas):
@@ -116,9 +118,10 @@ class _Slot:
 class _Session:
     """The synced layers of one forward: their replica overrides, the rendezvous and who has left."""
 
-    def __init__(self, masters, rows, devices):
+    def __init__(self, masters, rows, devices, streams=()):
         self.n = len(rows)
         self.devices = devices
+        self.streams = streams  # the caller's current stream of each CUDA device: the exchange is ordered there
         self.cond = threading.Condition()
         self.slots = {}
         self.left = [None] * self.n  # per replica: None while running, else "" or the error it raised
@@ -190,7 +193,10 @@ class _Session:
         """The last arriver (replica r): runs the node over every replica's input, hands out the outputs and waits
         until the others hold theirs."""
         try:
-            outs = _SyncNorm.apply(self.devices, eps, *slot.inputs)
+            # Entered around apply: autograd notes each output's stream as this call returns, and its backward
+            # hands the gradients over on those streams.
+            with _streams.entered(self.streams):
+                outs = _SyncNorm.apply(self.devices, self.streams, eps, *slot.inputs)
         except BaseException as e:
             with self.cond:
                 slot.error = f"{type(e).__name__}: {e}"
@@ -285,7 +291,7 @@ class _SyncNorm(Function):
     replicas, so its backward sees every replica's gradient at once."""
 
     @staticmethod
-    def forward(ctx, devices, eps, *xs):
+    def forward(ctx, devices, streams, eps, *xs):
         n = len(xs)
         dest = xs[0].device
         dtype = _stat_dtype(xs[0])
@@ -299,15 +305,16 @@ class _SyncNorm(Function):
             size[0] = sum(x.size(0) for x in xs)
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
         both = comm.gather(parts, 0, dest).to(torch.float64)  # (N, 2, C): each replica's mean and variance
-        weights = torch.tensor(counts, dtype=torch.float64, device=dest).view(n, 1)
-        mean = (weights * both[:, 0]).sum(0) / total
-        m2 = (weights * (both[:, 1] + (both[:, 0] - mean) ** 2)).sum(0)  # Chan et al.: exact for any split
+        # Chan et al.: exact for any split. The counts stay Python numbers: a tensor made from them on the device
+        # would be a host-to-device copy that waits for the device in every layer of every step.
+        mean = sum(both[i, 0] * (c / total) for i, c in enumerate(counts))
+        m2 = sum((both[i, 1] + (both[i, 0] - mean).square()) * c for i, c in enumerate(counts))
         # mean, biased variance (normalisation), unbiased variance (running_var), as BatchNorm uses them.
         pack = torch.stack([mean, m2 / total, m2 / (total - 1)]).to(dtype)
         packs = comm.broadcast(pack, devices)
         outs = [_normalise(x, p[0], p[1], eps) for x, p in zip(xs, packs)]
         ctx.save_for_backward(*xs, *packs)
-        ctx.devices, ctx.total, ctx.eps = devices, total, eps
+        ctx.devices, ctx.streams, ctx.total, ctx.eps = devices, streams, total, eps
         for p in packs:
             ctx.mark_non_differentiable(p)
         return tuple(outs) + tuple(packs)
@@ -315,30 +322,38 @@ class _SyncNorm(Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        saved = ctx.saved_tensors
-        n = len(saved) // 2
-        xs, packs = saved[:n], saved[n:]
-        eps = ctx.eps
-        sums, hats = [], []
-        for x, g, p in zip(xs, grads[:n], packs):
-            g = g.contiguous()
-            if x.dtype == p.dtype:
-                # Eval-mode batch-norm backward without weight: per channel, sum(g * x_hat) and sum(g).
-                _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
-                    g, x, None, p[0], p[1], None, None, False, eps, [False, True, True])
-            else:
-                dims = [d for d in range(x.dim()) if d != 1]
-                gf = g.to(p.dtype)
-                sum_gx = (gf * _normalise(x, p[0], p[1], eps).to(p.dtype)).sum(dims)
-                sum_g = gf.sum(dims)
-            hats.append(g)
-            sums.append(torch.stack([sum_g.to(p.dtype), sum_gx.to(p.dtype)]))
-        total = comm.reduce_add(sums, xs[0].device) / ctx.total
-        means = comm.broadcast(total, ctx.devices)
-        dxs = []
-        for x, g, m, p in zip(xs, hats, means, packs):
-            shape = _shape(x)
-            x_hat = _normalise(x, p[0], p[1], eps)
-            dx = (g.to(p.dtype) - m[0].view(shape)).addcmul_(x_hat.to(p.dtype), m[1].view(shape), value=-1)
-            dxs.append(dx.mul_((p[1] + eps).rsqrt().view(shape)).to(x.dtype))
-        return (None, None) + tuple(dxs)
+        with _streams.entered(ctx.streams):  # autograd's thread: the caller's streams, where the gradients are
+            return (None, None, None) + _sync_backward(ctx, grads)
+
+
+def _grad_sums(g, x, mean, var, eps):
+    """Per channel (sum g, sum g * x_hat) in the statistics' dtype, by torch's batch-norm backward kernel. It is
+    given the statistics the way training saved them (save_mean, save_invstd; float32 for float16 and bfloat16
+    inputs, as torch's CUDA batch norm keeps them): the CUDA kernel asserts on the eval-mode form, running
+    statistics with no saved ones."""
+    invstd = (var + eps).rsqrt()
+    _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
+        g, x, None, None, None, mean, invstd, True, eps, [False, True, True])
+    return sum_g.to(mean.dtype), sum_gx.to(mean.dtype)
+
+
+def _sync_backward(ctx, grads):
+    """The replicas' input gradients: the per-channel sums of every replica reduced, averaged and broadcast back."""
+    saved = ctx.saved_tensors
+    n = len(saved) // 2
+    xs, packs = saved[:n], saved[n:]
+    eps = ctx.eps
+    sums, hats = [], []
+    for x, g, p in zip(xs, grads[:n], packs):
+        g = g.contiguous()
+        hats.append(g)
+        sums.append(torch.stack(_grad_sums(g, x, p[0], p[1], eps)))
+    total = comm.reduce_add(sums, xs[0].device) / ctx.total
+    means = comm.broadcast(total, ctx.devices)
+    dxs = []
+    for x, g, m, p in zip(xs, hats, means, packs):
+        shape = _shape(x)
+        x_hat = _normalise(x, p[0], p[1], eps)
+        dx = (g.to(p.dtype) - m[0].view(shape)).addcmul_(x_hat.to(p.dtype), m[1].view(shape), value=-1)
+        dxs.append(dx.mul_((p[1] + eps).rsqrt().view(shape)).to(x.dtype))
+    return tuple(dxs)

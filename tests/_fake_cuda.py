@@ -1,0 +1,227 @@
+"""A recording stand-in for torch.cuda's stream, event, device and memory API, so that the shim's CUDA-only branches
+run on a machine without a GPU and a test can assert which stream each piece of work was ordered on.
+
+``FakeCuda(ndev).install(monkeypatch)`` replaces the torch.cuda functions the shim calls. Streams and the current
+device are per thread, as in PyTorch: a new thread starts on device 0 with every device's default stream current.
+Everything that orders work (a stream waiting for another, an event recorded or waited on, a tensor's block
+recorded as used on a stream) or stalls the host (any synchronize) is appended to ``log`` as a tuple, in the order
+it happened, from every thread. Tensors stay on the host: the tests pair the fake API with host tensors whose
+devices the code under test is told are CUDA devices.
+"""
+
+import contextlib
+import itertools
+import threading
+
+import torch
+
+# What a host synchronisation is called in the log: a step in the steady state must record none of these.
+HOST_SYNCS = ("device_sync", "stream_sync", "event_sync")
+
+
+class FakeStream:
+    """One stream: a device, a handle (``cuda_stream``) and a name for the log."""
+
+    def __init__(self, cuda, device, name, handle):
+        self.cuda = cuda
+        self.device = torch.device("cuda", device)
+        self.device_index = device
+        self.cuda_stream = handle
+        self.name = name
+
+    def wait_stream(self, other):
+        self.cuda.record("wait", self.name, other.name)
+
+    def wait_event(self, event):
+        self.cuda.record("wait_event", self.name, event.name)
+
+    def record_event(self, event=None):
+        event = event or FakeEvent(self.cuda)
+        event.record(self)
+        return event
+
+    def synchronize(self):
+        self.cuda.record("stream_sync", self.name)
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, FakeStream) and (other.device, other.cuda_stream) == (self.device, self.cuda_stream)
+
+    def __hash__(self):
+        return hash((self.device, self.cuda_stream))
+
+    def __repr__(self):
+        return self.name
+
+
+class FakeEvent:
+    _serial = itertools.count(1)
+
+    def __init__(self, cuda, **kwargs):
+        self.cuda = cuda
+        self.name = f"e{next(self._serial)}"
+
+    def record(self, stream=None):
+        self.cuda.record("record", self.name, (stream or self.cuda.current_stream()).name)
+
+    def wait(self, stream=None):
+        self.cuda.record("wait_event", (stream or self.cuda.current_stream()).name, self.name)
+
+    def synchronize(self):
+        self.cuda.record("event_sync", self.name)
+
+    def query(self):
+        return True
+
+
+class FakeCuda:
+    """``ndev`` fake CUDA devices. ``stream_on(d, name)`` makes a named non-default stream; ``capturing`` is what
+    ``is_current_stream_capturing`` answers; ``allocated[d]`` what ``memory_allocated(d)`` answers."""
+
+    def __init__(self, ndev=2):
+        self.ndev = ndev
+        self.log = []
+        self._lock = threading.Lock()
+        self._tls = threading.local()
+        self._handles = itertools.count(0x1000, 0x10)
+        self.defaults = [FakeStream(self, d, f"default@{d}", 0) for d in range(ndev)]
+        self.by_handle = {}
+        self.capturing = False
+        self.allocated = [0] * ndev
+        self.peak = [0] * ndev
+        self.peers = set((a, b) for a in range(ndev) for b in range(ndev) if a != b)
+
+    # ---- the log ----
+    def record(self, *entry):
+        with self._lock:
+            self.log.append(entry)
+
+    def entries(self, kind):
+        return [e for e in self.log if e[0] == kind]
+
+    def host_syncs(self):
+        return [e for e in self.log if e[0] in HOST_SYNCS]
+
+    # ---- per-thread state ----
+    def _state(self):
+        st = self._tls
+        if not hasattr(st, "streams"):
+            st.streams, st.device = {}, 0
+        return st
+
+    def _index(self, device):
+        if device is None:
+            return self._state().device
+        if isinstance(device, FakeStream):
+            return device.device_index
+        if isinstance(device, int):
+            return device
+        device = torch.device(device)
+        return self._state().device if device.index is None else device.index
+
+    def stream_on(self, device, name):
+        s = FakeStream(self, device, name, next(self._handles))
+        self.by_handle[s.cuda_stream] = s
+        return s
+
+    # ---- torch.cuda's API ----
+    def current_stream(self, device=None):
+        d = self._index(device)
+        return self._state().streams.get(d, self.defaults[d])
+
+    def default_stream(self, device=None):
+        return self.defaults[self._index(device)]
+
+    def set_stream(self, stream):
+        st = self._state()
+        st.streams[stream.device_index] = stream
+        st.device = stream.device_index
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        if stream is None:
+            yield
+            return
+        st = self._state()
+        d = stream.device_index
+        before, device = st.streams.get(d), st.device
+        st.streams[d], st.device = stream, d
+        try:
+            yield
+        finally:
+            if before is None:
+                st.streams.pop(d, None)
+            else:
+                st.streams[d] = before
+            st.device = device
+
+    @contextlib.contextmanager
+    def device(self, device):
+        st = self._state()
+        before = st.device
+        st.device = self._index(device)
+        try:
+            yield
+        finally:
+            st.device = before
+
+    def current_device(self):
+        return self._state().device
+
+    def set_device(self, device):
+        self._state().device = self._index(device)
+
+    def Stream(self, device=None, priority=0, **kwargs):
+        return self.stream_on(self._index(device), f"new{len(self.by_handle)}@{self._index(device)}")
+
+    def ExternalStream(self, stream_ptr, device=None):
+        s = self.by_handle.get(stream_ptr)
+        if s is None:
+            s = FakeStream(self, self._index(device), f"external{stream_ptr:#x}", stream_ptr)
+            self.by_handle[stream_ptr] = s
+        return s
+
+    def Event(self, **kwargs):
+        return FakeEvent(self, **kwargs)
+
+    def synchronize(self, device=None):
+        self.record("device_sync", self._index(device))
+
+    def is_current_stream_capturing(self):
+        return self.capturing
+
+    def can_device_access_peer(self, device, peer):
+        return (self._index(device), self._index(peer)) in self.peers
+
+    def memory_allocated(self, device=None):
+        return self.allocated[self._index(device)]
+
+    def max_memory_allocated(self, device=None):
+        return self.peak[self._index(device)]
+
+    def reset_peak_memory_stats(self, device=None):
+        d = self._index(device)
+        self.record("reset_peak", d)
+        self.peak[d] = self.allocated[d]
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return self.ndev
+
+    _API = ("current_stream", "default_stream", "set_stream", "stream", "device", "current_device", "set_device",
+            "Stream", "ExternalStream", "Event", "synchronize", "is_current_stream_capturing",
+            "can_device_access_peer", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats",
+            "is_available", "device_count")
+
+    def install(self, monkeypatch):
+        """Puts this fake in place of torch.cuda's API for one test, and records ``Tensor.record_stream``."""
+        for name in self._API:
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        cuda = self
+        monkeypatch.setattr(torch.Tensor, "record_stream",
+                            lambda t, stream: cuda.record("record_stream", t.data_ptr(), stream.name))
+        return self

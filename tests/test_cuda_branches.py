@@ -1,0 +1,420 @@
+"""The shim's CUDA-only branches, run on a CPU against a recording stand-in for torch.cuda (tests/_fake_cuda.py):
+which stream each piece of work is ordered on, which stream waits for which, which blocks are recorded as used on
+another stream, and that a training step never stalls the host. Tensors stay on the host; the code under test is
+told its devices are CUDA devices 0 and 1. Every numeric result is compared with torch's own on the bare model."""
+
+import copy
+import importlib
+import threading
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fastdp
+from fastdp import _C, _core, _devices, _fallback, _functions, _replicas, _split, comm
+from fastdp import sync_batchnorm as sbn
+
+pa = importlib.import_module("fastdp.parallel_apply")
+dp_module = importlib.import_module("fastdp.data_parallel")
+
+from _fake_cuda import FakeCuda
+
+pytestmark = pytest.mark.sim
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    fake = FakeCuda(2).install(monkeypatch)
+    # CUDA device entries pass the normaliser although this torch has no CUDA
+    monkeypatch.setattr(_devices, "_require_cuda", lambda d, what: d)
+    monkeypatch.setattr(_core, "_PEERS_OPEN", set())
+    monkeypatch.setattr(_core, "_grant_peer", lambda device, peer: fake.record("grant_peer", device, peer))
+    return fake
+
+
+def _on(device):
+    """A stand-in for a CUDA tensor of `device` where only its device is read."""
+    return types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", device), get_device=lambda: device)
+
+
+# ---- stream selection: the caller's current stream of every device ---------------------------------------------
+
+
+def test_core_work_is_ordered_on_each_devices_current_stream(cuda):
+    s0, s1 = cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")
+    with cuda.stream(s0), cuda.stream(s1):
+        pairs = _core.streams_for([_on(1), _on(0), _on(1), torch.empty(1)])
+    assert pairs == [(1, s1.cuda_stream), (0, s0.cuda_stream)]
+    assert _core.streams_for([torch.empty(1)]) is None
+
+
+def test_peer_access_is_opened_through_pytorch_once_per_device_set(cuda, monkeypatch):
+    """Under expandable segments or cudaMallocAsync only PyTorch's allocator can let a device read another's memory:
+    the pairs are opened through torch (a copy between the two devices) before the core first works over them."""
+    cuda.peers.discard((1, 0))  # hardware without that direction: nothing asked of torch for it
+    _core.streams_for([_on(0), _on(1)])
+    assert cuda.log == [("grant_peer", 0, 1)]
+    _core.streams_for([_on(1), _on(0)])  # the same set: nothing more
+    assert cuda.log == [("grant_peer", 0, 1)]
+    monkeypatch.setattr(_C, "broadcast", lambda src, dsts, streams: cuda.record("core_broadcast", sorted(streams)))
+    monkeypatch.setattr(_core, "_PEERS_OPEN", set())
+    cuda.log.clear()
+    comm._C.broadcast(torch.ones(3), [torch.empty(3)], _core.streams_for([_on(0), _on(1)]))
+    assert cuda.log == [("grant_peer", 0, 1), ("core_broadcast", [(0, 0), (1, 0)])]  # opened before the core runs
+
+
+def test_scratch_memory_is_allocated_on_the_cores_stream(cuda, monkeypatch):
+    """The core's scratch block belongs to the stream the core uses it on (PyTorch's allocator ties blocks to the
+    stream current at allocation)."""
+    work = cuda.stream_on(1, "core@1")
+    seen = []
+    real_empty = torch.empty
+
+    def empty(*size, dtype=None, device=None, **kw):
+        seen.append((device, cuda.current_stream(device).name))
+        return real_empty(*size, dtype=dtype)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    _core._scratch(1, 64, work.cuda_stream)
+    _core._scratch(1, 64, 0)  # the legacy default stream: the device's default stream
+    assert seen == [(1, "core@1"), (1, "default@1")]
+
+
+def test_torch_fallback_copies_run_on_the_listed_streams(cuda):
+    """Where the core cannot run, torch copies each destination on the stream the core would have used."""
+    work = cuda.stream_on(1, "core@1")
+    seen = []
+
+    class Dst:
+        is_cuda = True
+        device = torch.device("cuda", 1)
+
+        def get_device(self):
+            return 1
+
+        def copy_(self, src):
+            seen.append(cuda.current_stream(1).name)
+
+    _fallback._copy([Dst(), Dst()], [None, None], [(1, work.cuda_stream)])
+    _fallback._copy([Dst()], [None], None)
+    assert seen == ["core@1", "core@1", "default@1"]
+
+
+# ---- parallel_apply: every worker enters the caller's device, stream and autocast ------------------------------
+
+
+class _Probe(nn.Module):
+    def __init__(self, cuda, device, seen):
+        super().__init__()
+        self.cuda, self.device, self.seen = cuda, device, seen
+
+    def forward(self, x):
+        self.seen[self.device] = (self.cuda.current_device(), self.cuda.current_stream(self.device).name,
+                                  threading.current_thread() is threading.main_thread(),
+                                  torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        return x * 2
+
+
+def test_parallel_apply_workers_run_on_the_callers_streams(cuda, monkeypatch):
+    caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
+    seen = {}
+    autocast = []
+    real_autocast = torch.autocast
+
+    def fake_autocast(device_type, dtype=None, enabled=True, cache_enabled=None):
+        autocast.append((device_type, dtype, threading.current_thread() is threading.main_thread()))
+        return real_autocast("cpu", enabled=False)  # the worker's state is what is recorded
+
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type=None: device_type == "cuda")
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.bfloat16)
+    monkeypatch.setattr(torch, "autocast", fake_autocast)
+    modules = [_Probe(cuda, d, seen) for d in (0, 1)]
+    with cuda.stream(caller[0]), cuda.stream(caller[1]):
+        out = pa.parallel_apply(modules, [(torch.ones(2),), (torch.ones(2),)], None, [0, 1])
+    assert [o.tolist() for o in out] == [[2.0, 2.0], [2.0, 2.0]]
+    # replica 0 in the caller's thread, replica 1 on a worker: each on its device and the caller's stream there
+    assert seen[0][:3] == (0, "caller@0", True)
+    assert seen[1][:3] == (1, "caller@1", False)
+    # the caller's CUDA autocast dtype reaches the worker (bf16 stays bf16)
+    assert ("cuda", torch.bfloat16, False) in autocast
+    assert cuda.host_syncs() == []
+
+
+# ---- a CPU batch sent to CUDA replicas ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nbytes", [64, 4 << 20])
+def test_cpu_batch_to_cuda_replicas_never_waits_on_the_host(cuda, monkeypatch, nbytes):
+    """Each chunk is its own host-to-device copy, asynchronous: from pinned staging for large batches (torch's
+    pinned allocator keeps the block until the copy ran), straight from pageable memory for small ones (the
+    driver has read the source when the call returns). A blocking copy would synchronise the host every step."""
+    copies, pinned = [], []
+    real_to = torch.Tensor.to
+
+    def to(t, *args, **kwargs):
+        device = args[0] if args else kwargs.get("device")
+        if isinstance(device, torch.device) and device.type == "cuda":
+            copies.append((device.index, kwargs.get("non_blocking", False), t.data_ptr() in pinned_ptrs))
+            return t.clone()
+        return real_to(t, *args, **kwargs)
+
+    pinned_ptrs = set()
+
+    def pin_memory(t):
+        p = t.clone()
+        pinned.append(t.numel())
+        pinned_ptrs.add(p.data_ptr())
+        return p
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: t.untyped_storage().data_ptr() in pinned_ptrs)
+    x = torch.arange(nbytes // 4, dtype=torch.float32).view(2, -1)
+    chunks = _functions._scatter_host_to_cuda(x, [0, 1], None, 0)
+    assert torch.equal(torch.cat(chunks), x)
+    large = nbytes >= _functions._PIN_MIN_BYTES
+    assert pinned == ([x.numel()] if large else [])
+    assert [(d, nb) for d, nb, _ in copies] == [(0, True), (1, True)]
+
+
+# ---- comm.scatter with explicit streams ---------------------------------------------------------------------------
+
+
+def test_scatter_hands_each_chunk_to_its_given_stream(cuda, monkeypatch):
+    """A device listed twice is written on its first entry's stream (the core orders one stream per device): the
+    later entry's stream waits for that copy, and the chunk's block is recorded as used on it."""
+    a1, b2, c1 = cuda.stream_on(1, "a@1"), cuda.stream_on(0, "b@0"), cuda.stream_on(1, "c@1")
+    monkeypatch.setattr(comm, "_empty_like", lambda t, device: torch.empty_like(t))
+    monkeypatch.setattr(_C, "scatter", lambda src, outs, dim, sizes, streams: cuda.record(
+        "core_scatter", sorted(streams)))
+    x = torch.arange(12.0).view(6, 2)
+    out = comm.scatter(x, [1, 0, 1], dim=0, streams=[a1, b2, c1])
+    assert len(out) == 3
+    assert [e for e in cuda.log if e[0] != "grant_peer"] == [
+        ("core_scatter", [(0, b2.cuda_stream), (1, a1.cuda_stream)]),
+        ("wait", "c@1", "a@1"),
+        ("record_stream", out[2].data_ptr(), "c@1"),
+    ]
+
+
+# ---- SyncBatchNorm on CUDA -----------------------------------------------------------------------------------------
+
+
+class _HostComm:
+    """fastdp.comm's three calls of the synced layers, computed on the host, noting the current stream of every
+    device at each call (what the core would order the exchange on)."""
+
+    def __init__(self, cuda):
+        self.cuda, self.calls = cuda, []
+
+    def _note(self, what):
+        self.calls.append((what, tuple(self.cuda.current_stream(d).name for d in range(self.cuda.ndev))))
+
+    def gather(self, parts, dim, dest):
+        self._note("gather")
+        return torch.cat(parts, dim)
+
+    def broadcast(self, t, devices):
+        self._note("broadcast")
+        return [t.clone() for _ in devices]
+
+    def reduce_add(self, ts, dest):
+        self._note("reduce_add")
+        return sum(ts[1:], ts[0].clone())
+
+
+def test_syncbn_exchange_runs_on_the_callers_streams(cuda, monkeypatch):
+    """The exchange runs in whichever replica thread arrives last and its backward in autograd's thread; both must
+    order their work on the caller's stream of every device, where the replicas' inputs and gradients are."""
+    host = _HostComm(cuda)
+    monkeypatch.setattr(sbn, "comm", host)
+    caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
+    master = nn.Sequential(nn.SyncBatchNorm(3))
+    replicas = [master, copy.deepcopy(master)]
+    with cuda.stream(caller[0]), cuda.stream(caller[1]):
+        session = sbn.begin(master, replicas, [0, 1])  # in the caller's thread, as the wrapper's forward opens it
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 3, 5, generator=g, requires_grad=True) for _ in range(2)]
+    outs = [None, None]
+
+    def replica(r):  # a worker: its own device's caller stream only, as parallel_apply enters it
+        with cuda.device(r), cuda.stream(caller[r]):
+            outs[r] = session.meet(0, r, xs[r], 1e-5)[0]
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cat(outs).square().sum().backward()  # this thread: default streams, as autograd's own threads have
+    assert [w for w, _ in host.calls] == ["gather", "broadcast", "reduce_add", "broadcast"]
+    assert all(streams == ("caller@0", "caller@1") for _, streams in host.calls), host.calls
+    assert cuda.host_syncs() == []
+    ref_x = torch.cat([x.detach() for x in xs]).requires_grad_()
+    ref = torch.nn.functional.batch_norm(ref_x, None, None, training=True, eps=1e-5)
+    torch.testing.assert_close(torch.cat(outs), ref)
+    ref.square().sum().backward()
+    torch.testing.assert_close(torch.cat([x.grad for x in xs]), ref_x.grad)
+
+
+class _BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.SyncBatchNorm(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_syncbn_backward_gives_the_kernel_saved_statistics(monkeypatch, dtype):
+    """torch's CUDA batch-norm backward asserts unless given save_mean and save_invstd (float32 for float16 and
+    bfloat16 inputs) in training form; the gradients still equal BatchNorm's on the full batch."""
+    calls = []
+    real = torch.ops.aten.native_batch_norm_backward
+
+    def spy(g, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask):
+        calls.append((x.dtype, running_mean, running_var, None if save_mean is None else save_mean.dtype,
+                      None if save_invstd is None else save_invstd.dtype, train))
+        return real(g, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask)
+
+    monkeypatch.setattr(torch.ops.aten, "native_batch_norm_backward", spy)
+    torch.manual_seed(0)
+    bare = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)).double()
+    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare)).to(dtype)
+    x = torch.randn(8, 3, 5, 5, dtype=torch.float64)
+    dp = fastdp.DataParallel(synced, device_ids=["cpu"] * 2)
+    w = torch.randn(8, 4, 5, 5, dtype=torch.float64)
+    (dp(x.to(dtype)).double() * w).sum().backward()
+    (bare(x) * w).sum().backward()  # the reference: float64, the whole batch in one BatchNorm
+    stats = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    assert calls and all(c == (dtype, None, None, stats, stats, True) for c in calls), calls
+    tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+    for p, q in zip(synced.parameters(), bare.parameters()):
+        err = (p.grad.double() - q.grad).abs().max().item()
+        assert err <= tol * q.grad.abs().max().item(), (tuple(q.shape), err)
+
+
+# ---- no host synchronisation in a training step -------------------------------------------------------------------
+
+
+def test_training_step_makes_no_tensor_from_host_data_on_a_device(monkeypatch):
+    """``torch.tensor(values, device=d)`` copies host data to the device and, on CUDA, waits for the copy: a step
+    (per-replica loss with the "mean" rule, a SyncBatchNorm layer) makes none, nor reads a value back."""
+    made, read = [], []
+    real_tensor, real_item = torch.tensor, torch.Tensor.item
+
+    def tensor(data, *args, **kwargs):
+        if kwargs.get("device") is not None:
+            made.append(kwargs["device"])
+        return real_tensor(data, *args, **kwargs)
+
+    torch.manual_seed(0)
+    net = _BNNet()
+    bare = copy.deepcopy(net)
+    dp = fastdp.DataParallel(net, device_ids=["cpu"] * 2, criterion=nn.MSELoss())
+    x, y = torch.randn(6, 3, 4, 4), torch.randn(6, 3)
+    dp(x, target=y).backward()  # the first step builds what is kept
+    for p in net.parameters():
+        p.grad = None
+    monkeypatch.setattr(torch, "tensor", tensor)
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: read.append(t.shape) or real_item(t))
+    loss = dp(x, target=y)
+    loss.backward()
+    monkeypatch.undo()
+    assert made == [] and read == []
+    ref = nn.MSELoss()(bare(x), y)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    for p, q in zip(net.parameters(), bare.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+# ---- kept replicas: the backward node follows the caller's streams ----------------------------------------------
+
+
+def test_kept_nodes_are_remade_for_a_forward_on_other_streams(cuda, monkeypatch):
+    """Autograd orders a node's backward on the streams current when the node was made: a step on other streams
+    gets new nodes, and the reduction runs on those streams whichever thread autograd runs it on."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    rs = _replicas.ReplicaSet(net, [_devices.CPU] * 2, 1 << 20)
+    rs.state.devices = [0, 1]  # CUDA devices 0 and 1, their tensors kept on the host
+    reduced = []
+    real_reduce = _replicas.reduce_bucket
+
+    def reduce_bucket(bucket, grads):
+        reduced.append(tuple(cuda.current_stream(d).name for d in (0, 1)))
+        return real_reduce(bucket, grads)
+
+    monkeypatch.setattr(_replicas, "reduce_bucket", reduce_bucket)
+    first = [cuda.stream_on(0, "first@0"), cuda.stream_on(1, "first@1")]
+    second = [cuda.stream_on(0, "second@0"), cuda.stream_on(1, "second@1")]
+    x = torch.randn(2, 4)
+    with cuda.stream(first[0]), cuda.stream(first[1]):
+        roots = rs.step()
+        node = roots[1].weight.grad_fn
+        again = rs.step()
+    assert again[1].weight.grad_fn is node  # same streams: the kept node
+    with cuda.stream(second[0]), cuda.stream(second[1]):
+        roots = rs.step()
+        out = roots[0](x).sum() + roots[1](x).sum()
+    assert roots[1].weight.grad_fn is not node
+    out.backward()  # this thread's streams are the defaults, as in autograd's device threads
+    assert reduced == [("second@0", "second@1")]
+    assert cuda.host_syncs() == []
+    torch.testing.assert_close(net.weight.grad, 2 * x.sum(0).expand(3, 4))
+
+
+# ---- CUDA-graph capture ------------------------------------------------------------------------------------------
+
+
+def test_capture_is_refused_with_a_clear_error(cuda, monkeypatch):
+    """A multi-device forward and the gradient reduction hop threads and order work across devices: under graph
+    capture they raise an error that names the capture instead of recording a broken graph."""
+    net = nn.Linear(4, 3)
+    dp = fastdp.DataParallel(net, device_ids=["cpu"] * 2)
+    out = dp(torch.randn(4, 4))  # the graph to differentiate, made before the capture starts
+    dp.src_device_obj = torch.device("cuda", 0)  # as for CUDA replicas; the module check is for real devices only
+    monkeypatch.setattr(dp_module, "_check_module_device", lambda module, device: None)
+    cuda.capturing = True
+    with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
+        dp(torch.randn(4, 4))
+    dp._replica_set.state.host = False  # a reduction over CUDA devices
+    with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
+        out.sum().backward()
+    cuda.capturing = False
+    dp.src_device_obj = torch.device("cpu")
+    dp._replica_set.state.host = True
+    dp(torch.randn(4, 4)).sum().backward()  # outside the capture: runs
+
+
+# ---- chunk_sizes="auto": the user's peak counters stay whole ------------------------------------------------------
+
+
+def test_auto_split_reads_peaks_without_resetting_them(cuda):
+    """The default reader samples the allocator's current figure (end of each training forward, and when read)
+    and never resets the process-wide peak counters, which the user may be reading too."""
+    rule = _split.AutoSplit(warmup=0, probes=2).bind([0, 1])
+    reader = rule.reader
+    assert isinstance(reader, _split._CudaPeaks)
+    cuda.peak = [10**9, 10**9]  # the user's own high-water marks
+    cuda.allocated = [50, 40]
+    reader.sample()
+    cuda.allocated = [20, 45]
+    assert reader() == [50, 45]  # the highest of the samples and the reading
+    cuda.allocated = [5, 5]
+    assert reader() == [5, 5]  # a new interval starts at each reading
+    for a0, a1 in [(50, 40), (80, 40), (70, 60), (30, 30)]:
+        rule.observe()
+        rule.split(8, 0, 2)
+        cuda.allocated = [a0, a1]
+        rule.sample()  # the end of the training forward
+        cuda.allocated = [5, 5]
+    assert [round(r, 3) for _, r in rule.history] == [1.25, 2.0, 1.167]  # each judged step its own peaks
+    assert cuda.entries("reset_peak") == []
+    assert cuda.peak == [10**9, 10**9]

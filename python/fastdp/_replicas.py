@@ -93,6 +93,27 @@ def persistable(network):
     return True
 
 
+def inference_made(network):
+    """Whether a parameter or buffer was made under ``torch.inference_mode`` (a model materialised for serving).
+
+    Such tensors have no version counter, which kept replicas track, so they are replicated afresh every forward as
+    upstream does. Training them is refused here, naming the tensor: the bare model fails in backward ("Inference
+    tensors cannot be saved for backward") or, with a single layer, silently leaves ``.grad`` None.
+    """
+    found = False
+    for name, p in network.named_parameters():
+        if p.is_inference():
+            if p.requires_grad and torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"parameter {name!r} was created under torch.inference_mode(), and inference tensors cannot be "
+                    "trained: run the forward under torch.inference_mode() or torch.no_grad(), or, to train, clone "
+                    "the parameters outside inference mode (for each: setattr(module, name, "
+                    "nn.Parameter(p.clone())))"
+                )
+            found = True
+    return found or any(b.is_inference() for b in network.buffers())
+
+
 def check_replicatable(network):
     """The checks fresh replication makes (uninitialised lazy parameters raise torch's ValueError)."""
     _check_initialized(network.parameters())

@@ -543,8 +543,9 @@ class DataParallel(_UPSTREAM):
             self._replica_set = None
             if kept is not None:
                 kept.reduce_pending()  # sums no_sync kept reach the master's .grad before the set goes
-            if not _replicas.persistable(module):  # checked on (re)build only: module types are in the signature
-                # Rebuilt every step; under no_sync() each backward then reduces at once (same .grad in the end).
+            if _replicas.inference_made(module) or not _replicas.persistable(module):
+                # Checked on (re)build only: tensor identities and module types are in the signature. Rebuilt every
+                # step; under no_sync() each backward then reduces at once (same .grad in the end).
                 return replicate(module, device_ids, not torch.is_grad_enabled())
             _replicas.check_replicatable(module)
             kept = self._replica_set = _replicas.ReplicaSet(module, wanted, self._bucket_bytes, cover)

@@ -238,7 +238,7 @@ def _inference_made(layers):
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
 def test_inference_made_parameters_serve_like_the_bare_model(mode):
     bare = _inference_made(2)
-    dp = fastdp.DataParallel(copy.deepcopy(bare) if False else bare, device_ids=DEVICES)
+    dp = fastdp.DataParallel(bare, device_ids=DEVICES)
     x = torch.randn(7, 4)
     ctx = torch.inference_mode if mode == "inference_mode" else torch.no_grad
     for _ in range(2):
@@ -292,5 +292,5 @@ class PairScores(nn.Module):
 
 def test_gather_of_outputs_with_unequal_non_batch_sizes_names_the_output():
     dp = fastdp.DataParallel(PairScores(), device_ids=DEVICES)
-    with pytest.raises(ValueError, match=r"output\['logits_per_image'\].*dim 1.*\(3, 2, 2\)"):
+    with pytest.raises(ValueError, match=r"output\['logits_per_image'\].*dim 1.*\(3, 3, 1\)"):
         dp(torch.randn(7, 4), torch.randn(7, 4))

@@ -9,6 +9,7 @@ The helpers take their state as arguments (no self-referencing closures), so no 
 """
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from . import _devices
 from ._functions import Gather, Scatter
@@ -37,6 +38,8 @@ def _parts(obj):
     """(the parts scatter recurses into, how one replica's container is rebuilt from its parts), or (None, None)
     for a value every replica gets by reference. Dict items are (key, value) tuples, so keys follow the same rules
     as values (as upstream)."""
+    if isinstance(obj, PackedSequence):
+        raise _Unsplittable()  # scatter's caller names it (_unsplittable_error)
     if _is_namedtuple(obj):
         return obj, lambda fields: type(obj)(*fields)
     if not isinstance(obj, (tuple, list, dict)) or not obj:
@@ -46,6 +49,36 @@ def _parts(obj):
     if isinstance(obj, list):
         return obj, list
     return obj.items(), type(obj)
+
+
+class _Unsplittable(Exception):
+    """A PackedSequence met while scattering (raised where the path is unknown, answered with the path)."""
+
+
+def _packed_path(obj, path):
+    """The path of the first PackedSequence in a (nested) input, or None."""
+    if isinstance(obj, PackedSequence):
+        return path
+    if isinstance(obj, dict):
+        items = ((f"{path}[{k!r}]", v) for k, v in obj.items())
+    elif isinstance(obj, (tuple, list)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    else:
+        return None
+    for where, value in items:
+        found = _packed_path(value, where)
+        if found is not None:
+            return found
+    return None
+
+
+def _unsplittable_error(where):
+    return TypeError(
+        f"{where} is a PackedSequence, which DataParallel cannot split along the batch: its data interleaves all "
+        "sequences time step by time step, so a slice along dim 0 would cut sequences apart. Pass the padded batch "
+        "and its lengths instead (a (B, T, ...) tensor and a (B,) tensor) and pack inside forward with "
+        "torch.nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)"
+    )
 
 
 def _target_list(target_gpus):
@@ -67,7 +100,10 @@ def scatter(inputs, target_gpus, dim=0, *, chunk_sizes=None):
     """Slices tensors into approximately equal chunks (or ``chunk_sizes``, one int per device, adding up to every
     tensor's size along ``dim``) and distributes them across the given devices."""
     devices = _target_list(target_gpus)
-    return _scatter_map(inputs, devices, dim, _sizes_for(chunk_sizes, devices))
+    try:
+        return _scatter_map(inputs, devices, dim, _sizes_for(chunk_sizes, devices))
+    except _Unsplittable:
+        raise _unsplittable_error(_packed_path(inputs, "inputs")) from None
 
 
 def scatter_kwargs(inputs, kwargs, target_gpus, dim=0, *, chunk_sizes=None):
@@ -78,8 +114,14 @@ def scatter_kwargs(inputs, kwargs, target_gpus, dim=0, *, chunk_sizes=None):
     """
     devices = _target_list(target_gpus)
     sizes = _sizes_for(chunk_sizes, devices)
-    scattered_inputs = _scatter_map(inputs, devices, dim, sizes) if inputs else []
-    scattered_kwargs = _scatter_map(kwargs, devices, dim, sizes) if kwargs else []
+    try:
+        scattered_inputs = _scatter_map(inputs, devices, dim, sizes) if inputs else []
+        scattered_kwargs = _scatter_map(kwargs, devices, dim, sizes) if kwargs else []
+    except _Unsplittable:
+        where = _packed_path(tuple(inputs or ()), "input")
+        if where is None:
+            where = next(f"keyword argument {k!r}" for k, v in kwargs.items() if _packed_path(v, "") is not None)
+        raise _unsplittable_error(where) from None
     if len(scattered_inputs) < len(scattered_kwargs):
         scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
     elif len(scattered_kwargs) < len(scattered_inputs):
@@ -111,7 +153,31 @@ def _gather_tensors(outputs, target, dim, path):
     for i, o in enumerate(outputs):
         if not isinstance(o, torch.Tensor):
             raise TypeError(f"Cannot gather {path}: replica 0 returned a Tensor but replica {i} returned {_kind(o)}")
-    return Gather.apply(target, dim, *outputs)
+    try:
+        return Gather.apply(target, dim, *outputs)
+    except RuntimeError as e:
+        unequal = _unequal_dimension(outputs, dim)
+        if unequal is None:
+            raise
+        raise ValueError(
+            f"Cannot gather {path}: its size along dim {unequal} differs across replicas "
+            f"({', '.join(str(o.size(unequal)) for o in outputs)}), so the replicas' tensors cannot be concatenated "
+            f"along dim {dim}. An output whose size follows the replica's chunk in another dimension (a similarity "
+            "matrix between the chunk's samples, as CLIP's logits_per_image) is not batch-major: return its "
+            "batch-major parts (the embeddings) and compute it from the gathered outputs, outside the wrapper"
+        ) from e
+
+
+def _unequal_dimension(outputs, dim):
+    """The first dimension other than ``dim`` whose size differs between the replicas' tensors, or None."""
+    first = outputs[0]
+    if any(o.dim() != first.dim() for o in outputs) or first.dim() == 0:
+        return None
+    along = dim % first.dim()
+    for d in range(first.dim()):
+        if d != along and any(o.size(d) != first.size(d) for o in outputs):
+            return d
+    return None
 
 
 def _gather_dicts(outputs, target, dim, path):

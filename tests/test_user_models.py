@@ -294,3 +294,100 @@ def test_gather_of_outputs_with_unequal_non_batch_sizes_names_the_output():
     dp = fastdp.DataParallel(PairScores(), device_ids=DEVICES)
     with pytest.raises(ValueError, match=r"output\['logits_per_image'\].*dim 1.*\(3, 3, 1\)"):
         dp(torch.randn(7, 4), torch.randn(7, 4))
+
+
+# ---- arguments that are not batch-major: a warning, and broadcast= ---------------------------------------------------
+
+
+class MaskedDecoder(nn.Module):
+    """nn.TransformerDecoderLayer with a causal (T, T) target mask, the usual seq2seq pattern."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, tgt, memory, tgt_mask=None):
+        return self.layer(tgt, memory, tgt_mask=tgt_mask)
+
+
+def _decoder_inputs(batch=5, length=4):
+    g = torch.Generator().manual_seed(6)
+    tgt = torch.randn(batch, length, 8, generator=g, dtype=torch.float64)
+    memory = torch.randn(batch, 3, 8, generator=g, dtype=torch.float64)
+    return tgt, memory, nn.Transformer.generate_square_subsequent_mask(length, dtype=torch.float64)
+
+
+def test_a_tensor_that_is_not_batch_major_warns_once_naming_the_argument():
+    torch.manual_seed(0)
+    dp = fastdp.DataParallel(MaskedDecoder().double(), device_ids=DEVICES)
+    tgt, memory, mask = _decoder_inputs()
+    with pytest.warns(UserWarning, match=r"kwargs\['tgt_mask'\] has size 4 along dim 0 but the batch has 5 "
+                                         r"\(input\[0\]\).*broadcast=\('tgt_mask',\)"):
+        with pytest.raises(Exception):
+            dp(tgt, memory, tgt_mask=mask)  # 4 mask rows split over 3 replicas of 2, 2 and 1 samples
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(Exception) as info:
+            dp(tgt, memory, tgt_mask=mask)
+        assert not isinstance(info.value, UserWarning)  # warned once per argument
+
+
+def test_broadcast_gives_named_arguments_whole_to_every_replica():
+    torch.manual_seed(0)
+    bare = MaskedDecoder().double()
+    dp = fastdp.DataParallel(copy.deepcopy(bare), device_ids=DEVICES, broadcast=("tgt_mask",))
+    tgt, memory, mask = _decoder_inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is split against the batch
+        got = dp(tgt, memory, tgt_mask=mask)
+    expected = bare(tgt, memory, tgt_mask=mask)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    got.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, p), q in zip(bare.named_parameters(), dp.module.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_broadcast_is_checked():
+    with pytest.raises(TypeError, match=r"broadcast must be a tuple of keyword argument names"):
+        fastdp.DataParallel(nn.Linear(2, 2), device_ids=DEVICES, broadcast="tgt_mask")
+
+
+# ---- transformers caches are split along the batch and gathered back ----------------------------------------------
+
+
+def _tiny_lm(kind):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=31, n_embd=16, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg).double()
+    cfg = transformers.LlamaConfig(vocab_size=31, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=24, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(cfg).double()
+
+
+def _cache_tensors(cache):
+    return [x for layer in cache for x in layer if isinstance(x, torch.Tensor) and x.dim() > 0]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_cache_passed_in_is_split_and_the_returned_cache_gathered(kind):
+    bare = _tiny_lm(kind)
+    dp = fastdp.DataParallel(copy.deepcopy(bare), device_ids=DEVICES)
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(0, 31, (7, 5), generator=g)
+    expected_first, got_first = bare(prefix, use_cache=True), dp(prefix, use_cache=True)
+    assert type(got_first.cache) is type(expected_first.cache)
+    for a, b in zip(_cache_tensors(got_first.cache), _cache_tensors(expected_first.cache)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for step in range(2):  # generation: the next tokens with the cache of the previous ones
+        nxt = torch.randint(0, 31, (7, 1), generator=g)
+        expected = bare(nxt, cache=expected_first.cache, use_cache=True)
+        got = dp(nxt, cache=got_first.cache, use_cache=True)
+        torch.testing.assert_close(got.logits, expected.logits, rtol=1e-10, atol=1e-12)
+        assert got.cache.get_seq_length() == expected.cache.get_seq_length() == 6 + step
+        for a, b in zip(_cache_tensors(got.cache), _cache_tensors(expected.cache)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        expected_first, got_first = expected, got

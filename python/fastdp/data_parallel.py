@@ -63,6 +63,34 @@ def _require_indexable(device_ids):
         )
 
 
+def _whole_on(values, device):
+    """Keyword arguments given whole to a replica on ``device`` (tensors copied there, differentiably)."""
+    if _devices.is_cpu(device):
+        return values
+    target = _devices.torch_device(device)
+
+    def move(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj.to(target)
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(move(x) for x in obj)
+        if isinstance(obj, dict):
+            return type(obj)((k, move(v)) for k, v in obj.items())
+        return obj
+
+    return {k: move(v) for k, v in values.items()}
+
+
+def _check_broadcast(broadcast):
+    if broadcast is None:
+        return frozenset()
+    if isinstance(broadcast, str) or not all(isinstance(n, str) for n in broadcast):
+        raise TypeError(
+            f"broadcast must be a tuple of keyword argument names, e.g. broadcast=('tgt_mask',), got {broadcast!r}"
+        )
+    return frozenset(broadcast)
+
+
 def _is_host_index(d):
     """-1: upstream's deprecated "gather to the host" output device."""
     return isinstance(d, int) and not isinstance(d, bool) and d == -1
@@ -329,11 +357,12 @@ class DataParallel(_UPSTREAM):
             DataParallel._launch_class = cls
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="auto", bucket_cap_mb=25,
-                 chunk_sizes=None, criterion=None, criterion_reduction=None):
+                 chunk_sizes=None, criterion=None, criterion_reduction=None, broadcast=None):
         # mode: see __new__. bucket_cap_mb: size of the gradient buckets, each reduced as soon as it is ready.
         # chunk_sizes: how the batch is split (docs/balance.md); None is upstream's torch.chunk rule.
         # criterion: with it, dp(x, target=y) returns the loss, computed on each replica where that is exact
         # (docs/balance.md); criterion_reduction declares another criterion decomposable ("mean" or "sum").
+        # broadcast: names of keyword arguments every replica gets whole instead of split (docs/data_parallel.md).
         Module.__init__(self)  # not torch.nn.DataParallel's (see NOTE [nn.DataParallel subclass])
         _require_module(module, "DataParallel")
         if criterion is not None and not callable(criterion):
@@ -342,6 +371,7 @@ class DataParallel(_UPSTREAM):
         _replica_loss.check_declared(criterion_reduction, criterion)
         self.__dict__["_criterion"] = criterion
         self._criterion_reduction = criterion_reduction
+        self._broadcast = _check_broadcast(broadcast)
         self._split = None  # the chunk_sizes rule (fastdp._split), None for torch.chunk's
         self._last_chunk_sizes = None  # per-device sizes of the last forward's split (None: torch.chunk's rule)
         self._replica_positions = None  # device_ids positions of the devices last replicated to
@@ -462,7 +492,39 @@ class DataParallel(_UPSTREAM):
 
     def _check_and_scatter(self, inputs, kwargs, with_loss):
         """The split's per-forward work (one call into fastdp._split), then ``self.scatter``; a forward without
-        inputs still runs once, on device_ids[0]."""
+        inputs still runs once, on device_ids[0]. Keyword arguments named in ``broadcast`` skip the split: every
+        replica gets them whole."""
+        whole = None
+        names = self.__dict__.get("_broadcast")
+        if names and kwargs:
+            whole = {k: v for k, v in kwargs.items() if k in names}
+            kwargs = {k: v for k, v in kwargs.items() if k not in names}
+        self._warn_not_batch_major(inputs[:-1] if with_loss else inputs, kwargs)
+        inputs, module_kwargs = self._scatter_checked(inputs, kwargs, with_loss)
+        if whole:
+            module_kwargs = tuple({**kw, **_whole_on(whole, self.device_ids[i])} for i, kw in enumerate(module_kwargs))
+        return inputs, module_kwargs
+
+    def _warn_not_batch_major(self, inputs, kwargs):
+        """Warns once per argument whose size along dim differs from the batch's: scatter splits it anyway."""
+        odd, first = _split.not_batch_major(inputs, kwargs, self.dim)
+        warned = self.__dict__.setdefault("_warned_not_batch_major", set()) if odd else ()
+        for path, size in odd:
+            if path in warned:
+                continue
+            warned.add(path)
+            name = path[len("kwargs['"):-2] if path.startswith("kwargs[") and path.count("[") == 1 else None
+            fix = (f"pass broadcast=({name!r},) to DataParallel to give it whole to every replica" if name else
+                   "pass it as a keyword argument named in DataParallel's broadcast=(...) to give it whole to every "
+                   "replica")
+            warnings.warn(
+                f"fastdp.DataParallel: {path} has size {size} along dim {self.dim} but the batch has {first[1]} "
+                f"({first[0]}); it is split along dim {self.dim} like the batch, as upstream does, which is wrong "
+                f"for a tensor that is not batch-major (a (T, T) attention mask, a lookup table); {fix}",
+                stacklevel=2,
+            )
+
+    def _scatter_checked(self, inputs, kwargs, with_loss):
         rule = self.__dict__.get("_split")
         # Else an override (a subclass's, or one set on the instance) is called, and its super().scatter asks for
         # the sizes itself.

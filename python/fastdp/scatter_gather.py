@@ -8,6 +8,8 @@ objects, mismatched containers) raise a TypeError/ValueError naming where they a
 The helpers take their state as arguments (no self-referencing closures), so no reference cycles are created.
 """
 
+import sys
+
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
@@ -28,6 +30,8 @@ def _scatter_map(obj, devices, dim, sizes=None):
     """
     if isinstance(obj, torch.Tensor):
         return list(Scatter.apply(devices, sizes, dim, obj))
+    if _is_cache(obj):
+        return _scatter_cache(obj, devices, sizes)
     parts, rebuild = _parts(obj)
     if rebuild is None:
         return [obj for _ in devices]
@@ -79,6 +83,62 @@ def _unsplittable_error(where):
         "and its lengths instead (a (B, T, ...) tensor and a (B,) tensor) and pack inside forward with "
         "torch.nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)"
     )
+
+
+# NOTE [caches]: a transformers key/value cache (DynamicCache, EncoderDecoderCache) passed in or returned holds one
+# entry per layer, whose tensors are [batch, heads, positions, head dim] and whose other items (a sliding window
+# size, None) are the same for every sample. Handing one cache object to every replica, as upstream does, lets the
+# replicas append to the same tensors; instead each replica gets its own cache of its samples, split along dim 0 like
+# a tensor, and the replicas' returned caches are gathered into one along dim 0. Both directions use the
+# caches' own data-parallel protocol: iterating gives per-layer tuples, and type(cache)(tuples) rebuilds one.
+_CACHE_TYPES = ("DynamicCache", "EncoderDecoderCache")
+
+
+def _is_cache(obj):
+    """Whether obj is a transformers cache (without importing transformers: only when its cache module is loaded)."""
+    module = sys.modules.get("transformers.cache_utils")
+    return module is not None and isinstance(obj, module.Cache)
+
+
+def _cache_layers(cache, what):
+    if type(cache).__name__ not in _CACHE_TYPES:
+        raise TypeError(
+            f"{what} is a {type(cache).__name__}, which DataParallel cannot split along the batch or gather back "
+            f"(its size is fixed when it is made); pass a {' or '.join(_CACHE_TYPES)} (the default cache of "
+            "generate()), or give the cache to a single device"
+        )
+    return [tuple(layer) for layer in cache]
+
+
+def _batch_major(item):
+    return isinstance(item, torch.Tensor) and item.dim() > 0
+
+
+def _scatter_cache(cache, devices, sizes):
+    """One cache per replica with its samples' keys and values (see NOTE [caches])."""
+    layers = _cache_layers(cache, "a cache argument")
+    if not layers:  # nothing cached yet: each replica starts its own
+        return [type(cache)([]) for _ in devices]
+    split = [[list(Scatter.apply(devices, sizes, 0, x)) if _batch_major(x) else None for x in layer]
+             for layer in layers]
+    count = min((len(parts) for layer in split for parts in layer if parts is not None), default=len(devices))
+    return [type(cache)([tuple(x if parts is None else parts[r] for x, parts in zip(layer, pieces))
+                         for layer, pieces in zip(layers, split)]) for r in range(count)]
+
+
+def _gather_cache(outputs, target, dim, path):
+    """The replicas' returned caches as one cache of the whole batch (see NOTE [caches])."""
+    out = outputs[0]
+    layers = []
+    for i, o in enumerate(outputs):
+        if type(o) is not type(out):
+            raise TypeError(f"Cannot gather {path}: replica 0 returned {_kind(out)} but replica {i} returned {_kind(o)}")
+        layers.append(_cache_layers(o, f"output {path}"))
+    gathered = []
+    for k, first in enumerate(layers[0]):
+        items = zip(*(replica[k] for replica in layers))
+        gathered.append(tuple(Gather.apply(target, 0, *xs) if _batch_major(xs[0]) else xs[0] for xs in items))
+    return type(out)(gathered)
 
 
 def _target_list(target_gpus):
@@ -140,6 +200,8 @@ def _gather_map(outputs, target, dim, path):
     for kinds, gather_kind in _GATHERERS:
         if isinstance(out, kinds):
             return gather_kind(outputs, target, dim, path)
+    if _is_cache(out):
+        return _gather_cache(outputs, target, dim, path)
     if _rebuildable(out):
         return _gather_iterable(outputs, target, dim, path)
     raise TypeError(

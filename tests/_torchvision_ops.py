@@ -4,12 +4,14 @@ build of torch, the pairing the package index offers for torch's pinned version)
 torchvision registers fake kernels for ``torchvision::nms`` and ``qnms`` at import, which fails when its own library
 did not define them, and transformers then fails to import any model that touches torchvision. Here the two
 schemas are defined with a host implementation of non-maximum suppression (greedy, by descending score, as
-torchvision's kernel); ``roi_align`` needs nothing, since torchvision falls back to its Python version. Both the
-bare model and the replicas run these same kernels, so the comparisons in the tests are unaffected.
+torchvision's kernel); for ``roi_align`` torchvision falls back to its Python version, which it would compile on
+first use (a minute on a 2-core machine), so it runs eagerly here. Both the bare model and the replicas run these
+same kernels, so the comparisons in the tests are unaffected.
 """
 
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -62,3 +64,5 @@ def install():
     import torchvision.extension
 
     torchvision.extension._has_ops = lambda: True  # torchvision.ops.nms asks it before calling the operator
+    fallback = sys.modules["torchvision.ops.roi_align"]
+    fallback._roi_align = getattr(fallback._roi_align, "__wrapped__", fallback._roi_align)

@@ -391,3 +391,36 @@ def test_cache_passed_in_is_split_and_the_returned_cache_gathered(kind):
         for a, b in zip(_cache_tensors(got.cache), _cache_tensors(expected.cache)):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
         expected_first, got_first = expected, got
+
+
+def _tiny_t5():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=31, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_decoder_layers=2,
+                                num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return transformers.T5ForConditionalGeneration(cfg).double()
+
+
+def test_encoder_decoder_cache_is_split_and_gathered():
+    bare = _tiny_t5()
+    dp = fastdp.DataParallel(copy.deepcopy(bare), device_ids=DEVICES)
+    g = torch.Generator().manual_seed(8)
+    src = torch.randint(1, 31, (7, 6), generator=g)
+    start = torch.zeros(7, 1, dtype=torch.long)
+    expected, got = bare(src, decoder_input_ids=start, use_cache=True), dp(src, decoder_input_ids=start, use_cache=True)
+    assert type(got.cache) is type(expected.cache)
+    for step in range(2):
+        nxt = torch.randint(1, 31, (7, 1), generator=g)
+        expected = bare(src, decoder_input_ids=nxt, cache=expected.cache, use_cache=True)
+        got = dp(src, decoder_input_ids=nxt, cache=got.cache, use_cache=True)
+        torch.testing.assert_close(got.logits, expected.logits, rtol=1e-10, atol=1e-12)
+        assert got.cache.get_seq_length() == expected.cache.get_seq_length() == 2 + step
+
+
+def test_a_fixed_size_cache_is_refused_with_the_fix():
+    transformers = pytest.importorskip("transformers")
+    model = _tiny_lm("llama")
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    dp = fastdp.DataParallel(model, device_ids=DEVICES)
+    with pytest.raises(TypeError, match=r"a cache argument is a StaticCache.*DynamicCache"):
+        dp(torch.randint(0, 31, (7, 3)), cache=cache, use_cache=True)

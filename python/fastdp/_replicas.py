@@ -61,6 +61,7 @@ from itertools import chain, repeat
 
 import torch
 from torch.autograd import Function
+from torch.nn.parameter import is_lazy
 
 from . import _devices, _hooks, comm
 from ._fallback import core as _C  # _C, with torch behind every data-moving call
@@ -102,6 +103,8 @@ def inference_made(network):
     """
     found = False
     for name, p in network.named_parameters():
+        if is_lazy(p):  # uninitialised: replication raises torch's own error for it
+            continue
         if p.is_inference():
             if p.requires_grad and torch.is_grad_enabled():
                 raise RuntimeError(
@@ -111,7 +114,7 @@ def inference_made(network):
                     "nn.Parameter(p.clone())))"
                 )
             found = True
-    return found or any(b.is_inference() for b in network.buffers())
+    return found or any(not is_lazy(b) and b.is_inference() for b in network.buffers())
 
 
 def check_replicatable(network):

@@ -221,12 +221,12 @@ def _gather_tensors(outputs, target, dim, path):
         unequal = _unequal_dimension(outputs, dim)
         if unequal is None:
             raise
-        raise ValueError(
+        raise RuntimeError(  # upstream's type, with what and where
             f"Cannot gather {path}: its size along dim {unequal} differs across replicas "
             f"({', '.join(str(o.size(unequal)) for o in outputs)}), so the replicas' tensors cannot be concatenated "
             f"along dim {dim}. An output whose size follows the replica's chunk in another dimension (a similarity "
             "matrix between the chunk's samples, as CLIP's logits_per_image) is not batch-major: return its "
-            "batch-major parts (the embeddings) and compute it from the gathered outputs, outside the wrapper"
+            f"batch-major parts (the embeddings) and compute it from the gathered outputs, outside the wrapper ({e})"
         ) from e
 
 

@@ -424,3 +424,56 @@ def test_a_fixed_size_cache_is_refused_with_the_fix():
     dp = fastdp.DataParallel(model, device_ids=DEVICES)
     with pytest.raises(TypeError, match=r"a cache argument is a StaticCache.*DynamicCache"):
         dp(torch.randint(0, 31, (7, 3)), cache=cache, use_cache=True)
+
+
+# ---- outputs that do not follow the batch --------------------------------------------------------------------------
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, num_layers=2, batch_first=True)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        return out, h
+
+
+class WithSummary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y, y.mean(0, keepdim=True)  # one row per replica, whatever its chunk
+
+
+def test_an_output_that_does_not_follow_the_chunks_warns_once_naming_it():
+    torch.manual_seed(0)
+    bare = WithSummary().double()
+    dp = fastdp.DataParallel(copy.deepcopy(bare), device_ids=DEVICES)
+    x = torch.randn(7, 3, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"output\[1\] has sizes \(1, 1, 1\) along dim 0 in the replicas, whose "
+                                         r"chunks have \(3, 3, 1\) samples"):
+        out, summary = dp(x)
+    torch.testing.assert_close(out, bare(x)[0], rtol=1e-10, atol=1e-12)  # the batch-major output is right
+    assert summary.shape == (3, 2)  # one row per replica, concatenated as upstream does
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dp(x)  # once per output
+
+
+def test_an_rnn_state_with_unequal_chunks_names_the_output():
+    dp = fastdp.DataParallel(Recurrent().double(), device_ids=DEVICES)
+    with pytest.raises(RuntimeError, match=r"Cannot gather output\[1\]: its size along dim 1 differs across "
+                                           r"replicas \(3, 3, 1\).*h_n.transpose\(0, 1\)"):
+        dp(torch.randn(7, 5, 3, dtype=torch.float64))
+
+
+def test_batch_major_outputs_do_not_warn():
+    dp = fastdp.DataParallel(nn.Linear(3, 2), device_ids=DEVICES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dp(torch.randn(7, 3))
+        dp(torch.randn(7, 4, 3)).flatten(0, 1)

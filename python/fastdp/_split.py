@@ -204,6 +204,12 @@ def _sizes_along(obj, dim, out):
     return out
 
 
+def batch_size(inputs, kwargs, dim):
+    """The size along dim of the first tensor scatter split into these arguments (one replica's chunk), or None."""
+    sizes = _sizes_along(kwargs, dim, _sizes_along(inputs, dim, []))
+    return sizes[0] if sizes else None
+
+
 def not_batch_major(inputs, kwargs, dim):
     """(path, size) of the tensors whose size along dim differs from the first tensor's (the batch), and the first
     (path, size); ([], None) when they all agree. Scatter splits them all along dim, as upstream does."""

@@ -19,7 +19,7 @@ from torch.nn.modules import Module
 from . import _devices, _idle_master, _launch, _replica_loss, _replicas, _split, sync_batchnorm
 from .parallel_apply import _HELD, parallel_apply
 from .replicate import is_compiled, replicate
-from .scatter_gather import gather, scatter_kwargs
+from .scatter_gather import gather, scatter_kwargs, unaligned_outputs
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -488,7 +488,7 @@ class DataParallel(_UPSTREAM):
         outputs = self._run_replicas(replicas, inputs, module_kwargs, devices, synced)
         if watch is not None:
             watch.copy_back()
-        return self._finish(rule, outputs, inputs)
+        return self._finish(rule, outputs, inputs, module_kwargs)
 
     def _check_and_scatter(self, inputs, kwargs, with_loss):
         """The split's per-forward work (one call into fastdp._split), then ``self.scatter``; a forward without
@@ -521,6 +521,26 @@ class DataParallel(_UPSTREAM):
                 f"fastdp.DataParallel: {path} has size {size} along dim {self.dim} but the batch has {first[1]} "
                 f"({first[0]}); it is split along dim {self.dim} like the batch, as upstream does, which is wrong "
                 f"for a tensor that is not batch-major (a (T, T) attention mask, a lookup table); {fix}",
+                stacklevel=2,
+            )
+
+    def _warn_unaligned(self, outputs, inputs, module_kwargs):
+        """Warns once per output whose sizes along dim do not follow the replicas' chunks (an RNN's
+        (layers, batch, hidden) state): gather concatenates it anyway, as upstream does."""
+        counts = [_split.batch_size(args, kwargs, self.dim) for args, kwargs in zip(inputs, module_kwargs)]
+        if None in counts or 0 in counts:
+            return
+        warned = self.__dict__.setdefault("_warned_unaligned", set())
+        for path, sizes in unaligned_outputs(outputs, counts, self.dim):
+            if path in warned:
+                continue
+            warned.add(path)
+            warnings.warn(
+                f"fastdp.DataParallel: {path} has sizes {tuple(sizes)} along dim {self.dim} in the replicas, whose "
+                f"chunks have {tuple(counts)} samples: it is not batch-major along dim {self.dim} (a per-replica "
+                "summary, a state of fixed size), and the gather concatenates it anyway, as upstream does, so its "
+                "entries do not follow the batch; return it batch-major (one entry per sample) or keep it out of "
+                "forward's output",
                 stacklevel=2,
             )
 
@@ -576,9 +596,11 @@ class DataParallel(_UPSTREAM):
             if synced is not None:
                 synced.end()
 
-    def _finish(self, rule, outputs, inputs):
+    def _finish(self, rule, outputs, inputs, module_kwargs):
         """The forward's one result: the gathered outputs, or the replicas' losses combined by ``rule``."""
         if rule is None:
+            if type(self).gather is DataParallel.gather and len(outputs) > 1:
+                self._warn_unaligned(outputs, inputs, module_kwargs)
             return self.gather(outputs, self.output_device)
         self._avoided_gather_bytes = sum(o[2] for o in outputs)
         device = _devices.CPU if self.output_device == -1 else self.output_device

@@ -224,9 +224,10 @@ def _gather_tensors(outputs, target, dim, path):
         raise RuntimeError(  # upstream's type, with what and where
             f"Cannot gather {path}: its size along dim {unequal} differs across replicas "
             f"({', '.join(str(o.size(unequal)) for o in outputs)}), so the replicas' tensors cannot be concatenated "
-            f"along dim {dim}. An output whose size follows the replica's chunk in another dimension (a similarity "
-            "matrix between the chunk's samples, as CLIP's logits_per_image) is not batch-major: return its "
-            f"batch-major parts (the embeddings) and compute it from the gathered outputs, outside the wrapper ({e})"
+            f"along dim {dim}. An output whose size follows the replica's chunk in another dimension (an RNN's "
+            "(layers, batch, hidden) state, a similarity matrix between the chunk's samples as CLIP's "
+            f"logits_per_image) is not batch-major along dim {dim}: return it batch-major (h_n.transpose(0, 1)), or "
+            f"return its batch-major parts (the embeddings) and compute it from the gathered outputs ({e})"
         ) from e
 
 
@@ -309,6 +310,29 @@ def _gather_iterable(outputs, target, dim, path):
             f"failed ({type(e).__name__}: {e}); upstream DataParallel rebuilds it the same way. Return tensors, "
             "tuples, lists or dicts from forward instead."
         ) from e
+
+
+def unaligned_outputs(outputs, counts, dim, path="output", found=None):
+    """(path, sizes along dim) of the replicas' output tensors whose sizes are not proportional to their chunks'
+    sample counts ``counts``: gathering concatenates them anyway, so their rows do not follow the batch. Walks what
+    gather walks (tensors in dicts, lists and tuples of one shape across replicas); anything else is gather's to
+    judge."""
+    found = [] if found is None else found
+    out = outputs[0]
+    if isinstance(out, torch.Tensor):
+        if out.dim() > 0 and all(isinstance(o, torch.Tensor) and o.dim() == out.dim() for o in outputs):
+            sizes = [o.size(dim) for o in outputs]
+            if any(n * counts[0] != sizes[0] * c for n, c in zip(sizes, counts)):
+                found.append((path, sizes))
+    elif isinstance(out, dict):
+        if all(isinstance(o, dict) and o.keys() == out.keys() for o in outputs):
+            for k in out:
+                unaligned_outputs([o[k] for o in outputs], counts, dim, f"{path}[{k!r}]", found)
+    elif isinstance(out, (tuple, list)):
+        if all(isinstance(o, (tuple, list)) and len(o) == len(out) for o in outputs):
+            for k in range(len(out)):
+                unaligned_outputs([o[k] for o in outputs], counts, dim, f"{path}[{k}]", found)
+    return found
 
 
 def gather(outputs, target_device, dim=0):

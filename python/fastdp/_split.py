@@ -206,6 +206,8 @@ def _sizes_along(obj, dim, out):
 
 def batch_size(inputs, kwargs, dim):
     """The size along dim of the first tensor scatter split into these arguments (one replica's chunk), or None."""
+    if inputs and type(inputs[0]) is torch.Tensor and 0 <= dim < inputs[0].dim():  # the common case, at once
+        return inputs[0].shape[dim]
     sizes = _sizes_along(kwargs, dim, _sizes_along(inputs, dim, []))
     return sizes[0] if sizes else None
 
@@ -213,6 +215,9 @@ def batch_size(inputs, kwargs, dim):
 def not_batch_major(inputs, kwargs, dim):
     """(path, size) of the tensors whose size along dim differs from the first tensor's (the batch), and the first
     (path, size); ([], None) when they all agree. Scatter splits them all along dim, as upstream does."""
+    if not kwargs and len(inputs) < 2:  # one argument: a single tensor agrees with itself
+        if not inputs or type(inputs[0]) is torch.Tensor:
+            return [], None
     sizes = _sizes_along(kwargs, dim, _sizes_along(inputs, dim, []))
     if len(sizes) < 2 or all(n == sizes[0] for n in sizes):
         return [], None

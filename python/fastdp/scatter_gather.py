@@ -317,8 +317,15 @@ def unaligned_outputs(outputs, counts, dim, path="output", found=None):
     sample counts ``counts``: gathering concatenates them anyway, so their rows do not follow the batch. Walks what
     gather walks (tensors in dicts, lists and tuples of one shape across replicas); anything else is gather's to
     judge."""
-    found = [] if found is None else found
     out = outputs[0]
+    if found is None and type(out) is torch.Tensor and all(type(o) is torch.Tensor for o in outputs):
+        # A single tensor output, the common case, checked at once.
+        if out.dim() == 0 or any(o.dim() != out.dim() for o in outputs):
+            return []
+        first = out.size(dim)
+        if all(o.size(dim) * counts[0] == first * c for o, c in zip(outputs, counts)):
+            return []
+    found = [] if found is None else found
     if isinstance(out, torch.Tensor):
         if out.dim() > 0 and all(isinstance(o, torch.Tensor) and o.dim() == out.dim() for o in outputs):
             sizes = [o.size(dim) for o in outputs]

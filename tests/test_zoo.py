@@ -228,8 +228,8 @@ class Detections(nn.Module):
 
 
 def _detector():
-    det = _tv("detection.fasterrcnn_mobilenet_v3_large_fpn", weights_backbone=None, num_classes=3, min_size=64, max_size=64,
-              box_score_thresh=0.0, rpn_pre_nms_top_n_test=20, rpn_post_nms_top_n_test=4)
+    det = _tv("detection.fasterrcnn_mobilenet_v3_large_fpn", weights_backbone=None, num_classes=3, min_size=64,
+              max_size=64, box_score_thresh=0.0, rpn_pre_nms_top_n_test=20, rpn_post_nms_top_n_test=4)
     return Detections(det.eval())
 
 

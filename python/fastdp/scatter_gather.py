@@ -132,7 +132,9 @@ def _gather_cache(outputs, target, dim, path):
     layers = []
     for i, o in enumerate(outputs):
         if type(o) is not type(out):
-            raise TypeError(f"Cannot gather {path}: replica 0 returned {_kind(out)} but replica {i} returned {_kind(o)}")
+            raise TypeError(
+                f"Cannot gather {path}: replica 0 returned {_kind(out)} but replica {i} returned {_kind(o)}"
+            )
         layers.append(_cache_layers(o, f"output {path}"))
     gathered = []
     for k, first in enumerate(layers[0]):

@@ -19,8 +19,9 @@ __all__ = ["convert_sync_batchnorm"]
 
 # NOTE [synced layers]: for one forward the wrapper opens a _Session over the replicas it runs. Each replica's
 # SyncBatchNorm layers get, for that forward, a class whose SyncBatchNorm.forward (_SyncedLayer; a subclass's own
-# forward still runs around it) that meets the other replicas' calls of the same layer at a rendezvous (one per
-# layer and call number); end() gives the layers their own class back. The last replica to arrive runs one autograd node (_SyncNorm) over every replica's input: per-replica
+# forward still runs around it) meets the other replicas' calls of the same layer at a rendezvous (one per layer and
+# call number); end() gives the layers their own class back. The last replica to arrive runs one autograd node
+# (_SyncNorm) over every replica's input: per-replica
 # mean and variance (torch's batch-norm statistics kernel) are gathered onto device_ids[0] through fastdp.comm,
 # combined there (Chan's formula, float64, each replica weighted by its count, so uneven chunk sizes give the
 # full-batch result) and broadcast back; the node's backward sees every replica's gradient at once, sums

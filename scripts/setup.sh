@@ -21,12 +21,19 @@ FASTDP_WERROR=${FASTDP_WERROR:-1} "$VPY" -m pip install -q --no-build-isolation 
 if ! "$VPY" -c "import sys; from fastdp import _C; sys.exit(not _C.kernels_info()['nvrtc_version'][0])" >/dev/null 2>&1; then
   "$VPY" -m pip install -q nvidia-cuda-nvrtc==13.0.88 || echo "setup.sh: nvidia-cuda-nvrtc not installed; NVRTC tests will skip" >&2
 fi
-# transformers for tests/test_transformers.py, pinned, installed after torch so pip keeps torch as it is (the tests
-# skip where no index has it). --no-deps would not do: it needs its own small dependencies (tokenizers,
-# safetensors, huggingface-hub); torch is not among them, and the check below says so if that ever changes.
-if need transformers; then
-  before=$("$VPY" -c "import torch; print(torch.__version__)")
-  "$VPY" -m pip install -q transformers==5.24.0 || echo "setup.sh: transformers not installed; its tests will skip" >&2
-  after=$("$VPY" -c "import torch; print(torch.__version__)")
-  if [ "$before" != "$after" ]; then echo "setup.sh: installing transformers changed torch $before -> $after" >&2; exit 1; fi
-fi
+# Third-party models for tests/test_transformers.py and the zoo (tests/test_zoo.py), pinned, installed after torch so
+# pip keeps torch as it is (their tests skip where no index has them). --no-deps would not do: they need their own
+# small dependencies (tokenizers, safetensors, huggingface-hub, pillow); torchvision 0.28.0 requires exactly torch
+# 2.13.0, which the CPU build satisfies; the check below stops the set-up if an install changed torch anyway.
+pinned() {  # pinned MODULE PACKAGE==VERSION (installed, not imported: torchvision's CUDA build imports only under
+  # the tests' stand-in for its operators, tests/_torchvision_ops.py)
+  if ! "$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" >/dev/null 2>&1; then
+    before=$("$VPY" -c "import torch; print(torch.__version__)")
+    "$VPY" -m pip install -q "$2" || echo "setup.sh: $2 not installed; its tests will skip" >&2
+    after=$("$VPY" -c "import torch; print(torch.__version__)")
+    if [ "$before" != "$after" ]; then echo "setup.sh: installing $2 changed torch $before -> $after" >&2; exit 1; fi
+  fi
+}
+pinned transformers transformers==5.24.0
+pinned torchvision torchvision==0.28.0
+pinned timm timm==1.0.31

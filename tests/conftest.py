@@ -2,6 +2,10 @@
 
 import pytest
 
+import _torchvision_ops
+
+_torchvision_ops.install()  # before any test imports torchvision or transformers
+
 
 def _cuda_count():
     import torch

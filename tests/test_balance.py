@@ -296,7 +296,7 @@ def _regression_target(y, x):
 
 
 class _LogSoftmaxNLL(nn.NLLLoss):
-    """NLLLoss on logits: the ratio rule holds for NLLLoss subclasses with class weights too."""
+    """NLLLoss on logits: a subclass goes through the gathered output, and equals the bare loss with class weights."""
 
     def forward(self, input, target):
         return super().forward(F.log_softmax(input, 1), target)
@@ -380,7 +380,8 @@ def test_target_must_match_the_batch_and_criterion_must_be_callable():
     with pytest.raises(TypeError) as info:
         fastdp.DataParallel(net(), device_ids=["cpu"] * R, criterion="ce")
     assert str(info.value) == "criterion must be callable (e.g. nn.CrossEntropyLoss()), got str"
-    bad = fastdp.DataParallel(net(), device_ids=["cpu"] * R, criterion=lambda out, t: out.sum(1))
+    bad = fastdp.DataParallel(net(), device_ids=["cpu"] * R, criterion=lambda out, t: out.sum(1),
+                              criterion_reduction="mean")
     first = len(x.chunk(R)[0])  # replica 0's chunk under torch.chunk's rule
     with pytest.raises(ValueError) as info:
         bad(x, target=y)

@@ -512,8 +512,10 @@ def test_outputs_of_different_shapes_cannot_be_gathered():
     with pytest.raises(RuntimeError) as info:  # the core's check (comm), with the shapes it compared
         fastdp.DataParallel(Returns(lambda x: x[:, : int(x[0, 0])]), device_ids=ids("cpu", 2))(x)
     shapes = [list(x[:2, :int(x[0, 0])].shape), list(x[2:, :int(x[2, 0])].shape)]
-    assert str(info.value) == (f"Input tensor at index 1 has invalid shape {shapes[1]}, but expected {shapes[0]} "
-                               "(all dimensions but 0 must match input 0)")
+    # Upstream's type; the message names the output and the sizes, then gives the core's text.
+    assert str(info.value).startswith("Cannot gather output: its size along dim 1 differs across replicas (0, 1)")
+    assert str(info.value).endswith(f"(Input tensor at index 1 has invalid shape {shapes[1]}, but expected "
+                                    f"{shapes[0]} (all dimensions but 0 must match input 0))")
 
 
 def test_gather_of_none_is_none():

@@ -5,15 +5,45 @@ The weights of the combination make it equal the full-batch loss, so the gradien
 outputs gathered and the criterion run once; only the scalars travel to the output device.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 
 from ._functions import Gather
 from .replicate import replicate
 
-__all__ = ["loss_rule", "criterion_replicas", "ReplicaLoss", "pair", "combine"]
+__all__ = ["loss_rule", "check_declared", "PerReplicaLoss", "criterion_replicas", "ReplicaLoss", "pair", "combine"]
 
-_RATIO = (nn.CrossEntropyLoss, nn.NLLLoss)
+# torch's own losses whose full-batch value the replicas' values give exactly, by exact type: a subclass (or any other
+# callable) may count differently from what the target's chunks show, e.g. shift the labels of a causal LM, so it
+# goes through the gathered output unless the user declares it decomposable (``criterion_reduction``).
+_ELEMENTWISE = frozenset({nn.L1Loss, nn.MSELoss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss, nn.BCEWithLogitsLoss,
+                          nn.KLDivLoss, nn.PoissonNLLLoss, nn.SoftMarginLoss, nn.MultiLabelSoftMarginLoss,
+                          nn.MultiLabelMarginLoss, nn.MultiMarginLoss, nn.HingeEmbeddingLoss})
+_CLASS_INDEX = frozenset({nn.CrossEntropyLoss, nn.NLLLoss})  # mean over the counted targets' class weights
+DECLARED = ("mean", "sum")
+
+
+def check_declared(criterion_reduction, criterion):
+    """The constructor's ``criterion_reduction``: None, or how a decomposable criterion's chunk losses combine."""
+    if criterion_reduction is None:
+        return
+    if criterion_reduction not in DECLARED:
+        raise ValueError(
+            f"criterion_reduction must be None, 'mean' or 'sum', got {criterion_reduction!r}: 'mean' declares that "
+            "the criterion on the full batch equals its values on the chunks weighted by their share of the batch, "
+            "'sum' that it equals their sum"
+        )
+    if criterion is None:
+        raise ValueError("criterion_reduction declares how the criterion combines; pass criterion= with it")
+
+
+class PerReplicaLoss(NamedTuple):
+    """A forward's loss computed on the replicas: the criterion and how its chunk losses combine (``loss_rule``)."""
+
+    criterion: object
+    rule: str
 
 
 def _first_tensor(obj):
@@ -42,29 +72,42 @@ def _tensor_bytes(obj):
     return 0
 
 
-def loss_rule(criterion, target, dim):
-    """How the replicas' losses combine into the full-batch loss: "sum", "mean", "ratio" or "none".
+def loss_rule(criterion, target, dim, declared=None):
+    """How the replicas' losses combine into the full-batch loss: "sum", "mean", "ratio" or "none"; None when only
+    the criterion on the gathered output gives the bare model's loss.
 
-    "mean" weights each replica's loss by its chunk's share of the batch. "ratio" is for CrossEntropyLoss and
-    NLLLoss with class-index targets, whose mean divides by the summed class weights of the targets that are not
-    ``ignore_index``: each replica returns its sum and that denominator, and the total is sum / denominator.
+    ``declared`` (the user's ``criterion_reduction``) wins. Otherwise only torch's own loss classes, by exact type,
+    are combined: "mean" weights each replica's loss by its chunk's share of the batch; "ratio" is for
+    CrossEntropyLoss and NLLLoss with class-index targets, whose mean divides by the summed class weights of the
+    targets that are not ``ignore_index`` (label smoothing shares that denominator): each replica returns its sum
+    and that denominator, and the total is sum / denominator.
     """
-    reduction = getattr(criterion, "reduction", "mean")
-    if reduction == "sum":
-        return "sum"
-    if reduction == "none":
-        return "none"
+    if declared is not None:
+        return declared
+    kind = type(criterion)
+    if kind not in _ELEMENTWISE and kind not in _CLASS_INDEX:
+        return None
+    t = _first_tensor(target)
+    if t is None or _weight_varies_along(criterion, t, dim):
+        return None
+    reduction = criterion.reduction
+    if reduction in ("sum", "none"):
+        return reduction
     if reduction == "batchmean":  # KLDivLoss: the sum over the chunk divided by its size along dim 0
         return "mean" if dim == 0 else "sum"
     if reduction == "mean":
-        t = _first_tensor(target)
-        if isinstance(criterion, _RATIO) and t is not None and not t.is_floating_point():
-            return "ratio"
-        return "mean"
-    raise ValueError(
-        f"criterion.reduction is {reduction!r}; fastdp combines per-replica losses for 'mean', 'sum', 'batchmean' "
-        "and 'none'"
-    )
+        return "ratio" if kind in _CLASS_INDEX and not t.is_floating_point() else "mean"
+    return None  # torch's own error, from the criterion on the gathered output
+
+
+def _weight_varies_along(criterion, target, dim):
+    """Whether an element weight (BCELoss's ``weight``) differs along the split dimension: each chunk would need its
+    own slice of it."""
+    weight = getattr(criterion, "weight", None)
+    if type(criterion) not in (nn.BCELoss, nn.BCEWithLogitsLoss) or not isinstance(weight, torch.Tensor):
+        return False
+    axis = dim - (target.dim() - weight.dim())  # weight broadcasts from the trailing dimensions
+    return 0 <= axis < weight.dim() and weight.size(axis) != 1
 
 
 def criterion_replicas(criterion, devices, rule):
@@ -139,10 +182,8 @@ def combine(results, targets, rule, dim, device, gather):
     return _scalars_to([loss * (c / total) for loss, c in zip(losses, counts)], device).sum()
 
 
-def pair(replicas, criterion, devices, target, dim):
-    """(the replicas as the ReplicaLoss their workers run, the rule that combines their losses): each replica gets
-    its own copy of the criterion (``criterion_replicas``); ``devices`` are the replicas' devices and ``target``
-    the first running chunk's target (its dtype decides the rule)."""
-    rule = loss_rule(criterion, target, dim)
-    copies = criterion_replicas(criterion, devices, rule)
-    return [ReplicaLoss(r, c, rule) for r, c in zip(replicas, copies)], rule
+def pair(replicas, loss, devices):
+    """The replicas as the ReplicaLoss their workers run: each replica gets its own copy of the criterion
+    (``criterion_replicas``); ``loss`` is the forward's PerReplicaLoss, ``devices`` the replicas' devices."""
+    copies = criterion_replicas(loss.criterion, devices, loss.rule)
+    return [ReplicaLoss(r, c, loss.rule) for r, c in zip(replicas, copies)]

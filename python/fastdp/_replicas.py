@@ -61,6 +61,7 @@ from itertools import chain, repeat
 
 import torch
 from torch.autograd import Function
+from torch.nn.parameter import is_lazy
 
 from . import _devices, _hooks, _streams, comm
 from ._fallback import core as _C  # _C, with torch behind every data-moving call
@@ -91,6 +92,29 @@ def persistable(network):
         if isinstance(m, torch.jit.ScriptModule) or type(m)._replicate_for_data_parallel not in standard:
             return False
     return True
+
+
+def inference_made(network):
+    """Whether a parameter or buffer was made under ``torch.inference_mode`` (a model materialised for serving).
+
+    Such tensors have no version counter, which kept replicas track, so they are replicated afresh every forward as
+    upstream does. Training them is refused here, naming the tensor: the bare model fails in backward ("Inference
+    tensors cannot be saved for backward") or, with a single layer, silently leaves ``.grad`` None.
+    """
+    found = False
+    for name, p in network.named_parameters():
+        if is_lazy(p):  # uninitialised: replication raises torch's own error for it
+            continue
+        if p.is_inference():
+            if p.requires_grad and torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"parameter {name!r} was created under torch.inference_mode(), and inference tensors cannot be "
+                    "trained: run the forward under torch.inference_mode() or torch.no_grad(), or, to train, clone "
+                    "the parameters outside inference mode (for each: setattr(module, name, "
+                    "nn.Parameter(p.clone())))"
+                )
+            found = True
+    return found or any(not is_lazy(b) and b.is_inference() for b in network.buffers())
 
 
 def check_replicatable(network):

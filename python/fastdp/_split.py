@@ -11,6 +11,7 @@ import statistics
 from fractions import Fraction
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from . import _devices
 
@@ -170,20 +171,58 @@ def _list_rule(spec, ndev):
 
 
 def _leaf_sizes(obj, dim, path, out):
-    """(path, size along dim) of every tensor leaf that scatter splits, in scatter's recursion order."""
+    """(path, size along dim) of every tensor leaf that scatter splits, in scatter's recursion order (a
+    PackedSequence is refused by scatter, with its own message)."""
     if isinstance(obj, torch.Tensor):
         if obj.dim() > 0:
             d = dim + obj.dim() if dim < 0 else dim
             if 0 <= d < obj.dim():
                 out.append((path, obj.shape[d]))
         return out
-    if isinstance(obj, (tuple, list)):
+    if isinstance(obj, (tuple, list)) and not isinstance(obj, PackedSequence):
         for i, x in enumerate(obj):
             _leaf_sizes(x, dim, f"{path}[{i}]", out)
     elif isinstance(obj, dict):
         for k, v in obj.items():
             _leaf_sizes(v, dim, f"{path}[{k!r}]", out)
     return out
+
+
+def _sizes_along(obj, dim, out):
+    """_leaf_sizes without the paths (the per-forward check; paths are built only when sizes disagree)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() > 0:
+            d = dim + obj.dim() if dim < 0 else dim
+            if 0 <= d < obj.dim():
+                out.append(obj.shape[d])
+    elif isinstance(obj, (tuple, list)) and not isinstance(obj, PackedSequence):
+        for x in obj:
+            _sizes_along(x, dim, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _sizes_along(x, dim, out)
+    return out
+
+
+def batch_size(inputs, kwargs, dim):
+    """The size along dim of the first tensor scatter split into these arguments (one replica's chunk), or None."""
+    if inputs and type(inputs[0]) is torch.Tensor and 0 <= dim < inputs[0].dim():  # the common case, at once
+        return inputs[0].shape[dim]
+    sizes = _sizes_along(kwargs, dim, _sizes_along(inputs, dim, []))
+    return sizes[0] if sizes else None
+
+
+def not_batch_major(inputs, kwargs, dim):
+    """(path, size) of the tensors whose size along dim differs from the first tensor's (the batch), and the first
+    (path, size); ([], None) when they all agree. Scatter splits them all along dim, as upstream does."""
+    if not kwargs and len(inputs) < 2:  # one argument: a single tensor agrees with itself
+        if not inputs or type(inputs[0]) is torch.Tensor:
+            return [], None
+    sizes = _sizes_along(kwargs, dim, _sizes_along(inputs, dim, []))
+    if len(sizes) < 2 or all(n == sizes[0] for n in sizes):
+        return [], None
+    leaves = _leaf_sizes(kwargs, dim, "kwargs", _leaf_sizes(inputs, dim, "input", []))
+    return [(p, n) for p, n in leaves if n != leaves[0][1]], leaves[0]
 
 
 def _one_batch(leaves, dim, why):

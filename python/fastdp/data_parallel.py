@@ -7,6 +7,7 @@ both forms; attributes the wrapper lacks are read from the wrapped module.
 """
 
 import contextlib
+import importlib
 import threading
 import warnings
 from collections import OrderedDict
@@ -18,7 +19,7 @@ from torch.nn.modules import Module
 from . import _devices, _idle_master, _launch, _replica_loss, _replicas, _split, _streams, sync_batchnorm
 from .parallel_apply import _HELD, parallel_apply
 from .replicate import is_compiled, replicate
-from .scatter_gather import gather, scatter_kwargs
+from .scatter_gather import gather, scatter_kwargs, unaligned_outputs
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -60,6 +61,34 @@ def _require_indexable(device_ids):
             f"device_ids must be a list or tuple of devices (DataParallel reads device_ids[0]), got "
             f"{type(device_ids).__name__} {device_ids!r}"
         )
+
+
+def _whole_on(values, device):
+    """Keyword arguments given whole to a replica on ``device`` (tensors copied there, differentiably)."""
+    if _devices.is_cpu(device):
+        return values
+    target = _devices.torch_device(device)
+
+    def move(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj.to(target)
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(move(x) for x in obj)
+        if isinstance(obj, dict):
+            return type(obj)((k, move(v)) for k, v in obj.items())
+        return obj
+
+    return {k: move(v) for k, v in values.items()}
+
+
+def _check_broadcast(broadcast):
+    if broadcast is None:
+        return frozenset()
+    if isinstance(broadcast, str) or not all(isinstance(n, str) for n in broadcast):
+        raise TypeError(
+            f"broadcast must be a tuple of keyword argument names, e.g. broadcast=('tgt_mask',), got {broadcast!r}"
+        )
+    return frozenset(broadcast)
 
 
 def _is_host_index(d):
@@ -239,12 +268,12 @@ def _compile_boundary(fn):
     return disable(fn, recursive=True) if disable is not None else fn
 
 
-def _run_single(module, args, kwargs, criterion):
+def _run_single(module, args, kwargs, loss):
     """One device: the module on its one chunk (and the criterion on the target, the last argument)."""
-    if criterion is None:
+    if loss is None:
         return module(*args, **kwargs)
     *args, target = args
-    return criterion(module(*args, **kwargs), target)
+    return loss.criterion(module(*args, **kwargs), target)
 
 
 class _Plan:
@@ -291,7 +320,16 @@ def _choose_class(cls, mode):
     return distributed
 
 
-class DataParallel(Module):
+# NOTE [nn.DataParallel subclass]: training scripts, accelerate, transformers and checkpoint helpers unwrap with
+# ``isinstance(model, torch.nn.DataParallel)``; that holds because fastdp's class derives from torch's. Only the
+# relation is inherited: torch's constructor never runs (Module's does) and fastdp defines every method torch's class
+# has; _detach_from_upstream below makes any other member torch's class defines resolve to Module's, so a method
+# torch adds to its class later never runs on a fastdp wrapper. A metaclass ``__instancecheck__`` cannot do this:
+# the check is answered by torch's class's metaclass, which fastdp does not own.
+_UPSTREAM = importlib.import_module("torch.nn.parallel.data_parallel").DataParallel  # read before any patch()
+
+
+class DataParallel(_UPSTREAM):
     """Implements data parallelism at the module level, like ``torch.nn.DataParallel``.
 
     The batch is split along ``dim`` across ``device_ids``, the module is replicated on each device for every
@@ -319,16 +357,21 @@ class DataParallel(Module):
             DataParallel._launch_class = cls
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="auto", bucket_cap_mb=25,
-                 chunk_sizes=None, criterion=None):
+                 chunk_sizes=None, criterion=None, criterion_reduction=None, broadcast=None):
         # mode: see __new__. bucket_cap_mb: size of the gradient buckets, each reduced as soon as it is ready.
         # chunk_sizes: how the batch is split (docs/balance.md); None is upstream's torch.chunk rule.
-        # criterion: with it, dp(x, target=y) returns the loss, computed on each replica (docs/balance.md).
-        super().__init__()
+        # criterion: with it, dp(x, target=y) returns the loss, computed on each replica where that is exact
+        # (docs/balance.md); criterion_reduction declares another criterion decomposable ("mean" or "sum").
+        # broadcast: names of keyword arguments every replica gets whole instead of split (docs/data_parallel.md).
+        Module.__init__(self)  # not torch.nn.DataParallel's (see NOTE [nn.DataParallel subclass])
         _require_module(module, "DataParallel")
         if criterion is not None and not callable(criterion):
             raise TypeError(f"criterion must be callable (e.g. nn.CrossEntropyLoss()), got {type(criterion).__name__}")
         # Kept out of the module tree (not a submodule): the wrapper's state_dict and parameters stay the model's.
+        _replica_loss.check_declared(criterion_reduction, criterion)
         self.__dict__["_criterion"] = criterion
+        self._criterion_reduction = criterion_reduction
+        self._broadcast = _check_broadcast(broadcast)
         self._split = None  # the chunk_sizes rule (fastdp._split), None for torch.chunk's
         self._last_chunk_sizes = None  # per-device sizes of the last forward's split (None: torch.chunk's rule)
         self._replica_positions = None  # device_ids positions of the devices last replicated to
@@ -371,16 +414,15 @@ class DataParallel(Module):
         try:
             if _profiler_flag() or _profiler_enabled():
                 with torch.autograd.profiler.record_function("DataParallel.forward"):
-                    return self._forward_body(inputs, kwargs)
-            return self._forward_body(inputs, kwargs)
+                    return self._forward_body(inputs, kwargs, self.__dict__.get("_criterion"))
+            return self._forward_body(inputs, kwargs, self.__dict__.get("_criterion"))
         except BaseException:
             # An interrupt can land inside a grad-mode switch (torch.no_grad().__enter__ after the mode changed),
             # which would leave the caller's thread without autograd: the caller's mode is put back.
             torch.set_grad_enabled(grad_enabled)
             raise
 
-    def _forward_body(self, inputs, kwargs):
-        criterion = self.__dict__.get("_criterion")
+    def _forward_body(self, inputs, kwargs, criterion):
         with_loss = criterion is not None and "target" in kwargs
         if with_loss:  # the criterion's target, split like the inputs (the last positional input); the model never
             kwargs = dict(kwargs)  # sees it
@@ -389,6 +431,13 @@ class DataParallel(Module):
             if with_loss:
                 return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1])
             return self.module(*inputs, **kwargs)
+        loss = None
+        if with_loss:
+            rule = _replica_loss.loss_rule(criterion, inputs[-1], self.dim, self.__dict__.get("_criterion_reduction"))
+            if rule is None:  # not decomposable: the criterion on the gathered output, as upstream computes it
+                self._avoided_gather_bytes = 0
+                return criterion(self._forward_body(inputs[:-1], kwargs, None), inputs[-1])
+            loss = _replica_loss.PerReplicaLoss(criterion, rule)
         module = self._modules["module"]  # not self.module: Module.__getattr__ costs about 1 µs per read
         _check_module_device(module, self.src_device_obj)
         if (len(self.device_ids) == 1 and not with_loss and type(self).scatter is DataParallel.scatter
@@ -398,22 +447,22 @@ class DataParallel(Module):
             return module(*inputs, **kwargs)
         if self.src_device_obj.type == "cuda":
             _streams.refuse_capture("fastdp.DataParallel's forward over several devices")
-        return self._forward_held(inputs, kwargs, criterion if with_loss else None)
+        return self._forward_held(inputs, kwargs, loss)
 
-    def _forward_held(self, inputs, kwargs, criterion):
+    def _forward_held(self, inputs, kwargs, loss):
         """_forward, holding this wrapper's kept replicas for the call (or replicating afresh when re-entered)."""
         lock = self.__dict__.get("_forward_lock")
         if lock is None or self.__dict__.get("_is_replica"):
             # A replica of a wrapper (nested wrappers): its per-call state lives in its own __dict__, and its
             # replicas are built fresh (replicate below), so it shares nothing with other threads.
-            return self._forward(inputs, kwargs, criterion)
+            return self._forward(inputs, kwargs, loss)
         held = _HELD
         if id(self) in held.wrappers:
             # Re-entered from inside its own forward (this thread or a replica's worker): the kept replicas
             # are in use by the outer call, so this call replicates afresh and takes no lock.
             _FRESH.ids = getattr(_FRESH, "ids", frozenset()) | {id(self)}
             try:
-                return self._forward(inputs, kwargs, criterion)
+                return self._forward(inputs, kwargs, loss)
             finally:
                 _FRESH.ids = _FRESH.ids - {id(self)}
         # Another thread's forward may be running: the kept replicas and the per-call attributes are used by
@@ -422,32 +471,85 @@ class DataParallel(Module):
             outer = held.wrappers
             held.wrappers = outer | {id(self)}
             try:
-                return self._forward(inputs, kwargs, criterion)
+                return self._forward(inputs, kwargs, loss)
             finally:
                 held.wrappers = outer
 
-    def _forward(self, inputs, kwargs, criterion):
+    def _forward(self, inputs, kwargs, loss):
         """The multi-replica spine: check -> scatter -> replicate -> parallel_apply -> gather (or combine the losses).
 
-        ``criterion`` is None, or the per-replica loss's, whose target is the last of ``inputs``.
+        ``loss`` is None, or the _replica_loss.PerReplicaLoss computed on the replicas, whose target is the last of
+        ``inputs``.
         """
-        inputs, module_kwargs = self._check_and_scatter(inputs, kwargs, criterion is not None)
+        inputs, module_kwargs = self._check_and_scatter(inputs, kwargs, loss is not None)
         if len(self.device_ids) == 1:
-            return _run_single(self.module, inputs[0], module_kwargs[0], criterion)
-        plan = _Plan(self._last_chunk_sizes, len(inputs), criterion is not None)
+            return _run_single(self.module, inputs[0], module_kwargs[0], loss)
+        plan = _Plan(self._last_chunk_sizes, len(inputs), loss is not None)
         inputs, module_kwargs = plan.keep(inputs), plan.keep(module_kwargs)
-        replicas, devices, watch, rule, synced = self._replicas_for(plan, criterion, inputs[0])
+        replicas, devices, watch, rule, synced = self._replicas_for(plan, loss)
         outputs = self._run_replicas(replicas, inputs, module_kwargs, devices, synced)
         split = self.__dict__.get("_split")
         if isinstance(split, _split.AutoSplit) and torch.is_grad_enabled() and self.module.training:
             split.sample()  # the step's activations are alive now: "auto" notes the memory they take
         if watch is not None:
             watch.copy_back()
-        return self._finish(rule, outputs, inputs)
+        return self._finish(rule, outputs, inputs, module_kwargs)
 
     def _check_and_scatter(self, inputs, kwargs, with_loss):
         """The split's per-forward work (one call into fastdp._split), then ``self.scatter``; a forward without
-        inputs still runs once, on device_ids[0]."""
+        inputs still runs once, on device_ids[0]. Keyword arguments named in ``broadcast`` skip the split: every
+        replica gets them whole."""
+        whole = None
+        names = self.__dict__.get("_broadcast")
+        if names and kwargs:
+            whole = {k: v for k, v in kwargs.items() if k in names}
+            kwargs = {k: v for k, v in kwargs.items() if k not in names}
+        self._warn_not_batch_major(inputs[:-1] if with_loss else inputs, kwargs)
+        inputs, module_kwargs = self._scatter_checked(inputs, kwargs, with_loss)
+        if whole:
+            module_kwargs = tuple({**kw, **_whole_on(whole, self.device_ids[i])} for i, kw in enumerate(module_kwargs))
+        return inputs, module_kwargs
+
+    def _warn_not_batch_major(self, inputs, kwargs):
+        """Warns once per argument whose size along dim differs from the batch's: scatter splits it anyway."""
+        odd, first = _split.not_batch_major(inputs, kwargs, self.dim)
+        warned = self.__dict__.setdefault("_warned_not_batch_major", set()) if odd else ()
+        for path, size in odd:
+            if path in warned:
+                continue
+            warned.add(path)
+            name = path[len("kwargs['"):-2] if path.startswith("kwargs[") and path.count("[") == 1 else None
+            fix = (f"pass broadcast=({name!r},) to DataParallel to give it whole to every replica" if name else
+                   "pass it as a keyword argument named in DataParallel's broadcast=(...) to give it whole to every "
+                   "replica")
+            warnings.warn(
+                f"fastdp.DataParallel: {path} has size {size} along dim {self.dim} but the batch has {first[1]} "
+                f"({first[0]}); it is split along dim {self.dim} like the batch, as upstream does, which is wrong "
+                f"for a tensor that is not batch-major (a (T, T) attention mask, a lookup table); {fix}",
+                stacklevel=2,
+            )
+
+    def _warn_unaligned(self, outputs, inputs, module_kwargs):
+        """Warns once per output whose sizes along dim do not follow the replicas' chunks (an RNN's
+        (layers, batch, hidden) state): gather concatenates it anyway, as upstream does."""
+        counts = [_split.batch_size(args, kwargs, self.dim) for args, kwargs in zip(inputs, module_kwargs)]
+        if None in counts or 0 in counts:
+            return
+        warned = self.__dict__.setdefault("_warned_unaligned", set())
+        for path, sizes in unaligned_outputs(outputs, counts, self.dim):
+            if path in warned:
+                continue
+            warned.add(path)
+            warnings.warn(
+                f"fastdp.DataParallel: {path} has sizes {tuple(sizes)} along dim {self.dim} in the replicas, whose "
+                f"chunks have {tuple(counts)} samples: it is not batch-major along dim {self.dim} (a per-replica "
+                "summary, a state of fixed size), and the gather concatenates it anyway, as upstream does, so its "
+                "entries do not follow the batch; return it batch-major (one entry per sample) or keep it out of "
+                "forward's output",
+                stacklevel=2,
+            )
+
+    def _scatter_checked(self, inputs, kwargs, with_loss):
         rule = self.__dict__.get("_split")
         # Else an override (a subclass's, or one set on the instance) is called, and its super().scatter asks for
         # the sizes itself.
@@ -465,12 +567,11 @@ class DataParallel(Module):
             return ((),), ({},)
         return inputs, module_kwargs
 
-    def _replicas_for(self, plan, criterion, first_args):
+    def _replicas_for(self, plan, loss):
         """(what parallel_apply runs, their devices, the idle master's BufferWatch or None, the loss rule or None,
         the SyncBatchNorm session or None):
         ``self.replicate`` onto the plan's devices, without the master's own replica when device 0 runs no chunk;
-        with a criterion, each replica paired with its criterion copy (``first_args``: the first running chunk's
-        arguments, whose last is its target)."""
+        with a per-replica ``loss``, each replica paired with its criterion copy."""
         devices = [self.device_ids[i] for i in plan.positions]
         self._replica_positions = plan.positions
         replicas = self.replicate(self.module, devices)
@@ -479,8 +580,8 @@ class DataParallel(Module):
         # None: no SyncBatchNorm layer to synchronise (see NOTE [synced layers] in sync_batchnorm.py)
         synced = sync_batchnorm.begin(self.module, replicas[skip:], devices[skip:], self._replica_set)
         rule = None
-        if plan.with_loss:
-            replicas, rule = _replica_loss.pair(replicas, criterion, devices, first_args[-1], self.dim)
+        if loss is not None:
+            replicas, rule = _replica_loss.pair(replicas, loss, devices), loss.rule
         replicas = replicas[skip:]
         if synced is not None:
             replicas = synced.track(replicas)
@@ -500,9 +601,11 @@ class DataParallel(Module):
             if synced is not None:
                 synced.end()
 
-    def _finish(self, rule, outputs, inputs):
+    def _finish(self, rule, outputs, inputs, module_kwargs):
         """The forward's one result: the gathered outputs, or the replicas' losses combined by ``rule``."""
         if rule is None:
+            if type(self).gather is DataParallel.gather and len(outputs) > 1:
+                self._warn_unaligned(outputs, inputs, module_kwargs)
             return self.gather(outputs, self.output_device)
         self._avoided_gather_bytes = sum(o[2] for o in outputs)
         device = _devices.CPU if self.output_device == -1 else self.output_device
@@ -529,8 +632,9 @@ class DataParallel(Module):
             self._replica_set = None
             if kept is not None:
                 kept.reduce_pending()  # sums no_sync kept reach the master's .grad before the set goes
-            if not _replicas.persistable(module):  # checked on (re)build only: module types are in the signature
-                # Rebuilt every step; under no_sync() each backward then reduces at once (same .grad in the end).
+            if _replicas.inference_made(module) or not _replicas.persistable(module):
+                # Checked on (re)build only: tensor identities and module types are in the signature. Rebuilt every
+                # step; under no_sync() each backward then reduces at once (same .grad in the end).
                 return replicate(module, device_ids, not torch.is_grad_enabled())
             _replicas.check_replicatable(module)
             kept = self._replica_set = _replicas.ReplicaSet(module, wanted, self._bucket_bytes, cover)
@@ -624,6 +728,35 @@ class DataParallel(Module):
                     f"'{type(self).__name__}' object has no attribute '{name}', nor has its wrapped module "
                     f"('{type(module).__name__}')"
                 ) from inner
+
+
+def _detach_from_upstream(cls, upstream=_UPSTREAM):
+    """Members of torch's DataParallel that ``cls`` does not define resolve to Module's (or are absent)."""
+    kept = {"__module__", "__doc__", "__dict__", "__weakref__", "__orig_bases__", "__parameters__", "__annotations__",
+            "__qualname__", "__firstlineno__", "__static_attributes__", "__type_params__"}
+    for name in vars(upstream):
+        if name in kept or name in vars(cls):
+            continue
+        for base in Module.__mro__:
+            if name in vars(base):
+                setattr(cls, name, vars(base)[name])
+                break
+        else:
+            setattr(cls, name, _Absent(name))
+
+
+class _Absent:
+    """A member torch's DataParallel has and Module lacks: reads raise AttributeError, so the wrapper's attribute
+    forwarding answers them from the wrapped module, as for any name the wrapper lacks."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        raise AttributeError(self.name)
+
+
+_detach_from_upstream(DataParallel)
 
 
 def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.nn.modules import Module
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from . import _devices
-from .data_parallel import DataParallel, _nested_load_pre_hook, _require_indexable
+from . import _devices, _replica_loss
+from .data_parallel import DataParallel, _check_broadcast, _nested_load_pre_hook, _require_indexable
 from ._launch import (  # noqa: F401  (LaunchEnv, launch_env, is_distributed and MODES stay public here)
     _LAUNCH_HINT, _LAUNCH_VARS, MODES, LaunchEnv, _group_initialized, _int_var, check_mode, is_distributed, launch_env,
 )
@@ -167,7 +167,7 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="distributed", chunk_sizes=None,
-                 criterion=None, **ddp_options):
+                 criterion=None, criterion_reduction=None, broadcast=None, **ddp_options):
         check_mode(mode)
         if mode == "single":
             raise ValueError(
@@ -176,7 +176,11 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
             )
         if criterion is not None and not callable(criterion):
             raise TypeError(f"criterion must be callable (e.g. nn.CrossEntropyLoss()), got {type(criterion).__name__}")
-        # chunk_sizes splits a batch among one process's replicas; here every process has one device: ignored.
+        # chunk_sizes splits a batch among one process's replicas, criterion_reduction says how a criterion's chunk
+        # losses combine and broadcast names arguments not split; here every process has one device: checked, then
+        # ignored.
+        _replica_loss.check_declared(criterion_reduction, criterion)
+        _check_broadcast(broadcast)
         # DataParallel.__init__ resolves single-process devices; this wrapper needs only Module's set-up plus the
         # conveniences DataParallel defines as methods and one load hook, which it inherits or reuses below.
         Module.__init__(self)

@@ -8,7 +8,10 @@ objects, mismatched containers) raise a TypeError/ValueError naming where they a
 The helpers take their state as arguments (no self-referencing closures), so no reference cycles are created.
 """
 
+import sys
+
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from . import _devices
 from ._functions import Gather, Scatter
@@ -27,6 +30,8 @@ def _scatter_map(obj, devices, dim, sizes=None):
     """
     if isinstance(obj, torch.Tensor):
         return list(Scatter.apply(devices, sizes, dim, obj))
+    if _is_cache(obj):
+        return _scatter_cache(obj, devices, sizes)
     parts, rebuild = _parts(obj)
     if rebuild is None:
         return [obj for _ in devices]
@@ -37,6 +42,8 @@ def _parts(obj):
     """(the parts scatter recurses into, how one replica's container is rebuilt from its parts), or (None, None)
     for a value every replica gets by reference. Dict items are (key, value) tuples, so keys follow the same rules
     as values (as upstream)."""
+    if isinstance(obj, PackedSequence):
+        raise _Unsplittable()  # scatter's caller names it (_unsplittable_error)
     if _is_namedtuple(obj):
         return obj, lambda fields: type(obj)(*fields)
     if not isinstance(obj, (tuple, list, dict)) or not obj:
@@ -46,6 +53,94 @@ def _parts(obj):
     if isinstance(obj, list):
         return obj, list
     return obj.items(), type(obj)
+
+
+class _Unsplittable(Exception):
+    """A PackedSequence met while scattering (raised where the path is unknown, answered with the path)."""
+
+
+def _packed_path(obj, path):
+    """The path of the first PackedSequence in a (nested) input, or None."""
+    if isinstance(obj, PackedSequence):
+        return path
+    if isinstance(obj, dict):
+        items = ((f"{path}[{k!r}]", v) for k, v in obj.items())
+    elif isinstance(obj, (tuple, list)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    else:
+        return None
+    for where, value in items:
+        found = _packed_path(value, where)
+        if found is not None:
+            return found
+    return None
+
+
+def _unsplittable_error(where):
+    return TypeError(
+        f"{where} is a PackedSequence, which DataParallel cannot split along the batch: its data interleaves all "
+        "sequences time step by time step, so a slice along dim 0 would cut sequences apart. Pass the padded batch "
+        "and its lengths instead (a (B, T, ...) tensor and a (B,) tensor) and pack inside forward with "
+        "torch.nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)"
+    )
+
+
+# NOTE [caches]: a transformers key/value cache (DynamicCache, EncoderDecoderCache) passed in or returned holds one
+# entry per layer, whose tensors are [batch, heads, positions, head dim] and whose other items (a sliding window
+# size, None) are the same for every sample. Handing one cache object to every replica, as upstream does, lets the
+# replicas append to the same tensors; instead each replica gets its own cache of its samples, split along dim 0 like
+# a tensor, and the replicas' returned caches are gathered into one along dim 0. Both directions use the
+# caches' own data-parallel protocol: iterating gives per-layer tuples, and type(cache)(tuples) rebuilds one.
+_CACHE_TYPES = ("DynamicCache", "EncoderDecoderCache")
+
+
+def _is_cache(obj):
+    """Whether obj is a transformers cache (without importing transformers: only when its cache module is loaded)."""
+    module = sys.modules.get("transformers.cache_utils")
+    return module is not None and isinstance(obj, module.Cache)
+
+
+def _cache_layers(cache, what):
+    if type(cache).__name__ not in _CACHE_TYPES:
+        raise TypeError(
+            f"{what} is a {type(cache).__name__}, which DataParallel cannot split along the batch or gather back "
+            f"(its size is fixed when it is made); pass a {' or '.join(_CACHE_TYPES)} (the default cache of "
+            "generate()), or give the cache to a single device"
+        )
+    return [tuple(layer) for layer in cache]
+
+
+def _batch_major(item):
+    return isinstance(item, torch.Tensor) and item.dim() > 0
+
+
+def _scatter_cache(cache, devices, sizes):
+    """One cache per replica with its samples' keys and values (see NOTE [caches])."""
+    layers = _cache_layers(cache, "a cache argument")
+    if not layers:  # nothing cached yet: each replica starts its own
+        return [type(cache)([]) for _ in devices]
+    split = [[list(Scatter.apply(devices, sizes, 0, x)) if _batch_major(x) else None for x in layer]
+             for layer in layers]
+    count = min((len(parts) for layer in split for parts in layer if parts is not None), default=len(devices))
+    return [type(cache)([tuple(x if parts is None else parts[r] for x, parts in zip(layer, pieces))
+                         for layer, pieces in zip(layers, split)]) for r in range(count)]
+
+
+def _gather_cache(outputs, target, dim, path):
+    """The replicas' returned caches as one cache of the whole batch (see NOTE [caches])."""
+    out = outputs[0]
+    layers = []
+    for i, o in enumerate(outputs):
+        if type(o) is not type(out):
+            raise TypeError(
+                f"Cannot gather {path}: replica 0 returned {_kind(out)} but replica {i} returned {_kind(o)}"
+            )
+        layers.append(_cache_layers(o, f"output {path}"))
+    gathered = []
+    for k, first in enumerate(layers[0]):
+        items = zip(*(replica[k] for replica in layers))
+        gathered.append(tuple(Gather.apply(target, 0, *xs) if _batch_major(xs[0]) else xs[0] for xs in items))
+    return type(out)(gathered)
 
 
 def _target_list(target_gpus):
@@ -67,7 +162,10 @@ def scatter(inputs, target_gpus, dim=0, *, chunk_sizes=None):
     """Slices tensors into approximately equal chunks (or ``chunk_sizes``, one int per device, adding up to every
     tensor's size along ``dim``) and distributes them across the given devices."""
     devices = _target_list(target_gpus)
-    return _scatter_map(inputs, devices, dim, _sizes_for(chunk_sizes, devices))
+    try:
+        return _scatter_map(inputs, devices, dim, _sizes_for(chunk_sizes, devices))
+    except _Unsplittable:
+        raise _unsplittable_error(_packed_path(inputs, "inputs")) from None
 
 
 def scatter_kwargs(inputs, kwargs, target_gpus, dim=0, *, chunk_sizes=None):
@@ -78,8 +176,14 @@ def scatter_kwargs(inputs, kwargs, target_gpus, dim=0, *, chunk_sizes=None):
     """
     devices = _target_list(target_gpus)
     sizes = _sizes_for(chunk_sizes, devices)
-    scattered_inputs = _scatter_map(inputs, devices, dim, sizes) if inputs else []
-    scattered_kwargs = _scatter_map(kwargs, devices, dim, sizes) if kwargs else []
+    try:
+        scattered_inputs = _scatter_map(inputs, devices, dim, sizes) if inputs else []
+        scattered_kwargs = _scatter_map(kwargs, devices, dim, sizes) if kwargs else []
+    except _Unsplittable:
+        where = _packed_path(tuple(inputs or ()), "input")
+        if where is None:
+            where = next(f"keyword argument {k!r}" for k, v in kwargs.items() if _packed_path(v, "") is not None)
+        raise _unsplittable_error(where) from None
     if len(scattered_inputs) < len(scattered_kwargs):
         scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
     elif len(scattered_kwargs) < len(scattered_inputs):
@@ -98,6 +202,8 @@ def _gather_map(outputs, target, dim, path):
     for kinds, gather_kind in _GATHERERS:
         if isinstance(out, kinds):
             return gather_kind(outputs, target, dim, path)
+    if _is_cache(out):
+        return _gather_cache(outputs, target, dim, path)
     if _rebuildable(out):
         return _gather_iterable(outputs, target, dim, path)
     raise TypeError(
@@ -111,7 +217,32 @@ def _gather_tensors(outputs, target, dim, path):
     for i, o in enumerate(outputs):
         if not isinstance(o, torch.Tensor):
             raise TypeError(f"Cannot gather {path}: replica 0 returned a Tensor but replica {i} returned {_kind(o)}")
-    return Gather.apply(target, dim, *outputs)
+    try:
+        return Gather.apply(target, dim, *outputs)
+    except RuntimeError as e:
+        unequal = _unequal_dimension(outputs, dim)
+        if unequal is None:
+            raise
+        raise RuntimeError(  # upstream's type, with what and where
+            f"Cannot gather {path}: its size along dim {unequal} differs across replicas "
+            f"({', '.join(str(o.size(unequal)) for o in outputs)}), so the replicas' tensors cannot be concatenated "
+            f"along dim {dim}. An output whose size follows the replica's chunk in another dimension (an RNN's "
+            "(layers, batch, hidden) state, a similarity matrix between the chunk's samples as CLIP's "
+            f"logits_per_image) is not batch-major along dim {dim}: return it batch-major (h_n.transpose(0, 1)), or "
+            f"return its batch-major parts (the embeddings) and compute it from the gathered outputs ({e})"
+        ) from e
+
+
+def _unequal_dimension(outputs, dim):
+    """The first dimension other than ``dim`` whose size differs between the replicas' tensors, or None."""
+    first = outputs[0]
+    if any(o.dim() != first.dim() for o in outputs) or first.dim() == 0:
+        return None
+    along = dim % first.dim()
+    for d in range(first.dim()):
+        if d != along and any(o.size(d) != first.size(d) for o in outputs):
+            return d
+    return None
 
 
 def _gather_dicts(outputs, target, dim, path):
@@ -181,6 +312,36 @@ def _gather_iterable(outputs, target, dim, path):
             f"failed ({type(e).__name__}: {e}); upstream DataParallel rebuilds it the same way. Return tensors, "
             "tuples, lists or dicts from forward instead."
         ) from e
+
+
+def unaligned_outputs(outputs, counts, dim, path="output", found=None):
+    """(path, sizes along dim) of the replicas' output tensors whose sizes are not proportional to their chunks'
+    sample counts ``counts``: gathering concatenates them anyway, so their rows do not follow the batch. Walks what
+    gather walks (tensors in dicts, lists and tuples of one shape across replicas); anything else is gather's to
+    judge."""
+    out = outputs[0]
+    if found is None and type(out) is torch.Tensor and all(type(o) is torch.Tensor for o in outputs):
+        # A single tensor output, the common case, checked at once.
+        if out.dim() == 0 or any(o.dim() != out.dim() for o in outputs):
+            return []
+        first = out.size(dim)
+        if all(o.size(dim) * counts[0] == first * c for o, c in zip(outputs, counts)):
+            return []
+    found = [] if found is None else found
+    if isinstance(out, torch.Tensor):
+        if out.dim() > 0 and all(isinstance(o, torch.Tensor) and o.dim() == out.dim() for o in outputs):
+            sizes = [o.size(dim) for o in outputs]
+            if any(n * counts[0] != sizes[0] * c for n, c in zip(sizes, counts)):
+                found.append((path, sizes))
+    elif isinstance(out, dict):
+        if all(isinstance(o, dict) and o.keys() == out.keys() for o in outputs):
+            for k in out:
+                unaligned_outputs([o[k] for o in outputs], counts, dim, f"{path}[{k!r}]", found)
+    elif isinstance(out, (tuple, list)):
+        if all(isinstance(o, (tuple, list)) and len(o) == len(out) for o in outputs):
+            for k in range(len(out)):
+                unaligned_outputs([o[k] for o in outputs], counts, dim, f"{path}[{k}]", found)
+    return found
 
 
 def gather(outputs, target_device, dim=0):

@@ -18,21 +18,22 @@ from . import _streams, comm
 __all__ = ["convert_sync_batchnorm"]
 
 # NOTE [synced layers]: for one forward the wrapper opens a _Session over the replicas it runs. Each replica's
-# SyncBatchNorm layers get an instance ``forward`` (removed again by end(), and wiped anyway by the next refresh of a
-# kept replica) that meets the other replicas' calls of the same layer at a rendezvous (one per layer and call number).
-# The last replica to arrive runs one autograd node (_SyncNorm) over every replica's input: per-replica mean and
-# variance (torch's batch-norm statistics kernel) are gathered onto device_ids[0] through fastdp.comm, combined there
-# (Chan's formula, float64, each replica weighted by its count, so uneven chunk sizes give the full-batch result) and
-# broadcast back; the node's backward sees every replica's gradient at once, sums (sum dy, sum dy * x_hat) onto
-# device_ids[0] and broadcasts them back. Per layer: one small exchange (3 x C values) in forward and one (2 x C) in
-# backward. On CUDA the exchange, forward and backward, runs on the caller's current stream of every device (captured by
-# begin() in the caller's thread): the replicas' inputs and gradients were made there, and the thread that runs it (the
-# last arriver, or autograd's) would otherwise use its own streams. The last arriver then waits until the others hold
-# their outputs: otherwise it would keep the GIL and each woken replica would wait up to sys.getswitchinterval() (5 ms)
-# per layer. Replicas must run at the same time: emulated "cpu" replicas then run on worker threads (parallel_apply asks
-# needs_threads). A replica that raises, or ends without reaching a layer the others wait in, releases them with an
-# error. Running statistics are updated on every replica's buffers with the full-batch values (replica 0's are the
-# master's; the copy-back used when device 0 runs no chunk sees the same values).
+# SyncBatchNorm layers get, for that forward, a class whose SyncBatchNorm.forward (_SyncedLayer; a subclass's own
+# forward still runs around it) meets the other replicas' calls of the same layer at a rendezvous (one per layer and
+# call number); end() gives the layers their own class back. The last replica to arrive runs one autograd node
+# (_SyncNorm) over every replica's input: per-replica mean and variance (torch's batch-norm statistics kernel) are
+# gathered onto device_ids[0] through fastdp.comm, combined there (Chan's formula, float64, each replica weighted by
+# its count, so uneven chunk sizes give the full-batch result) and broadcast back; the node's backward sees every
+# replica's gradient at once, sums (sum dy, sum dy * x_hat) onto device_ids[0] and broadcasts them back. Per layer:
+# one small exchange (3 x C values) in forward and one (2 x C) in backward. On CUDA the exchange, forward and
+# backward, runs on the caller's current stream of every device (captured by begin() in the caller's thread): the
+# replicas' inputs and gradients were made there, and the thread that runs it (the last arriver, or autograd's)
+# would otherwise use its own streams. The last arriver then waits until the others hold their outputs: otherwise it
+# would keep the GIL and each woken replica would wait up to sys.getswitchinterval() (5 ms) per layer. Replicas must
+# run at the same time: emulated "cpu" replicas then run on worker threads (parallel_apply asks needs_threads). A
+# replica that raises, or ends without reaching a layer the others wait in, releases them with an error. Running
+# statistics are updated on every replica's buffers with the full-batch values (replica 0's are the master's; the
+# copy-back used when device 0 runs no chunk sees the same values).
 
 
 def convert_sync_batchnorm(module):
@@ -102,6 +103,32 @@ def _walked_layers(master, replicas):
     return [modules[i] for i in index], rows
 
 
+_SYNCED = "_fastdp_synced_forward"  # a replica layer's entry: its SyncBatchNorm.forward in this synced forward
+
+
+class _SyncedLayer(torch.nn.SyncBatchNorm):
+    """What ``SyncBatchNorm.forward`` means for a replica's layer during a synced forward: the session's exchange.
+
+    A replica layer's class becomes ``_synced_class(its class)`` for the forward, which places this class just
+    before ``nn.SyncBatchNorm`` in the method order: a subclass's own forward (timm's SyncBatchNormAct adds its
+    activation and drop path) still runs, and its ``super().forward(x)`` reaches the exchange.
+    """
+
+    def forward(self, input):
+        return self.__dict__[_SYNCED](input)
+
+
+_SYNCED_CLASSES = {torch.nn.SyncBatchNorm: _SyncedLayer}
+
+
+def _synced_class(cls):
+    synced = _SYNCED_CLASSES.get(cls)
+    if synced is None:
+        synced = _SYNCED_CLASSES[cls] = type(cls.__name__, (cls, _SyncedLayer), {"__module__": cls.__module__,
+                                                                                  "__qualname__": cls.__qualname__})
+    return synced
+
+
 class _Slot:
     """One layer call's rendezvous: every replica's input, then the node's outputs (or the error)."""
 
@@ -127,21 +154,23 @@ class _Session:
         self.left = [None] * self.n  # per replica: None while running, else "" or the error it raised
         self.calls = [[0] * len(masters) for _ in range(self.n)]
         self.names = [type(m).__name__ for m in masters]
-        self.patched = []
+        self.patched = []  # (layer, its own class)
         for r, row in enumerate(rows):
             for j, layer in enumerate(row):
-                if "forward" in layer.__dict__:  # already overridden here (one layer object twice)
+                if _SYNCED in layer.__dict__:  # already set up here (one layer object twice)
                     continue
-                layer.__dict__["forward"] = functools.partial(_synced_forward, self, j, r, layer)
-                self.patched.append(layer)
+                layer.__dict__[_SYNCED] = functools.partial(_synced_forward, self, j, r, layer)
+                self.patched.append((layer, type(layer)))
+                layer.__class__ = _synced_class(type(layer))
 
     def track(self, callables):
         """What parallel_apply runs: each replica's callable, reporting to the session when it ends."""
         return [_Tracked(self, r, c) for r, c in enumerate(callables)]
 
     def end(self):
-        for layer in self.patched:
-            layer.__dict__.pop("forward", None)
+        for layer, cls in self.patched:
+            layer.__class__ = cls
+            layer.__dict__.pop(_SYNCED, None)
         self.patched = []
 
     def leave(self, r, error):

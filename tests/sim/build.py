@@ -17,7 +17,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SOURCES = ["sim_cuda.c", "sim_nccl.c"]
+SOURCES = ["sim_cuda.c", "sim_nccl.c", "sim_host.c"]
 HEADERS = [os.path.join(HERE, "sim.h"), os.path.join(ROOT, "csrc", "dl", "cuda_api.h"),
            os.path.join(ROOT, "csrc", "dl", "nccl_api.h"), os.path.join(ROOT, "csrc", "backend", "cuda", "kernels.h"),
            os.path.join(ROOT, "csrc", "core", "fastdp.h"), os.path.join(ROOT, "csrc", "core", "backend.h")]

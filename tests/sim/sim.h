@@ -107,5 +107,17 @@ void sim_group_count(int delta);
 int sim_nccl_comms_on(const sim_ctx_t *ctx);
 /* Host-side element arithmetic shared by kernels and NCCL: dst[i] = dst[i] + src[i] for `type`. */
 void sim_add(int fdp_dtype, void *acc, const void *x, int64_t n);
+/* Records a race (counted as one, and as misuse). Lock held. */
+void sim_race(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* The calling thread's current context (NULL: none), and replacing it as cuCtxSetCurrent does. */
+sim_ctx_t *sim_current(void);
+void sim_set_current(sim_ctx_t *c);
+/* The device whose address range holds p, or -1. */
+int sim_ptr_device(CUdeviceptr p);
+/* Host memory (sim_host.c): an asynchronous copy with host side `host` of n bytes, run by `op`; `bytes` are the
+ * bytes it delivers to the host (to_host) or read from it. The host side is in use until the host clock covers the
+ * copy; sim_host_retire (called whenever the host clock advances) completes what it covers. */
+void sim_host_copy_begin(const sim_op_t *op, void *host, const void *bytes, size_t n, int to_host);
+void sim_host_retire(const uint32_t *host_vc);
 
 #endif

@@ -130,6 +130,16 @@ void sim_misuse(const char *fmt, ...) {
   if (g_verbose) fprintf(stderr, "simgpu: misuse: %s\n", buf);
 }
 
+void sim_race(const char *fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  g_nraces++;
+  sim_misuse("%s", buf);
+}
+
 static void track(void *p) {
   if (g_nobjs == g_capobjs) {
     g_capobjs = g_capobjs ? g_capobjs * 2 : 256;
@@ -279,9 +289,10 @@ void sim_op_begin(sim_op_t *op, sim_stream_t *s, const char *name, int dev) {
   s->vc[s->agent]++;
 }
 
-/* The host learns that everything `vc` covers has completed. */
+/* The host learns that everything `vc` covers has completed: copies to host memory among it land now. */
 static void host_sync(const uint32_t *vc) {
   sim_vc_join(g_host_vc, vc);
+  sim_host_retire(g_host_vc);
 }
 
 static void host_sync_stream(sim_stream_t *s) {
@@ -475,6 +486,24 @@ static sim_ctx_t *need_ctx(const char *op, CUresult *err) {
     return NULL;
   }
   return c;
+}
+
+void sim_set_current(sim_ctx_t *c) {
+  if (t_depth == 0) {
+    t_depth = 1;
+    g_pushes++;
+  }
+  t_stack[t_depth - 1] = c;
+}
+
+sim_ctx_t *sim_current(void) {
+  return current();
+}
+
+int sim_ptr_device(CUdeviceptr p) {
+  int dev;
+  find_alloc(p, &dev);
+  return dev;
 }
 
 /* Handles are never freed (dead objects stay until the process ends), so a handle this library returned can
@@ -988,6 +1017,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CU
   unsigned char *dp = sim_access(&op, dst, bytes, 1);
   if (!dp) RETURN(CUDA_ERROR_INVALID_VALUE);
   memcpy(dp, src, bytes);
+  sim_host_copy_begin(&op, (void *)(uintptr_t)src, src, bytes, 0); /* the host bytes stay in use until it completes */
   RETURN(CUDA_SUCCESS);
 }
 
@@ -1004,7 +1034,7 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream
   sim_op_begin(&op, s, "cuMemcpyDtoHAsync", c->dev);
   unsigned char *sp = sim_access(&op, src, bytes, 0);
   if (!sp) RETURN(CUDA_ERROR_INVALID_VALUE);
-  memcpy(dst, sp, bytes);
+  sim_host_copy_begin(&op, dst, sp, bytes, 1); /* lands in host memory when the host learns it completed */
   RETURN(CUDA_SUCCESS);
 }
 
@@ -1051,6 +1081,16 @@ static int ptr_on(sim_op_t *op, CUdeviceptr p, const sim_ctx_t *c, const char *s
   return 1;
 }
 
+/* A peer copy runs in the current context `c`; where the hardware has a peer path, that context must have peer
+ * access enabled towards the other device (the direction matters: enabling it the other way round leaves this copy
+ * to the driver's staging through host memory, a silent slow path). */
+static void peer_direction(const sim_op_t *op, const sim_ctx_t *c, const sim_ctx_t *sc, const sim_ctx_t *dc) {
+  int other = sc->dev != c->dev ? sc->dev : dc->dev;
+  if (other == c->dev || env_ll("SIMGPU_NO_PEER", 0) != 0 || c->peer[other]) return;
+  sim_misuse("%s on device %d reaches device %d's memory without peer access enabled from device %d to device %d",
+             op->name, c->dev, other, c->dev, other);
+}
+
 CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t bytes,
                            CUstream stream) {
   ENTER(cuMemcpyPeerAsync);
@@ -1068,6 +1108,7 @@ CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUc
   if (!ptr_on(&op, dst, dc, "destination") || !ptr_on(&op, src, sc, "source") || !sim_check_range(&op, src, bytes) ||
       !sim_check_range(&op, dst, bytes))
     RETURN(CUDA_ERROR_INVALID_VALUE);
+  peer_direction(&op, c, sc, dc);
   unsigned char *sp = sim_access(&op, src, bytes, 0), *dp = sim_access(&op, dst, bytes, 1);
   memmove(dp, sp, bytes);
   RETURN(CUDA_SUCCESS);
@@ -1161,6 +1202,7 @@ CUresult cuMemcpy3DPeerAsync(const CUDA_MEMCPY3D_PEER *p, CUstream stream) {
   }
   if (!ptr_on(&op, p->srcDevice, sc, "source") || !ptr_on(&op, p->dstDevice, dc, "destination"))
     RETURN(CUDA_ERROR_INVALID_VALUE);
+  peer_direction(&op, c, sc, dc);
   size_t sh = p->srcHeight ? p->srcHeight : p->Height, dh = p->dstHeight ? p->dstHeight : p->Height;
   side_t a = {0, (uintptr_t)p->srcDevice + (p->srcZ * sh + p->srcY) * p->srcPitch + p->srcXInBytes, p->srcPitch, sh};
   side_t b = {0, (uintptr_t)p->dstDevice + (p->dstZ * dh + p->dstY) * p->dstPitch + p->dstXInBytes, p->dstPitch, dh};

@@ -212,7 +212,8 @@ def case_selfcheck(sim):
                        ("cuModuleLoadData", [ctypes.POINTER(vp), ctypes.c_char_p]), ("cuModuleUnload", [vp]),
                        ("cuModuleGetFunction", [ctypes.POINTER(vp), vp, ctypes.c_char_p]),
                        ("cuLaunchKernel", [vp] + [ctypes.c_uint] * 7 + [vp, ctypes.POINTER(vp), vp]),
-                       ("ncclCommInitAll", [ctypes.POINTER(vp), ctypes.c_int, vp]), ("ncclCommDestroy", [vp])]:
+                       ("ncclCommInitAll", [ctypes.POINTER(vp), ctypes.c_int, vp]), ("ncclCommDestroy", [vp]),
+                       ("cuCtxSetCurrent", [vp])]:
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int
     host = (ctypes.c_char * 256)()
@@ -314,6 +315,7 @@ def case_selfcheck(sim):
         comms = (vp * 2)()
         devs = (ctypes.c_int * 2)(2, 3)
         assert lib.ncclCommInitAll(comms, 2, devs) == 0
+        lib.cuCtxSetCurrent(None)  # NCCL left one of the devices' contexts current, as the real library may
         sim.close()  # every client reference: contexts 2 and 3 die under their communicators
         lib.ncclCommDestroy(comms[0])
         lib.ncclCommDestroy(comms[1])

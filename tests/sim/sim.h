@@ -6,6 +6,7 @@
 
 #include "dl/cuda_api.h"
 #include "dl/nccl_api.h"
+#include "backend/cuda/kernels.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -119,5 +120,13 @@ int sim_ptr_device(CUdeviceptr p);
  * copy; sim_host_retire (called whenever the host clock advances) completes what it covers. */
 void sim_host_copy_begin(const sim_op_t *op, void *host, const void *bytes, size_t n, int to_host);
 void sim_host_retire(const uint32_t *host_vc);
+/* The real kernels (sim_kernels.cc): runs kernel `name` over the grid, its pointers already host addresses;
+ * 0, or -1 when it faulted (*fault: the address). */
+int sim_kernel_run(const char *name, const unsigned int grid[3], const unsigned int block[3], fdp_sum_args_t *sum,
+                   const void *src, void *dst, const fdp_copy_args_t *copy, void **fault);
+/* The PTX conversions on the host, for the kernels. */
+float sim_half_to_float(unsigned short h);
+unsigned short sim_float_to_half(float f);
+unsigned short sim_float_to_bf16(float f);
 
 #endif

@@ -24,6 +24,10 @@
 #define RANGE_BYTES (1ull << 36) /* fake address range reserved per device (PROT_NONE: the host cannot touch it) */
 #define GAP 256
 #define MAX_ERRORS_KEPT 64
+#define PAGE 4096
+#define DEVICE_ALIGN 256
+#define CANARY 0x5a
+#define HUGE_BYTES (256u << 20) /* allocations from this size on start zeroed: filling them would cost real memory */
 
 /* ---- state ---- */
 
@@ -32,6 +36,7 @@ static int g_ndev = -1;
 static int g_inited;
 static size_t g_mem_total;
 static int g_check_races = 1;
+static int g_sms = 2;
 
 typedef struct sim_alloc {
   CUdeviceptr base;
@@ -44,7 +49,9 @@ typedef struct sim_alloc {
   int cache_owned, cached;
   sim_stream_t *cache_stream;
   size_t asked;
-  unsigned char *mem;
+  unsigned char *mem; /* the bytes, ending just before a guard page (see mem_new) */
+  void *map;          /* the host mapping holding them */
+  size_t maplen;
   uint32_t *w, *r; /* per-byte epochs of the last write and the last read: (agent << 22) | clock */
 } sim_alloc_t;
 
@@ -177,8 +184,10 @@ static void setup(void) {
   g_ndev = (int)env_ll("SIMGPU_DEVICES", 4);
   if (g_ndev < 0) g_ndev = 0;
   if (g_ndev > SIM_MAX_DEVICES) g_ndev = SIM_MAX_DEVICES;
-  g_mem_total = (size_t)env_ll("SIMGPU_MEM_MB", 1024) << 20;
+  g_mem_total = (size_t)env_ll("SIMGPU_MEM_MB", 4096) << 20;
   g_check_races = env_ll("SIMGPU_RACES", 1) != 0;
+  g_sms = (int)env_ll("SIMGPU_SMS", 2);
+  if (g_sms < 1) g_sms = 1;
   g_verbose = env_ll("SIMGPU_VERBOSE", 0) != 0;
   for (int d = 0; d < g_ndev; d++) {
     void *p = mmap(NULL, RANGE_BYTES, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -421,13 +430,56 @@ unsigned char *sim_access(sim_op_t *op, CUdeviceptr p, size_t n, int write) {
   return h;
 }
 
+/* Device bytes live in host pages followed by an inaccessible guard page. The block ends where the guard begins,
+ * less the rounding that keeps its start aligned as device memory is (256 bytes); those few bytes hold a canary.
+ * So a kernel that strays past its memory faults at once, or leaves the canary changed (mem_overrun). */
+static unsigned char *mem_new(size_t bytes, void **map, size_t *maplen) {
+  size_t span = (bytes + DEVICE_ALIGN - 1) & ~(size_t)(DEVICE_ALIGN - 1);
+  size_t pages = (span + PAGE - 1) & ~(size_t)(PAGE - 1);
+  *maplen = pages + PAGE;
+  unsigned char *m = mmap(NULL, *maplen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return NULL;
+  if (mprotect(m + pages, PAGE, PROT_NONE) != 0) {
+    munmap(m, *maplen);
+    return NULL;
+  }
+  *map = m;
+  unsigned char *mem = m + pages - span;
+  memset(mem + bytes, CANARY, span - bytes);
+  return mem;
+}
+
+/* Whether anything wrote past the end of allocation `a` (into its canary). */
+static int mem_overrun(const sim_alloc_t *a) {
+  size_t span = (a->size + DEVICE_ALIGN - 1) & ~(size_t)(DEVICE_ALIGN - 1);
+  for (size_t i = a->size; i < span; i++)
+    if (a->mem[i] != CANARY) return 1;
+  return 0;
+}
+
+/* Zeroed per-byte shadow arrays; big ones straight from the kernel, so that untouched parts cost nothing. */
+static uint32_t *shadow_new(size_t n) {
+  if (n * sizeof(uint32_t) < (1u << 20)) return calloc(n, sizeof(uint32_t));
+  void *p = mmap(NULL, n * sizeof(uint32_t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  return p == MAP_FAILED ? NULL : p;
+}
+
+static void shadow_free(uint32_t *p, size_t n) {
+  if (p == NULL) return;
+  if (n * sizeof(uint32_t) < (1u << 20))
+    free(p);
+  else
+    munmap(p, n * sizeof(uint32_t));
+}
+
 static void alloc_free(sim_alloc_t *a) {
   a->freed = 1;
   g_dev[a->dev].used -= a->size;
-  free(a->mem);
-  free(a->w);
-  free(a->r);
+  if (a->map) munmap(a->map, a->maplen);
+  shadow_free(a->w, a->size);
+  shadow_free(a->r, a->size);
   a->mem = NULL;
+  a->map = NULL;
   a->w = a->r = NULL;
   g_live_allocs--;
 }
@@ -437,19 +489,18 @@ static CUresult alloc_new(int dev, size_t bytes, int async, CUdeviceptr *out) {
   if (bytes == 0) return CUDA_ERROR_INVALID_VALUE;
   if (D->used + bytes > g_mem_total || D->next + bytes + GAP > D->hi) return CUDA_ERROR_OUT_OF_MEMORY;
   sim_alloc_t *a = calloc(1, sizeof *a);
-  a->mem = malloc(bytes);
-  a->w = calloc(bytes, sizeof(uint32_t));
-  a->r = calloc(bytes, sizeof(uint32_t));
-  if (!a || !a->mem || !a->w || !a->r) {
-    if (a) {
-      free(a->mem);
-      free(a->w);
-      free(a->r);
-    }
+  if (!a) return CUDA_ERROR_OUT_OF_MEMORY;
+  a->mem = mem_new(bytes, &a->map, &a->maplen);
+  a->w = shadow_new(bytes);
+  a->r = shadow_new(bytes);
+  if (!a->mem || !a->w || !a->r) {
+    if (a->map) munmap(a->map, a->maplen);
+    shadow_free(a->w, bytes);
+    shadow_free(a->r, bytes);
     free(a);
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
-  memset(a->mem, 0xa5, bytes); /* uninitialised device memory is never accidentally zero */
+  if (bytes < HUGE_BYTES) memset(a->mem, 0xa5, bytes); /* uninitialised device memory is never accidentally zero */
   a->base = D->next;
   a->size = bytes;
   a->dev = dev;
@@ -722,7 +773,7 @@ CUresult cuDeviceGetAttribute(int *v, CUdevice_attribute attr, CUdevice dev) {
   CHECK_DEV(cuDeviceGetAttribute, dev);
   switch ((int)attr) {
   case CU_DEVICE_ATTRIBUTE_MAX_PITCH: *v = 2147483647; break;
-  case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = 132; break;
+  case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = g_sms; break;
   case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *v = 1; break;
   case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *v = 9; break;
   case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = 0; break;
@@ -1449,6 +1500,17 @@ static uint16_t f2bf(float f) {
   return (uint16_t)(u >> 16);
 }
 
+/* The PTX conversions of the real kernels, on the host (kernel_host.h). */
+float sim_half_to_float(unsigned short h) {
+  return h2f(h);
+}
+unsigned short sim_float_to_half(float f) {
+  return f2h(f);
+}
+unsigned short sim_float_to_bf16(float f) {
+  return f2bf(f);
+}
+
 void sim_add(int dtype, void *acc, const void *x, int64_t n) {
   switch (dtype) {
 #define ADD(T, EXPR)                                                                                                   \
@@ -1481,7 +1543,31 @@ static const int k_dtype_size[FDP_DTYPE_COUNT] = {
 
 /* ---- kernels ---- */
 
-static CUresult run_sum(sim_op_t *op, const sim_func_t *f, void **params) {
+/* One launch of a real kernel (sim_kernels.cc) over its grid, with host addresses for its pointers. A fault outside
+ * every allocation, or a write past the end of `written` (its canary), is the launch's failure. */
+static CUresult run_real(sim_op_t *op, const sim_func_t *f, const unsigned int grid[3], const unsigned int block[3],
+                         fdp_sum_args_t *sum, const void *src, void *dst, const fdp_copy_args_t *copy,
+                         CUdeviceptr written) {
+  void *fault = NULL;
+  if (sim_kernel_run(f->name, grid, block, sum, src, dst, copy, &fault) != 0) {
+    sim_misuse("%s: the kernel accessed %p, outside its memory (an index past the end, or one that overflowed)",
+               op->name, fault);
+    return CUDA_ERROR_ILLEGAL_ADDRESS;
+  }
+  int dev;
+  sim_alloc_t *a = find_alloc(written, &dev);
+  if (a != NULL && mem_overrun(a)) {
+    sim_misuse("%s: the kernel wrote past the end of its %zu-byte output allocation on device %d", op->name, a->size,
+               dev);
+    memset(a->mem + a->size, CANARY, ((a->size + DEVICE_ALIGN - 1) & ~(size_t)(DEVICE_ALIGN - 1)) - a->size);
+    return CUDA_ERROR_ILLEGAL_ADDRESS;
+  }
+  return CUDA_SUCCESS;
+}
+
+/* fdp_sum_<dtype>: its inputs and output checked and recorded as accessed in full, then the kernel itself runs. */
+static CUresult run_sum(sim_op_t *op, const sim_func_t *f, void **params, const unsigned int grid[3],
+                        const unsigned int block[3]) {
   if (!params || !params[0]) return CUDA_ERROR_INVALID_VALUE;
   fdp_sum_args_t a;
   memcpy(&a, params[0], sizeof a);
@@ -1502,18 +1588,11 @@ static CUresult run_sum(sim_op_t *op, const sim_func_t *f, void **params) {
     }
   }
   if (!sim_check_range(op, out, bytes)) return CUDA_ERROR_ILLEGAL_ADDRESS;
-  unsigned char *acc = malloc(bytes);
-  if (!acc) return CUDA_ERROR_OUT_OF_MEMORY;
-  for (int j = 0; j < a.k; j++) {
-    unsigned char *h = sim_access(op, (CUdeviceptr)(uintptr_t)a.in[j], bytes, 0);
-    if (j == 0)
-      memcpy(acc, h, bytes);
-    else
-      sim_add(f->dtype, acc, h, a.n);
-  }
-  memcpy(sim_access(op, out, bytes, 1), acc, bytes);
-  free(acc);
-  return CUDA_SUCCESS;
+  fdp_sum_args_t host = a;
+  for (int j = 0; j < a.k; j++)
+    host.in[j] = sim_access(op, (CUdeviceptr)(uintptr_t)a.in[j], bytes, 0);
+  host.out = sim_access(op, out, bytes, 1);
+  return run_real(op, f, grid, block, &host, NULL, NULL, NULL, out);
 }
 
 /* The byte extent [lo, hi) a strided view covers. */
@@ -1524,7 +1603,9 @@ static void extent(const fdp_copy_args_t *a, const long long *strides, int es, s
   *hi = (size_t)(last + 1) * (size_t)es;
 }
 
-static CUresult run_copy(sim_op_t *op, const sim_func_t *f, void **params) {
+/* fdp_copy_<bytes>: every element it must read and write checked and recorded, then the kernel itself runs. */
+static CUresult run_copy(sim_op_t *op, const sim_func_t *f, void **params, const unsigned int grid[3],
+                         const unsigned int block[3]) {
   if (!params || !params[0] || !params[1] || !params[2]) return CUDA_ERROR_INVALID_VALUE;
   CUdeviceptr src, dst;
   fdp_copy_args_t a;
@@ -1556,7 +1637,9 @@ static CUresult run_copy(sim_op_t *op, const sim_func_t *f, void **params) {
   size_t shi, dhi;
   extent(&a, a.src_strides, es, &shi);
   extent(&a, a.dst_strides, es, &dhi);
-  if (!sim_check_range(op, src, shi) || !sim_check_range(op, dst, dhi)) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  const unsigned char *hs = sim_check_range(op, src, shi);
+  unsigned char *hd = sim_check_range(op, dst, dhi);
+  if (!hs || !hd) return CUDA_ERROR_ILLEGAL_ADDRESS;
   long long idx[FDP_COPY_MAX_DIMS] = {0};
   for (long long i = 0; i < numel; i++) {
     long long so = 0, dof = 0;
@@ -1564,15 +1647,14 @@ static CUresult run_copy(sim_op_t *op, const sim_func_t *f, void **params) {
       so += idx[d] * a.src_strides[d];
       dof += idx[d] * a.dst_strides[d];
     }
-    unsigned char *sp = sim_access(op, src + (CUdeviceptr)(so * es), (size_t)es, 0);
-    unsigned char *dp = sim_access(op, dst + (CUdeviceptr)(dof * es), (size_t)es, 1);
-    memmove(dp, sp, (size_t)es);
+    sim_access(op, src + (CUdeviceptr)(so * es), (size_t)es, 0);
+    sim_access(op, dst + (CUdeviceptr)(dof * es), (size_t)es, 1);
     for (int d = a.ndim - 1; d >= 0; d--) {
       if (++idx[d] < a.sizes[d]) break;
       idx[d] = 0;
     }
   }
-  return CUDA_SUCCESS;
+  return run_real(op, f, grid, block, NULL, hs, hd, &a, dst);
 }
 
 CUresult cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
@@ -1603,7 +1685,8 @@ CUresult cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy, unsigne
   snprintf(name, sizeof name, "cuLaunchKernel(%s)", f->name);
   sim_op_t op;
   sim_op_begin(&op, s, name, c->dev);
-  RETURN(f->kind == K_SUM ? run_sum(&op, f, params) : run_copy(&op, f, params));
+  const unsigned int grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+  RETURN(f->kind == K_SUM ? run_sum(&op, f, params, grid, block) : run_copy(&op, f, params, grid, block));
 }
 
 /* ---- controls for tests (ctypes / dlsym) ---- */

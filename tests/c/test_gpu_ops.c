@@ -849,6 +849,61 @@ static void test_shutdown_reuse(void) {
   sim_clean("shutdown then reuse");
 }
 
+/* ---- the kernels at their limits ---- */
+
+/* Element offsets beyond 2^31 (the strided-copy kernel must index in 64 bits): two rows 2^31 + 8 bytes apart in one
+ * allocation, copied to a dense 2 x 3 byte tensor. */
+static void test_kernel_wide_offsets(void) {
+  const long long stride = (1ll << 31) + 8;
+  CUdeviceptr big = 0;
+  push(0);
+  CUresult e = D.MemAlloc(&big, (size_t)stride + 64);
+  if (e != CUDA_SUCCESS) { /* a real GPU with less than 2 GiB free */
+    pop(0);
+    printf("  (skipped: no 2 GiB allocation on device 0)\n");
+    return;
+  }
+  unsigned char rows[2][3] = {{1, 2, 3}, {4, 5, 6}};
+  for (int r = 0; r < 2; r++)
+    dev_call(0, D.HtoD(big + (CUdeviceptr)(r * stride), rows[r], 3, NULL), "cuMemcpyHtoDAsync");
+  dev_call(0, D.StreamSynchronize(NULL), "cuStreamSynchronize");
+  pop(0);
+  buf_t db = buf_new(0, 6);
+  int64_t sz[2] = {2, 3}, st[2] = {stride, 1}, dst_st[2] = {3, 1};
+  fdp_tensor_t src;
+  memset(&src, 0, sizeof src);
+  src.data = (char *)(uintptr_t)big;
+  src.device = 0;
+  src.dtype = FDP_DTYPE_U8;
+  src.elem_size = 1;
+  src.ndim = 2;
+  memcpy(src.sizes, sz, sizeof sz);
+  memcpy(src.strides, st, sizeof st);
+  view_t dv = view(&db, FDP_DTYPE_U8, 1, 2, sz, dst_st, 0);
+  memcpy(db.ref, rows, 6);
+  fdp_streams_t fs = all_streams(g_stream);
+  OK(fdp_op_copy(&dv.t, &src, 1, &fs));
+  buf_matches(&db, "copy of rows 2^31 + 8 bytes apart");
+  buf_free(&db);
+  push(0);
+  dev_call(0, D.CtxSynchronize(), "cuCtxSynchronize");
+  dev_call(0, D.MemFree(big), "cuMemFree");
+  pop(0);
+  sim_clean("kernel offsets past 2^31");
+}
+
+/* Sums and strided copies of many times more elements than one grid has threads (the simulated devices have few
+ * multiprocessors, so the grid is small): every element is written once, nothing past the end. */
+static void test_kernel_many_elements(void) {
+  int devs[3] = {0, 0, 0};
+  reduce_case(FDP_DTYPE_F32, 4, 3, devs, 0, -1, 100003, g_stream, FDP_OK);
+  reduce_case(FDP_DTYPE_F16, 2, 3, devs, 0, 1, 65537, NULL, FDP_OK);
+  int64_t sz[3] = {3, 77, 301};
+  copy_case(0, 0, 2, sz, L_CONTIG, L_TRANSPOSED, g_stream);
+  copy_case(0, 0, 8, sz, L_STEP2, L_CONTIG, NULL);
+  sim_clean("kernels over many grids");
+}
+
 /* ---- rank order is not device order ---- */
 
 /* A broadcast from `root` to `dsts` (in that order), dense: NCCL's route. */
@@ -1315,6 +1370,8 @@ int main(int argc, char **argv) {
     test_threads();
     test_shutdown_reuse();
     test_order();
+    test_kernel_many_elements();
+    test_kernel_wide_offsets();
     test_nccl_async_error();
     test_route();
     if (sim()) {

@@ -59,10 +59,13 @@ static fdp_result_t ctx_refuse(saved_ctx_t s, const char *op) {
   return fdp__cu_check(s.err, what, -1);
 }
 
-static void ctx_restore(const fdp_cu_t *cu, saved_ctx_t s) {
-  if (!s.ok) return;
+/* Gives the caller its context back; a failure is the call's to report (the caller's thread is left with another
+ * device's context current). */
+static fdp_result_t ctx_restore(const fdp_cu_t *cu, saved_ctx_t s) {
+  if (!s.ok) return FDP_OK;
   CUresult e = cu->CtxSetCurrent(s.ctx);
   if (e != CUDA_SUCCESS) fdp__log("nccl: restoring the caller's CUDA context failed (CUresult %d)", (int)e);
+  return fdp__cu_check(e, "cuCtxSetCurrent (giving the caller its context back after NCCL)", -1);
 }
 
 static fdp_result_t nccl_fail(const fdp_nccl_api_t *api, ncclResult_t r, ncclComm_t comm, const char *op,
@@ -116,7 +119,9 @@ static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, con
     return ctx_refuse(saved, "ncclCommInitAll");
   }
   ncclResult_t r = api->CommInitAll(s->comms, n, s->devs);
-  ctx_restore(cu, saved);
+  int held = fdp__detail_hold(r != ncclSuccess); /* a failed init is the first failure to report */
+  fdp_result_t restored = ctx_restore(cu, saved);
+  fdp__detail_release(held);
   if (r != ncclSuccess) {
     fdp_result_t res = nccl_fail(api, r, NULL, "ncclCommInitAll", devs, n);
     free(s);
@@ -127,10 +132,10 @@ static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, con
     devs_str(devs, n, d, sizeof d);
     fdp__log("nccl: communicators built for devices [%s]", d);
   }
-  s->next = g_sets;
+  s->next = g_sets; /* cached even when the context could not be given back: the communicators are sound */
   g_sets = s;
   *out = s;
-  return FDP_OK;
+  return restored;
 }
 
 /* Drops a set whose communicators reported an asynchronous error; they cannot be trusted again. Called with
@@ -145,7 +150,7 @@ static void comms_evict(const fdp_nccl_api_t *api, const fdp_cu_t *cu, comm_set_
         ncclResult_t r = api->CommAbort(set->comms[i]);
         if (r != ncclSuccess) fdp__log("nccl: ncclCommAbort on device %d: %s", set->devs[i], api->GetErrorString(r));
       }
-      ctx_restore(cu, saved);
+      FDP_CHECK_IGNORE(ctx_restore(cu, saved)); /* teardown goes on regardless */
     } else {
       fdp__log("nccl: ncclCommAbort missing; leaking failed communicators");
     }
@@ -208,7 +213,7 @@ static fdp_result_t launch(const int *devs, int n, const rank_op_t *ops, size_t 
     saved_ctx_t saved = ctx_save(cu);
     res = saved.ok ? group_enqueue(api, set, devs, n, ops, count, type, reduce)
                    : ctx_refuse(saved, reduce ? "ncclReduce" : "ncclBroadcast");
-    ctx_restore(cu, saved);
+    FDP_CHECK_KEEP(ctx_restore(cu, saved), res);
     if (free_mutex) pthread_mutex_unlock(free_mutex);
     if (res != FDP_OK) evict_if_broken(api, cu, set);
   }
@@ -377,7 +382,7 @@ static void nccl_shutdown(void) {
         ncclResult_t r = api->CommDestroy(s->comms[i]);
         if (r != ncclSuccess) fdp__log("nccl shutdown: ncclCommDestroy: %s", api->GetErrorString(r));
       }
-      ctx_restore(cu, saved);
+      FDP_CHECK_IGNORE(ctx_restore(cu, saved)); /* teardown goes on regardless */
     }
     free(s);
     s = next;

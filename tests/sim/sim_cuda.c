@@ -1775,6 +1775,14 @@ long long simgpu_stat(const char *name) {
   return v;
 }
 
+/* The calling thread's current context, as cuCtxGetCurrent would say, for a harness (never counted or failed). */
+void *simgpu_current_context(void) {
+  sim_lock();
+  void *c = current();
+  sim_unlock();
+  return c;
+}
+
 /* 1 when device `dev`'s current primary context has peer access to `peer` enabled. */
 int simgpu_peer_enabled(int dev, int peer) {
   sim_lock();

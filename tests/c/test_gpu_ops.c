@@ -892,6 +892,54 @@ static void test_kernel_wide_offsets(void) {
   sim_clean("kernel offsets past 2^31");
 }
 
+/* A sum of more than 2^31 elements (the kernel must index elements in 64 bits), on a real GPU only: the simulated
+ * one runs kernels one thread at a time, and 2^31 of them take minutes. Three 2 GiB byte inputs of 1, 2 and 3. */
+static void test_kernel_huge_sum(void) {
+  if (sim()) return;
+  const size_t n = (1ull << 31) + 4096;
+  unsigned char *host = malloc(n);
+  CUdeviceptr in[3] = {0, 0, 0}, out = 0;
+  int ok = host != NULL;
+  push(0);
+  for (int i = 0; i < 3 && ok; i++)
+    ok = D.MemAlloc(&in[i], n) == CUDA_SUCCESS;
+  ok = ok && D.MemAlloc(&out, n) == CUDA_SUCCESS;
+  if (!ok) {
+    printf("  (skipped: no 8 GiB on device 0 for a sum past 2^31 elements)\n");
+  } else {
+    for (int i = 0; i < 3; i++) {
+      memset(host, i + 1, n);
+      dev_call(0, D.HtoD(in[i], host, n, NULL), "cuMemcpyHtoDAsync");
+      dev_call(0, D.StreamSynchronize(NULL), "cuStreamSynchronize");
+    }
+    fdp_tensor_t t[4];
+    memset(t, 0, sizeof t);
+    for (int i = 0; i < 4; i++) {
+      t[i].data = (char *)(uintptr_t)(i < 3 ? in[i] : out);
+      t[i].device = 0;
+      t[i].dtype = FDP_DTYPE_U8;
+      t[i].elem_size = 1;
+      t[i].ndim = 1;
+      t[i].sizes[0] = (int64_t)n;
+      t[i].strides[0] = 1;
+    }
+    fdp_streams_t fs = all_streams(NULL);
+    OK(fdp_op_reduce(t, 3, &t[3], &fs));
+    dev_call(0, D.CtxSynchronize(), "cuCtxSynchronize");
+    dev_call(0, D.DtoH(host, out, n, NULL), "cuMemcpyDtoHAsync");
+    dev_call(0, D.StreamSynchronize(NULL), "cuStreamSynchronize");
+    size_t bad = 0;
+    while (bad < n && host[bad] == 6)
+      bad++;
+    CHECKF(bad == n, "sum past 2^31 elements: element %zu is %d, want 6", bad, bad < n ? host[bad] : 6);
+  }
+  for (int i = 0; i < 3; i++)
+    if (in[i]) D.MemFree(in[i]);
+  if (out) D.MemFree(out);
+  pop(0);
+  free(host);
+}
+
 /* Sums and strided copies of many times more elements than one grid has threads (the simulated devices have few
  * multiprocessors, so the grid is small): every element is written once, nothing past the end. */
 static void test_kernel_many_elements(void) {
@@ -1372,6 +1420,7 @@ int main(int argc, char **argv) {
     test_order();
     test_kernel_many_elements();
     test_kernel_wide_offsets();
+    test_kernel_huge_sum();
     test_nccl_async_error();
     test_route();
     if (sim()) {

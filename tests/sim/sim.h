@@ -120,6 +120,8 @@ int sim_ptr_device(CUdeviceptr p);
  * copy; sim_host_retire (called whenever the host clock advances) completes what it covers. */
 void sim_host_copy_begin(const sim_op_t *op, void *host, const void *bytes, size_t n, int to_host);
 void sim_host_retire(const uint32_t *host_vc);
+/* Drops the pending host copies of the stream with this agent (its work failed). */
+void sim_host_abandon(int agent);
 /* The real kernels (sim_kernels.cc): runs kernel `name` over the grid, its pointers already host addresses;
  * 0, or -1 when it faulted (*fault: the address). */
 int sim_kernel_run(const char *name, const unsigned int grid[3], const unsigned int block[3], fdp_sum_args_t *sum,

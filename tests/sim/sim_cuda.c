@@ -1089,8 +1089,19 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream
   RETURN(CUDA_SUCCESS);
 }
 
+/* An injected failure stands for a stream whose work failed: its copies to and from host memory never complete, and
+ * their host buffers are the caller's again (holding undefined bytes), as the failure it reports says. */
 CUresult cuStreamSynchronize(CUstream stream) {
-  ENTER(cuStreamSynchronize);
+  sim_lock();
+  int inj = sim_enter(SIM_E_cuStreamSynchronize);
+  if (inj) {
+    sim_ctx_t *c = current();
+    sim_stream_t *s = (sim_stream_t *)stream;
+    if (stream == NULL && c != NULL) s = c->null_stream;
+    if (valid_obj(s, MAGIC_STREAM)) sim_host_abandon(s->agent);
+    sim_unlock();
+    return (CUresult)inj;
+  }
   CUresult err = CUDA_SUCCESS;
   sim_ctx_t *c = need_ctx("cuStreamSynchronize", &err);
   if (!c) RETURN(err);

@@ -63,6 +63,18 @@ void sim_host_retire(const uint32_t *host_vc) {
   g_ncopies = kept;
 }
 
+/* Drops the copies of a stream whose work failed: they will never complete. */
+void sim_host_abandon(int agent) {
+  size_t kept = 0;
+  for (size_t i = 0; i < g_ncopies; i++) {
+    if (g_copies[i].agent == agent)
+      free(g_copies[i].bytes);
+    else
+      g_copies[kept++] = g_copies[i];
+  }
+  g_ncopies = kept;
+}
+
 static int overlaps(const host_copy_t *c, const unsigned char *p, size_t n) {
   return p < c->host + c->n && c->host < p + n;
 }

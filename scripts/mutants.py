@@ -70,10 +70,12 @@ def make_slot(base):
     subprocess.run([base_python.strip(), "-m", "venv", "--without-pip", venv], check=True)
     site = subprocess.check_output([os.path.join(venv, "bin", "python"), "-c",
                                     "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip()
-    shared = subprocess.check_output([src_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                     text=True).strip()
+    # Every package folder the checkout's interpreter sees (its .venv, and the system's when the .venv includes them).
+    shared = subprocess.check_output(
+        [src_python, "-c", "import sys; print('\\n'.join(p for p in sys.path if p.endswith(('site-packages', "
+                           "'dist-packages'))))"], text=True)
     with open(os.path.join(site, "checkout_venv.pth"), "w") as fh:
-        fh.write(shared + "\n")  # after the copy's own site-packages, so its fastdp wins
+        fh.write(shared)  # after the copy's own site-packages, so its fastdp wins
     return copy
 
 

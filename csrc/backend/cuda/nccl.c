@@ -119,10 +119,8 @@ static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, con
     return ctx_refuse(saved, "ncclCommInitAll");
   }
   ncclResult_t r = api->CommInitAll(s->comms, n, s->devs);
-  int held = fdp__detail_hold(r != ncclSuccess); /* a failed init is the first failure to report */
   fdp_result_t restored = ctx_restore(cu, saved);
-  fdp__detail_release(held);
-  if (r != ncclSuccess) {
+  if (r != ncclSuccess) { /* the first failure is the one to report */
     fdp_result_t res = nccl_fail(api, r, NULL, "ncclCommInitAll", devs, n);
     free(s);
     return res;

@@ -9,8 +9,8 @@ Each catalogue module defines MUTANTS, a list of dicts: name (short id), file (r
 find (text that occurs exactly once in that file), replace (what it becomes), what (one line: the bug). Every job has
 its own scratch copy under the system's temporary folder and its own virtual environment, which sees the packages of
 the checkout's .venv (scripts/setup.sh) and gets fastdp installed from the mutated copy; so one mutant costs a build
-of fastdp's extension and the simulated-GPU tests, and the checkout itself is never touched. Not part of CI: it takes
-tens of minutes (docs/gpu-verification.md, "Mutation testing", has the last result)."""
+of fastdp's extension and the simulated-GPU tests, and the checkout itself is never touched. Not part of CI: it rebuilds
+and reruns the suite per mutant (docs/gpu-verification.md, "Mutation testing", has the last result)."""
 
 import argparse
 import concurrent.futures

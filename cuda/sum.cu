@@ -7,15 +7,25 @@
 namespace {
 
 // IEEE half <-> float through the PTX conversions every architecture has (cvt.rn is round to nearest even).
+// FDP_HOST_EMULATION: the simulated GPU (tests/sim) compiles this file as host C++, where PTX cannot run; its
+// header supplies the same conversions.
 __device__ __forceinline__ float half_to_float(unsigned short h) {
+#ifdef FDP_HOST_EMULATION
+  return sim_half_to_float(h);
+#else
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;
+#endif
 }
 __device__ __forceinline__ unsigned short float_to_half(float f) {
+#ifdef FDP_HOST_EMULATION
+  return sim_float_to_half(f);
+#else
   unsigned short h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
+#endif
 }
 
 // bfloat16 is the top half of a float. Rounding to nearest even: the hardware conversion from sm_80 on, the
@@ -24,7 +34,9 @@ __device__ __forceinline__ float bf16_to_float(unsigned short b) {
   return __uint_as_float(static_cast<unsigned int>(b) << 16);
 }
 __device__ __forceinline__ unsigned short float_to_bf16(float f) {
-#if __CUDA_ARCH__ >= 800
+#if defined(FDP_HOST_EMULATION)
+  return sim_float_to_bf16(f);
+#elif __CUDA_ARCH__ >= 800
   unsigned short b;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
   return b;

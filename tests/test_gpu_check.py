@@ -200,6 +200,7 @@ def test_dp_repeated_helper_catches_wrong_gradients(monkeypatch, capsys):
     assert "FAILED" in capsys.readouterr().out
 
 
+@pytest.mark.sim
 def test_nccl_selftest_on_the_simulated_gpu(tmp_path):
     """The C self-test against tests/sim's libcuda.so.1/libnccl.so.2, found by the production lookup (by name,
     through LD_LIBRARY_PATH) as the real ones are on the GPU machine."""

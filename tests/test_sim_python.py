@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.sim
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location("fastdp_sim_build", os.path.join(HERE, "sim", "build.py"))
 _simbuild = importlib.util.module_from_spec(_spec)

@@ -80,6 +80,7 @@ static struct {
   CUresult (*CtxPop)(CUcontext *);
   CUresult (*CtxSynchronize)(void);
   CUresult (*CtxSetCurrent)(CUcontext);
+  CUresult (*CtxGetCurrent)(CUcontext *);
   CUresult (*MemAlloc)(CUdeviceptr *, size_t);
   CUresult (*MemFree)(CUdeviceptr);
   CUresult (*HtoD)(CUdeviceptr, const void *, size_t, CUstream);
@@ -101,6 +102,10 @@ static struct {
   int (*cache_alloc)(void *, int, size_t, void *, void **, void **, char *, size_t);
   void (*cache_free)(void *, int, void *, void *);
   int (*cache_trim)(void);
+  /* The caller's own accesses around an operation: device memory on a stream of its choosing, host memory. */
+  int (*touch)(void *, int, unsigned long long, size_t, int);
+  void (*host_touch)(const void *, size_t, int);
+  int (*nccl_break)(int, int);
 } S;
 
 static int g_ndev;
@@ -116,7 +121,10 @@ static int sym(void *h, const char *name, void *slot, int required) {
 
 static int driver_open(void) {
   const char *path = getenv("FASTDP_CUDA_DRIVER_LIBRARY");
-  void *h = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  /* Global, as PyTorch's libc10_cuda.so is: the simulated library also stands in for its getFreeMutex, which the
+   * NCCL loader looks up by name (and then the simulator checks that it is held around multi-device groups). */
+  if (path && *path) setenv("SIMGPU_REQUIRE_FREE_MUTEX", "1", 0);
+  void *h = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
   if (!h) {
     printf("no CUDA driver: %s\n", dlerror());
     return 0;
@@ -126,6 +134,7 @@ static int driver_open(void) {
            sym(h, "cuDevicePrimaryCtxRelease_v2", &D.PrimaryCtxRelease, 1) &
            sym(h, "cuCtxPushCurrent_v2", &D.CtxPush, 1) & sym(h, "cuCtxPopCurrent_v2", &D.CtxPop, 1) &
            sym(h, "cuCtxSynchronize", &D.CtxSynchronize, 1) & sym(h, "cuCtxSetCurrent", &D.CtxSetCurrent, 1) &
+           sym(h, "cuCtxGetCurrent", &D.CtxGetCurrent, 1) &
            sym(h, "cuMemAlloc_v2", &D.MemAlloc, 1) &
            sym(h, "cuMemFree_v2", &D.MemFree, 1) & sym(h, "cuMemcpyHtoDAsync_v2", &D.HtoD, 1) &
            sym(h, "cuMemcpyDtoHAsync_v2", &D.DtoH, 1) & sym(h, "cuStreamSynchronize", &D.StreamSynchronize, 1) &
@@ -139,6 +148,9 @@ static int driver_open(void) {
   sym(h, "simgpu_cache_alloc", &S.cache_alloc, 0);
   sym(h, "simgpu_cache_free", &S.cache_free, 0);
   sym(h, "simgpu_cache_trim", &S.cache_trim, 0);
+  sym(h, "simgpu_touch", &S.touch, 0);
+  sym(h, "simgpu_host_touch", &S.host_touch, 0);
+  sym(h, "simgpu_nccl_break", &S.nccl_break, 0);
   if (!ok || D.Init(0) != CUDA_SUCCESS || D.DeviceGetCount(&g_ndev) != CUDA_SUCCESS) return 0;
   if (g_ndev > 8) g_ndev = 8;
   for (int d = 0; d < g_ndev; d++) {
@@ -272,6 +284,41 @@ static int buf_matches(const buf_t *b, const char *what) {
   return i == b->bytes;
 }
 
+/* ---- the caller around each operation ----
+ * As a PyTorch program uses fastdp: every buffer of an operation was just written on the caller's stream of its
+ * device (the kernel that produced a source, the allocation that handed out a destination), and right after the
+ * operation returns the caller works on every buffer again on that stream (reads a result, reuses a source's
+ * memory), with no synchronisation in between. Host buffers are read and written by the host right after the
+ * call. The simulator records any of these accesses that the operation's own work is not ordered with. The
+ * thread's current context must be the one it had before the call. */
+
+static __thread CUcontext t_home_ctx; /* what the thread has current between operations */
+
+static void caller_touch(const buf_t *b, const CUstream *streams, int write) {
+  if (!sim() || b->bytes == 0) return;
+  if (b->dev == FDP_HOST) {
+    S.host_touch(b->data, b->bytes, write);
+    return;
+  }
+  CHECK(S.touch(streams ? (void *)streams[b->dev] : NULL, b->dev, (unsigned long long)(uintptr_t)b->data, b->bytes,
+                write) == 0);
+}
+
+static void caller_before(buf_t *const *bufs, int n, const CUstream *streams) {
+  for (int i = 0; i < n; i++)
+    caller_touch(bufs[i], streams, 1);
+}
+
+static void caller_after(buf_t *const *bufs, int n, const CUstream *streams, const char *what) {
+  CUcontext now = NULL;
+  CHECK(D.CtxGetCurrent(&now) == CUDA_SUCCESS);
+  CHECKF(now == t_home_ctx, "%s: the caller's current context changed (%p before, %p after)", what,
+         (void *)t_home_ctx, (void *)now);
+  if (now != t_home_ctx) D.CtxSetCurrent(t_home_ctx);
+  for (int i = 0; i < n; i++)
+    caller_touch(bufs[i], streams, 1);
+}
+
 /* A view of a buffer, and the same view of its mirror. */
 typedef struct view {
   fdp_tensor_t t, ref;
@@ -387,7 +434,10 @@ static void copy_case(int sdev, int ddev, int es, const int64_t *sz, int sl, int
   buf_t db = buf_new(ddev, span(es, 3, sz, ds) + 2 * (size_t)es);
   view_t s = view(&sb, FDP_DTYPE_OTHER, es, 3, sz, ss, 1), d = view(&db, FDP_DTYPE_OTHER, es, 3, sz, ds, 2);
   fdp_streams_t st = all_streams(streams);
+  buf_t *both[2] = {&sb, &db};
+  caller_before(both, 2, streams);
   fdp_result_t r = fdp_op_copy(&d.t, &s.t, 1, &st);
+  caller_after(both, 2, streams, "copy");
   CHECKF(r == FDP_OK, "copy %d -> %d, %d-byte elements [%lld,%lld,%lld], %s -> %s: %s", sdev, ddev, es,
          (long long)sz[0], (long long)sz[1], (long long)sz[2], k_layouts[sl], k_layouts[dl], fdp_last_error());
   ref_copy(&d.ref, &s.ref);
@@ -440,7 +490,12 @@ static void test_broadcast(void) {
           dt[n++] = dv.t;
         }
         fdp_streams_t streams = all_streams(s ? g_stream : NULL);
+        buf_t *all[FDP_MAX_DEVICES + 1] = {&sb};
+        for (int i = 0; i < n; i++)
+          all[1 + i] = &db[i];
+        caller_before(all, n + 1, s ? g_stream : NULL);
         OK(fdp_op_broadcast(&sv.t, dt, n, &streams));
+        caller_after(all, n + 1, s ? g_stream : NULL, "broadcast");
         for (int i = 0; i < n; i++) {
           buf_matches(&db[i], "broadcast destination");
           buf_free(&db[i]);
@@ -475,7 +530,12 @@ static void test_scatter_gather(void) {
         start += chunks[i];
       }
       fdp_streams_t streams = all_streams(g_stream);
+      buf_t *all[FDP_MAX_DEVICES + 1] = {&sb};
+      for (int i = 0; i < n; i++)
+        all[1 + i] = &ob[i];
+      caller_before(all, n + 1, g_stream);
       OK(fdp_op_scatter(&sv.t, dim, chunks, ot, n, &streams));
+      caller_after(all, n + 1, g_stream, "scatter");
       for (int i = 0; i < n; i++)
         buf_matches(&ob[i], "scatter output");
       /* And back: gather the chunks (changed) into a fresh output on the source's side. */
@@ -493,7 +553,10 @@ static void test_scatter_gather(void) {
         ref_copy(&part, &in);
         start += chunks[i];
       }
+      all[0] = &gb;
+      caller_before(all, n + 1, g_stream);
       OK(fdp_op_gather(ot, n, dim, &gv.t, &streams));
+      caller_after(all, n + 1, g_stream, "gather");
       buf_matches(&gb, "gather output");
       for (int i = 0; i < n; i++)
         buf_free(&ob[i]);
@@ -614,7 +677,15 @@ static void reduce_case(int dtype, int es, int n, const int *devs, int out_dev, 
   if (alias < 0) ob = buf_new(out_dev, (size_t)(count * es));
   fdp_tensor_t ot = alias >= 0 ? it[alias] : view(&ob, dtype, es, 1, sz, st, 0).t;
   fdp_streams_t s = all_streams(streams);
+  buf_t **all = xmalloc((size_t)(n + 1) * sizeof *all);
+  for (int i = 0; i < n; i++)
+    all[i] = &in[i];
+  all[n] = &ob;
+  int nall = alias >= 0 ? n : n + 1;
+  caller_before(all, nall, streams);
   fdp_result_t r = fdp_op_reduce(it, n, &ot, &s);
+  caller_after(all, nall, streams, "reduce");
+  free(all);
   CHECKF(r == (fdp_result_t)expect, "reduce of %d %s inputs: %s (%s)", n, fdp_dtype_name(dtype), fdp_result_name(r),
          fdp_last_error());
   if (r == FDP_OK) {
@@ -776,6 +847,187 @@ static void test_shutdown_reuse(void) {
   int64_t sz[3] = {2, 4, 130};
   copy_case(0, g_ndev - 1, 4, sz, L_PADDED, L_TRANSPOSED, g_stream);
   sim_clean("shutdown then reuse");
+}
+
+/* ---- the kernels at their limits ---- */
+
+/* Element offsets beyond 2^31 (the strided-copy kernel must index in 64 bits): two rows 2^31 + 8 bytes apart in one
+ * allocation, copied to a dense 2 x 3 byte tensor. */
+static void test_kernel_wide_offsets(void) {
+  const long long stride = (1ll << 31) + 8;
+  CUdeviceptr big = 0;
+  push(0);
+  CUresult e = D.MemAlloc(&big, (size_t)stride + 64);
+  if (e != CUDA_SUCCESS) { /* a real GPU with less than 2 GiB free */
+    pop(0);
+    printf("  (skipped: no 2 GiB allocation on device 0)\n");
+    return;
+  }
+  unsigned char rows[2][3] = {{1, 2, 3}, {4, 5, 6}};
+  for (int r = 0; r < 2; r++)
+    dev_call(0, D.HtoD(big + (CUdeviceptr)(r * stride), rows[r], 3, NULL), "cuMemcpyHtoDAsync");
+  dev_call(0, D.StreamSynchronize(NULL), "cuStreamSynchronize");
+  pop(0);
+  buf_t db = buf_new(0, 6);
+  int64_t sz[2] = {2, 3}, st[2] = {stride, 1}, dst_st[2] = {3, 1};
+  fdp_tensor_t src;
+  memset(&src, 0, sizeof src);
+  src.data = (char *)(uintptr_t)big;
+  src.device = 0;
+  src.dtype = FDP_DTYPE_U8;
+  src.elem_size = 1;
+  src.ndim = 2;
+  memcpy(src.sizes, sz, sizeof sz);
+  memcpy(src.strides, st, sizeof st);
+  view_t dv = view(&db, FDP_DTYPE_U8, 1, 2, sz, dst_st, 0);
+  memcpy(db.ref, rows, 6);
+  fdp_streams_t fs = all_streams(g_stream);
+  OK(fdp_op_copy(&dv.t, &src, 1, &fs));
+  buf_matches(&db, "copy of rows 2^31 + 8 bytes apart");
+  buf_free(&db);
+  push(0);
+  dev_call(0, D.CtxSynchronize(), "cuCtxSynchronize");
+  dev_call(0, D.MemFree(big), "cuMemFree");
+  pop(0);
+  sim_clean("kernel offsets past 2^31");
+}
+
+/* A sum of more than 2^31 elements (the kernel must index elements in 64 bits), on a real GPU only: the simulated
+ * one runs kernels one thread at a time, and 2^31 of them take minutes. Three 2 GiB byte inputs of 1, 2 and 3. */
+static void test_kernel_huge_sum(void) {
+  if (sim()) return;
+  const size_t n = (1ull << 31) + 4096;
+  unsigned char *host = malloc(n);
+  CUdeviceptr in[3] = {0, 0, 0}, out = 0;
+  int ok = host != NULL;
+  push(0);
+  for (int i = 0; i < 3 && ok; i++)
+    ok = D.MemAlloc(&in[i], n) == CUDA_SUCCESS;
+  ok = ok && D.MemAlloc(&out, n) == CUDA_SUCCESS;
+  if (!ok) {
+    printf("  (skipped: no 8 GiB on device 0 for a sum past 2^31 elements)\n");
+  } else {
+    for (int i = 0; i < 3; i++) {
+      memset(host, i + 1, n);
+      dev_call(0, D.HtoD(in[i], host, n, NULL), "cuMemcpyHtoDAsync");
+      dev_call(0, D.StreamSynchronize(NULL), "cuStreamSynchronize");
+    }
+    fdp_tensor_t t[4];
+    memset(t, 0, sizeof t);
+    for (int i = 0; i < 4; i++) {
+      t[i].data = (char *)(uintptr_t)(i < 3 ? in[i] : out);
+      t[i].device = 0;
+      t[i].dtype = FDP_DTYPE_U8;
+      t[i].elem_size = 1;
+      t[i].ndim = 1;
+      t[i].sizes[0] = (int64_t)n;
+      t[i].strides[0] = 1;
+    }
+    fdp_streams_t fs = all_streams(NULL);
+    OK(fdp_op_reduce(t, 3, &t[3], &fs));
+    dev_call(0, D.CtxSynchronize(), "cuCtxSynchronize");
+    dev_call(0, D.DtoH(host, out, n, NULL), "cuMemcpyDtoHAsync");
+    dev_call(0, D.StreamSynchronize(NULL), "cuStreamSynchronize");
+    size_t bad = 0;
+    while (bad < n && host[bad] == 6)
+      bad++;
+    CHECKF(bad == n, "sum past 2^31 elements: element %zu is %d, want 6", bad, bad < n ? host[bad] : 6);
+  }
+  for (int i = 0; i < 3; i++)
+    if (in[i]) D.MemFree(in[i]);
+  if (out) D.MemFree(out);
+  pop(0);
+  free(host);
+}
+
+/* Sums and strided copies of many times more elements than one grid has threads (the simulated devices have few
+ * multiprocessors, so the grid is small): every element is written once, nothing past the end. */
+static void test_kernel_many_elements(void) {
+  int devs[3] = {0, 0, 0};
+  reduce_case(FDP_DTYPE_F32, 4, 3, devs, 0, -1, 100003, g_stream, FDP_OK);
+  reduce_case(FDP_DTYPE_F16, 2, 3, devs, 0, 1, 65537, NULL, FDP_OK);
+  int64_t sz[3] = {3, 77, 301};
+  copy_case(0, 0, 2, sz, L_CONTIG, L_TRANSPOSED, g_stream);
+  copy_case(0, 0, 8, sz, L_STEP2, L_CONTIG, NULL);
+  sim_clean("kernels over many grids");
+}
+
+/* ---- rank order is not device order ---- */
+
+/* A broadcast from `root` to `dsts` (in that order), dense: NCCL's route. */
+static void bcast_order(int root, const int *dsts, int n, const CUstream *streams) {
+  int64_t sz[1] = {777}, st[1] = {1};
+  buf_t sb = buf_new(root, 777 * 4), db[FDP_MAX_DEVICES];
+  view_t sv = view(&sb, FDP_DTYPE_F32, 4, 1, sz, st, 0);
+  fdp_tensor_t dt[FDP_MAX_DEVICES];
+  buf_t *all[FDP_MAX_DEVICES + 1] = {&sb};
+  for (int i = 0; i < n; i++) {
+    db[i] = buf_new(dsts[i], 777 * 4);
+    memcpy(db[i].ref, sb.ref, sb.bytes);
+    dt[i] = view(&db[i], FDP_DTYPE_F32, 4, 1, sz, st, 0).t;
+    all[1 + i] = &db[i];
+  }
+  fdp_streams_t fs = all_streams(streams);
+  caller_before(all, n + 1, streams);
+  OK(fdp_op_broadcast(&sv.t, dt, n, &fs));
+  caller_after(all, n + 1, streams, "broadcast in device order");
+  for (int i = 0; i < n; i++) {
+    buf_matches(&db[i], "broadcast, devices not in ascending order");
+    buf_free(&db[i]);
+  }
+  buf_free(&sb);
+}
+
+/* Roots other than device 0, device lists not ascending, and one set of devices in two orders: each order is its
+ * own communicator set (rank i runs on the i-th device listed), so the second order builds new communicators. */
+static void test_order(void) {
+  if (g_ndev < 3) return;
+  int desc[FDP_MAX_DEVICES], rot[FDP_MAX_DEVICES], k = 0;
+  for (int d = g_ndev - 1; d >= 1; d--)
+    desc[k++] = d;
+  long long comms = sim() ? S.stat("comms") : 0;
+  bcast_order(0, desc, k, g_stream);
+  k = 0;
+  for (int i = 1; i < g_ndev; i++)
+    desc[k++] = i; /* the same set, ascending now */
+  bcast_order(0, desc, k, NULL);
+  if (sim()) CHECKF(S.stat("comms") - comms == 2 * g_ndev, "two orders of one device set share communicators");
+  k = 0;
+  for (int d = g_ndev - 1; d >= 0; d--)
+    if (d != 2) rot[k++] = d;
+  bcast_order(2, rot, k, g_stream); /* root: device 2 */
+  /* reduce into the last device from inputs listed out of order */
+  int devs[FDP_MAX_DEVICES];
+  for (int i = 0; i < g_ndev; i++)
+    devs[i] = (i * 3 + 1) % g_ndev;
+  int distinct = 1;
+  for (int i = 0; i < g_ndev; i++)
+    for (int j = 0; j < i; j++)
+      distinct &= devs[i] != devs[j];
+  if (!distinct)
+    for (int i = 0; i < g_ndev; i++)
+      devs[i] = g_ndev - 1 - i;
+  /* integers: NCCL's summation order across ranks is its own, so the sum is checked where the order cannot matter */
+  reduce_case(FDP_DTYPE_I32, 4, g_ndev, devs, g_ndev - 1, -1, 999, g_stream, FDP_OK);
+  reduce_case(FDP_DTYPE_I64, 8, g_ndev, devs, devs[2], 2, 500, NULL, FDP_OK);
+  sim_clean("rank order");
+}
+
+/* A communicator that reports an asynchronous error (its peer died, a network failed) is never used again: the
+ * next collective on those devices runs on new communicators. */
+static void test_nccl_async_error(void) {
+  if (!sim() || g_ndev < 2 || !fdp_backend_usable(FDP_BACKEND_NCCL, NULL) || getenv("FASTDP_DISABLE_NCCL")) return;
+  int dsts[FDP_MAX_DEVICES];
+  for (int i = 1; i < g_ndev; i++)
+    dsts[i - 1] = i;
+  bcast_order(0, dsts, g_ndev - 1, g_stream);
+  sim_clean("before the asynchronous error");
+  CHECK(S.nccl_break(1, 6 /* ncclRemoteError */) >= 1);
+  long long aborts = S.calls("ncclCommAbort"), comms = S.stat("comms");
+  bcast_order(0, dsts, g_ndev - 1, g_stream);
+  CHECKF(S.calls("ncclCommAbort") - aborts == g_ndev, "the broken communicators were not aborted");
+  CHECKF(S.stat("comms") == comms, "communicators: %lld before, %lld after a rebuild", comms, S.stat("comms"));
+  sim_clean("after the asynchronous error");
 }
 
 /* ---- fault injection (simulator only) ---- */
@@ -1134,6 +1386,7 @@ int main(int argc, char **argv) {
     printf("skipped: no usable CUDA driver or device\n");
     return 77;
   }
+  t_home_ctx = g_ctx[0];
   printf("%d device(s), %s\n", g_ndev, sim() ? "simulated GPU (misuse and race checks on)" : "real driver");
   const char *route = getenv("SIMGPU_ALLOCATOR");
   int caching = route != NULL && strcmp(route, "caching") == 0;
@@ -1164,6 +1417,11 @@ int main(int argc, char **argv) {
     test_coalesced();
     test_threads();
     test_shutdown_reuse();
+    test_order();
+    test_kernel_many_elements();
+    test_kernel_wide_offsets();
+    test_kernel_huge_sum();
+    test_nccl_async_error();
     test_route();
     if (sim()) {
       sim_clean("end");

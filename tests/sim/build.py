@@ -17,10 +17,15 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SOURCES = ["sim_cuda.c", "sim_nccl.c"]
+SOURCES = ["sim_cuda.c", "sim_nccl.c", "sim_host.c"]
+# fastdp's real kernels, compiled as host C++ with kernel_host.h (sim_kernels.cc runs them over their grids).
+KERNELS = [os.path.join(ROOT, "cuda", "sum.cu"), os.path.join(ROOT, "cuda", "copy.cu")]
+CXX_SOURCES = [os.path.join(HERE, "sim_kernels.cc")]
 HEADERS = [os.path.join(HERE, "sim.h"), os.path.join(ROOT, "csrc", "dl", "cuda_api.h"),
            os.path.join(ROOT, "csrc", "dl", "nccl_api.h"), os.path.join(ROOT, "csrc", "backend", "cuda", "kernels.h"),
-           os.path.join(ROOT, "csrc", "core", "fastdp.h"), os.path.join(ROOT, "csrc", "core", "backend.h")]
+           os.path.join(ROOT, "csrc", "core", "fastdp.h"), os.path.join(ROOT, "csrc", "core", "backend.h"),
+           os.path.join(HERE, "kernel_host.h")]
+CXXFLAGS = ["-std=c++17", "-g", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", "-fno-fast-math"]
 CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-O1", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
           "-ffp-contract=off", "-fno-fast-math"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
@@ -34,15 +39,24 @@ def compiler():
     return mod.compiler()
 
 
+def cxx_compiler():
+    """The C++ compiler for the kernels: $CXX, else c++, g++ or clang++ on PATH; None when there is none."""
+    for name in filter(None, [os.environ.get("CXX"), "c++", "g++", "clang++"]):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
 def build(sanitize=False):
     """Returns {"cuda": path of libcuda.so.1, "nccl": path of libnccl.so.2, "dir": folder}; builds when the
     sources or flags changed. Raises RuntimeError with the compiler output when the build fails."""
-    cc = compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
+    cc, cxx = compiler(), cxx_compiler()
+    if cc is None or cxx is None:
+        raise RuntimeError("no C and C++ compiler found (set CC and CXX, or install gcc/g++ or clang/clang++)")
     flags = CFLAGS + (SANITIZE if sanitize else [])
-    h = hashlib.sha256(" ".join([cc] + flags).encode())
-    for f in [os.path.join(HERE, s) for s in SOURCES] + HEADERS:
+    h = hashlib.sha256(" ".join([cc, cxx] + flags + CXXFLAGS).encode())
+    for f in [os.path.join(HERE, s) for s in SOURCES] + KERNELS + CXX_SOURCES + HEADERS:
         with open(f, "rb") as fh:
             h.update(fh.read())
     out = os.path.join(HERE, "build", ("asan-" if sanitize else "") + h.hexdigest()[:16])
@@ -52,12 +66,23 @@ def build(sanitize=False):
         return paths
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(out))
-    cmd = [cc, *flags, "-I" + os.path.join(ROOT, "csrc"), "-I" + HERE, *[os.path.join(HERE, s) for s in SOURCES],
-           "-o", os.path.join(tmp, "libsimgpu.so"), "-Wl,-soname,libsimgpu.so", "-lm", "-pthread"]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError("building the simulated GPU failed:\n" + " ".join(cmd) + "\n" + proc.stdout)
+    includes = ["-I" + os.path.join(ROOT, "csrc"), "-I" + os.path.join(ROOT, "csrc", "backend", "cuda"), "-I" + HERE]
+    cxxflags = CXXFLAGS + (SANITIZE if sanitize else [])
+    objects, cmds = [], []
+    for src in KERNELS + CXX_SOURCES:
+        obj = os.path.join(tmp, os.path.basename(src) + ".o")
+        # The kernels' own warnings are nvcc's business (a build there has no -Werror either).
+        lang = ["-x", "c++", "-DFDP_HOST_EMULATION", "-Wno-error"] if src.endswith(".cu") else []
+        cmds.append([cxx, *cxxflags, *includes, "-include", os.path.join(HERE, "kernel_host.h"), *lang, "-c", src,
+                     "-o", obj])
+        objects.append(obj)
+    cmds.append([cc, *flags, *includes, *[os.path.join(HERE, s) for s in SOURCES], *objects, "-o",
+                 os.path.join(tmp, "libsimgpu.so"), "-Wl,-soname,libsimgpu.so", "-lstdc++", "-lm", "-pthread"])
+    for cmd in cmds:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError("building the simulated GPU failed:\n" + " ".join(cmd) + "\n" + proc.stdout)
     os.symlink("libsimgpu.so", os.path.join(tmp, "libcuda.so.1"))
     os.symlink("libsimgpu.so", os.path.join(tmp, "libnccl.so.2"))
     try:

@@ -42,9 +42,9 @@ def op_broadcast(sim, streams):
     src_cpu = rand((13, 7), torch.float32)
     src = sim.tensor(src_cpu, 0)
     outs = [sim.empty((13, 7), torch.float32, d) for d in range(1, sim.ndev)]  # dense: NCCL
-    _C.broadcast(src, outs, streams)
+    sim.call(streams, [src] + outs, _C.broadcast, src, outs, streams)
     strided = [sim.tensor(torch.empty(13, 9)[:, :7], d) for d in range(1, sim.ndev)]  # strided: copies
-    _C.broadcast(src, strided, streams)
+    sim.call(streams, [src] + strided, _C.broadcast, src, strided, streams)
     return [(o, src_cpu) for o in outs + strided], [src] + outs + strided
 
 
@@ -55,12 +55,12 @@ def op_scatter_gather(sim, streams):
         src = sim.tensor(src_cpu, 0)
         chunks = [t.shape[dim] for t in src_cpu.chunk(sim.ndev, dim)]
         outs = [sim.empty(c.shape, torch.float16, i) for i, c in enumerate(src_cpu.split(chunks, dim))]
-        _C.scatter(src, outs, dim, chunks, streams)
+        sim.call(streams, [src] + outs, _C.scatter, src, outs, dim, chunks, streams)
         res += [(o, c) for o, c in zip(outs, src_cpu.split(chunks, dim))]
         parts_cpu = [rand(c.shape, torch.float16) for c in src_cpu.split(chunks, dim)]
         parts = [sim.tensor(p, i) for i, p in enumerate(parts_cpu)]
         out = sim.empty((12, 10), torch.float16, 1)
-        _C.gather(parts, out, dim, streams)
+        sim.call(streams, parts + [out], _C.gather, parts, out, dim, streams)
         res.append((out, torch.cat(parts_cpu, dim)))
         keep += [src, out] + outs + parts
     return res, keep
@@ -72,17 +72,17 @@ def op_reduce(sim, streams):
         cpus = [rand((3, 333), dtype) for _ in range(sim.ndev)]
         ins = [sim.tensor(c, d) for d, c in enumerate(cpus)]
         out = sim.empty((3, 333), dtype, 0)
-        _C.reduce(ins, out, streams)  # NCCL, rank order == input order
+        sim.call(streams, ins + [out], _C.reduce, ins, out, streams)  # NCCL, rank order == input order
         res.append((out, functools.reduce(operator.add, cpus)))
         local = [rand((257,), dtype) for _ in range(40)]
         lins = [sim.tensor(c, 2 % sim.ndev) for c in local]
-        _C.reduce(lins, lins[35], streams)  # the output aliases an input a later pass reads
+        sim.call(streams, lins, _C.reduce, lins, lins[35], streams)  # the output aliases an input a later pass reads
         res.append((lins[35], functools.reduce(operator.add, local)))
         # reduce_many: one reduce per column (the bucket reduction of DataParallel's backward)
         cols_cpu = [[rand((2, 50), dtype) for _ in range(sim.ndev)] for _ in range(3)]
         cols = [[sim.tensor(c, d) for d, c in enumerate(col)] for col in cols_cpu]
         outs = [sim.empty((2, 50), dtype, 0) for _ in cols]
-        _C.reduce_many(cols, outs, streams)
+        sim.call(streams, [t for col in cols for t in col] + outs, _C.reduce_many, cols, outs, streams)
         res += [(o, functools.reduce(operator.add, c)) for o, c in zip(outs, cols_cpu)]
         keep += ins + [out] + lins + outs + [t for col in cols for t in col]
     return res, keep
@@ -90,17 +90,39 @@ def op_reduce(sim, streams):
 
 def op_copy(sim, streams):
     res, keep = [], []
+    # host memory on one side: flat, and strided on both sides (staged)
+    for src_cpu, dst_shape in ((rand((64, 5), torch.float32), (64, 5)), (rand((6, 40), torch.float32).t(), (40, 6))):
+        dst = sim.tensor(torch.zeros(dst_shape), 1)
+        sim.call(streams, [src_cpu, dst], _C.copy, [dst], [src_cpu], streams)
+        res.append((dst, src_cpu.contiguous()))
+        back = torch.zeros(dst_shape[1], dst_shape[0]).t()
+        sim.call(streams, [dst, back], _C.copy, [back], [dst], streams)
+        res.append((_Host(back), src_cpu))
+        keep.append(dst)
     for sdev, ddev in ((0, 0), (0, 1), (2, 3)):
         src_cpu = rand((4, 6, 150), torch.float32).transpose(1, 2)
         src = sim.tensor(src_cpu, sdev)
         dst_cpu = torch.zeros(4, 160, 6)[:, 3:153, :]
         dst = sim.tensor(dst_cpu, ddev)
-        _C.copy([dst], [src], streams)
+        sim.call(streams, [src, dst], _C.copy, [dst], [src], streams)
         want = dst_cpu.clone()
         want.copy_(src_cpu)
         res.append((dst, want))
         keep += [src, dst]
     return res, keep
+
+
+class _Host:
+    """A CPU result, read as a SimTensor's is."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def cpu(self):
+        return self.t
+
+    def release(self):
+        pass
 
 
 OPS = {"broadcast": op_broadcast, "scatter_gather": op_scatter_gather, "reduce": op_reduce, "copy": op_copy}
@@ -145,13 +167,16 @@ ENTRIES = [l.strip() for l in """cuDeviceGet cuDeviceGetAttribute cuDevicePrimar
     cuModuleLoadData cuModuleGetFunction cuLaunchKernel ncclCommInitAll ncclGroupStart ncclGroupEnd ncclBroadcast
     ncclReduce""".split()]
 # A failure of the call that destroys something may leave that very thing behind.
-DESTROYS = {"cuEventDestroy_v2": "events", "cuMemFreeAsync": "allocations", "cuCtxPopCurrent_v2": "pushes"}
+# A failed cuCtxSetCurrent cannot give the thread its context back after NCCL switched it: NCCL's stays.
+DESTROYS = {"cuEventDestroy_v2": "events", "cuMemFreeAsync": "allocations", "cuCtxPopCurrent_v2": "pushes",
+            "cuCtxSetCurrent": "pushes"}
 
 
 def case_sweep(sim):
     exclude = set(filter(None, os.environ.get("SIM_SWEEP_EXCLUDE", "").split(",")))
     streams = [(d, sim.stream(d)) for d in range(sim.ndev)]
     problems, trials = [], 0
+    home = sim.current_context()
     for name, op in OPS.items():
         _C.shutdown()
         sim.reset()
@@ -176,6 +201,8 @@ def case_sweep(sim):
                 except Exception as e:  # noqa: BLE001 -- anything else is the finding
                     problems.append(f"{where}: {type(e).__name__}: {e} (want CudaError/NcclError)")
                 sim.release_all()
+                if sim.current_context() != home:  # a failed restore leaves NCCL's context: the caller repairs it
+                    sim.set_context(home)
                 n_err, text = sim.errors()
                 if n_err:
                     problems.append(f"{where}: {n_err} misuse(s): {text}")
@@ -212,7 +239,8 @@ def case_selfcheck(sim):
                        ("cuModuleLoadData", [ctypes.POINTER(vp), ctypes.c_char_p]), ("cuModuleUnload", [vp]),
                        ("cuModuleGetFunction", [ctypes.POINTER(vp), vp, ctypes.c_char_p]),
                        ("cuLaunchKernel", [vp] + [ctypes.c_uint] * 7 + [vp, ctypes.POINTER(vp), vp]),
-                       ("ncclCommInitAll", [ctypes.POINTER(vp), ctypes.c_int, vp]), ("ncclCommDestroy", [vp])]:
+                       ("ncclCommInitAll", [ctypes.POINTER(vp), ctypes.c_int, vp]), ("ncclCommDestroy", [vp]),
+                       ("cuCtxSetCurrent", [vp])]:
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int
     host = (ctypes.c_char * 256)()
@@ -314,6 +342,7 @@ def case_selfcheck(sim):
         comms = (vp * 2)()
         devs = (ctypes.c_int * 2)(2, 3)
         assert lib.ncclCommInitAll(comms, 2, devs) == 0
+        lib.cuCtxSetCurrent(None)  # NCCL left one of the devices' contexts current, as the real library may
         sim.close()  # every client reference: contexts 2 and 3 die under their communicators
         lib.ncclCommDestroy(comms[0])
         lib.ncclCommDestroy(comms[1])
@@ -553,6 +582,7 @@ def scratch_route(sim):
 
 def main(name):
     sim = Sim().open()
+    os.environ.setdefault("SIMGPU_REQUIRE_FREE_MUTEX", "1")  # Sim made its getFreeMutex visible before NCCL loads
     sim.reset()
     scratch_route(sim)
     globals()["case_" + name](sim)

@@ -6,6 +6,7 @@
 
 #include "dl/cuda_api.h"
 #include "dl/nccl_api.h"
+#include "backend/cuda/kernels.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -107,5 +108,27 @@ void sim_group_count(int delta);
 int sim_nccl_comms_on(const sim_ctx_t *ctx);
 /* Host-side element arithmetic shared by kernels and NCCL: dst[i] = dst[i] + src[i] for `type`. */
 void sim_add(int fdp_dtype, void *acc, const void *x, int64_t n);
+/* Records a race (counted as one, and as misuse). Lock held. */
+void sim_race(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* The calling thread's current context (NULL: none), and replacing it as cuCtxSetCurrent does. */
+sim_ctx_t *sim_current(void);
+void sim_set_current(sim_ctx_t *c);
+/* The device whose address range holds p, or -1. */
+int sim_ptr_device(CUdeviceptr p);
+/* Host memory (sim_host.c): an asynchronous copy with host side `host` of n bytes, run by `op`; `bytes` are the
+ * bytes it delivers to the host (to_host) or read from it. The host side is in use until the host clock covers the
+ * copy; sim_host_retire (called whenever the host clock advances) completes what it covers. */
+void sim_host_copy_begin(const sim_op_t *op, void *host, const void *bytes, size_t n, int to_host);
+void sim_host_retire(const uint32_t *host_vc);
+/* Drops the pending host copies of the stream with this agent (its work failed). */
+void sim_host_abandon(int agent);
+/* The real kernels (sim_kernels.cc): runs kernel `name` over the grid, its pointers already host addresses;
+ * 0, or -1 when it faulted (*fault: the address). */
+int sim_kernel_run(const char *name, const unsigned int grid[3], const unsigned int block[3], fdp_sum_args_t *sum,
+                   const void *src, void *dst, const fdp_copy_args_t *copy, void **fault);
+/* The PTX conversions on the host, for the kernels. */
+float sim_half_to_float(unsigned short h);
+unsigned short sim_float_to_half(float f);
+unsigned short sim_float_to_bf16(float f);
 
 #endif

@@ -24,6 +24,10 @@
 #define RANGE_BYTES (1ull << 36) /* fake address range reserved per device (PROT_NONE: the host cannot touch it) */
 #define GAP 256
 #define MAX_ERRORS_KEPT 64
+#define PAGE 4096
+#define DEVICE_ALIGN 256
+#define CANARY 0x5a
+#define HUGE_BYTES (256u << 20) /* allocations from this size on start zeroed: filling them would cost real memory */
 
 /* ---- state ---- */
 
@@ -32,6 +36,7 @@ static int g_ndev = -1;
 static int g_inited;
 static size_t g_mem_total;
 static int g_check_races = 1;
+static int g_sms = 2;
 
 typedef struct sim_alloc {
   CUdeviceptr base;
@@ -44,7 +49,9 @@ typedef struct sim_alloc {
   int cache_owned, cached;
   sim_stream_t *cache_stream;
   size_t asked;
-  unsigned char *mem;
+  unsigned char *mem; /* the bytes, ending just before a guard page (see mem_new) */
+  void *map;          /* the host mapping holding them */
+  size_t maplen;
   uint32_t *w, *r; /* per-byte epochs of the last write and the last read: (agent << 22) | clock */
 } sim_alloc_t;
 
@@ -130,6 +137,16 @@ void sim_misuse(const char *fmt, ...) {
   if (g_verbose) fprintf(stderr, "simgpu: misuse: %s\n", buf);
 }
 
+void sim_race(const char *fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  g_nraces++;
+  sim_misuse("%s", buf);
+}
+
 static void track(void *p) {
   if (g_nobjs == g_capobjs) {
     g_capobjs = g_capobjs ? g_capobjs * 2 : 256;
@@ -167,8 +184,10 @@ static void setup(void) {
   g_ndev = (int)env_ll("SIMGPU_DEVICES", 4);
   if (g_ndev < 0) g_ndev = 0;
   if (g_ndev > SIM_MAX_DEVICES) g_ndev = SIM_MAX_DEVICES;
-  g_mem_total = (size_t)env_ll("SIMGPU_MEM_MB", 1024) << 20;
+  g_mem_total = (size_t)env_ll("SIMGPU_MEM_MB", 4096) << 20;
   g_check_races = env_ll("SIMGPU_RACES", 1) != 0;
+  g_sms = (int)env_ll("SIMGPU_SMS", 2);
+  if (g_sms < 1) g_sms = 1;
   g_verbose = env_ll("SIMGPU_VERBOSE", 0) != 0;
   for (int d = 0; d < g_ndev; d++) {
     void *p = mmap(NULL, RANGE_BYTES, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -279,9 +298,10 @@ void sim_op_begin(sim_op_t *op, sim_stream_t *s, const char *name, int dev) {
   s->vc[s->agent]++;
 }
 
-/* The host learns that everything `vc` covers has completed. */
+/* The host learns that everything `vc` covers has completed: copies to host memory among it land now. */
 static void host_sync(const uint32_t *vc) {
   sim_vc_join(g_host_vc, vc);
+  sim_host_retire(g_host_vc);
 }
 
 static void host_sync_stream(sim_stream_t *s) {
@@ -410,13 +430,56 @@ unsigned char *sim_access(sim_op_t *op, CUdeviceptr p, size_t n, int write) {
   return h;
 }
 
+/* Device bytes live in host pages followed by an inaccessible guard page. The block ends where the guard begins,
+ * less the rounding that keeps its start aligned as device memory is (256 bytes); those few bytes hold a canary.
+ * So a kernel that strays past its memory faults at once, or leaves the canary changed (mem_overrun). */
+static unsigned char *mem_new(size_t bytes, void **map, size_t *maplen) {
+  size_t span = (bytes + DEVICE_ALIGN - 1) & ~(size_t)(DEVICE_ALIGN - 1);
+  size_t pages = (span + PAGE - 1) & ~(size_t)(PAGE - 1);
+  *maplen = pages + PAGE;
+  unsigned char *m = mmap(NULL, *maplen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return NULL;
+  if (mprotect(m + pages, PAGE, PROT_NONE) != 0) {
+    munmap(m, *maplen);
+    return NULL;
+  }
+  *map = m;
+  unsigned char *mem = m + pages - span;
+  memset(mem + bytes, CANARY, span - bytes);
+  return mem;
+}
+
+/* Whether anything wrote past the end of allocation `a` (into its canary). */
+static int mem_overrun(const sim_alloc_t *a) {
+  size_t span = (a->size + DEVICE_ALIGN - 1) & ~(size_t)(DEVICE_ALIGN - 1);
+  for (size_t i = a->size; i < span; i++)
+    if (a->mem[i] != CANARY) return 1;
+  return 0;
+}
+
+/* Zeroed per-byte shadow arrays; big ones straight from the kernel, so that untouched parts cost nothing. */
+static uint32_t *shadow_new(size_t n) {
+  if (n * sizeof(uint32_t) < (1u << 20)) return calloc(n, sizeof(uint32_t));
+  void *p = mmap(NULL, n * sizeof(uint32_t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  return p == MAP_FAILED ? NULL : p;
+}
+
+static void shadow_free(uint32_t *p, size_t n) {
+  if (p == NULL) return;
+  if (n * sizeof(uint32_t) < (1u << 20))
+    free(p);
+  else
+    munmap(p, n * sizeof(uint32_t));
+}
+
 static void alloc_free(sim_alloc_t *a) {
   a->freed = 1;
   g_dev[a->dev].used -= a->size;
-  free(a->mem);
-  free(a->w);
-  free(a->r);
+  if (a->map) munmap(a->map, a->maplen);
+  shadow_free(a->w, a->size);
+  shadow_free(a->r, a->size);
   a->mem = NULL;
+  a->map = NULL;
   a->w = a->r = NULL;
   g_live_allocs--;
 }
@@ -426,19 +489,18 @@ static CUresult alloc_new(int dev, size_t bytes, int async, CUdeviceptr *out) {
   if (bytes == 0) return CUDA_ERROR_INVALID_VALUE;
   if (D->used + bytes > g_mem_total || D->next + bytes + GAP > D->hi) return CUDA_ERROR_OUT_OF_MEMORY;
   sim_alloc_t *a = calloc(1, sizeof *a);
-  a->mem = malloc(bytes);
-  a->w = calloc(bytes, sizeof(uint32_t));
-  a->r = calloc(bytes, sizeof(uint32_t));
-  if (!a || !a->mem || !a->w || !a->r) {
-    if (a) {
-      free(a->mem);
-      free(a->w);
-      free(a->r);
-    }
+  if (!a) return CUDA_ERROR_OUT_OF_MEMORY;
+  a->mem = mem_new(bytes, &a->map, &a->maplen);
+  a->w = shadow_new(bytes);
+  a->r = shadow_new(bytes);
+  if (!a->mem || !a->w || !a->r) {
+    if (a->map) munmap(a->map, a->maplen);
+    shadow_free(a->w, bytes);
+    shadow_free(a->r, bytes);
     free(a);
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
-  memset(a->mem, 0xa5, bytes); /* uninitialised device memory is never accidentally zero */
+  if (bytes < HUGE_BYTES) memset(a->mem, 0xa5, bytes); /* uninitialised device memory is never accidentally zero */
   a->base = D->next;
   a->size = bytes;
   a->dev = dev;
@@ -475,6 +537,24 @@ static sim_ctx_t *need_ctx(const char *op, CUresult *err) {
     return NULL;
   }
   return c;
+}
+
+void sim_set_current(sim_ctx_t *c) {
+  if (t_depth == 0) {
+    t_depth = 1;
+    g_pushes++;
+  }
+  t_stack[t_depth - 1] = c;
+}
+
+sim_ctx_t *sim_current(void) {
+  return current();
+}
+
+int sim_ptr_device(CUdeviceptr p) {
+  int dev;
+  find_alloc(p, &dev);
+  return dev;
 }
 
 /* Handles are never freed (dead objects stay until the process ends), so a handle this library returned can
@@ -693,7 +773,7 @@ CUresult cuDeviceGetAttribute(int *v, CUdevice_attribute attr, CUdevice dev) {
   CHECK_DEV(cuDeviceGetAttribute, dev);
   switch ((int)attr) {
   case CU_DEVICE_ATTRIBUTE_MAX_PITCH: *v = 2147483647; break;
-  case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = 132; break;
+  case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = g_sms; break;
   case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *v = 1; break;
   case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *v = 9; break;
   case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = 0; break;
@@ -988,6 +1068,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CU
   unsigned char *dp = sim_access(&op, dst, bytes, 1);
   if (!dp) RETURN(CUDA_ERROR_INVALID_VALUE);
   memcpy(dp, src, bytes);
+  sim_host_copy_begin(&op, (void *)(uintptr_t)src, src, bytes, 0); /* the host bytes stay in use until it completes */
   RETURN(CUDA_SUCCESS);
 }
 
@@ -1004,12 +1085,23 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream
   sim_op_begin(&op, s, "cuMemcpyDtoHAsync", c->dev);
   unsigned char *sp = sim_access(&op, src, bytes, 0);
   if (!sp) RETURN(CUDA_ERROR_INVALID_VALUE);
-  memcpy(dst, sp, bytes);
+  sim_host_copy_begin(&op, dst, sp, bytes, 1); /* lands in host memory when the host learns it completed */
   RETURN(CUDA_SUCCESS);
 }
 
+/* An injected failure stands for a stream whose work failed: its copies to and from host memory never complete, and
+ * their host buffers are the caller's again (holding undefined bytes), as the failure it reports says. */
 CUresult cuStreamSynchronize(CUstream stream) {
-  ENTER(cuStreamSynchronize);
+  sim_lock();
+  int inj = sim_enter(SIM_E_cuStreamSynchronize);
+  if (inj) {
+    sim_ctx_t *c = current();
+    sim_stream_t *s = (sim_stream_t *)stream;
+    if (stream == NULL && c != NULL) s = c->null_stream;
+    if (valid_obj(s, MAGIC_STREAM)) sim_host_abandon(s->agent);
+    sim_unlock();
+    return (CUresult)inj;
+  }
   CUresult err = CUDA_SUCCESS;
   sim_ctx_t *c = need_ctx("cuStreamSynchronize", &err);
   if (!c) RETURN(err);
@@ -1051,6 +1143,16 @@ static int ptr_on(sim_op_t *op, CUdeviceptr p, const sim_ctx_t *c, const char *s
   return 1;
 }
 
+/* A peer copy runs in the current context `c`; where the hardware has a peer path, that context must have peer
+ * access enabled towards the other device (the direction matters: enabling it the other way round leaves this copy
+ * to the driver's staging through host memory, a silent slow path). */
+static void peer_direction(const sim_op_t *op, const sim_ctx_t *c, const sim_ctx_t *sc, const sim_ctx_t *dc) {
+  int other = sc->dev != c->dev ? sc->dev : dc->dev;
+  if (other == c->dev || env_ll("SIMGPU_NO_PEER", 0) != 0 || c->peer[other]) return;
+  sim_misuse("%s on device %d reaches device %d's memory without peer access enabled from device %d to device %d",
+             op->name, c->dev, other, c->dev, other);
+}
+
 CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t bytes,
                            CUstream stream) {
   ENTER(cuMemcpyPeerAsync);
@@ -1068,6 +1170,7 @@ CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUc
   if (!ptr_on(&op, dst, dc, "destination") || !ptr_on(&op, src, sc, "source") || !sim_check_range(&op, src, bytes) ||
       !sim_check_range(&op, dst, bytes))
     RETURN(CUDA_ERROR_INVALID_VALUE);
+  peer_direction(&op, c, sc, dc);
   unsigned char *sp = sim_access(&op, src, bytes, 0), *dp = sim_access(&op, dst, bytes, 1);
   memmove(dp, sp, bytes);
   RETURN(CUDA_SUCCESS);
@@ -1161,6 +1264,7 @@ CUresult cuMemcpy3DPeerAsync(const CUDA_MEMCPY3D_PEER *p, CUstream stream) {
   }
   if (!ptr_on(&op, p->srcDevice, sc, "source") || !ptr_on(&op, p->dstDevice, dc, "destination"))
     RETURN(CUDA_ERROR_INVALID_VALUE);
+  peer_direction(&op, c, sc, dc);
   size_t sh = p->srcHeight ? p->srcHeight : p->Height, dh = p->dstHeight ? p->dstHeight : p->Height;
   side_t a = {0, (uintptr_t)p->srcDevice + (p->srcZ * sh + p->srcY) * p->srcPitch + p->srcXInBytes, p->srcPitch, sh};
   side_t b = {0, (uintptr_t)p->dstDevice + (p->dstZ * dh + p->dstY) * p->dstPitch + p->dstXInBytes, p->dstPitch, dh};
@@ -1407,6 +1511,17 @@ static uint16_t f2bf(float f) {
   return (uint16_t)(u >> 16);
 }
 
+/* The PTX conversions of the real kernels, on the host (kernel_host.h). */
+float sim_half_to_float(unsigned short h) {
+  return h2f(h);
+}
+unsigned short sim_float_to_half(float f) {
+  return f2h(f);
+}
+unsigned short sim_float_to_bf16(float f) {
+  return f2bf(f);
+}
+
 void sim_add(int dtype, void *acc, const void *x, int64_t n) {
   switch (dtype) {
 #define ADD(T, EXPR)                                                                                                   \
@@ -1439,7 +1554,31 @@ static const int k_dtype_size[FDP_DTYPE_COUNT] = {
 
 /* ---- kernels ---- */
 
-static CUresult run_sum(sim_op_t *op, const sim_func_t *f, void **params) {
+/* One launch of a real kernel (sim_kernels.cc) over its grid, with host addresses for its pointers. A fault outside
+ * every allocation, or a write past the end of `written` (its canary), is the launch's failure. */
+static CUresult run_real(sim_op_t *op, const sim_func_t *f, const unsigned int grid[3], const unsigned int block[3],
+                         fdp_sum_args_t *sum, const void *src, void *dst, const fdp_copy_args_t *copy,
+                         CUdeviceptr written) {
+  void *fault = NULL;
+  if (sim_kernel_run(f->name, grid, block, sum, src, dst, copy, &fault) != 0) {
+    sim_misuse("%s: the kernel accessed %p, outside its memory (an index past the end, or one that overflowed)",
+               op->name, fault);
+    return CUDA_ERROR_ILLEGAL_ADDRESS;
+  }
+  int dev;
+  sim_alloc_t *a = find_alloc(written, &dev);
+  if (a != NULL && mem_overrun(a)) {
+    sim_misuse("%s: the kernel wrote past the end of its %zu-byte output allocation on device %d", op->name, a->size,
+               dev);
+    memset(a->mem + a->size, CANARY, ((a->size + DEVICE_ALIGN - 1) & ~(size_t)(DEVICE_ALIGN - 1)) - a->size);
+    return CUDA_ERROR_ILLEGAL_ADDRESS;
+  }
+  return CUDA_SUCCESS;
+}
+
+/* fdp_sum_<dtype>: its inputs and output checked and recorded as accessed in full, then the kernel itself runs. */
+static CUresult run_sum(sim_op_t *op, const sim_func_t *f, void **params, const unsigned int grid[3],
+                        const unsigned int block[3]) {
   if (!params || !params[0]) return CUDA_ERROR_INVALID_VALUE;
   fdp_sum_args_t a;
   memcpy(&a, params[0], sizeof a);
@@ -1460,18 +1599,11 @@ static CUresult run_sum(sim_op_t *op, const sim_func_t *f, void **params) {
     }
   }
   if (!sim_check_range(op, out, bytes)) return CUDA_ERROR_ILLEGAL_ADDRESS;
-  unsigned char *acc = malloc(bytes);
-  if (!acc) return CUDA_ERROR_OUT_OF_MEMORY;
-  for (int j = 0; j < a.k; j++) {
-    unsigned char *h = sim_access(op, (CUdeviceptr)(uintptr_t)a.in[j], bytes, 0);
-    if (j == 0)
-      memcpy(acc, h, bytes);
-    else
-      sim_add(f->dtype, acc, h, a.n);
-  }
-  memcpy(sim_access(op, out, bytes, 1), acc, bytes);
-  free(acc);
-  return CUDA_SUCCESS;
+  fdp_sum_args_t host = a;
+  for (int j = 0; j < a.k; j++)
+    host.in[j] = sim_access(op, (CUdeviceptr)(uintptr_t)a.in[j], bytes, 0);
+  host.out = sim_access(op, out, bytes, 1);
+  return run_real(op, f, grid, block, &host, NULL, NULL, NULL, out);
 }
 
 /* The byte extent [lo, hi) a strided view covers. */
@@ -1482,7 +1614,9 @@ static void extent(const fdp_copy_args_t *a, const long long *strides, int es, s
   *hi = (size_t)(last + 1) * (size_t)es;
 }
 
-static CUresult run_copy(sim_op_t *op, const sim_func_t *f, void **params) {
+/* fdp_copy_<bytes>: every element it must read and write checked and recorded, then the kernel itself runs. */
+static CUresult run_copy(sim_op_t *op, const sim_func_t *f, void **params, const unsigned int grid[3],
+                         const unsigned int block[3]) {
   if (!params || !params[0] || !params[1] || !params[2]) return CUDA_ERROR_INVALID_VALUE;
   CUdeviceptr src, dst;
   fdp_copy_args_t a;
@@ -1514,7 +1648,9 @@ static CUresult run_copy(sim_op_t *op, const sim_func_t *f, void **params) {
   size_t shi, dhi;
   extent(&a, a.src_strides, es, &shi);
   extent(&a, a.dst_strides, es, &dhi);
-  if (!sim_check_range(op, src, shi) || !sim_check_range(op, dst, dhi)) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  const unsigned char *hs = sim_check_range(op, src, shi);
+  unsigned char *hd = sim_check_range(op, dst, dhi);
+  if (!hs || !hd) return CUDA_ERROR_ILLEGAL_ADDRESS;
   long long idx[FDP_COPY_MAX_DIMS] = {0};
   for (long long i = 0; i < numel; i++) {
     long long so = 0, dof = 0;
@@ -1522,15 +1658,14 @@ static CUresult run_copy(sim_op_t *op, const sim_func_t *f, void **params) {
       so += idx[d] * a.src_strides[d];
       dof += idx[d] * a.dst_strides[d];
     }
-    unsigned char *sp = sim_access(op, src + (CUdeviceptr)(so * es), (size_t)es, 0);
-    unsigned char *dp = sim_access(op, dst + (CUdeviceptr)(dof * es), (size_t)es, 1);
-    memmove(dp, sp, (size_t)es);
+    sim_access(op, src + (CUdeviceptr)(so * es), (size_t)es, 0);
+    sim_access(op, dst + (CUdeviceptr)(dof * es), (size_t)es, 1);
     for (int d = a.ndim - 1; d >= 0; d--) {
       if (++idx[d] < a.sizes[d]) break;
       idx[d] = 0;
     }
   }
-  return CUDA_SUCCESS;
+  return run_real(op, f, grid, block, NULL, hs, hd, &a, dst);
 }
 
 CUresult cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
@@ -1561,7 +1696,8 @@ CUresult cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy, unsigne
   snprintf(name, sizeof name, "cuLaunchKernel(%s)", f->name);
   sim_op_t op;
   sim_op_begin(&op, s, name, c->dev);
-  RETURN(f->kind == K_SUM ? run_sum(&op, f, params) : run_copy(&op, f, params));
+  const unsigned int grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+  RETURN(f->kind == K_SUM ? run_sum(&op, f, params, grid, block) : run_copy(&op, f, params, grid, block));
 }
 
 /* ---- controls for tests (ctypes / dlsym) ---- */
@@ -1648,6 +1784,14 @@ long long simgpu_stat(const char *name) {
   }
   sim_unlock();
   return v;
+}
+
+/* The calling thread's current context, as cuCtxGetCurrent would say, for a harness (never counted or failed). */
+void *simgpu_current_context(void) {
+  sim_lock();
+  void *c = current();
+  sim_unlock();
+  return c;
 }
 
 /* 1 when device `dev`'s current primary context has peer access to `peer` enabled. */

@@ -1,12 +1,19 @@
 /* The simulated NCCL (libnccl.so.2) over the simulated devices of sim_cuda.c: communicators of N ranks from
  * ncclCommInitAll, groups, broadcast and sum-reduce executed when the group closes, with each rank's accesses
- * checked on its own stream like any other device work. */
+ * checked on its own stream like any other device work. As the real library may, its calls leave another device's
+ * context current on the calling thread; group state is per thread, and two threads whose grouped calls interleave
+ * on one device are recorded (real NCCL can deadlock there). Asynchronous errors can be injected
+ * (simgpu_nccl_break); a communicator that reported one must never carry another collective. It also stands in for
+ * PyTorch's c10::cuda::getFreeMutex, and checks that the mutex is held around every multi-device group. */
 
 #include "sim.h"
 
 #include "core/fastdp.h"
 
+#include <pthread.h>
 #include <stdio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,6 +30,7 @@ struct ncclComm {
   int rank, nranks, dev;
   int alive;
   sim_ctx_t *ctx; /* the device's primary context when the communicator was made (NULL: none was alive) */
+  ncclResult_t async_error; /* injected by simgpu_nccl_break */
   char last_error[256];
 };
 
@@ -44,6 +52,56 @@ static __thread int t_npending;
 
 static struct ncclComm **g_all; /* every communicator made, dead ones included */
 static size_t g_nall, g_capall;
+
+/* The thread whose open group holds pending calls on a device (identified by its group-depth variable), or NULL. */
+static const int *g_group_owner[SIM_MAX_DEVICES];
+
+/* ---- PyTorch's allocator free mutex ---- */
+
+static pthread_mutex_t g_free_mutex = PTHREAD_MUTEX_INITIALIZER;
+static int g_free_mutex_asked;
+
+/* c10::cuda::getFreeMutex() as libc10_cuda.so exports it (a std::mutex is a pthread mutex underneath). */
+void *_ZN3c104cuda12getFreeMutexEv(void) {
+  sim_lock();
+  g_free_mutex_asked = 1;
+  sim_unlock();
+  return &g_free_mutex;
+}
+
+/* A multi-device group must run with the free mutex held by the calling thread, once the caller found it; with
+ * SIMGPU_REQUIRE_FREE_MUTEX=1 (the harness made this symbol visible) it must have found it. */
+static void check_free_mutex(const char *op, int nranks) {
+  if (nranks < 2) return;
+  if (!g_free_mutex_asked) {
+    const char *req = getenv("SIMGPU_REQUIRE_FREE_MUTEX");
+    if (req && *req == '1')
+      sim_misuse("%s on %d ranks: the caller never looked up PyTorch's free mutex (c10::cuda::getFreeMutex)", op,
+                 nranks);
+    return;
+  }
+  if (g_free_mutex.__data.__owner != (int)syscall(SYS_gettid))
+    sim_misuse("%s on %d ranks without PyTorch's free mutex held by the calling thread (a concurrent cudaFree can "
+               "deadlock with the collective)", op, nranks);
+}
+
+/* As the real library may (it sets the runtime's device per communicator): another device's context is left
+ * current on the calling thread, one of `devs` that is not current now. */
+static void switch_context(const int *devs, int n) {
+  sim_ctx_t *cur = sim_current();
+  for (int i = n - 1; i >= 0; i--) {
+    sim_ctx_t *c = sim_primary(devs[i]);
+    if (c != NULL && c != cur) {
+      sim_set_current(c);
+      return;
+    }
+  }
+}
+
+static void release_groups(void) {
+  for (int d = 0; d < SIM_MAX_DEVICES; d++)
+    if (g_group_owner[d] == &t_group_depth) g_group_owner[d] = NULL;
+}
 
 #define ENTER(name) SIM_ENTER(ncclResult_t, name)
 #define RETURN(v) SIM_RETURN(ncclResult_t, v)
@@ -131,6 +189,10 @@ ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
     comms[i] = c;
     sim_comm_count(1);
   }
+  int devs[SIM_MAX_DEVICES];
+  for (int i = 0; i < ndev && i < SIM_MAX_DEVICES; i++)
+    devs[i] = devlist ? devlist[i] : i;
+  switch_context(devs, ndev < SIM_MAX_DEVICES ? ndev : SIM_MAX_DEVICES);
   RETURN(ncclSuccess);
 }
 
@@ -156,6 +218,7 @@ static ncclResult_t comm_end(ncclComm_t comm, const char *op, int check_ctx) {
     if (t_pending[i].comm == c) sim_misuse("%s: the communicator has a collective pending in an open group", op);
   c->alive = 0;
   sim_comm_count(-1);
+  switch_context(&c->dev, 1);
   return ncclSuccess;
 }
 
@@ -172,7 +235,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *state) {
   ENTER(ncclCommGetAsyncError);
   if (!live_comm(comm, "ncclCommGetAsyncError") || !state) RETURN(ncclInvalidArgument);
-  *state = ncclSuccess;
+  *state = comm->async_error;
   RETURN(ncclSuccess);
 }
 
@@ -218,7 +281,14 @@ static ncclResult_t execute(pending_t **ops, int n) {
     }
     st[r] = sim_stream_for_dev(ops[r]->stream, ops[r]->comm->dev, name);
     if (!st[r]) return ncclUnhandledCudaError;
+    int need_send = p0->reduce || r == root, need_recv = !p0->reduce || r == root, d = ops[r]->comm->dev;
+    if ((need_send && sim_ptr_device((CUdeviceptr)(uintptr_t)ops[r]->send) != d) ||
+        (need_recv && sim_ptr_device((CUdeviceptr)(uintptr_t)ops[r]->recv) != d)) {
+      sim_misuse("%s: rank %d runs on device %d but its buffer is not that device's memory", name, r, d);
+      return ncclInvalidArgument;
+    }
   }
+  check_free_mutex(name, n);
   if (bytes == 0) return ncclSuccess;
   for (int r = 0; r < n; r++) {
     sim_op_begin(&op[r], st[r], name, ops[r]->comm->dev);
@@ -299,11 +369,19 @@ ncclResult_t ncclGroupEnd(void) {
   }
   if (--t_group_depth > 0) RETURN(inj ? (ncclResult_t)inj : ncclSuccess);
   sim_group_count(-1);
+  release_groups();
+  int devs[MAX_PENDING];
+  int ndevs = 0;
+  for (int i = 0; i < t_npending; i++)
+    devs[ndevs++] = t_pending[i].comm->dev;
   if (inj || t_group_error != ncclSuccess) { /* a call inside failed: the whole group is dropped */
     t_npending = 0;
+    switch_context(devs, ndevs);
     RETURN(inj ? (ncclResult_t)inj : (ncclResult_t)t_group_error);
   }
-  RETURN(flush());
+  ncclResult_t r = flush();
+  switch_context(devs, ndevs);
+  RETURN(r);
 }
 
 /* An injected failure of a collective inside a group fails the group too, as a real failed call would. */
@@ -316,6 +394,17 @@ ncclResult_t ncclGroupEnd(void) {
       sim_unlock();                                                                                                    \
       return (ncclResult_t)inj_;                                                                                       \
     }                                                                                                                  \
+  } while (0)
+
+/* Returns from a collective, then pauses inside the open group for half a millisecond, so that a group left open
+ * to other threads' calls does get interleaved in the tests. */
+#define YIELD_RETURN(v)                                                                                                \
+  do {                                                                                                                 \
+    ncclResult_t rv_ = (v);                                                                                            \
+    int in_group_ = t_group_depth > 0;                                                                                 \
+    sim_unlock();                                                                                                      \
+    if (in_group_) usleep(500);                                                                                        \
+    return rv_;                                                                                                        \
   } while (0)
 
 static ncclResult_t post(pending_t p, const char *op) {
@@ -331,10 +420,23 @@ static ncclResult_t post(pending_t p, const char *op) {
     sim_misuse("%s: more than %d calls in one group", op, MAX_PENDING);
     r = ncclInvalidUsage;
   }
+  if (r == ncclSuccess && c->async_error != ncclSuccess) {
+    sim_misuse("%s on a communicator (rank %d, device %d) that reported asynchronous error %d: it must be aborted and "
+               "rebuilt, never used again", op, c->rank, c->dev, (int)c->async_error);
+    r = c->async_error;
+  }
   if (r != ncclSuccess) {
     if (c) snprintf(c->last_error, sizeof c->last_error, "%s: invalid arguments", op);
     if (t_group_depth > 0) t_group_error = r;
     return r;
+  }
+  if (t_group_depth > 0) {
+    const int *owner = g_group_owner[c->dev];
+    if (owner != NULL && owner != &t_group_depth)
+      sim_misuse("%s: grouped NCCL calls of two threads interleave on device %d (one lock must cover each whole "
+                 "group, or the collectives can deadlock)", op, c->dev);
+    g_group_owner[c->dev] = &t_group_depth;
+    check_free_mutex(op, c->nranks);
   }
   t_pending[t_npending++] = p;
   if (t_group_depth > 0) return ncclSuccess;
@@ -345,7 +447,7 @@ static ncclResult_t post(pending_t p, const char *op) {
 ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t type, int root, ncclComm_t comm,
                            void *stream) {
   ENTER_COLLECTIVE(ncclBroadcast);
-  RETURN(post((pending_t){comm, 0, send, recv, count, type, root, stream}, "ncclBroadcast"));
+  YIELD_RETURN(post((pending_t){comm, 0, send, recv, count, type, root, stream}, "ncclBroadcast"));
 }
 
 ncclResult_t ncclReduce(const void *send, void *recv, size_t count, ncclDataType_t type, ncclRedOp_t op, int root,
@@ -355,5 +457,19 @@ ncclResult_t ncclReduce(const void *send, void *recv, size_t count, ncclDataType
     sim_misuse("ncclReduce: only ncclSum is simulated");
     RETURN(ncclInvalidArgument);
   }
-  RETURN(post((pending_t){comm, 1, send, recv, count, type, root, stream}, "ncclReduce"));
+  YIELD_RETURN(post((pending_t){comm, 1, send, recv, count, type, root, stream}, "ncclReduce"));
+}
+
+/* Makes every live communicator on device `dev` (-1: on every device) report asynchronous error `code` from now on,
+ * as a communicator whose peer failed does. Returns how many. */
+int simgpu_nccl_break(int dev, int code) {
+  sim_lock();
+  int n = 0;
+  for (size_t i = 0; i < g_nall; i++)
+    if (g_all[i]->alive && (dev < 0 || g_all[i]->dev == dev)) {
+      g_all[i]->async_error = (ncclResult_t)code;
+      n++;
+    }
+  sim_unlock();
+  return n;
 }

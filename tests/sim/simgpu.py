@@ -21,7 +21,9 @@ class Sim:
 
     def __init__(self, path=None):
         path = path or os.environ["FASTDP_CUDA_DRIVER_LIBRARY"]
-        self.lib = lib = ctypes.CDLL(path)
+        # Global, as PyTorch's libc10_cuda.so is: the library also stands in for its getFreeMutex, which fastdp's
+        # NCCL loader looks up by name when it first loads NCCL (after this).
+        self.lib = lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         ll, u64, sz, vp, cp = ctypes.c_longlong, ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p
         for name, res, args in [
             ("simgpu_errors", ll, [cp, sz]), ("simgpu_stat", ll, [cp]), ("simgpu_calls", ll, [cp]),
@@ -32,6 +34,9 @@ class Sim:
                                                   cp, sz]),
             ("simgpu_cache_release", None, [vp]), ("simgpu_cache_trim", ctypes.c_int, []),
             ("simgpu_read", ctypes.c_int, [vp, u64, sz]), ("simgpu_write", ctypes.c_int, [u64, vp, sz]),
+            ("simgpu_touch", ctypes.c_int, [vp, ctypes.c_int, u64, sz, ctypes.c_int]),
+            ("simgpu_host_touch", None, [vp, sz, ctypes.c_int]),
+            ("simgpu_current_context", vp, []), ("cuCtxSetCurrent", ctypes.c_int, [vp]),
             ("cuInit", ctypes.c_int, [ctypes.c_uint]),
             ("cuDeviceGetCount", ctypes.c_int, [ctypes.POINTER(ctypes.c_int)]),
             ("cuDevicePrimaryCtxRetain", ctypes.c_int, [ctypes.POINTER(vp), ctypes.c_int]),
@@ -95,6 +100,37 @@ class Sim:
     def enable_peer(self, dev, peer):
         """cuCtxEnablePeerAccess from dev to peer, as a client (PyTorch) may already have done."""
         return self.on(dev, self.lib.cuCtxEnablePeerAccess, self.ctx[peer], 0)
+
+    def current_context(self):
+        """The thread's current context (not a driver call: injected failures and call counts leave it alone)."""
+        return self.lib.simgpu_current_context()
+
+    def set_context(self, ctx):
+        """cuCtxSetCurrent(ctx) on this thread (None: unbinds the current one), as a caller repairs its state."""
+        self._check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def touch(self, t, streams, write=True):
+        """The caller's own work on tensor t, on its stream for t's device (from `streams`, fastdp's (device, stream)
+        list; the legacy stream when none is listed): what produced a source just before an operation, or what uses
+        a result or reuses a source just after it. A SimTensor's whole storage; a CPU tensor's bytes as the host's."""
+        if isinstance(t, SimTensor):
+            stream = dict(streams or []).get(t._dev)
+            assert self.lib.simgpu_touch(stream, t._dev, t._base_ptr, t._nbytes, int(write)) == 0, t
+        else:
+            self.lib.simgpu_host_touch(t.data_ptr(), t.untyped_storage().nbytes(), int(write))
+
+    def call(self, streams, tensors, fn, *args):
+        """fn(*args) as a PyTorch program runs it: every tensor written on the caller's stream just before, every
+        tensor used again on it just after, and the thread's current context the same after as before."""
+        for t in tensors:
+            self.touch(t, streams)
+        before = self.current_context()
+        result = fn(*args)
+        after = self.current_context()
+        assert after == before, f"{getattr(fn, '__name__', fn)}: the current context changed ({before} -> {after})"
+        for t in tensors:
+            self.touch(t, streams)
+        return result
 
     # ---- controls ----
     def errors(self):

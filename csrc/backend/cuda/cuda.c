@@ -591,6 +591,7 @@ typedef struct host_copy {
   void *hbuf;                    /* the flat host bytes: the host view itself or a malloc'ed buffer */
   CUdeviceptr dbuf;              /* the flat device bytes: the device view itself or ds */
   scratch_t ds;
+  int undrained;                 /* the stream could not be synchronised: a transfer may still use hbuf */
 } host_copy_t;
 
 /* Packs (h2d) the strided host source into hbuf, or unpacks (d2h) hbuf into the strided host destination: host
@@ -630,7 +631,9 @@ static fdp_result_t host_device_part(const fdp_cu_t *cu, host_copy_t *x) {
   if (x->h2d && !x->dev_flat) FDP_CHECK_GOTO(stage_kernel(cu, x->dev, x->stream, &x->p, x->dbuf, 0), r, out);
 out:
   FDP_CHECK_KEEP(scratch_free(cu, &x->ds), r); /* stream-ordered: after the work above */
-  FDP_CHECK_KEEP(fdp__cu_check(cu->StreamSynchronize(x->stream), "cuStreamSynchronize", x->dev), r);
+  CUresult es = cu->StreamSynchronize(x->stream);
+  x->undrained = es != CUDA_SUCCESS;
+  FDP_CHECK_KEEP(fdp__cu_check(es, "cuStreamSynchronize", x->dev), r);
   return r;
 }
 
@@ -666,7 +669,10 @@ static fdp_result_t copy_host_device(const fdp_cu_t *cu, const fdp_copy_t *c, co
   FDP_CHECK_KEEP(fdp__cu_ctx_pop(x.dev), r);
   if (r == FDP_OK && !x.h2d && !x.host_flat) r = host_stage(&x);
 out:
-  if (!x.host_flat) free(x.hbuf);
+  if (!x.host_flat && !x.undrained)
+    free(x.hbuf);
+  else if (!x.host_flat)
+    fdp__log("cuda copy: leaking a %zu-byte host staging buffer that a transfer may still use", x.bytes);
   return r;
 }
 

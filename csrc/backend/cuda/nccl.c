@@ -36,24 +36,36 @@ static void devs_str(const int *devs, int n, char *buf, size_t len) {
 
 /* NCCL switches the runtime's current device while it works (cudaSetDevice is a cuCtxSetCurrent underneath);
  * the caller's thread, often PyTorch's, gets its own context back. When the current context cannot be read,
- * nothing is restored: cuCtxSetCurrent(NULL) would unbind (pop) the caller's context. */
+ * nothing is restored: cuCtxSetCurrent(NULL) would unbind (pop) the caller's context. So work is never started
+ * then (ctx_refuse); only teardown goes ahead. */
 typedef struct saved_ctx {
   CUcontext ctx;
   int ok;
+  CUresult err;
 } saved_ctx_t;
 
 static saved_ctx_t ctx_save(const fdp_cu_t *cu) {
-  saved_ctx_t s = {NULL, 0};
-  CUresult e = cu->CtxGetCurrent(&s.ctx);
-  s.ok = e == CUDA_SUCCESS;
-  if (!s.ok) fdp__log("nccl: reading the caller's CUDA context failed (CUresult %d); it is not restored", (int)e);
+  saved_ctx_t s = {NULL, 0, CUDA_SUCCESS};
+  s.err = cu->CtxGetCurrent(&s.ctx);
+  s.ok = s.err == CUDA_SUCCESS;
+  if (!s.ok) fdp__log("nccl: reading the caller's CUDA context failed (CUresult %d); it is not restored", (int)s.err);
   return s;
 }
 
-static void ctx_restore(const fdp_cu_t *cu, saved_ctx_t s) {
-  if (!s.ok) return;
+/* The failure to report when the caller's context could not be saved, before any NCCL call. */
+static fdp_result_t ctx_refuse(saved_ctx_t s, const char *op) {
+  char what[160];
+  snprintf(what, sizeof what, "nccl: %s not started, the caller's CUDA context cannot be read (cuCtxGetCurrent)", op);
+  return fdp__cu_check(s.err, what, -1);
+}
+
+/* Gives the caller its context back; a failure is the call's to report (the caller's thread is left with another
+ * device's context current). */
+static fdp_result_t ctx_restore(const fdp_cu_t *cu, saved_ctx_t s) {
+  if (!s.ok) return FDP_OK;
   CUresult e = cu->CtxSetCurrent(s.ctx);
   if (e != CUDA_SUCCESS) fdp__log("nccl: restoring the caller's CUDA context failed (CUresult %d)", (int)e);
+  return fdp__cu_check(e, "cuCtxSetCurrent (giving the caller its context back after NCCL)", -1);
 }
 
 static fdp_result_t nccl_fail(const fdp_nccl_api_t *api, ncclResult_t r, ncclComm_t comm, const char *op,
@@ -65,10 +77,29 @@ static fdp_result_t nccl_fail(const fdp_nccl_api_t *api, ncclResult_t r, ncclCom
                           last && *last ? ": " : "", last && *last ? last : "");
 }
 
-/* Finds or builds the communicators of `devs`; called with g_lock held. */
+static void comms_evict(const fdp_nccl_api_t *api, const fdp_cu_t *cu, comm_set_t *set);
+
+/* Whether a communicator of the set reports an asynchronous error (or cannot say): then none of them can be trusted
+ * again. Without ncclCommGetAsyncError (NCCL before 2.4) there is nothing to ask. */
+static int comms_broken(const fdp_nccl_api_t *api, const comm_set_t *set) {
+  if (api->CommGetAsyncError == NULL) return 0;
+  for (int i = 0; i < set->n; i++) {
+    ncclResult_t st = ncclSuccess;
+    if (api->CommGetAsyncError(set->comms[i], &st) != ncclSuccess || (st != ncclSuccess && st != ncclInProgress))
+      return 1;
+  }
+  return 0;
+}
+
+/* Finds or builds the communicators of `devs` (rank i on devs[i]: each order is a set of its own); called with
+ * g_lock held. A cached set that reported an asynchronous error since its last use is aborted and rebuilt. */
 static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, const int *devs, int n, comm_set_t **out) {
   for (comm_set_t *s = g_sets; s != NULL; s = s->next) {
     if (s->n == n && memcmp(s->devs, devs, (size_t)n * sizeof *devs) == 0) {
+      if (comms_broken(api, s)) {
+        comms_evict(api, cu, s);
+        break;
+      }
       *out = s;
       return FDP_OK;
     }
@@ -83,9 +114,13 @@ static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, con
   s->n = n;
   memcpy(s->devs, devs, (size_t)n * sizeof *devs);
   saved_ctx_t saved = ctx_save(cu);
+  if (!saved.ok) {
+    free(s);
+    return ctx_refuse(saved, "ncclCommInitAll");
+  }
   ncclResult_t r = api->CommInitAll(s->comms, n, s->devs);
-  ctx_restore(cu, saved);
-  if (r != ncclSuccess) {
+  fdp_result_t restored = ctx_restore(cu, saved);
+  if (r != ncclSuccess) { /* the first failure is the one to report */
     fdp_result_t res = nccl_fail(api, r, NULL, "ncclCommInitAll", devs, n);
     free(s);
     return res;
@@ -95,10 +130,10 @@ static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, con
     devs_str(devs, n, d, sizeof d);
     fdp__log("nccl: communicators built for devices [%s]", d);
   }
-  s->next = g_sets;
+  s->next = g_sets; /* cached even when the context could not be given back: the communicators are sound */
   g_sets = s;
   *out = s;
-  return FDP_OK;
+  return restored;
 }
 
 /* Drops a set whose communicators reported an asynchronous error; they cannot be trusted again. Called with
@@ -113,7 +148,7 @@ static void comms_evict(const fdp_nccl_api_t *api, const fdp_cu_t *cu, comm_set_
         ncclResult_t r = api->CommAbort(set->comms[i]);
         if (r != ncclSuccess) fdp__log("nccl: ncclCommAbort on device %d: %s", set->devs[i], api->GetErrorString(r));
       }
-      ctx_restore(cu, saved);
+      FDP_CHECK_IGNORE(ctx_restore(cu, saved)); /* teardown goes on regardless */
     } else {
       fdp__log("nccl: ncclCommAbort missing; leaking failed communicators");
     }
@@ -156,14 +191,7 @@ static fdp_result_t group_enqueue(const fdp_nccl_api_t *api, const comm_set_t *s
 /* After a failed collective: evicts the communicators when one of them reports an asynchronous error (or cannot
  * say), so that the next call builds fresh ones. g_lock is held. */
 static void evict_if_broken(const fdp_nccl_api_t *api, const fdp_cu_t *cu, comm_set_t *set) {
-  if (api->CommGetAsyncError == NULL) return;
-  for (int i = 0; i < set->n; i++) {
-    ncclResult_t st = ncclSuccess;
-    if (api->CommGetAsyncError(set->comms[i], &st) != ncclSuccess || (st != ncclSuccess && st != ncclInProgress)) {
-      comms_evict(api, cu, set);
-      return;
-    }
-  }
+  if (comms_broken(api, set)) comms_evict(api, cu, set);
 }
 
 /* Launches one collective on every rank of `devs` inside one NCCL group, holding g_lock (and PyTorch's free
@@ -181,8 +209,9 @@ static fdp_result_t launch(const int *devs, int n, const rank_op_t *ops, size_t 
     pthread_mutex_t *free_mutex = n > 1 ? fdp__torch_free_mutex() : NULL;
     if (free_mutex) pthread_mutex_lock(free_mutex);
     saved_ctx_t saved = ctx_save(cu);
-    res = group_enqueue(api, set, devs, n, ops, count, type, reduce);
-    ctx_restore(cu, saved);
+    res = saved.ok ? group_enqueue(api, set, devs, n, ops, count, type, reduce)
+                   : ctx_refuse(saved, reduce ? "ncclReduce" : "ncclBroadcast");
+    FDP_CHECK_KEEP(ctx_restore(cu, saved), res);
     if (free_mutex) pthread_mutex_unlock(free_mutex);
     if (res != FDP_OK) evict_if_broken(api, cu, set);
   }
@@ -351,7 +380,7 @@ static void nccl_shutdown(void) {
         ncclResult_t r = api->CommDestroy(s->comms[i]);
         if (r != ncclSuccess) fdp__log("nccl shutdown: ncclCommDestroy: %s", api->GetErrorString(r));
       }
-      ctx_restore(cu, saved);
+      FDP_CHECK_IGNORE(ctx_restore(cu, saved)); /* teardown goes on regardless */
     }
     free(s);
     s = next;

@@ -1305,7 +1305,6 @@ static PyMethodDef methods[] = {
     {"nvrtc_search_dirs", py_nvrtc_search_dirs, METH_VARARGS, "nvrtc_search_dirs('dir1:dir2'): before first use"},
     {"kernels_image", py_kernels_image, METH_VARARGS,
      "kernels_image(cc, forget=False) -> dict: the NVRTC image for sm_<cc> (memory, disk cache or compiled)"},
-    /* route (issue 14) */
     {"route", py_route, METH_VARARGS, "route(op, devices, dtype=uint8) -> backend name the core picks"},
     {NULL, NULL, 0, NULL},
 };

@@ -46,7 +46,7 @@ def build(tmp_path_factory):
     subprocess.run([cc, *CFLAGS, "-shared", "-fPIC", "-Wno-unused-parameter", str(HERE / "kmod" / "fake_cuda.c"),
                     "-o", str(out / "libcuda.so.1")], check=True)
     core = []
-    for sub in ("core", "backend/host", "backend/cuda", "dl"):
+    for sub in ("base", "core", "backend/host", "backend/cuda", "dl"):
         core += sorted(glob.glob(str(ROOT / "csrc" / sub / "*.c")))
     exes = {}
     for kind in ("source_only", "with_fatbin"):

@@ -24,6 +24,10 @@ int fdp_backend_compiled(fdp_backend_id_t id) {
   return (unsigned)id < FDP_BACKEND_COUNT && backends[id];
 }
 
+const fdp_backend_t *fdp__backend(fdp_backend_id_t id) {
+  return fdp_backend_compiled(id) ? backends[id] : NULL;
+}
+
 int fdp_backend_usable(fdp_backend_id_t id, const char **why) {
   const char *dummy;
   if (!why) why = &dummy;
@@ -49,7 +53,7 @@ void fdp_shutdown(void) {
   _Static_assert(FDP_BACKEND_NCCL > FDP_BACKEND_CUDA, "nccl must shut down before cuda");
   for (int i = FDP_BACKEND_COUNT - 1; i >= 0; i--)
     if (backends[i] && backends[i]->shutdown) backends[i]->shutdown();
-  fdp__scratch_release();
+  fdp_scratch_release();
 }
 
 /* ---- validation ---- */
@@ -152,8 +156,8 @@ static fdp_result_t check_span_pair(const span_t *s, const span_t *o, const char
  * ranges that intersect; those get the exact test. Destinations whose overlap a cheap test cannot decide are let
  * through, as PyTorch does. */
 static fdp_result_t check_writes(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const char *op) {
-  span_t *spans = fdp__scratch_alloc((size_t)2 * n * sizeof *spans);
-  span_t **active = fdp__scratch_alloc((size_t)2 * n * sizeof *active);
+  span_t *spans = fdp_scratch_alloc((size_t)2 * n * sizeof *spans);
+  span_t **active = fdp_scratch_alloc((size_t)2 * n * sizeof *active);
   fdp_result_t r = FDP_OK;
   int m = 0, nactive = 0;
   if (!spans || !active) {
@@ -174,8 +178,8 @@ static fdp_result_t check_writes(const fdp_tensor_t *dst, const fdp_tensor_t *sr
     active[nactive++] = s;
   }
 done:
-  fdp__scratch_free(spans);
-  fdp__scratch_free(active);
+  fdp_scratch_free(spans);
+  fdp_scratch_free(active);
   return r;
 }
 
@@ -310,14 +314,14 @@ static fdp_result_t copy_routed(const fdp_copy_t *copies, int k, const fdp_tenso
 
 fdp_result_t fdp__route_copy(const fdp_copy_t *copies, int n, const fdp_streams_t *streams) {
   if (n <= 0) return FDP_OK;
-  const fdp_tensor_t **all = fdp__scratch_alloc((size_t)2 * n * sizeof *all);
+  const fdp_tensor_t **all = fdp_scratch_alloc((size_t)2 * n * sizeof *all);
   if (!all) return fdp__fail(FDP_NOMEM, "copy: cannot allocate %d descriptor pointers", 2 * n);
   for (int i = 0; i < n; i++) {
     all[2 * i] = &copies[i].dst;
     all[2 * i + 1] = &copies[i].src;
   }
   fdp_result_t r = copy_routed(copies, n, all, 2 * n, streams);
-  fdp__scratch_free(all);
+  fdp_scratch_free(all);
   return r;
 }
 
@@ -383,8 +387,8 @@ fdp_result_t fdp_route_devices(fdp_op_t op, const int *devices, int n, int dtype
 fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const fdp_streams_t *streams) {
   if (n < 0 || (n > 0 && (!dst || !src))) return fdp__fail(FDP_INVALID, "copy: bad tensor lists (n=%d)", n);
   if (n == 0) return FDP_OK;
-  fdp_copy_t *copies = fdp__scratch_alloc((size_t)n * sizeof *copies);
-  const fdp_tensor_t **all = fdp__scratch_alloc((size_t)2 * n * sizeof *all);
+  fdp_copy_t *copies = fdp_scratch_alloc((size_t)n * sizeof *copies);
+  const fdp_tensor_t **all = fdp_scratch_alloc((size_t)2 * n * sizeof *all);
   fdp_result_t r = FDP_OK;
   int k = 0;
   if (!copies || !all) {
@@ -400,8 +404,8 @@ fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n
   FDP_CHECK_GOTO(check_writes(dst, src, n, "copy"), r, done);
   r = copy_routed(copies, k, all, 2 * n, streams);
 done:
-  fdp__scratch_free(copies);
-  fdp__scratch_free(all);
+  fdp_scratch_free(copies);
+  fdp_scratch_free(all);
   return r;
 }
 

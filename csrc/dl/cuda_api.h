@@ -180,6 +180,7 @@ typedef struct CUDA_MEMCPY3D_PEER_st {
   X(ModuleUnload, cuModuleUnload, 0, (CUmodule mod))                                                                   \
   X(ModuleGetFunction, cuModuleGetFunction, 0, (CUfunction *fn, CUmodule mod, const char *name))                       \
   X(LaunchKernel, cuLaunchKernel, 0, (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,                 \
-    unsigned int bx, unsigned int by, unsigned int bz, unsigned int shmem, CUstream stream, void **params, void **extra))
+    unsigned int bx, unsigned int by, unsigned int bz, unsigned int shmem, CUstream stream, void **params,             \
+    void **extra))
 
 #endif

@@ -76,7 +76,7 @@ static void load_once(void) {
   /* FASTDP_CUDA_DRIVER_LIBRARY (tests: the simulated GPU) names exactly the file to load, and nothing else is
    * looked up. Otherwise RTLD_NOLOAD first: inside PyTorch the driver is already mapped and we must share that
    * very copy. */
-  const char *path = fdp__param_str(FDP_PARAM_CUDA_DRIVER_LIBRARY);
+  const char *path = fdp_param_str(FDP_PARAM_CUDA_DRIVER_LIBRARY);
   void *h = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
   if (h == NULL && path == NULL) h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (h == NULL) {

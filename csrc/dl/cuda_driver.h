@@ -5,7 +5,7 @@
 #ifndef FASTDP_DL_CUDA_DRIVER_H
 #define FASTDP_DL_CUDA_DRIVER_H
 
-#include "core/backend.h"
+#include "base/base.h"
 
 #include "dl/cuda_api.h"
 

@@ -4,7 +4,6 @@
  * build serves every torch that has the shim, and the Python path of tensors.c serves every other. */
 #include "binding.h"
 
-#include "core/backend.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
@@ -74,7 +73,7 @@ static void *torch_library(const char *torch_c_file) {
 
 /* dlsym, except for the names FASTDP_SHIM_ABSENT lists: what a torch without them gets. */
 static void *shim_sym(void *lib, const char *name) {
-  const char *absent = fdp__param_str(FDP_PARAM_SHIM_ABSENT);
+  const char *absent = fdp_param_str(FDP_PARAM_SHIM_ABSENT);
   size_t n = strlen(name);
   for (const char *p = absent ? strstr(absent, name) : NULL; p != NULL; p = strstr(p + 1, name))
     if ((p == absent || p[-1] == ',') && (p[n] == '\0' || p[n] == ',')) return NULL;
@@ -162,7 +161,7 @@ static int resolve(void *lib) {
 }
 
 void fdp__aoti_init(module_state *st, const char *torch_c_file) {
-  const char *want = fdp__param_str(FDP_PARAM_TENSOR_PATH);
+  const char *want = fdp_param_str(FDP_PARAM_TENSOR_PATH);
   void *lib = torch_library(torch_c_file);
   const char *dl_error = lib ? NULL : dlerror();
   if (!lib)

@@ -8,7 +8,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "core/fastdp.h"
+#include "fastdp.h"
 
 typedef struct {
   PyObject *dtypes;         /* dict: torch.dtype -> fdp_dtype_t */

@@ -4,7 +4,6 @@
  * around the core, and turns result codes into exceptions in one place. */
 #include "binding.h"
 
-#include "core/backend.h"
 
 #include <string.h>
 
@@ -429,7 +428,7 @@ static PyObject *py_reduce_rows(PyObject *module, PyObject *args) {
   int rc = -1;
   if (k <= 0 || n % k != 0 || nrep < 1 || nrep > FDP_MAX_DEVICES)
     PyErr_Format(PyExc_ValueError, "reduce_rows: %zd gradients are not 1 to %d rows of k=%zd", n, FDP_MAX_DEVICES, k);
-  else if (!(g = fdp__scratch_alloc((size_t)n * sizeof *g)))
+  else if (!(g = fdp_scratch_alloc((size_t)n * sizeof *g)))
     PyErr_NoMemory();
   else
     rc = fdp__aoti_try_describe(st, items, g);
@@ -442,7 +441,7 @@ static PyObject *py_reduce_rows(PyObject *module, PyObject *args) {
     Py_END_ALLOW_THREADS
     ret = r == FDP_OK ? Py_NewRef(Py_True) : raise_result(st, r);
   }
-  fdp__scratch_free(g);
+  fdp_scratch_free(g);
   Py_DECREF(items); /* kept until here: the gradients' memory stays alive while the GIL is released */
   return ret;
 }
@@ -1017,22 +1016,19 @@ static PyObject *backends_info(void) {
 
 /* One device's entry of info(): index, name, memory, peer access from it, and the error of the query. */
 static PyObject *device_info(int d, int ndev, int memory) {
-  char name[256] = "";
-  size_t total = 0, free_b = 0;
-  int read_free = 0;
+  fdp_device_facts_t f;
   fdp_result_t r;
   Py_BEGIN_ALLOW_THREADS
-  read_free = memory || fdp_cuda_device_active(d);
-  r = fdp_cuda_device_info(d, name, sizeof name, &total, read_free ? &free_b : NULL);
+  r = fdp_device_facts(d, memory ? FDP_FREE_ALWAYS : FDP_FREE_IF_ACTIVE, &f);
   Py_END_ALLOW_THREADS
   PyObject *peers = PyList_New(ndev);
   for (int p = 0; peers && p < ndev; p++)
-    PyList_SET_ITEM(peers, p, PyBool_FromLong(p == d || fdp_cuda_can_access_peer(d, p)));
+    PyList_SET_ITEM(peers, p, PyBool_FromLong(p == d || fdp_device_can_access_peer(d, p)));
   PyObject *free_obj =
-      peers ? (read_free && r == FDP_OK ? PyLong_FromUnsignedLongLong(free_b) : Py_NewRef(Py_None)) : NULL;
-  PyObject *v = free_obj ? Py_BuildValue("{s:i,s:s,s:K,s:N,s:N,s:s}", "index", d, "name", name, "total_bytes",
-                                         (unsigned long long)total, "free_bytes", free_obj, "peer_access", peers,
-                                         "error", r == FDP_OK ? "" : fdp_last_error())
+      peers ? (f.free_read && r == FDP_OK ? PyLong_FromUnsignedLongLong(f.free_bytes) : Py_NewRef(Py_None)) : NULL;
+  PyObject *v = free_obj ? Py_BuildValue("{s:i,s:s,s:K,s:N,s:N,s:s}", "index", d, "name", f.name, "total_bytes",
+                                         (unsigned long long)f.total_bytes, "free_bytes", free_obj, "peer_access",
+                                         peers, "error", r == FDP_OK ? "" : fdp_last_error())
                          : NULL;
   if (!free_obj) Py_XDECREF(peers);
   return v;
@@ -1045,13 +1041,14 @@ static PyObject *py_info(PyObject *module, PyObject *args, PyObject *kwargs) {
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|p:info", kwlist, &memory)) return NULL;
   PyObject *backends = backends_info();
   if (!backends) return NULL;
-  int ndev;
+  fdp_library_facts_t cuda, nccl;
   Py_BEGIN_ALLOW_THREADS
-  ndev = fdp_cuda_device_count();
+  fdp_library_facts(FDP_BACKEND_CUDA, &cuda);
+  fdp_library_facts(FDP_BACKEND_NCCL, &nccl);
   Py_END_ALLOW_THREADS
   PyObject *devices = PyList_New(0);
-  for (int d = 0; devices && d < ndev; d++) {
-    PyObject *v = device_info(d, ndev, memory);
+  for (int d = 0; devices && d < cuda.devices; d++) {
+    PyObject *v = device_info(d, cuda.devices, memory);
     if (!v || PyList_Append(devices, v) < 0) Py_CLEAR(devices);
     Py_XDECREF(v);
   }
@@ -1059,8 +1056,8 @@ static PyObject *py_info(PyObject *module, PyObject *args, PyObject *kwargs) {
     Py_DECREF(backends);
     return NULL;
   }
-  return Py_BuildValue("{s:N,s:i,s:i,s:s,s:N}", "backends", backends, "cuda_driver_version", fdp_cuda_driver_version(),
-                       "nccl_version", fdp_nccl_version(), "nccl_library", fdp_nccl_library(), "devices", devices);
+  return Py_BuildValue("{s:N,s:i,s:i,s:s,s:N}", "backends", backends, "cuda_driver_version", cuda.version,
+                       "nccl_version", nccl.version, "nccl_library", nccl.library, "devices", devices);
 }
 
 static int is_finalizing(void) {
@@ -1194,14 +1191,16 @@ static PyObject *py_kernels_info(PyObject *module, PyObject *unused) {
   (void)module;
   (void)unused;
   fdp_kernels_facts_t f;
-  int ndev;
+  fdp_library_facts_t cuda;
   Py_BEGIN_ALLOW_THREADS
   fdp_kernels_facts(&f);
-  ndev = fdp_cuda_device_count();
+  fdp_library_facts(FDP_BACKEND_CUDA, &cuda);
   Py_END_ALLOW_THREADS
-  PyObject *devices = PyList_New(ndev);
-  for (int d = 0; devices && d < ndev; d++) {
-    PyObject *v = PyUnicode_FromString(fdp_cuda_kernels_source(d));
+  PyObject *devices = PyList_New(cuda.devices);
+  for (int d = 0; devices && d < cuda.devices; d++) {
+    fdp_device_facts_t dev;
+    fdp_device_facts(d, FDP_FREE_NEVER, &dev); /* a failed query leaves the source as far as it was read */
+    PyObject *v = PyUnicode_FromString(dev.kernels_source);
     if (!v)
       Py_CLEAR(devices);
     else

@@ -4,7 +4,6 @@
  * entry, without the interpreter's per-tensor work. */
 #include "binding.h"
 
-#include "core/backend.h"
 
 /* Attribute names, interned once per call: a lookup by an interned str is a pointer compare in the type's dict. */
 enum { N_PARAMS, N_BUFFERS, N_MODULES, N_DTYPE, N_SHAPE, N_DEVICE, N_REQUIRES_GRAD, N_LAYOUT, N_COUNT };
@@ -307,8 +306,8 @@ static int match_batch(match_t *mt) {
   Py_ssize_t n = PyList_GET_SIZE(mt->batch);
   if (n == 0) return 1;
   PyObject *items = PyList_AsTuple(mt->batch);
-  fdp_tensor_t *ts = fdp__scratch_alloc((size_t)n * sizeof *ts);
-  int32_t *codes = fdp__scratch_alloc((size_t)n * sizeof *codes);
+  fdp_tensor_t *ts = fdp_scratch_alloc((size_t)n * sizeof *ts);
+  int32_t *codes = fdp_scratch_alloc((size_t)n * sizeof *codes);
   int rc = items && ts && codes ? fdp__aoti_facts(mt->st, items, ts, codes) : -1;
   if (rc < 0 && !PyErr_Occurred()) PyErr_NoMemory();
   int eq = rc < 0 ? -1 : 1;
@@ -318,8 +317,8 @@ static int match_batch(match_t *mt) {
     eq = r == 2 ? match_attributes(mt, e, t) : r;
   }
   Py_XDECREF(items);
-  fdp__scratch_free(ts);
-  fdp__scratch_free(codes);
+  fdp_scratch_free(ts);
+  fdp_scratch_free(codes);
   return eq;
 }
 

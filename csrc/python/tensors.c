@@ -3,7 +3,6 @@
  * that reads a tensor through its public Python API (the fallback to the C shim path of aoti.c). */
 #include "binding.h"
 
-#include "core/backend.h"
 
 #include <string.h>
 
@@ -184,7 +183,7 @@ static PyObject *tensor_tuple(module_state *st, PyObject *seq, const char *what)
 }
 
 void fdp__tensor_list_clear(fdp__tensor_list_t *list) {
-  fdp__scratch_free(list->t);
+  fdp_scratch_free(list->t);
   list->t = NULL;
   list->n = 0;
   Py_CLEAR(list->keep);
@@ -200,7 +199,7 @@ int fdp__tensor_list_converter(PyObject *obj, void *out) {
   PyObject *items = tensor_tuple(list->st, obj, list->what);
   if (!items) return 0;
   Py_ssize_t len = PyTuple_GET_SIZE(items);
-  list->t = fdp__scratch_alloc((size_t)(len ? len : 1) * sizeof *list->t); /* every entry is filled below */
+  list->t = fdp_scratch_alloc((size_t)(len ? len : 1) * sizeof *list->t); /* every entry is filled below */
   list->keep = items;
   if (!list->t) PyErr_NoMemory();
   if (!list->t || fdp__describe_items(list->st, items, list->t, list->what, 0) < 0) {

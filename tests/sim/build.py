@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 SOURCES = ["sim_cuda.c", "sim_nccl.c"]
 HEADERS = [os.path.join(HERE, "sim.h"), os.path.join(ROOT, "csrc", "dl", "cuda_api.h"),
            os.path.join(ROOT, "csrc", "dl", "nccl_api.h"), os.path.join(ROOT, "csrc", "backend", "cuda", "kernels.h"),
-           os.path.join(ROOT, "csrc", "core", "fastdp.h"), os.path.join(ROOT, "csrc", "core", "backend.h")]
+           os.path.join(ROOT, "csrc", "fastdp.h"), os.path.join(ROOT, "csrc", "base", "base.h"),
+           os.path.join(ROOT, "csrc", "core", "backend.h")]
 CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-O1", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
           "-ffp-contract=off", "-fno-fast-math"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]

@@ -4,7 +4,7 @@
 
 #include "sim.h"
 
-#include "core/fastdp.h"
+#include "fastdp.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -171,6 +171,14 @@ fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, 
  * shape and dtype; out may alias no input except by being one of them exactly. */
 fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out, const fdp_streams_t *streams);
 
+/* Sums of many members over host replicas without packing them: inputs[q * k + j] is replica q's member j (k
+ * members, nrep replicas), and member j's sum over the replicas, in replica order, goes into the 1-D contiguous
+ * host tensor `out` at the members' offsets back to back. fdp_reduce_rows_fit says whether the descriptors fit that
+ * layout (host tensors of out's dtype, contiguous, each replica's member j shaped as replica 0's, within out), so
+ * a caller can take another path; fdp_op_reduce_rows refuses others with FDP_INVALID. Runs on the calling thread. */
+int fdp_reduce_rows_fit(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out);
+fdp_result_t fdp_op_reduce_rows(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out);
+
 /* outs[i] = src narrowed along dim to the i-th chunk, chunk i holding sizes[i] elements along dim. An output
  * that already is that view (same address and strides) is skipped. */
 fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chunk_sizes, const fdp_tensor_t *outs,

@@ -4,8 +4,8 @@
  * build serves every torch that has the shim, and the Python path of tensors.c serves every other. */
 #include "binding.h"
 
+#include "dl/torch_shim.h"
 
-#include <dlfcn.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -59,30 +59,9 @@ int fdp__set_tensor_path(fdp__tensor_path_t path) {
   return 0;
 }
 
-/* The already loaded libtorch_cpu: by soname first, then beside torch's _C module (torch/lib/). RTLD_NOLOAD: never
- * a second copy. NULL when torch did not load one (a static or differently named build). */
-static void *torch_library(const char *torch_c_file) {
-  void *h = dlopen("libtorch_cpu.so", RTLD_NOLOAD | RTLD_NOW);
-  if (h || !torch_c_file) return h;
-  char path[4096];
-  const char *slash = strrchr(torch_c_file, '/');
-  int len = slash ? (int)(slash - torch_c_file) : 0;
-  snprintf(path, sizeof path, "%.*s/lib/libtorch_cpu.so", len, torch_c_file);
-  return dlopen(path, RTLD_NOLOAD | RTLD_NOW);
-}
-
-/* dlsym, except for the names FASTDP_SHIM_ABSENT lists: what a torch without them gets. */
-static void *shim_sym(void *lib, const char *name) {
-  const char *absent = fdp_param_str(FDP_PARAM_SHIM_ABSENT);
-  size_t n = strlen(name);
-  for (const char *p = absent ? strstr(absent, name) : NULL; p != NULL; p = strstr(p + 1, name))
-    if ((p == absent || p[-1] == ',') && (p[n] == '\0' || p[n] == ',')) return NULL;
-  return dlsym(lib, name);
-}
-
 /* Resolves one symbol into *slot; records the first missing name in g_shim_why. */
 static int need(void *lib, const char *name, void *slot) {
-  void *sym = shim_sym(lib, name);
+  void *sym = fdp__torch_shim_sym(lib, name);
   memcpy(slot, &sym, sizeof sym);
   if (!sym) snprintf(g_shim_why, sizeof g_shim_why, "libtorch has no %s (torch too old for the C shim path)", name);
   return sym != NULL;
@@ -108,7 +87,7 @@ static int32_t shim_dtype(void *lib, const char *name) {
   char sym_name[64];
   snprintf(sym_name, sizeof sym_name, "aoti_torch_dtype_%s", name);
   shim_const_fn fn = NULL;
-  void *sym = shim_sym(lib, sym_name);
+  void *sym = fdp__torch_shim_sym(lib, sym_name);
   memcpy(&fn, &sym, sizeof sym);
   int32_t code = fn ? fn() : -1;
   return code >= 0 && code < FDP_SHIM_DTYPES ? code : -1;
@@ -138,7 +117,7 @@ static void map_dtypes(void *lib) {
 
 /* *slot = the symbol, or NULL: for the shim functions only some features need. */
 static void optional(void *lib, const char *name, void *slot) {
-  void *sym = shim_sym(lib, name);
+  void *sym = fdp__torch_shim_sym(lib, name);
   memcpy(slot, &sym, sizeof sym);
 }
 
@@ -162,15 +141,11 @@ static int resolve(void *lib) {
 
 void fdp__aoti_init(module_state *st, const char *torch_c_file) {
   const char *want = fdp_param_str(FDP_PARAM_TENSOR_PATH);
-  void *lib = torch_library(torch_c_file);
-  const char *dl_error = lib ? NULL : dlerror();
-  if (!lib)
-    snprintf(g_shim_why, sizeof g_shim_why, "libtorch_cpu.so is not loaded in this process (dlopen RTLD_NOLOAD: %s)",
-             dl_error ? dl_error : "not found");
-  else if (!st->to_handles)
+  void *lib = fdp__torch_shim_open(torch_c_file, g_shim_why, sizeof g_shim_why);
+  if (lib && !st->to_handles)
     snprintf(g_shim_why, sizeof g_shim_why, "torch has no torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors");
   shim.resolved = lib && st->to_handles && resolve(lib);
-  if (lib) dlclose(lib); /* RTLD_NOLOAD took a reference; torch's own keeps the library loaded */
+  fdp__torch_shim_close(lib);
   if (want && strcmp(want, "python") == 0) {
     g_path = FDP_TENSOR_PATH_PYTHON;
     snprintf(g_why, sizeof g_why, "FASTDP_TENSOR_PATH=python");

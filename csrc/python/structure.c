@@ -4,7 +4,6 @@
  * entry, without the interpreter's per-tensor work. */
 #include "binding.h"
 
-
 /* Attribute names, interned once per call: a lookup by an interned str is a pointer compare in the type's dict. */
 enum { N_PARAMS, N_BUFFERS, N_MODULES, N_DTYPE, N_SHAPE, N_DEVICE, N_REQUIRES_GRAD, N_LAYOUT, N_COUNT };
 static const char *const k_names[N_COUNT] = {"_parameters", "_buffers", "_modules",      "dtype",
@@ -165,7 +164,7 @@ static int walk_module(walk_t *w, PyObject *m) {
  * registration order); and per module a header (id, type, len(_parameters), len(_buffers)), one entry per
  * parameter and buffer slot ((key, None) when empty, else (key, id, dtype, shape, device, requires_grad, layout))
  * and one (key, id(child)) per child slot. Any change to these makes kept replicas or bucket layouts stale. */
-PyObject *fdp__py_walk(PyObject *module, PyObject *root) {
+static PyObject *py_walk(PyObject *module, PyObject *root) {
   (void)module;
   walk_t w = {{NULL}, PyList_New(0), PySet_New(NULL), PyList_New(0), NULL};
   PyObject *ret = NULL, *id = PyLong_FromVoidPtr(root);
@@ -384,7 +383,7 @@ static int intern_names(PyObject **name) {
 /* matches(modules, signature) -> bool: whether walk(modules[0]) would give (modules, signature) now, compared in
  * place. The modules are not walked again: while every child slot holds the child it held, the breadth-first
  * order over them is the one `modules` recorded, so each module is compared where it stands in it. */
-PyObject *fdp__py_matches(PyObject *module, PyObject *args) {
+static PyObject *py_matches(PyObject *module, PyObject *args) {
   PyObject *modules, *sig;
   if (!PyArg_ParseTuple(args, "O!O!:matches", &PyList_Type, &modules, &PyList_Type, &sig)) return NULL;
   module_state *st = PyModule_GetState(module);
@@ -406,3 +405,9 @@ PyObject *fdp__py_matches(PyObject *module, PyObject *args) {
   if (eq < 0) return NULL;
   return PyBool_FromLong(eq == 1 && mt.at == PyList_GET_SIZE(sig));
 }
+
+PyMethodDef fdp__structure_methods[] = {
+    {"walk", py_walk, METH_O, "walk(root) -> (modules, structure signature)"},
+    {"matches", py_matches, METH_VARARGS, "matches(modules, signature) -> whether walk(modules[0]) gives both"},
+    {NULL, NULL, 0, NULL},
+};

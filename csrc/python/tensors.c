@@ -3,7 +3,6 @@
  * that reads a tensor through its public Python API (the fallback to the C shim path of aoti.c). */
 #include "binding.h"
 
-
 #include <string.h>
 
 /* ---- the Python path ---- */

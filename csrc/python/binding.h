@@ -84,11 +84,12 @@ int fdp__streams_converter(PyObject *obj, void *out);
 /* ValueError when n tensors are too many for the core's int counts. */
 int fdp__check_count(Py_ssize_t n);
 
-/* Fills `t` from a CPU or CUDA torch.Tensor through its Python API. `what` names the argument in errors, as
+/* Fills `t` from a CPU or CUDA torch.Tensor through its Python API (pyapi.c: a leaf, which the shim path falls back
+ * to). `what` names the argument in errors, as
  * what[index] for a list element or alone when index is -1. */
 int fdp__describe_python(module_state *st, PyObject *obj, fdp_tensor_t *t, const char *what, Py_ssize_t index);
-/* Fills ts[0..n) from the tuple `items` through the path in use (see fdp__tensor_path). Errors name what[i], or
-what alone when `single` (a 1-tuple holding one tensor argument). */
+/* Fills ts[0..n) from the tuple `items` through the path in use (see fdp__tensor_path): the one place that chooses.
+ * Errors name what[i], or what alone when `single` (a 1-tuple holding one tensor argument). */
 int fdp__describe_items(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single);
 
 /* ---- the shim path (aoti.c) ---- */

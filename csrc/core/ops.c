@@ -467,6 +467,14 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
   return route_run(FDP_OP_REDUCE, all, n + 1, &w, "reduce: inputs on several CUDA devices need NCCL", out->device);
 }
 
+/* Whether one replica's member can be summed straight into `out`: host memory of out's dtype, contiguous, shaped
+ * as replica 0's member (`first`). */
+static int row_member_fits(const fdp_tensor_t *t, const fdp_tensor_t *first, const fdp_tensor_t *out) {
+  return t->ndim >= 0 && t->ndim <= FDP_MAX_DIMS && t->device == FDP_HOST && t->dtype == out->dtype &&
+         t->elem_size == out->elem_size && fdp_tensor_is_contiguous(t) && t->ndim == first->ndim &&
+         memcmp(t->sizes, first->sizes, (size_t)t->ndim * sizeof *t->sizes) == 0;
+}
+
 int fdp_reduce_rows_fit(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out) {
   if (!inputs || !out || k <= 0 || nrep < 1 || nrep > FDP_MAX_DEVICES || (int64_t)k * nrep > INT32_MAX) return 0;
   if (out->device != FDP_HOST || out->ndim != 1 || !fdp_tensor_is_contiguous(out) || out->dtype < 0 ||
@@ -474,12 +482,8 @@ int fdp_reduce_rows_fit(const fdp_tensor_t *inputs, int k, int nrep, const fdp_t
     return 0;
   int64_t total = 0;
   for (int i = 0; i < k * nrep; i++) {
-    const fdp_tensor_t *t = &inputs[i], *first = &inputs[i % k];
-    if (t->ndim < 0 || t->ndim > FDP_MAX_DIMS || t->device != FDP_HOST || t->dtype != out->dtype || t->elem_size != out->elem_size ||
-        !fdp_tensor_is_contiguous(t) || t->ndim != first->ndim ||
-        memcmp(t->sizes, first->sizes, (size_t)t->ndim * sizeof *t->sizes) != 0)
-      return 0;
-    if (i < k) total += fdp_tensor_numel(t);
+    if (!row_member_fits(&inputs[i], &inputs[i % k], out)) return 0;
+    if (i < k) total += fdp_tensor_numel(&inputs[i]);
   }
   return total <= out->sizes[0];
 }

@@ -222,15 +222,11 @@ static fdp_aten_handle_t handle_of(PyObject *obj) {
   return PyCapsule_CheckExact(obj) ? PyCapsule_GetPointer(obj, PyCapsule_GetName(obj)) : NULL;
 }
 
-/* A tensor the shim could not read, through the Python path: 0, or -1 with its error set. */
-static int unread(module_state *st, PyObject *obj, fdp_tensor_t *t, const char *what, Py_ssize_t index) {
-  return fdp__describe_python(st, obj, t, what, index) < 0 ? -1 : 0;
-}
-
-/* fdp__aoti_describe, and fdp__aoti_try_describe when `what` is NULL: a tensor the shim cannot read then makes the
- * result 1 (or, with `codes`, its code -1) instead of going to the Python path. */
-static int describe_handles(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes, const char *what,
-                            int single) {
+/* Reads every tensor of `items` through the shim into ts[i], with its shim dtype code in codes[i], or -1 where the
+ * shim cannot read that one (not plain strided CPU/CUDA memory of a known element size, or the shim failed).
+ * 1 when the tuple holds objects the shim path never reads (subclasses), -1 with an error when the conversion
+ * itself failed, else 0. */
+static int read_handles(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes) {
   if (!plain_tensors(st, items)) return 1;
   /* One call converts the whole list into new at::Tensor references (capsules without a destructor): every one
    * is deleted below, also after a failure, or each call would leak a TensorImpl reference per tensor. */
@@ -242,31 +238,50 @@ static int describe_handles(module_state *st, PyObject *items, fdp_tensor_t *ts,
                                         "set FASTDP_TENSOR_PATH=python");
     return -1;
   }
-  int rc = 0;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
     fdp_aten_handle_t h = handle_of(PyList_GET_ITEM(handles, i));
     int32_t code = -1;
-    int slow = h ? from_handle(h, &ts[i], &code) : 1;
+    if (h && from_handle(h, &ts[i], &code)) code = -1;
     if (h) shim.delete_tensor(h);
-    if (codes) codes[i] = slow ? -1 : code;
-    if (rc == 0 && slow && !codes)
-      rc = what ? unread(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) : 1;
+    codes[i] = code;
   }
   Py_DECREF(handles);
-  return rc;
+  return 0;
+}
+
+/* read_handles with a code array of its own; what the caller does with unread tensors is its business. */
+static int read_all(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t **codes) {
+  *codes = fdp_scratch_alloc((size_t)PyTuple_GET_SIZE(items) * sizeof **codes + 1);
+  if (!*codes) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  return read_handles(st, items, ts, *codes);
 }
 
 int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
-  return describe_handles(st, items, ts, NULL, what, single);
+  int32_t *codes;
+  int rc = read_all(st, items, ts, &codes);
+  /* A tensor the shim could not read goes through the Python path, which raises its usual error for bad ones. */
+  for (Py_ssize_t i = 0; rc == 0 && i < PyTuple_GET_SIZE(items); i++)
+    if (codes[i] < 0 && fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0)
+      rc = -1;
+  fdp_scratch_free(codes);
+  return rc;
 }
 
 int fdp__aoti_try_describe(module_state *st, PyObject *items, fdp_tensor_t *ts) {
-  return describe_handles(st, items, ts, NULL, NULL, 0);
+  int32_t *codes;
+  int rc = read_all(st, items, ts, &codes);
+  for (Py_ssize_t i = 0; rc == 0 && i < PyTuple_GET_SIZE(items); i++)
+    if (codes[i] < 0) rc = 1;
+  fdp_scratch_free(codes);
+  return rc;
 }
 
 int fdp__aoti_facts(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes) {
   if (g_path != FDP_TENSOR_PATH_AOTI) return 1;
-  return describe_handles(st, items, ts, codes, NULL, 0);
+  return read_handles(st, items, ts, codes);
 }
 
 /* ---- views of a flat buffer ---- */

@@ -305,7 +305,7 @@ typedef enum {
   FDP_PARAM_DISABLE_NVRTC,       /* FASTDP_DISABLE_NVRTC: never compile kernels at run time */
   FDP_PARAM_DISABLE_FATBIN,      /* FASTDP_DISABLE_FATBIN: ignore the build-time fatbin (NVRTC only) */
   FDP_PARAM_KERNEL_CACHE,        /* FASTDP_KERNEL_CACHE: 0 keeps NVRTC output in memory only (no disk cache) */
-  FDP_PARAM_STRICT,              /* FASTDP_STRICT: the Python layer raises instead of falling back to torch */
+  FDP_PARAM_STRICT,              /* FASTDP_STRICT: raise instead of falling back to torch (read by fastdp/_fallback.py) */
   FDP_PARAM_CACHE_DIR,           /* FASTDP_CACHE_DIR (string): kernel cache folder (default ~/.cache/fastdp/kernels) */
   FDP_PARAM_NVRTC_LIBRARY,       /* FASTDP_NVRTC_LIBRARY (string): the libnvrtc.so to load, tried first */
   FDP_PARAM_TENSOR_PATH,         /* FASTDP_TENSOR_PATH (string): "python" reads tensors through their Python API */

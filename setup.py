@@ -40,7 +40,7 @@ def sources(*dirs):
 
 # FASTDP_NO_NVCC=1 skips the fatbin even where nvcc exists (the build a machine without a toolkit makes).
 CUDA = None if os.environ.get("FASTDP_NO_NVCC") else cuda_home()
-SRC = sources("csrc/core", "csrc/backend/host", "csrc/backend/cuda", "csrc/dl", "csrc/python")
+SRC = sources("csrc/base", "csrc/core", "csrc/backend/host", "csrc/backend/cuda", "csrc/dl", "csrc/python")
 # assert() marks invariants the core has already checked (see NOTE [routing] in csrc/core/backend.h); they are live
 # only in the test programs' sanitizer builds. Defined here, not taken from Python's own flags, so that a Python
 # built without NDEBUG can never turn one into an abort.

@@ -1,4 +1,4 @@
-"""Balancing device 0 (issue 5) on emulated CPU replicas: the batch split (``chunk_sizes=``), the per-replica loss
+"""Balancing device 0 on emulated CPU replicas: the batch split (``chunk_sizes=``), the per-replica loss
 (``criterion=``), ``fastdp.memory_report`` and the settling of ``chunk_sizes="auto"`` with an injected reader.
 
 References: the bare module on the full batch (float64 within 1e-10), and the bare module on the chunk that

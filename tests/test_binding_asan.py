@@ -72,7 +72,7 @@ def test_binding_under_sanitizers(tmp_path):
     pkg = tmp_path / "fastdp"
     shutil.copytree(Path(fastdp.__file__).parent, pkg, ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
     ext = pkg / ("_C" + sysconfig.get_config_var("EXT_SUFFIX"))
-    dirs = ("csrc/core", "csrc/backend/host", "csrc/backend/cuda", "csrc/dl", "csrc/python")
+    dirs = ("csrc/base", "csrc/core", "csrc/backend/host", "csrc/backend/cuda", "csrc/dl", "csrc/python")
     sources = [str(p) for d in dirs for p in sorted((ROOT / d).glob("*.c"))]
     sys.path.insert(0, str(ROOT / "cuda"))
     try:

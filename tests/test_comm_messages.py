@@ -1,6 +1,6 @@
 """fastdp.comm's errors, whole messages, against upstream torch.nn.parallel.comm on the same bad input where upstream
 raises on a CPU-only machine (its Python-side checks; meta tensors stand in for CUDA ones where upstream asserts GPUs
-before its check), else against the texts in docs/dataparallel-contract.md (upstream's comm.cpp, which needs CUDA)."""
+before its check), else against the texts of upstream's comm.cpp checks (CONTRACT below: comm.cpp needs CUDA to run)."""
 
 import pytest
 import torch
@@ -54,7 +54,7 @@ def test_reduce_add_coalesced_size_message_equals_upstream_reduce_add():
     assert ours == theirs
 
 
-# Texts of upstream's comm.cpp checks (docs/dataparallel-contract.md §3.3), which upstream raises as RuntimeError.
+# Texts of upstream's comm.cpp checks (torch/csrc/cuda/comm.cpp), which upstream raises as RuntimeError.
 CONTRACT = [
     ("scatter/no-devices", lambda: comm.scatter(x, []), "Expected at least one device to scatter to"),
     ("scatter/no-outputs", lambda: comm.scatter(x, out=[]), "Expected at least one output tensor to scatter to"),

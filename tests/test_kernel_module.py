@@ -1,7 +1,7 @@
-"""The cuda backend's kernel-module cache (issue 9's first defect, issue 10's fatbin → NVRTC order), driven through
-the core against a tiny fake libcuda.so.1 (tests/kmod/fake_cuda.c): only an image the driver refuses sticks;
-out-of-memory is retried; copies never need kernels; a refused fatbin moves on to NVRTC. The full simulated GPU
-(tests/sim) will run the same paths with real kernels on host memory once it lands."""
+"""The cuda backend's kernel-module cache (which image failures stick, and the fatbin → NVRTC order), driven through
+the core against a tiny fake libcuda.so.1 (tests/kmod/fake_cuda.c) that answers cuModuleLoadData call by call:
+only an image the driver refuses sticks; out-of-memory is retried; copies never need kernels; a refused fatbin moves
+on to NVRTC."""
 
 import glob
 import importlib.util
@@ -46,7 +46,7 @@ def build(tmp_path_factory):
     subprocess.run([cc, *CFLAGS, "-shared", "-fPIC", "-Wno-unused-parameter", str(HERE / "kmod" / "fake_cuda.c"),
                     "-o", str(out / "libcuda.so.1")], check=True)
     core = []
-    for sub in ("core", "backend/host", "backend/cuda", "dl"):
+    for sub in ("base", "core", "backend/host", "backend/cuda", "dl"):
         core += sorted(glob.glob(str(ROOT / "csrc" / sub / "*.c")))
     exes = {}
     for kind in ("source_only", "with_fatbin"):

@@ -1,4 +1,4 @@
-"""The two binding calls behind the gradient reduction of emulated replicas (issue 12): `_C.reduce_rows` sums each
+"""The two binding calls behind the gradient reduction of emulated replicas: `_C.reduce_rows` sums each
 member's gradients over the replicas straight into one flat result, `_C.views` cuts that result into per-member
 tensors through libtorch's C shim. Both are compared with the torch path they replace; every input they do not
 take must leave the caller's fallback to run (False / None) with nothing written, and bad specs raise."""

@@ -109,20 +109,21 @@ def test_fault_injection_sweep(entry, route):
 
 
 def test_simulator_exports_every_symbol_the_loaders_resolve():
-    """Every name in the k_syms tables of csrc/dl/cuda_driver.c and nccl_loader.c (optional ones included) is an
-    entry point of the simulator: a loader that learns a new symbol needs it simulated too (tests/sim/sim.h)."""
+    """Every driver entry point of FDP_CU_ENTRY_POINTS (csrc/dl/cuda_api.h) and every name in nccl_loader.c's k_syms
+    table (optional ones included) is an entry point of the simulator: a loader that learns a new symbol needs it
+    simulated too (tests/sim/sim.h)."""
     _need_cc()
     import ctypes
 
     lib = ctypes.CDLL(_simbuild.build()["cuda"])
     root = os.path.dirname(HERE)
-    names = []
-    for f in ("cuda_driver.c", "nccl_loader.c"):
-        with open(os.path.join(root, "csrc", "dl", f)) as fh:
-            text = fh.read()
-        table = text[text.index("k_syms[] = {"):]
-        table = table[:table.index("};")]
-        names += re.findall(r'\{"(\w+)", offsetof', table)
+    with open(os.path.join(root, "csrc", "dl", "cuda_api.h")) as fh:
+        names = re.findall(r"^  X\(\w+, (\w+), [01],", fh.read(), re.M)
+    with open(os.path.join(root, "csrc", "dl", "nccl_loader.c")) as fh:
+        text = fh.read()
+    table = text[text.index("k_syms[] = {"):]
+    table = table[:table.index("};")]
+    names += re.findall(r'\{"(\w+)", offsetof', table)
     assert len(names) > 40, names
     missing = [n for n in names if not hasattr(lib, n)]
     assert not missing, f"the simulated GPU lacks {missing}: add them to tests/sim (SIM_ENTRIES in sim.h, and code)"

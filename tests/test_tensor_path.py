@@ -1,4 +1,4 @@
-"""The two ways tensors become core descriptors (issue 12): libtorch's C shim ("aoti") and the tensor's Python API
+"""The two ways tensors become core descriptors: libtorch's C shim ("aoti") and the tensor's Python API
 ("python"). Both must give the descriptor the tensor's own Python attributes describe, raise the same errors, and
 keep nothing alive after a call; FASTDP_TENSOR_PATH=python selects the Python path and `fastdp info` says which
 path is in use."""

@@ -24,6 +24,10 @@ int fdp_backend_compiled(fdp_backend_id_t id) {
   return (unsigned)id < FDP_BACKEND_COUNT && backends[id];
 }
 
+const fdp_backend_t *fdp__backend(fdp_backend_id_t id) {
+  return fdp_backend_compiled(id) ? backends[id] : NULL;
+}
+
 int fdp_backend_usable(fdp_backend_id_t id, const char **why) {
   const char *dummy;
   if (!why) why = &dummy;
@@ -49,7 +53,7 @@ void fdp_shutdown(void) {
   _Static_assert(FDP_BACKEND_NCCL > FDP_BACKEND_CUDA, "nccl must shut down before cuda");
   for (int i = FDP_BACKEND_COUNT - 1; i >= 0; i--)
     if (backends[i] && backends[i]->shutdown) backends[i]->shutdown();
-  fdp__scratch_release();
+  fdp_scratch_release();
 }
 
 /* ---- validation ---- */
@@ -152,8 +156,8 @@ static fdp_result_t check_span_pair(const span_t *s, const span_t *o, const char
  * ranges that intersect; those get the exact test. Destinations whose overlap a cheap test cannot decide are let
  * through, as PyTorch does. */
 static fdp_result_t check_writes(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const char *op) {
-  span_t *spans = fdp__scratch_alloc((size_t)2 * n * sizeof *spans);
-  span_t **active = fdp__scratch_alloc((size_t)2 * n * sizeof *active);
+  span_t *spans = fdp_scratch_alloc((size_t)2 * n * sizeof *spans);
+  span_t **active = fdp_scratch_alloc((size_t)2 * n * sizeof *active);
   fdp_result_t r = FDP_OK;
   int m = 0, nactive = 0;
   if (!spans || !active) {
@@ -174,8 +178,8 @@ static fdp_result_t check_writes(const fdp_tensor_t *dst, const fdp_tensor_t *sr
     active[nactive++] = s;
   }
 done:
-  fdp__scratch_free(spans);
-  fdp__scratch_free(active);
+  fdp_scratch_free(spans);
+  fdp_scratch_free(active);
   return r;
 }
 
@@ -310,14 +314,14 @@ static fdp_result_t copy_routed(const fdp_copy_t *copies, int k, const fdp_tenso
 
 fdp_result_t fdp__route_copy(const fdp_copy_t *copies, int n, const fdp_streams_t *streams) {
   if (n <= 0) return FDP_OK;
-  const fdp_tensor_t **all = fdp__scratch_alloc((size_t)2 * n * sizeof *all);
+  const fdp_tensor_t **all = fdp_scratch_alloc((size_t)2 * n * sizeof *all);
   if (!all) return fdp__fail(FDP_NOMEM, "copy: cannot allocate %d descriptor pointers", 2 * n);
   for (int i = 0; i < n; i++) {
     all[2 * i] = &copies[i].dst;
     all[2 * i + 1] = &copies[i].src;
   }
   fdp_result_t r = copy_routed(copies, n, all, 2 * n, streams);
-  fdp__scratch_free(all);
+  fdp_scratch_free(all);
   return r;
 }
 
@@ -383,8 +387,8 @@ fdp_result_t fdp_route_devices(fdp_op_t op, const int *devices, int n, int dtype
 fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const fdp_streams_t *streams) {
   if (n < 0 || (n > 0 && (!dst || !src))) return fdp__fail(FDP_INVALID, "copy: bad tensor lists (n=%d)", n);
   if (n == 0) return FDP_OK;
-  fdp_copy_t *copies = fdp__scratch_alloc((size_t)n * sizeof *copies);
-  const fdp_tensor_t **all = fdp__scratch_alloc((size_t)2 * n * sizeof *all);
+  fdp_copy_t *copies = fdp_scratch_alloc((size_t)n * sizeof *copies);
+  const fdp_tensor_t **all = fdp_scratch_alloc((size_t)2 * n * sizeof *all);
   fdp_result_t r = FDP_OK;
   int k = 0;
   if (!copies || !all) {
@@ -400,8 +404,8 @@ fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n
   FDP_CHECK_GOTO(check_writes(dst, src, n, "copy"), r, done);
   r = copy_routed(copies, k, all, 2 * n, streams);
 done:
-  fdp__scratch_free(copies);
-  fdp__scratch_free(all);
+  fdp_scratch_free(copies);
+  fdp_scratch_free(all);
   return r;
 }
 
@@ -461,6 +465,52 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
   if (fdp_tensor_numel(out) == 0) return FDP_OK;
   work_t w = {.tensors = inputs, .out = out, .n = n, .streams = streams};
   return route_run(FDP_OP_REDUCE, all, n + 1, &w, "reduce: inputs on several CUDA devices need NCCL", out->device);
+}
+
+/* Whether one replica's member can be summed straight into `out`: host memory of out's dtype, contiguous, shaped
+ * as replica 0's member (`first`). */
+static int row_member_fits(const fdp_tensor_t *t, const fdp_tensor_t *first, const fdp_tensor_t *out) {
+  return t->ndim >= 0 && t->ndim <= FDP_MAX_DIMS && t->device == FDP_HOST && t->dtype == out->dtype &&
+         t->elem_size == out->elem_size && fdp_tensor_is_contiguous(t) && t->ndim == first->ndim &&
+         memcmp(t->sizes, first->sizes, (size_t)t->ndim * sizeof *t->sizes) == 0;
+}
+
+int fdp_reduce_rows_fit(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out) {
+  if (!inputs || !out || k <= 0 || nrep < 1 || nrep > FDP_MAX_DEVICES || (int64_t)k * nrep > INT32_MAX) return 0;
+  if (out->device != FDP_HOST || out->ndim != 1 || !fdp_tensor_is_contiguous(out) || out->dtype < 0 ||
+      out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
+    return 0;
+  int64_t total = 0;
+  for (int i = 0; i < k * nrep; i++) {
+    if (!row_member_fits(&inputs[i], &inputs[i % k], out)) return 0;
+    if (i < k) total += fdp_tensor_numel(&inputs[i]);
+  }
+  return total <= out->sizes[0];
+}
+
+/* Member j's sum over the replicas is one reduce into its slice of `out`: the host backend sums straight from the
+ * gradients, so nothing is packed first. */
+fdp_result_t fdp_op_reduce_rows(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out) {
+  if (!fdp_reduce_rows_fit(inputs, k, nrep, out))
+    return fdp__fail(FDP_INVALID, "reduce_rows: the %d x %d inputs are not host tensors of the output's dtype, dense, "
+                                  "with each replica's member shaped as replica 0's and fitting the 1-D output",
+                     nrep, k);
+  for (int i = 0; i < k * nrep; i++)
+    FDP_CHECK(check_tensor(&inputs[i], "input", i));
+  FDP_CHECK(check_tensor(out, "output", 0));
+  fdp_tensor_t in[FDP_MAX_DEVICES];
+  char *at = out->data;
+  for (int j = 0; j < k; j++) {
+    for (int q = 0; q < nrep; q++)
+      in[q] = inputs[q * k + j];
+    fdp_tensor_t slice = in[0]; /* member j's shape, contiguous, at its place in out */
+    slice.data = at;
+    for (int d = slice.ndim - 1; d >= 0; d--)
+      slice.strides[d] = d == slice.ndim - 1 ? 1 : slice.strides[d + 1] * slice.sizes[d + 1];
+    FDP_CHECK(fdp_op_reduce(in, nrep, &slice, NULL));
+    at += fdp_tensor_numel(&slice) * slice.elem_size;
+  }
+  return FDP_OK;
 }
 
 static fdp_result_t check_dim(const fdp_tensor_t *t, int dim, const char *op) {

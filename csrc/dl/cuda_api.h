@@ -127,4 +127,60 @@ typedef struct CUDA_MEMCPY3D_PEER_st {
 } CUDA_MEMCPY3D_PEER;
 
 #endif /* __cuda_cuda_h__ */
+
+/* NOTE [driver entry points]: every driver entry point fastdp calls, declared once here and derived everywhere else
+ * (the loader's table and its symbol list in dl/cuda_driver.*, the simulated driver in tests/sim, the check against
+ * the toolkit's cuda.h in tests/test_cuda_api_header.py). Adding a call is one line:
+ *   X(field, symbol, optional, (parameters))
+ * `field` names the pointer in fdp_cu_t; `symbol` is the explicit versioned name dlsym binds (cuda.h maps e.g.
+ * cuMemGetInfo to cuMemGetInfo_v2 by macro, and an unversioned dlsym would bind the legacy ABI with 32-bit sizes);
+ * `optional` is 1 when a missing symbol only loses a feature: stream-ordered allocation (driver >= 11.2) is used
+ * only to stage strided cross-device copies. Every entry point returns CUresult. */
+#define FDP_CU_ENTRY_POINTS(X)                                                                                         \
+  X(Init, cuInit, 0, (unsigned int flags))                                                                             \
+  X(DriverGetVersion, cuDriverGetVersion, 0, (int *version))                                                           \
+  X(GetErrorString, cuGetErrorString, 0, (CUresult r, const char **str))                                               \
+  X(GetErrorName, cuGetErrorName, 0, (CUresult r, const char **str))                                                   \
+  X(DeviceGetCount, cuDeviceGetCount, 0, (int *count))                                                                 \
+  X(DeviceGet, cuDeviceGet, 0, (CUdevice *dev, int ordinal))                                                           \
+  X(DeviceGetName, cuDeviceGetName, 0, (char *name, int len, CUdevice dev))                                            \
+  X(DeviceTotalMem, cuDeviceTotalMem_v2, 0, (size_t *bytes, CUdevice dev))                                             \
+  X(DeviceGetAttribute, cuDeviceGetAttribute, 0, (int *value, CUdevice_attribute attr, CUdevice dev))                  \
+  X(DeviceCanAccessPeer, cuDeviceCanAccessPeer, 0, (int *can, CUdevice dev, CUdevice peer))                            \
+  X(DevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain, 0, (CUcontext *ctx, CUdevice dev))                               \
+  X(DevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2, 0, (CUdevice dev))                                          \
+  X(DevicePrimaryCtxGetState, cuDevicePrimaryCtxGetState, 0, (CUdevice dev, unsigned int *flags, int *active))         \
+  X(CtxPushCurrent, cuCtxPushCurrent_v2, 0, (CUcontext ctx))                                                           \
+  X(CtxPopCurrent, cuCtxPopCurrent_v2, 0, (CUcontext *ctx))                                                            \
+  X(CtxGetCurrent, cuCtxGetCurrent, 0, (CUcontext *ctx))                                                               \
+  X(CtxSetCurrent, cuCtxSetCurrent, 0, (CUcontext ctx))                                                                \
+  X(CtxSynchronize, cuCtxSynchronize, 0, (void))                                                                       \
+  X(CtxEnablePeerAccess, cuCtxEnablePeerAccess, 0, (CUcontext peer, unsigned int flags))                               \
+  X(MemGetInfo, cuMemGetInfo_v2, 0, (size_t *free_bytes, size_t *total_bytes))                                         \
+  X(MemAlloc, cuMemAlloc_v2, 0, (CUdeviceptr *ptr, size_t bytes))                                                      \
+  X(MemFree, cuMemFree_v2, 0, (CUdeviceptr ptr))                                                                       \
+  X(MemAllocAsync, cuMemAllocAsync, 1, (CUdeviceptr *ptr, size_t bytes, CUstream stream))                              \
+  X(MemFreeAsync, cuMemFreeAsync, 1, (CUdeviceptr ptr, CUstream stream))                                               \
+  X(MemcpyAsync, cuMemcpyAsync, 0, (CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream))                  \
+  X(MemcpyHtoDAsync, cuMemcpyHtoDAsync_v2, 0, (CUdeviceptr dst, const void *src, size_t bytes, CUstream stream))       \
+  X(MemcpyDtoHAsync, cuMemcpyDtoHAsync_v2, 0, (void *dst, CUdeviceptr src, size_t bytes, CUstream stream))             \
+  X(StreamSynchronize, cuStreamSynchronize, 0, (CUstream stream))                                                      \
+  X(StreamQuery, cuStreamQuery, 0, (CUstream stream))                                                                  \
+  X(MemcpyPeerAsync, cuMemcpyPeerAsync, 0, (CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src,                       \
+    CUcontext src_ctx, size_t bytes, CUstream stream))                                                                 \
+  X(Memcpy2DAsync, cuMemcpy2DAsync_v2, 0, (const CUDA_MEMCPY2D *p, CUstream stream))                                   \
+  X(Memcpy3DPeerAsync, cuMemcpy3DPeerAsync, 0, (const CUDA_MEMCPY3D_PEER *p, CUstream stream))                         \
+  X(EventCreate, cuEventCreate, 0, (CUevent *ev, unsigned int flags))                                                  \
+  X(EventRecord, cuEventRecord, 0, (CUevent ev, CUstream stream))                                                      \
+  X(EventDestroy, cuEventDestroy_v2, 0, (CUevent ev))                                                                  \
+  X(EventSynchronize, cuEventSynchronize, 0, (CUevent ev))                                                             \
+  X(EventQuery, cuEventQuery, 0, (CUevent ev))                                                                         \
+  X(StreamWaitEvent, cuStreamWaitEvent, 0, (CUstream stream, CUevent ev, unsigned int flags))                          \
+  X(ModuleLoadData, cuModuleLoadData, 0, (CUmodule *mod, const void *image))                                           \
+  X(ModuleUnload, cuModuleUnload, 0, (CUmodule mod))                                                                   \
+  X(ModuleGetFunction, cuModuleGetFunction, 0, (CUfunction *fn, CUmodule mod, const char *name))                       \
+  X(LaunchKernel, cuLaunchKernel, 0, (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,                 \
+    unsigned int bx, unsigned int by, unsigned int bz, unsigned int shmem, CUstream stream, void **params,             \
+    void **extra))
+
 #endif

@@ -28,56 +28,15 @@ static _Atomic(signed char) g_peer[FDP_MAX_DEVICES][FDP_MAX_DEVICES];
 /* Not named in dl/cuda_api.h: the value of CUDA_ERROR_TOO_MANY_PEERS in cuda.h (a device maps at most 8 peers). */
 #define FDP_CU_TOO_MANY_PEERS ((CUresult)711)
 
-/* Versioned names on purpose: cuda.h maps e.g. cuMemGetInfo to cuMemGetInfo_v2 by macro, and an unversioned
- * dlsym would bind the legacy ABI (32-bit sizes) instead. */
+/* Where each symbol goes in g_cu (NOTE [driver entry points]). */
 static const struct {
   const char *name;
   size_t offset;
   int optional;
 } k_syms[] = {
-    {"cuInit", offsetof(fdp_cu_t, Init), 0},
-    {"cuDriverGetVersion", offsetof(fdp_cu_t, DriverGetVersion), 0},
-    {"cuGetErrorString", offsetof(fdp_cu_t, GetErrorString), 0},
-    {"cuGetErrorName", offsetof(fdp_cu_t, GetErrorName), 0},
-    {"cuDeviceGetCount", offsetof(fdp_cu_t, DeviceGetCount), 0},
-    {"cuDeviceGet", offsetof(fdp_cu_t, DeviceGet), 0},
-    {"cuDeviceGetName", offsetof(fdp_cu_t, DeviceGetName), 0},
-    {"cuDeviceTotalMem_v2", offsetof(fdp_cu_t, DeviceTotalMem), 0},
-    {"cuDeviceGetAttribute", offsetof(fdp_cu_t, DeviceGetAttribute), 0},
-    {"cuDeviceCanAccessPeer", offsetof(fdp_cu_t, DeviceCanAccessPeer), 0},
-    {"cuDevicePrimaryCtxRetain", offsetof(fdp_cu_t, DevicePrimaryCtxRetain), 0},
-    {"cuDevicePrimaryCtxRelease_v2", offsetof(fdp_cu_t, DevicePrimaryCtxRelease), 0},
-    {"cuDevicePrimaryCtxGetState", offsetof(fdp_cu_t, DevicePrimaryCtxGetState), 0},
-    {"cuCtxPushCurrent_v2", offsetof(fdp_cu_t, CtxPushCurrent), 0},
-    {"cuCtxPopCurrent_v2", offsetof(fdp_cu_t, CtxPopCurrent), 0},
-    {"cuCtxGetCurrent", offsetof(fdp_cu_t, CtxGetCurrent), 0},
-    {"cuCtxSetCurrent", offsetof(fdp_cu_t, CtxSetCurrent), 0},
-    {"cuCtxSynchronize", offsetof(fdp_cu_t, CtxSynchronize), 0},
-    {"cuCtxEnablePeerAccess", offsetof(fdp_cu_t, CtxEnablePeerAccess), 0},
-    {"cuMemGetInfo_v2", offsetof(fdp_cu_t, MemGetInfo), 0},
-    {"cuMemAlloc_v2", offsetof(fdp_cu_t, MemAlloc), 0},
-    {"cuMemFree_v2", offsetof(fdp_cu_t, MemFree), 0},
-    /* Stream-ordered allocation (driver >= 11.2) is only needed to stage strided cross-device copies. */
-    {"cuMemAllocAsync", offsetof(fdp_cu_t, MemAllocAsync), 1},
-    {"cuMemFreeAsync", offsetof(fdp_cu_t, MemFreeAsync), 1},
-    {"cuMemcpyAsync", offsetof(fdp_cu_t, MemcpyAsync), 0},
-    {"cuMemcpyHtoDAsync_v2", offsetof(fdp_cu_t, MemcpyHtoDAsync), 0},
-    {"cuMemcpyDtoHAsync_v2", offsetof(fdp_cu_t, MemcpyDtoHAsync), 0},
-    {"cuStreamSynchronize", offsetof(fdp_cu_t, StreamSynchronize), 0},
-    {"cuStreamQuery", offsetof(fdp_cu_t, StreamQuery), 0},
-    {"cuMemcpyPeerAsync", offsetof(fdp_cu_t, MemcpyPeerAsync), 0},
-    {"cuMemcpy2DAsync_v2", offsetof(fdp_cu_t, Memcpy2DAsync), 0},
-    {"cuMemcpy3DPeerAsync", offsetof(fdp_cu_t, Memcpy3DPeerAsync), 0},
-    {"cuEventCreate", offsetof(fdp_cu_t, EventCreate), 0},
-    {"cuEventRecord", offsetof(fdp_cu_t, EventRecord), 0},
-    {"cuEventDestroy_v2", offsetof(fdp_cu_t, EventDestroy), 0},
-    {"cuEventSynchronize", offsetof(fdp_cu_t, EventSynchronize), 0},
-    {"cuEventQuery", offsetof(fdp_cu_t, EventQuery), 0},
-    {"cuStreamWaitEvent", offsetof(fdp_cu_t, StreamWaitEvent), 0},
-    {"cuModuleLoadData", offsetof(fdp_cu_t, ModuleLoadData), 0},
-    {"cuModuleUnload", offsetof(fdp_cu_t, ModuleUnload), 0},
-    {"cuModuleGetFunction", offsetof(fdp_cu_t, ModuleGetFunction), 0},
-    {"cuLaunchKernel", offsetof(fdp_cu_t, LaunchKernel), 0},
+#define FDP_CU_SYMBOL(field, symbol, optional, params) {#symbol, offsetof(fdp_cu_t, field), optional},
+    FDP_CU_ENTRY_POINTS(FDP_CU_SYMBOL)
+#undef FDP_CU_SYMBOL
 };
 
 /* Fills g_cu from the library's symbols; 0 (g_why says which) when a required one is missing. */
@@ -117,7 +76,7 @@ static void load_once(void) {
   /* FASTDP_CUDA_DRIVER_LIBRARY (tests: the simulated GPU) names exactly the file to load, and nothing else is
    * looked up. Otherwise RTLD_NOLOAD first: inside PyTorch the driver is already mapped and we must share that
    * very copy. */
-  const char *path = fdp__param_str(FDP_PARAM_CUDA_DRIVER_LIBRARY);
+  const char *path = fdp_param_str(FDP_PARAM_CUDA_DRIVER_LIBRARY);
   void *h = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
   if (h == NULL && path == NULL) h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (h == NULL) {

@@ -5,58 +5,15 @@
 #ifndef FASTDP_DL_CUDA_DRIVER_H
 #define FASTDP_DL_CUDA_DRIVER_H
 
-#include "core/backend.h"
+#include "base/base.h"
 
 #include "dl/cuda_api.h"
 
-/* Entry points, named without the "cu" prefix. Types come from dl/cuda_api.h; the symbols are resolved by their
- * explicit versioned names, so the header's per-thread-stream macros and API versions never apply. */
+/* The entry points, one pointer per line of FDP_CU_ENTRY_POINTS (NOTE [driver entry points] in dl/cuda_api.h). */
 typedef struct fdp_cu {
-  CUresult (*Init)(unsigned int flags);
-  CUresult (*DriverGetVersion)(int *version);
-  CUresult (*GetErrorString)(CUresult r, const char **str);
-  CUresult (*GetErrorName)(CUresult r, const char **str);
-  CUresult (*DeviceGetCount)(int *count);
-  CUresult (*DeviceGet)(CUdevice *dev, int ordinal);
-  CUresult (*DeviceGetName)(char *name, int len, CUdevice dev);
-  CUresult (*DeviceTotalMem)(size_t *bytes, CUdevice dev);
-  CUresult (*DeviceGetAttribute)(int *value, CUdevice_attribute attr, CUdevice dev);
-  CUresult (*DeviceCanAccessPeer)(int *can, CUdevice dev, CUdevice peer);
-  CUresult (*DevicePrimaryCtxRetain)(CUcontext *ctx, CUdevice dev);
-  CUresult (*DevicePrimaryCtxRelease)(CUdevice dev);
-  CUresult (*DevicePrimaryCtxGetState)(CUdevice dev, unsigned int *flags, int *active);
-  CUresult (*CtxPushCurrent)(CUcontext ctx);
-  CUresult (*CtxPopCurrent)(CUcontext *ctx);
-  CUresult (*CtxGetCurrent)(CUcontext *ctx);
-  CUresult (*CtxSetCurrent)(CUcontext ctx);
-  CUresult (*CtxSynchronize)(void);
-  CUresult (*CtxEnablePeerAccess)(CUcontext peer, unsigned int flags);
-  CUresult (*MemGetInfo)(size_t *free_bytes, size_t *total_bytes);
-  CUresult (*MemAlloc)(CUdeviceptr *ptr, size_t bytes);
-  CUresult (*MemFree)(CUdeviceptr ptr);
-  CUresult (*MemAllocAsync)(CUdeviceptr *ptr, size_t bytes, CUstream stream);
-  CUresult (*MemFreeAsync)(CUdeviceptr ptr, CUstream stream);
-  CUresult (*MemcpyAsync)(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream);
-  CUresult (*MemcpyHtoDAsync)(CUdeviceptr dst, const void *src, size_t bytes, CUstream stream);
-  CUresult (*MemcpyDtoHAsync)(void *dst, CUdeviceptr src, size_t bytes, CUstream stream);
-  CUresult (*StreamSynchronize)(CUstream stream);
-  CUresult (*StreamQuery)(CUstream stream);
-  CUresult (*MemcpyPeerAsync)(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src, CUcontext src_ctx, size_t bytes,
-                              CUstream stream);
-  CUresult (*Memcpy2DAsync)(const CUDA_MEMCPY2D *p, CUstream stream);
-  CUresult (*Memcpy3DPeerAsync)(const CUDA_MEMCPY3D_PEER *p, CUstream stream);
-  CUresult (*EventCreate)(CUevent *ev, unsigned int flags);
-  CUresult (*EventRecord)(CUevent ev, CUstream stream);
-  CUresult (*EventDestroy)(CUevent ev);
-  CUresult (*EventSynchronize)(CUevent ev);
-  CUresult (*EventQuery)(CUevent ev);
-  CUresult (*StreamWaitEvent)(CUstream stream, CUevent ev, unsigned int flags);
-  CUresult (*ModuleLoadData)(CUmodule *mod, const void *image);
-  CUresult (*ModuleUnload)(CUmodule mod);
-  CUresult (*ModuleGetFunction)(CUfunction *fn, CUmodule mod, const char *name);
-  CUresult (*LaunchKernel)(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
-                           unsigned int by, unsigned int bz, unsigned int shmem, CUstream stream, void **params,
-                           void **extra);
+#define FDP_CU_FIELD(field, symbol, optional, params) CUresult(*field) params;
+  FDP_CU_ENTRY_POINTS(FDP_CU_FIELD)
+#undef FDP_CU_FIELD
 } fdp_cu_t;
 
 /* Loads the driver and calls cuInit(0) once per process (thread-safe). On success *out points to the static

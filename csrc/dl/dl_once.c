@@ -3,7 +3,7 @@
 #include "dl/dl_once.h"
 
 fdp_result_t fdp__dl_ready(const fdp_dl_lib_t *lib, const char **why) {
-  if (fdp__param(lib->disable)) {
+  if (fdp_param(lib->disable)) {
     if (why) *why = lib->disabled;
     return fdp__fail(FDP_UNAVAILABLE, "%s is %s", lib->name, lib->disabled);
   }

@@ -4,7 +4,7 @@
 #ifndef FASTDP_DL_ONCE_H
 #define FASTDP_DL_ONCE_H
 
-#include "core/backend.h"
+#include "base/base.h"
 
 #include <pthread.h>
 

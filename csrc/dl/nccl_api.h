@@ -4,7 +4,7 @@
 #ifndef FASTDP_DL_NCCL_API_H
 #define FASTDP_DL_NCCL_API_H
 
-#include "core/backend.h"
+#include "base/base.h"
 
 #include <pthread.h>
 #include <stddef.h>

@@ -52,7 +52,7 @@ static void find_free_mutex(void) {
 static void bind(void *h);
 
 static void load_once(void) {
-  const char *path = fdp__param_str(FDP_PARAM_NCCL_LIBRARY);
+  const char *path = fdp_param_str(FDP_PARAM_NCCL_LIBRARY);
   if (path != NULL) { /* FASTDP_NCCL_LIBRARY (tests: the simulated NCCL): exactly that file, nothing else */
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (h == NULL) {

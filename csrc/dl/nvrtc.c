@@ -127,7 +127,7 @@ static void load_once(void) {
   pthread_mutex_lock(&g_dirs_lock);
   g_load_began = 1;
   pthread_mutex_unlock(&g_dirs_lock);
-  const char *forced = fdp__param_str(FDP_PARAM_NVRTC_LIBRARY);
+  const char *forced = fdp_param_str(FDP_PARAM_NVRTC_LIBRARY);
   size_t n = sizeof k_sonames / sizeof k_sonames[0];
   int ok = -1;
   if (forced) {

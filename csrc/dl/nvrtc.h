@@ -5,7 +5,7 @@
 #ifndef FASTDP_DL_NVRTC_H
 #define FASTDP_DL_NVRTC_H
 
-#include "core/backend.h"
+#include "base/base.h"
 
 #include <stddef.h>
 

@@ -4,9 +4,8 @@
  * build serves every torch that has the shim, and the Python path of tensors.c serves every other. */
 #include "binding.h"
 
-#include "core/backend.h"
+#include "dl/torch_shim.h"
 
-#include <dlfcn.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -60,30 +59,9 @@ int fdp__set_tensor_path(fdp__tensor_path_t path) {
   return 0;
 }
 
-/* The already loaded libtorch_cpu: by soname first, then beside torch's _C module (torch/lib/). RTLD_NOLOAD: never
- * a second copy. NULL when torch did not load one (a static or differently named build). */
-static void *torch_library(const char *torch_c_file) {
-  void *h = dlopen("libtorch_cpu.so", RTLD_NOLOAD | RTLD_NOW);
-  if (h || !torch_c_file) return h;
-  char path[4096];
-  const char *slash = strrchr(torch_c_file, '/');
-  int len = slash ? (int)(slash - torch_c_file) : 0;
-  snprintf(path, sizeof path, "%.*s/lib/libtorch_cpu.so", len, torch_c_file);
-  return dlopen(path, RTLD_NOLOAD | RTLD_NOW);
-}
-
-/* dlsym, except for the names FASTDP_SHIM_ABSENT lists: what a torch without them gets. */
-static void *shim_sym(void *lib, const char *name) {
-  const char *absent = fdp__param_str(FDP_PARAM_SHIM_ABSENT);
-  size_t n = strlen(name);
-  for (const char *p = absent ? strstr(absent, name) : NULL; p != NULL; p = strstr(p + 1, name))
-    if ((p == absent || p[-1] == ',') && (p[n] == '\0' || p[n] == ',')) return NULL;
-  return dlsym(lib, name);
-}
-
 /* Resolves one symbol into *slot; records the first missing name in g_shim_why. */
 static int need(void *lib, const char *name, void *slot) {
-  void *sym = shim_sym(lib, name);
+  void *sym = fdp__torch_shim_sym(lib, name);
   memcpy(slot, &sym, sizeof sym);
   if (!sym) snprintf(g_shim_why, sizeof g_shim_why, "libtorch has no %s (torch too old for the C shim path)", name);
   return sym != NULL;
@@ -109,7 +87,7 @@ static int32_t shim_dtype(void *lib, const char *name) {
   char sym_name[64];
   snprintf(sym_name, sizeof sym_name, "aoti_torch_dtype_%s", name);
   shim_const_fn fn = NULL;
-  void *sym = shim_sym(lib, sym_name);
+  void *sym = fdp__torch_shim_sym(lib, sym_name);
   memcpy(&fn, &sym, sizeof sym);
   int32_t code = fn ? fn() : -1;
   return code >= 0 && code < FDP_SHIM_DTYPES ? code : -1;
@@ -139,7 +117,7 @@ static void map_dtypes(void *lib) {
 
 /* *slot = the symbol, or NULL: for the shim functions only some features need. */
 static void optional(void *lib, const char *name, void *slot) {
-  void *sym = shim_sym(lib, name);
+  void *sym = fdp__torch_shim_sym(lib, name);
   memcpy(slot, &sym, sizeof sym);
 }
 
@@ -162,16 +140,12 @@ static int resolve(void *lib) {
 }
 
 void fdp__aoti_init(module_state *st, const char *torch_c_file) {
-  const char *want = fdp__param_str(FDP_PARAM_TENSOR_PATH);
-  void *lib = torch_library(torch_c_file);
-  const char *dl_error = lib ? NULL : dlerror();
-  if (!lib)
-    snprintf(g_shim_why, sizeof g_shim_why, "libtorch_cpu.so is not loaded in this process (dlopen RTLD_NOLOAD: %s)",
-             dl_error ? dl_error : "not found");
-  else if (!st->to_handles)
+  const char *want = fdp_param_str(FDP_PARAM_TENSOR_PATH);
+  void *lib = fdp__torch_shim_open(torch_c_file, g_shim_why, sizeof g_shim_why);
+  if (lib && !st->to_handles)
     snprintf(g_shim_why, sizeof g_shim_why, "torch has no torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors");
   shim.resolved = lib && st->to_handles && resolve(lib);
-  if (lib) dlclose(lib); /* RTLD_NOLOAD took a reference; torch's own keeps the library loaded */
+  fdp__torch_shim_close(lib);
   if (want && strcmp(want, "python") == 0) {
     g_path = FDP_TENSOR_PATH_PYTHON;
     snprintf(g_why, sizeof g_why, "FASTDP_TENSOR_PATH=python");
@@ -248,15 +222,11 @@ static fdp_aten_handle_t handle_of(PyObject *obj) {
   return PyCapsule_CheckExact(obj) ? PyCapsule_GetPointer(obj, PyCapsule_GetName(obj)) : NULL;
 }
 
-/* A tensor the shim could not read, through the Python path: 0, or -1 with its error set. */
-static int unread(module_state *st, PyObject *obj, fdp_tensor_t *t, const char *what, Py_ssize_t index) {
-  return fdp__describe_python(st, obj, t, what, index) < 0 ? -1 : 0;
-}
-
-/* fdp__aoti_describe, and fdp__aoti_try_describe when `what` is NULL: a tensor the shim cannot read then makes the
- * result 1 (or, with `codes`, its code -1) instead of going to the Python path. */
-static int describe_handles(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes, const char *what,
-                            int single) {
+/* Reads every tensor of `items` through the shim into ts[i], with its shim dtype code in codes[i], or -1 where the
+ * shim cannot read that one (not plain strided CPU/CUDA memory of a known element size, or the shim failed).
+ * 1 when the tuple holds objects the shim path never reads (subclasses), -1 with an error when the conversion
+ * itself failed, else 0. */
+static int read_handles(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes) {
   if (!plain_tensors(st, items)) return 1;
   /* One call converts the whole list into new at::Tensor references (capsules without a destructor): every one
    * is deleted below, also after a failure, or each call would leak a TensorImpl reference per tensor. */
@@ -268,31 +238,50 @@ static int describe_handles(module_state *st, PyObject *items, fdp_tensor_t *ts,
                                         "set FASTDP_TENSOR_PATH=python");
     return -1;
   }
-  int rc = 0;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
     fdp_aten_handle_t h = handle_of(PyList_GET_ITEM(handles, i));
     int32_t code = -1;
-    int slow = h ? from_handle(h, &ts[i], &code) : 1;
+    if (h && from_handle(h, &ts[i], &code)) code = -1;
     if (h) shim.delete_tensor(h);
-    if (codes) codes[i] = slow ? -1 : code;
-    if (rc == 0 && slow && !codes)
-      rc = what ? unread(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) : 1;
+    codes[i] = code;
   }
   Py_DECREF(handles);
-  return rc;
+  return 0;
+}
+
+/* read_handles with a code array of its own; what the caller does with unread tensors is its business. */
+static int read_all(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t **codes) {
+  *codes = fdp_scratch_alloc((size_t)PyTuple_GET_SIZE(items) * sizeof **codes + 1);
+  if (!*codes) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  return read_handles(st, items, ts, *codes);
 }
 
 int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
-  return describe_handles(st, items, ts, NULL, what, single);
+  int32_t *codes;
+  int rc = read_all(st, items, ts, &codes);
+  /* A tensor the shim could not read goes through the Python path, which raises its usual error for bad ones. */
+  for (Py_ssize_t i = 0; rc == 0 && i < PyTuple_GET_SIZE(items); i++)
+    if (codes[i] < 0 && fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0)
+      rc = -1;
+  fdp_scratch_free(codes);
+  return rc;
 }
 
 int fdp__aoti_try_describe(module_state *st, PyObject *items, fdp_tensor_t *ts) {
-  return describe_handles(st, items, ts, NULL, NULL, 0);
+  int32_t *codes;
+  int rc = read_all(st, items, ts, &codes);
+  for (Py_ssize_t i = 0; rc == 0 && i < PyTuple_GET_SIZE(items); i++)
+    if (codes[i] < 0) rc = 1;
+  fdp_scratch_free(codes);
+  return rc;
 }
 
 int fdp__aoti_facts(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes) {
   if (g_path != FDP_TENSOR_PATH_AOTI) return 1;
-  return describe_handles(st, items, ts, codes, NULL, 0);
+  return read_handles(st, items, ts, codes);
 }
 
 /* ---- views of a flat buffer ---- */

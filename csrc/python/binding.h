@@ -1,14 +1,14 @@
 /* SPDX-License-Identifier: MIT */
-/* What the files of fastdp._C share: the module state, the argument converters that turn Python arguments into
- * core descriptors (tensors.c), the tensor metadata path through libtorch's C shim (aoti.c), and the one mapping
- * of core results to exceptions (module.c). Every function here needs the GIL. */
+/* What the files of fastdp._C share: the module state, each file's table of entry points, the one mapping of core
+ * results to exceptions (errors.c), the argument converters that turn Python arguments into core descriptors
+ * (tensors.c) and the tensor metadata path through libtorch's C shim (aoti.c). Every function here needs the GIL. */
 #ifndef FASTDP_PYTHON_BINDING_H
 #define FASTDP_PYTHON_BINDING_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "core/fastdp.h"
+#include "fastdp.h"
 
 typedef struct {
   PyObject *dtypes;         /* dict: torch.dtype -> fdp_dtype_t */
@@ -21,6 +21,41 @@ typedef struct {
   /* Interned attribute names: the Python path runs them for every tensor of every call. */
   PyObject *s_data_ptr, *s_shape, *s_stride, *s_dtype, *s_is_cuda, *s_get_device, *s_device, *s_type, *s_itemsize;
 } module_state;
+
+static inline module_state *fdp__state(PyObject *module) {
+  return (module_state *)PyModule_GetState(module);
+}
+
+/* While the interpreter finalizes (atexit, a __del__), the CUDA runtime and PyTorch's allocator may be gone. */
+static inline int fdp__finalizing(void) {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+/* ---- entry points: each file's table, added to the module by module.c ---- */
+extern PyMethodDef fdp__ops_methods[];       /* ops.c: copy, broadcast, reduce, scatter, gather, plan, ... */
+extern PyMethodDef fdp__refresh_methods[];   /* refresh.c: the kept replicas' per-step refresh */
+extern PyMethodDef fdp__structure_methods[]; /* structure.c: walk, matches */
+extern PyMethodDef fdp__describe_methods[];  /* describe.c: the tensor path, descriptors, result views */
+extern PyMethodDef fdp__facts_methods[];     /* facts.c: info, usable, kernels, route */
+extern PyMethodDef fdp__errors_methods[];    /* errors.c: set_oom_error */
+extern PyMethodDef fdp__allocator_methods[]; /* allocator.c: set_device_allocator */
+
+/* ---- errors (errors.c): the one way a core result becomes an exception ----
+ * Failures of the binding's own argument checks raise TypeError / ValueError naming the argument, as the
+ * converters do; every core result goes through these. */
+PyObject *fdp__raise(module_state *st, fdp_result_t r); /* always NULL, with the exception of r set */
+PyObject *fdp__none_or_raise(module_state *st, fdp_result_t r);
+PyObject *fdp__torch_oom(void); /* PyTorch's OutOfMemoryError class, once set_oom_error was called; else NULL */
+
+/* Unregisters PyTorch's allocator from the core (allocator.c): the module is going away. */
+void fdp__allocator_release(void);
+
+/* A converter's target for the argument called `name` in errors (fdp__tensor_list_t, fdp__tensor_arg_t). */
+#define FDP_ARG(name) {.st = st, .what = name}
 
 /* ---- argument converters (PyArg_ParseTuple "O&") ----
  * The caller fills `st` and `what` (the argument's name in error messages) before parsing. The list and column
@@ -49,19 +84,13 @@ int fdp__streams_converter(PyObject *obj, void *out);
 /* ValueError when n tensors are too many for the core's int counts. */
 int fdp__check_count(Py_ssize_t n);
 
-/* Fills `t` from a CPU or CUDA torch.Tensor through its Python API. `what` names the argument in errors, as
+/* Fills `t` from a CPU or CUDA torch.Tensor through its Python API (pyapi.c: a leaf, which the shim path falls back
+ * to). `what` names the argument in errors, as
  * what[index] for a list element or alone when index is -1. */
 int fdp__describe_python(module_state *st, PyObject *obj, fdp_tensor_t *t, const char *what, Py_ssize_t index);
-/* Fills ts[0..n) from the tuple `items` through the path in use (see fdp__tensor_path). Errors name what[i], or
-what alone when `single` (a 1-tuple holding one tensor argument). */
+/* Fills ts[0..n) from the tuple `items` through the path in use (see fdp__tensor_path): the one place that chooses.
+ * Errors name what[i], or what alone when `single` (a 1-tuple holding one tensor argument). */
 int fdp__describe_items(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single);
-
-/* ---- the structure signature (structure.c) ---- */
-
-/* walk(root) -> (modules, signature) of fastdp._replicas, and matches(modules, signature) -> bool; see
- * structure.c. */
-PyObject *fdp__py_walk(PyObject *module, PyObject *root);
-PyObject *fdp__py_matches(PyObject *module, PyObject *args);
 
 /* ---- the shim path (aoti.c) ---- */
 

@@ -4,8 +4,6 @@
  * entry, without the interpreter's per-tensor work. */
 #include "binding.h"
 
-#include "core/backend.h"
-
 /* Attribute names, interned once per call: a lookup by an interned str is a pointer compare in the type's dict. */
 enum { N_PARAMS, N_BUFFERS, N_MODULES, N_DTYPE, N_SHAPE, N_DEVICE, N_REQUIRES_GRAD, N_LAYOUT, N_COUNT };
 static const char *const k_names[N_COUNT] = {"_parameters", "_buffers", "_modules",      "dtype",
@@ -166,7 +164,7 @@ static int walk_module(walk_t *w, PyObject *m) {
  * registration order); and per module a header (id, type, len(_parameters), len(_buffers)), one entry per
  * parameter and buffer slot ((key, None) when empty, else (key, id, dtype, shape, device, requires_grad, layout))
  * and one (key, id(child)) per child slot. Any change to these makes kept replicas or bucket layouts stale. */
-PyObject *fdp__py_walk(PyObject *module, PyObject *root) {
+static PyObject *py_walk(PyObject *module, PyObject *root) {
   (void)module;
   walk_t w = {{NULL}, PyList_New(0), PySet_New(NULL), PyList_New(0), NULL};
   PyObject *ret = NULL, *id = PyLong_FromVoidPtr(root);
@@ -307,8 +305,8 @@ static int match_batch(match_t *mt) {
   Py_ssize_t n = PyList_GET_SIZE(mt->batch);
   if (n == 0) return 1;
   PyObject *items = PyList_AsTuple(mt->batch);
-  fdp_tensor_t *ts = fdp__scratch_alloc((size_t)n * sizeof *ts);
-  int32_t *codes = fdp__scratch_alloc((size_t)n * sizeof *codes);
+  fdp_tensor_t *ts = fdp_scratch_alloc((size_t)n * sizeof *ts);
+  int32_t *codes = fdp_scratch_alloc((size_t)n * sizeof *codes);
   int rc = items && ts && codes ? fdp__aoti_facts(mt->st, items, ts, codes) : -1;
   if (rc < 0 && !PyErr_Occurred()) PyErr_NoMemory();
   int eq = rc < 0 ? -1 : 1;
@@ -318,8 +316,8 @@ static int match_batch(match_t *mt) {
     eq = r == 2 ? match_attributes(mt, e, t) : r;
   }
   Py_XDECREF(items);
-  fdp__scratch_free(ts);
-  fdp__scratch_free(codes);
+  fdp_scratch_free(ts);
+  fdp_scratch_free(codes);
   return eq;
 }
 
@@ -385,7 +383,7 @@ static int intern_names(PyObject **name) {
 /* matches(modules, signature) -> bool: whether walk(modules[0]) would give (modules, signature) now, compared in
  * place. The modules are not walked again: while every child slot holds the child it held, the breadth-first
  * order over them is the one `modules` recorded, so each module is compared where it stands in it. */
-PyObject *fdp__py_matches(PyObject *module, PyObject *args) {
+static PyObject *py_matches(PyObject *module, PyObject *args) {
   PyObject *modules, *sig;
   if (!PyArg_ParseTuple(args, "O!O!:matches", &PyList_Type, &modules, &PyList_Type, &sig)) return NULL;
   module_state *st = PyModule_GetState(module);
@@ -407,3 +405,9 @@ PyObject *fdp__py_matches(PyObject *module, PyObject *args) {
   if (eq < 0) return NULL;
   return PyBool_FromLong(eq == 1 && mt.at == PyList_GET_SIZE(sig));
 }
+
+PyMethodDef fdp__structure_methods[] = {
+    {"walk", py_walk, METH_O, "walk(root) -> (modules, structure signature)"},
+    {"matches", py_matches, METH_VARARGS, "matches(modules, signature) -> whether walk(modules[0]) gives both"},
+    {NULL, NULL, 0, NULL},
+};

@@ -4,7 +4,7 @@ When fastdp's C core cannot run an operation here (no CUDA driver it can use, no
 and no matching fatbin, CUDA disabled...), it raises ``BackendUnavailableError``; ``core.<op>`` then does the same
 work with ``Tensor.copy_`` and ``torch.add`` (what ``torch.nn.parallel.comm`` does underneath), in the same
 order and rounding, and warns once per process naming the reason and the fix. ``FASTDP_STRICT=1`` (declared
-in csrc/core/param.c) turns the fallback into that error, for benchmarks and checks that must prove the C
+in csrc/base/param.c) turns the fallback into that error, for benchmarks and checks that must prove the C
 paths ran. ``core`` is a drop-in for the ``_C`` module: every other attribute is ``_C``'s own.
 """
 

@@ -20,7 +20,7 @@ def _version(v):
     return str(v)
 
 
-def _kernels(core_devices):
+def _kernels():
     k = _C.kernels_info()
     major, minor = k["nvrtc_version"]
     devices = []
@@ -102,7 +102,7 @@ def collect(memory=False):
     them) unless ``memory`` is true: reading it elsewhere creates a context on each such GPU (seconds and hundreds of
     MB while it lives, and an error under exclusive-process mode); ``free_bytes`` is None where it was not read."""
     core = _C.info(memory=memory)
-    kernels = _kernels(core["devices"])
+    kernels = _kernels()
     torch_nccl = None
     if torch.cuda.is_available():
         try:

@@ -5,15 +5,16 @@ Devices are what upstream accepts (ints, ``"cuda:k"``, ``torch.device``) plus ``
 the first entry holding the source returns the source itself (as upstream does for the source device), every
 other entry gets storage of its own. CPU and CUDA entries cannot be mixed in one list.
 
-Deliberate differences from upstream, all documented in README.md: complex tensors keep their dtype (upstream
-returns real views); int16 and other dtypes NCCL lacks work (upstream raises "Unconvertible NCCL type");
-``reduce_add`` accepts CPU tensors and defaults to their device.
+Deliberate differences from upstream, all documented in README.md (its API section): complex tensors keep their
+dtype (upstream returns real views); int16 and other dtypes NCCL lacks work (upstream raises "Unconvertible NCCL
+type"); ``reduce_add`` accepts CPU tensors and defaults to their device.
 
 Who checks what (one owner per check, as upstream's comm.py normalises and comm.cpp checks):
 - This module owns every check on the user's arguments as upstream's Python and C++ word them (types, device
   lists, ``out``/``devices``/``destination`` exclusions, shapes and dtypes across the lists, ``chunk_sizes``,
-  ``dim``), with upstream's exception types and texts from docs/dataparallel-contract.md; it runs them before
-  anything reaches the core, so the core's own checks of the same facts never fire from here.
+  ``dim``), with upstream's exception types and texts (those of upstream's comm.cpp, which needs CUDA to run, are
+  kept in tests/test_comm_messages.py); it runs them before anything reaches the core, so the core's own checks of
+  the same facts never fire from here.
 - The core (csrc/core/ops.c) owns what a direct C caller needs as much as we do, and this module does not repeat
   it: descriptor validity, overlapping writes (PyTorch's texts), dtypes a sum supports, and the scatter chunks'
   total against the source (upstream's "Total size ..." text, raised as RuntimeError here as comm.cpp does).

@@ -125,8 +125,9 @@ int main(void) {
     printf("NCCL does not load: %s\n", why ? why : fdp_last_error());
     return 2;
   }
-  printf("driver %d, %d device(s); NCCL %d from %s\n", fdp_cuda_driver_version(), fdp__cu_device_count(),
-         nccl->version, nccl->path);
+  fdp_library_facts_t driver;
+  fdp_library_facts(FDP_BACKEND_CUDA, &driver);
+  printf("driver %d, %d device(s); NCCL %d from %s\n", driver.version, driver.devices, nccl->version, nccl->path);
   check(fdp_backend_usable(FDP_BACKEND_NCCL, &why), "nccl backend usable");
   if (fdp__cu_device_count() < 1) return 2;
 

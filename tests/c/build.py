@@ -79,7 +79,7 @@ def kernel_blob(simulated):
 
 def sources(gpu_ops=False, simulated=False):
     files = []
-    for sub in (("core",), ("backend", "host"), ("backend", "cuda"), ("dl",)):
+    for sub in (("base",), ("core",), ("backend", "host"), ("backend", "cuda"), ("dl",)):
         files += sorted(glob.glob(os.path.join(ROOT, "csrc", *sub, "*.c")))
     if gpu_ops:
         return files + [kernel_blob(simulated), os.path.join(HERE, "test_gpu_ops.c")]

@@ -2,7 +2,7 @@
 /* Tests of the fastdp core and its host backend against naive reference loops written here: bucket plans,
  * strided copies, broadcast/scatter/gather, sums of every dtype, device-kind checks and result codes. Built
  * and run under AddressSanitizer and UndefinedBehaviorSanitizer by tests/c/build.py; prints "N passed, M failed". */
-#include "core/fastdp.h"
+#include "fastdp.h"
 #include "backend/cuda/layout.h" /* the cuda backend's layout math (CUDA-free) */
 #include "core/backend.h"        /* the FDP_CHECK forms (internal) */
 
@@ -1104,49 +1104,49 @@ static void test_copy_threaded(void) {
 
 static void *scratch_thread(void *arg) {
   size_t bytes = (size_t)(uintptr_t)arg;
-  char *p = fdp__scratch_alloc(bytes);
+  char *p = fdp_scratch_alloc(bytes);
   if (p) memset(p, 0x5a, bytes);
-  fdp__scratch_free(p); /* kept by this thread, freed when it exits (ASan reports a leak otherwise) */
+  fdp_scratch_free(p); /* kept by this thread, freed when it exits (ASan reports a leak otherwise) */
   return p;
 }
 
 static void test_scratch(void) {
   const size_t big = 200 * 1024, small = 1024;
-  fdp__scratch_release();
-  char *a = fdp__scratch_alloc(big);
+  fdp_scratch_release();
+  char *a = fdp_scratch_alloc(big);
   CHECK(a != NULL && (uintptr_t)a % _Alignof(max_align_t) == 0);
   memset(a, 1, big);
-  fdp__scratch_free(a);
-  char *b = fdp__scratch_alloc(big / 2); /* a kept block large enough is handed out again */
+  fdp_scratch_free(a);
+  char *b = fdp_scratch_alloc(big / 2); /* a kept block large enough is handed out again */
   CHECK(b == a);
-  char *c = fdp__scratch_alloc(big); /* the kept one is taken: a new block */
+  char *c = fdp_scratch_alloc(big); /* the kept one is taken: a new block */
   CHECK(c != NULL && c != b);
-  fdp__scratch_free(b);
-  fdp__scratch_free(c);
-  char *d = fdp__scratch_alloc(big); /* the smallest block that fits: either, both have room for big */
+  fdp_scratch_free(b);
+  fdp_scratch_free(c);
+  char *d = fdp_scratch_alloc(big); /* the smallest block that fits: either, both have room for big */
   CHECK(d == a || d == c);
-  fdp__scratch_free(d);
+  fdp_scratch_free(d);
   char *blocks[6];
   for (int i = 0; i < 6; i++) { /* more blocks than are kept: the extra ones are freed, none lost (ASan) */
-    blocks[i] = fdp__scratch_alloc(big * (size_t)(i + 1));
+    blocks[i] = fdp_scratch_alloc(big * (size_t)(i + 1));
     CHECK(blocks[i] != NULL);
     if (blocks[i]) memset(blocks[i], i, big * (size_t)(i + 1));
   }
   for (int i = 0; i < 6; i++)
-    fdp__scratch_free(blocks[i]);
-  char *e = fdp__scratch_alloc(big * 6); /* the largest ones were kept */
+    fdp_scratch_free(blocks[i]);
+  char *e = fdp_scratch_alloc(big * 6); /* the largest ones were kept */
   CHECK(e == blocks[5]);
-  fdp__scratch_free(e);
-  char *s1 = fdp__scratch_alloc(small);
+  fdp_scratch_free(e);
+  char *s1 = fdp_scratch_alloc(small);
   memset(s1, 2, small);
-  fdp__scratch_free(s1); /* small blocks go back to malloc */
-  fdp__scratch_free(NULL);
-  CHECK(fdp__scratch_alloc(SIZE_MAX) == NULL);
+  fdp_scratch_free(s1); /* small blocks go back to malloc */
+  fdp_scratch_free(NULL);
+  CHECK(fdp_scratch_alloc(SIZE_MAX) == NULL);
   pthread_t th;
   void *ret = NULL;
   CHECK(pthread_create(&th, NULL, scratch_thread, (void *)(uintptr_t)big) == 0 && pthread_join(th, &ret) == 0);
   CHECK(ret != NULL);
-  fdp__scratch_release();
+  fdp_scratch_release();
 }
 
 /* ---- broadcast, scatter, gather ---- */
@@ -1790,6 +1790,48 @@ static void test_reduce(void) {
 }
 
 /* Large sums, split across the worker threads; in place too. */
+/* fdp_op_reduce_rows against sums written out here: 3 replicas of 2 members (a 2 x 3 matrix and a 4-vector), each
+ * member's sum at its offset in one flat output; then every layout it must refuse, with nothing written. */
+static void test_reduce_rows(void) {
+  enum { K = 2, R = 3, M0 = 6, M1 = 4 };
+  double g[R][M0 + M1], out[M0 + M1 + 2];
+  fdp_tensor_t in[R * K];
+  static const int64_t mat[] = {2, 3};
+  for (int q = 0; q < R; q++) {
+    for (int e = 0; e < M0 + M1; e++)
+      g[q][e] = (q + 1) * 0.5 + e * 0.25;
+    in[q * K] = make_contig(g[q], FDP_DTYPE_F64, 8, 2, mat);
+    in[q * K + 1] = make_flat(g[q] + M0, FDP_DTYPE_F64, 8, M1);
+  }
+  for (int e = 0; e < M0 + M1 + 2; e++)
+    out[e] = -1.0;
+  fdp_tensor_t o = make_flat(out, FDP_DTYPE_F64, 8, M0 + M1 + 2);
+  CHECK(fdp_reduce_rows_fit(in, K, R, &o));
+  EXPECT(fdp_op_reduce_rows(in, K, R, &o), FDP_OK);
+  for (int e = 0; e < M0 + M1; e++)
+    CHECKF(out[e] == (g[0][e] + g[1][e]) + g[2][e], "element %d: %g", e, out[e]);
+  CHECK(out[M0 + M1] == -1.0 && out[M0 + M1 + 1] == -1.0);
+  /* Refused: a member shaped unlike replica 0's, another dtype, a strided member, an output too short, a 2-D
+   * output, nonsense counts. */
+  fdp_tensor_t bad[R * K];
+  for (int variant = 0; variant < 6; variant++) {
+    memcpy(bad, in, sizeof bad);
+    fdp_tensor_t ob = o;
+    int k = K, r = R;
+    if (variant == 0) bad[K + 1] = make_flat(g[1] + M0, FDP_DTYPE_F64, 8, M1 - 1);
+    if (variant == 1) bad[1].dtype = FDP_DTYPE_F32, bad[1].elem_size = 4;
+    if (variant == 2) bad[2 * K].strides[0] = 1, bad[2 * K].strides[1] = 2;
+    if (variant == 3) ob = make_flat(out, FDP_DTYPE_F64, 8, M0 + M1 - 1);
+    if (variant == 4) ob = make_contig(out, FDP_DTYPE_F64, 8, 2, mat);
+    if (variant == 5) k = 0, r = FDP_MAX_DEVICES + 1;
+    for (int e = 0; e < M0 + M1 + 2; e++)
+      out[e] = -1.0;
+    CHECKF(!fdp_reduce_rows_fit(bad, k, r, &ob), "variant %d fits", variant);
+    EXPECT(fdp_op_reduce_rows(bad, k, r, &ob), FDP_INVALID);
+    CHECKF(out[0] == -1.0, "variant %d wrote the output", variant);
+  }
+}
+
 static void test_reduce_threaded(void) {
   for (int d = 0; d < FDP_DTYPE_COUNT; d++) {
     if (reduce_dtypes[d].dtype == FDP_DTYPE_OTHER) continue;
@@ -1847,16 +1889,20 @@ static void test_devices(void) {
   CHECK(c[0] == 1.0f);
 
   /* Machine facts read as absent without a CUDA driver. */
-  CHECK(fdp_cuda_driver_version() == 0);
-  CHECK(fdp_nccl_version() == 0);
-  CHECK(fdp_nccl_library() != NULL && fdp_nccl_library()[0] == 0);
-  CHECK(fdp_cuda_device_count() == 0);
-  CHECK(fdp_cuda_can_access_peer(0, 1) == 0);
-  char name[16] = "junk";
-  size_t total = 7, free_bytes = 7;
-  EXPECT(fdp_cuda_device_info(0, name, sizeof name, &total, &free_bytes), FDP_UNAVAILABLE);
-  CHECK(name[0] == 0 && total == 0 && free_bytes == 0);
-  EXPECT(fdp_cuda_device_info(0, NULL, 0, NULL, NULL), FDP_UNAVAILABLE);
+  fdp_library_facts_t lib = {.version = 7, .library = "junk", .devices = 7};
+  fdp_library_facts(FDP_BACKEND_CUDA, &lib);
+  CHECK(lib.version == 0 && lib.library != NULL && lib.library[0] == 0 && lib.devices == 0);
+  lib.version = 7;
+  fdp_library_facts(FDP_BACKEND_NCCL, &lib);
+  CHECK(lib.version == 0 && lib.library != NULL && lib.library[0] == 0 && lib.devices == 0);
+  fdp_library_facts(FDP_BACKEND_HOST, &lib);
+  CHECK(lib.version == 0 && lib.library[0] == 0 && lib.devices == 0);
+  CHECK(fdp_device_can_access_peer(0, 1) == 0);
+  fdp_device_facts_t dev;
+  memset(&dev, 0x5a, sizeof dev);
+  EXPECT(fdp_device_facts(0, FDP_FREE_ALWAYS, &dev), FDP_UNAVAILABLE);
+  CHECK(dev.name[0] == 0 && dev.total_bytes == 0 && dev.free_read == 0 && dev.kernels_source[0] == 0);
+  EXPECT(fdp_device_facts(0, (fdp_free_read_t)3, &dev), FDP_INVALID);
 }
 
 /* The suites, runnable by name (libuv's test-list.h): `test_core` runs them all, `test_core NAME...` the named
@@ -1883,6 +1929,7 @@ static const suite_t k_suites[] = {
     {"half_references", test_half_reference},
     {"reduce", test_reduce},
     {"reduce_threaded", test_reduce_threaded},
+    {"reduce_rows", test_reduce_rows},
     {"devices", test_devices},
 };
 #define NSUITES (sizeof k_suites / sizeof k_suites[0])

@@ -7,7 +7,7 @@
  * library) it also fails on any misuse or race the simulator recorded, checks that nothing leaked, and
  * `--sweep` makes every driver/NCCL call of every operation fail in turn. Built by tests/c/build.py --gpu-ops;
  * prints "N passed, M failed" and exits nonzero on a failure. */
-#include "core/fastdp.h"
+#include "fastdp.h"
 #include "dl/cuda_api.h"
 
 #include <dlfcn.h>

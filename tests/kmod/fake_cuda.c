@@ -1,7 +1,6 @@
 /* A minimal stand-in for libcuda.so.1, for tests/test_kernel_module.py only: one device of compute capability
  * 9.0 whose "device memory" is host memory, copies done at once, kernels never run. cuModuleLoadData returns,
- * call by call, the results listed in FAKE_MODULE_RESULTS (e.g. "2,209"; then success), and counts its calls.
- * The full simulated GPU (tests/sim, issue 9) supersedes it once it lands. */
+ * call by call, the results listed in FAKE_MODULE_RESULTS (e.g. "2,209"; then success), and counts its calls. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -23,8 +23,8 @@ KERNELS = [os.path.join(ROOT, "cuda", "sum.cu"), os.path.join(ROOT, "cuda", "cop
 CXX_SOURCES = [os.path.join(HERE, "sim_kernels.cc")]
 HEADERS = [os.path.join(HERE, "sim.h"), os.path.join(ROOT, "csrc", "dl", "cuda_api.h"),
            os.path.join(ROOT, "csrc", "dl", "nccl_api.h"), os.path.join(ROOT, "csrc", "backend", "cuda", "kernels.h"),
-           os.path.join(ROOT, "csrc", "core", "fastdp.h"), os.path.join(ROOT, "csrc", "core", "backend.h"),
-           os.path.join(HERE, "kernel_host.h")]
+           os.path.join(ROOT, "csrc", "fastdp.h"), os.path.join(ROOT, "csrc", "base", "base.h"),
+           os.path.join(ROOT, "csrc", "core", "backend.h"), os.path.join(HERE, "kernel_host.h")]
 CXXFLAGS = ["-std=c++17", "-g", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", "-fno-fast-math"]
 CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-O1", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
           "-ffp-contract=off", "-fno-fast-math"]

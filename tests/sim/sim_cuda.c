@@ -6,7 +6,7 @@
 #include "sim.h"
 
 #include "backend/cuda/kernels.h"
-#include "core/fastdp.h"
+#include "fastdp.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -1834,7 +1834,7 @@ int simgpu_free(unsigned long long p) {
  * given back is a misuse (it is poisoned while the allocator holds it); a block used on a second stream without
  * ordering races with its next owner, whose work on the first stream is not ordered after that use (the shadow
  * memory keeps every byte's last accesses across owners); an access past the size asked for is an overrun. The
- * signatures are fdp_allocator_t's (csrc/core/fastdp.h): alloc and free run with `device`'s primary context current. */
+ * signatures are fdp_allocator_t's (csrc/fastdp.h): alloc and free run with `device`'s primary context current. */
 
 static sim_stream_t *cache_stream(int device, void *stream, const char *op) {
   sim_ctx_t *c = current();

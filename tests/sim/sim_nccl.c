@@ -8,7 +8,7 @@
 
 #include "sim.h"
 
-#include "core/fastdp.h"
+#include "fastdp.h"
 
 #include <pthread.h>
 #include <stdio.h>

@@ -3,9 +3,11 @@
  * the strided-copy kernel otherwise) and the in-order k-way sum kernel, all through the driver API, ordered on
  * the streams the caller lists. Kernels come from the fatbin embedded at build time when it fits the GPU, else
  * from NVRTC (kernel_image.c), loaded once per device. Copies the copy engines can do never need them. */
+#include "backend/cuda/facts.h"
 #include "backend/cuda/kernel_image.h"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/layout.h"
+#include "core/backend.h"
 #include "dl/cuda_driver.h"
 
 #include <assert.h>
@@ -106,7 +108,7 @@ static fdp_result_t load_module(const fdp_cu_t *cu, int dev, module_t *m, int *s
   CUresult e;
   int cc = 0;
   *sticky = 0;
-  if (fdp__kernels_fatbin_size > 0 && fdp__param(FDP_PARAM_DISABLE_FATBIN)) {
+  if (fdp__kernels_fatbin_size > 0 && fdp_param(FDP_PARAM_DISABLE_FATBIN)) {
     snprintf(fatbin_why, sizeof fatbin_why, "fatbin skipped (FASTDP_DISABLE_FATBIN)");
   } else if (fdp__kernels_fatbin_size > 0) {
     e = cu->ModuleLoadData(&m->mod, fdp__kernels_fatbin);
@@ -194,7 +196,7 @@ static fdp_result_t get_module(const fdp_cu_t *cu, int dev, const module_t **out
   return FDP_OK;
 }
 
-const char *fdp_cuda_kernels_source(int dev) {
+const char *fdp__cuda_kernels_source(int dev) {
   if (dev < 0 || dev >= FDP_MAX_DEVICES) return "";
   int st = atomic_load_explicit(&g_mod_state[dev], memory_order_acquire);
   return st == 1 ? g_mod_src[dev] : st < 0 ? g_mod_err[dev] : "";
@@ -861,4 +863,7 @@ const fdp_backend_t fdp__backend_cuda = {
     .reduce = cuda_reduce,
     .broadcast = NULL,
     .shutdown = cuda_shutdown,
+    .library_facts = fdp__cuda_library_facts,
+    .device_facts = fdp__cuda_device_facts,
+    .can_access_peer = fdp__cuda_can_access_peer,
 };

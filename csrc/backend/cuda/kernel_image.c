@@ -4,7 +4,7 @@
  * and checksum), so a torn, corrupt or foreign file is rebuilt rather than handed to the driver. */
 #include "backend/cuda/kernel_image.h"
 
-#include "core/fastdp.h"
+#include "fastdp.h"
 
 #include "backend/cuda/kernels.h"
 #include "dl/nvrtc.h"
@@ -59,9 +59,9 @@ static double now(void) {
 }
 
 const char *fdp__kimage_cache_dir(char *buf, size_t len) {
-  const char *dir = fdp__param_str(FDP_PARAM_CACHE_DIR), *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+  const char *dir = fdp_param_str(FDP_PARAM_CACHE_DIR), *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
   buf[0] = '\0';
-  if (!fdp__param(FDP_PARAM_KERNEL_CACHE)) return buf;
+  if (!fdp_param(FDP_PARAM_KERNEL_CACHE)) return buf;
   if (dir)
     snprintf(buf, len, "%s", dir);
   else if (xdg && xdg[0] == '/')
@@ -196,7 +196,7 @@ static fdp_result_t produce(int cc, fdp_kimage_t *img) {
     }
   } else {
     snprintf(img->note, sizeof img->note, "memory only: %s",
-             fdp__param(FDP_PARAM_KERNEL_CACHE) ? "no cache folder (set FASTDP_CACHE_DIR or HOME)"
+             fdp_param(FDP_PARAM_KERNEL_CACHE) ? "no cache folder (set FASTDP_CACHE_DIR or HOME)"
                                                 : "FASTDP_KERNEL_CACHE=0");
   }
   unsigned char *data = NULL;

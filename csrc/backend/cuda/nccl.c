@@ -2,6 +2,7 @@
 /* The nccl backend: broadcast and sum-reduce across distinct CUDA devices of this process, one grouped NCCL
  * launch per call from the calling thread, over communicators cached per ordered device list until shutdown.
  * nccl_can tells the core what NCCL does exactly; everything else the core routes elsewhere. */
+#include "core/backend.h"
 #include "dl/cuda_driver.h"
 #include "dl/nccl_api.h"
 
@@ -341,7 +342,7 @@ static int can_reduce(const fdp_tensor_t *const *inputs, int n, const fdp_tensor
 }
 
 static int nccl_can(fdp_op_t op, const fdp_tensor_t *const *ts, int n) {
-  if (fdp__param(FDP_PARAM_DISABLE_NCCL) || n < 2 || n > FDP_MAX_DEVICES + (op == FDP_OP_REDUCE)) return 0;
+  if (fdp_param(FDP_PARAM_DISABLE_NCCL) || n < 2 || n > FDP_MAX_DEVICES + (op == FDP_OP_REDUCE)) return 0;
   if (op == FDP_OP_BROADCAST) return can_broadcast(ts, n);
   if (op == FDP_OP_REDUCE) return can_reduce(ts, n - 1, ts[n - 1]);
   return 0;
@@ -388,6 +389,14 @@ static void nccl_shutdown(void) {
   pthread_mutex_unlock(&g_lock);
 }
 
+static void nccl_library_facts(fdp_library_facts_t *out) {
+  const fdp_nccl_api_t *api;
+  if (fdp__nccl_load(&api, NULL) != FDP_OK) return;
+  out->version = api->version;
+  out->library = api->path;
+  out->devices = fdp__cu_device_count();
+}
+
 const fdp_backend_t fdp__backend_nccl = {
     .name = "nccl",
     .id = FDP_BACKEND_NCCL,
@@ -397,4 +406,5 @@ const fdp_backend_t fdp__backend_nccl = {
     .reduce = nccl_reduce,
     .broadcast = nccl_broadcast,
     .shutdown = nccl_shutdown,
+    .library_facts = nccl_library_facts,
 };

@@ -33,7 +33,7 @@ static int nthreads;
 static pthread_once_t nthreads_once = PTHREAD_ONCE_INIT;
 
 static void count_threads(void) {
-  int64_t t = fdp__param(FDP_PARAM_HOST_THREADS);
+  int64_t t = fdp_param(FDP_PARAM_HOST_THREADS);
   if (t <= 0) t = sysconf(_SC_NPROCESSORS_ONLN); /* reads /sys: once per process, not per call */
   if (t < 1) t = 1;
   nthreads = t > MAX_THREADS ? MAX_THREADS : (int)t;
@@ -182,7 +182,7 @@ static void copy_range(void *ctx, int64_t begin, int64_t end) {
 
 static fdp_result_t host_copy(const fdp_copy_t *copies, int n, const fdp_streams_t *streams) {
   (void)streams;
-  int64_t min_bytes = fdp__param(FDP_PARAM_HOST_PARALLEL_MIN), total = 0;
+  int64_t min_bytes = fdp_param(FDP_PARAM_HOST_PARALLEL_MIN), total = 0;
   /* Threads when the whole call moves enough bytes (a scatter's chunks together), each thread then taking at least
    * a quarter of that threshold. */
   for (int i = 0; i < n; i++)
@@ -463,7 +463,7 @@ static fdp_result_t host_reduce(const fdp_tensor_t *inputs, int n, const fdp_ten
   sum_ctx_t c = {inputs, n, out};
   int64_t numel = fdp_tensor_numel(out);
   int64_t bytes = numel * out->elem_size * (n + 1);
-  int64_t min_bytes = fdp__param(FDP_PARAM_HOST_PARALLEL_MIN);
+  int64_t min_bytes = fdp_param(FDP_PARAM_HOST_PARALLEL_MIN);
   int64_t grain = bytes < min_bytes ? numel : BLOCK * 4;
   parallel_for(numel, grain, sum_range, &c);
   return FDP_OK;

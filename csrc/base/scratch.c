@@ -3,7 +3,7 @@
  * calls. Freed, such a block sits at the top of the heap, and glibc hands the top back to the system past its trim
  * threshold, so every call faulted the same pages in again (copy of 2000 pairs: 587 faults and 1.1 µs per pair,
  * 0.5 µs without them). */
-#include "backend.h"
+#include "base/base.h"
 
 #include <pthread.h>
 #include <stddef.h>
@@ -50,7 +50,7 @@ static kept_t *kept(int make) {
   return k;
 }
 
-void *fdp__scratch_alloc(size_t bytes) {
+void *fdp_scratch_alloc(size_t bytes) {
   if (bytes > SIZE_MAX - sizeof(header_t)) return NULL;
   kept_t *k = bytes >= SCRATCH_MIN ? kept(0) : NULL;
   int best = -1;
@@ -66,7 +66,7 @@ void *fdp__scratch_alloc(size_t bytes) {
   return h ? h + 1 : NULL;
 }
 
-void fdp__scratch_free(void *p) {
+void fdp_scratch_free(void *p) {
   if (!p) return;
   header_t *h = (header_t *)p - 1;
   kept_t *k = h->cap >= SCRATCH_MIN ? kept(1) : NULL;
@@ -86,7 +86,7 @@ void fdp__scratch_free(void *p) {
   k->block[slot] = h;
 }
 
-void fdp__scratch_release(void) {
+void fdp_scratch_release(void) {
   kept_t *k = kept(0);
   for (int i = 0; k && i < SCRATCH_KEEP; i++) {
     free(k->block[i]);

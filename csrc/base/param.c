@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* Every FASTDP_* environment knob, declared once with its default, read once per process. */
-#include "backend.h"
+#include "base/base.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -9,7 +9,7 @@
 static const struct {
   const char *name;
   int64_t def;
-  int is_str; /* a string (folder or file name), read by fdp__param_str; fdp__param gives 0 */
+  int is_str; /* a string (folder or file name), read by fdp_param_str; fdp_param gives 0 */
 } table[FDP_PARAM_COUNT] = {
     [FDP_PARAM_DEBUG] = {"FASTDP_DEBUG", 0},
     [FDP_PARAM_HOST_THREADS] = {"FASTDP_HOST_THREADS", 0},
@@ -50,16 +50,16 @@ static void load(void) {
   }
 }
 
-int64_t fdp__param(fdp_param_t p) {
+int64_t fdp_param(fdp_param_t p) {
   pthread_once(&once, load);
   return (unsigned)p < FDP_PARAM_COUNT ? values[p] : 0;
 }
 
-const char *fdp__param_str(fdp_param_t p) {
+const char *fdp_param_str(fdp_param_t p) {
   pthread_once(&once, load);
   return (unsigned)p < FDP_PARAM_COUNT ? strings[p] : NULL;
 }
 
-const char *fdp__param_name(fdp_param_t p) {
+const char *fdp_param_name(fdp_param_t p) {
   return (unsigned)p < FDP_PARAM_COUNT ? table[p].name : "?";
 }

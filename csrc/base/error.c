@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* Result codes, their names and messages (from FDP_RESULT_MAP), and the thread-local detail string that says
  * what the last failing call on this thread was doing. */
-#include "backend.h"
+#include "base/base.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -82,7 +82,7 @@ void fdp__detail_release(int previous) {
 }
 
 void fdp__log(const char *fmt, ...) {
-  if (!fdp__param(FDP_PARAM_DEBUG)) return;
+  if (!fdp_param(FDP_PARAM_DEBUG)) return;
   char line[1200];
   va_list ap;
   va_start(ap, fmt);

@@ -171,6 +171,14 @@ fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, 
  * shape and dtype; out may alias no input except by being one of them exactly. */
 fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out, const fdp_streams_t *streams);
 
+/* Sums of many members over host replicas without packing them: inputs[q * k + j] is replica q's member j (k
+ * members, nrep replicas), and member j's sum over the replicas, in replica order, goes into the 1-D contiguous
+ * host tensor `out` at the members' offsets back to back. fdp_reduce_rows_fit says whether the descriptors fit that
+ * layout (host tensors of out's dtype, contiguous, each replica's member j shaped as replica 0's, within out), so
+ * a caller can take another path; fdp_op_reduce_rows refuses others with FDP_INVALID. Runs on the calling thread. */
+int fdp_reduce_rows_fit(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out);
+fdp_result_t fdp_op_reduce_rows(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out);
+
 /* outs[i] = src narrowed along dim to the i-th chunk, chunk i holding sizes[i] elements along dim. An output
  * that already is that view (same address and strides) is skipped. */
 fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chunk_sizes, const fdp_tensor_t *outs,
@@ -184,21 +192,41 @@ fdp_result_t fdp_op_gather(const fdp_tensor_t *inputs, int n, int dim, const fdp
 fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const fdp_streams_t *streams);
 
 /* ---- machine facts (python -m fastdp info) ----
- * All return 0 / FDP_UNAVAILABLE when the GPU backends are not compiled or the driver cannot be loaded. */
-int fdp_cuda_driver_version(void);  /* e.g. 13000; 0 when unknown */
-int fdp_nccl_version(void);         /* e.g. 22703; 0 when NCCL cannot be loaded */
-const char *fdp_nccl_library(void); /* path or soname of the NCCL library in use, "" when none */
-int fdp_cuda_device_count(void);
-/* name: NUL-terminated into a buffer of name_len bytes; bytes: total and free device memory. Name and total are
- * cheap device queries. Free memory (only when free_bytes is not NULL) is read inside the device's primary context,
- * retained for the query and released again: where that context was not active it is created (a second or so and
- * hundreds of MB while it lives; an error under exclusive-process mode when another process holds the GPU), so
- * callers that must not touch idle GPUs ask fdp_cuda_device_active first. */
-fdp_result_t fdp_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes, size_t *free_bytes);
-int fdp_cuda_can_access_peer(int device, int peer);
-/* 1 when the primary context of `device` is active (PyTorch or fastdp made it), so that reading its free memory
- * (fdp_cuda_device_info with free_bytes) creates no context; 0 otherwise or when unknown. Touches no GPU. */
-int fdp_cuda_device_active(int device);
+ * What a backend knows of its library and its devices, asked through the backend table. Every fact reads as absent
+ * (0, "") where a library cannot be loaded; nothing here touches a GPU unless asked to read free memory. */
+typedef struct fdp_library_facts {
+  int version;         /* the library's: the CUDA driver's (e.g. 13000) for cuda, NCCL's (e.g. 22703) for nccl */
+  const char *library; /* the file in use, "" when none or not known; valid for the process lifetime */
+  int devices;         /* the devices it sees */
+} fdp_library_facts_t;
+
+/* Fills *out; zeros for a backend without a library (host). Loads the library if needed. Thread-safe. */
+void fdp_library_facts(fdp_backend_id_t id, fdp_library_facts_t *out);
+
+/* How fdp_device_facts treats free memory, which needs the device's primary context: */
+typedef enum {
+  FDP_FREE_NEVER = 0,     /* not read */
+  FDP_FREE_IF_ACTIVE = 1, /* read where the context is active already (PyTorch or fastdp made it): costs nothing */
+  FDP_FREE_ALWAYS = 2     /* read everywhere, creating the context for the query where it is not active: a second or
+                             so and hundreds of MB while it lives, and an error under exclusive-process mode when
+                             another process holds the GPU */
+} fdp_free_read_t;
+
+typedef struct fdp_device_facts {
+  char name[256];
+  size_t total_bytes;
+  size_t free_bytes; /* valid when free_read */
+  int free_read;
+  int active;                 /* the primary context was active before the query */
+  const char *kernels_source; /* where its kernels came from ("fatbin ...", "NVRTC, from the disk cache ..."),
+                                 why none load there, or "" when not loaded yet; valid until fdp_shutdown */
+} fdp_device_facts_t;
+
+/* One GPU's facts (out is filled as far as the queries went). Errors: FDP_UNAVAILABLE (no driver), FDP_INVALID
+ * (no such device), FDP_CUDA. Thread-safe. */
+fdp_result_t fdp_device_facts(int device, fdp_free_read_t free_read, fdp_device_facts_t *out);
+/* 1 when the hardware lets `device` access `peer`'s memory directly; 0 otherwise or when unknown. */
+int fdp_device_can_access_peer(int device, int peer);
 
 /* ---- device scratch memory ----
  * The cuda backend needs short-lived device buffers: staging for strided copies that the copy engines cannot do,
@@ -245,10 +273,6 @@ typedef struct fdp_kernels_facts {
 /* Fills *out; loads NVRTC if needed (no GPU involved). Thread-safe. */
 void fdp_kernels_facts(fdp_kernels_facts_t *out);
 
-/* Where the kernels of `device` came from ("fatbin ...", "NVRTC, from the disk cache ..."), why none load
- * there, or "" when they were not loaded yet in this process. The string stays valid until fdp_shutdown. */
-const char *fdp_cuda_kernels_source(int device);
-
 /* ':'-separated folders where NVRTC is looked for (after the copy already in the process and
  * FASTDP_NVRTC_LIBRARY); only before NVRTC is first used, else FDP_INVALID. */
 fdp_result_t fdp_nvrtc_search_dirs(const char *dirs);
@@ -267,6 +291,43 @@ typedef struct fdp_kernels_image_info {
   char note[256];
 } fdp_kernels_image_info_t;
 fdp_result_t fdp_kernels_image(int cc, int forget, fdp_kernels_image_info_t *out);
+
+/* ---- environment knobs ----
+ * Each FASTDP_* variable is declared once, with its default, in base/param.c and read once per process. */
+typedef enum {
+  FDP_PARAM_DEBUG,               /* FASTDP_DEBUG: log to stderr */
+  FDP_PARAM_HOST_THREADS,        /* FASTDP_HOST_THREADS: worker threads for host copies and sums (0: cores) */
+  FDP_PARAM_HOST_PARALLEL_MIN,   /* FASTDP_HOST_PARALLEL_MIN: bytes below which host work stays on one thread */
+  FDP_PARAM_DISABLE_NCCL,        /* FASTDP_DISABLE_NCCL: never pick the nccl backend */
+  FDP_PARAM_DISABLE_CUDA,        /* FASTDP_DISABLE_CUDA: do not load the CUDA driver */
+  FDP_PARAM_CUDA_DRIVER_LIBRARY, /* FASTDP_CUDA_DRIVER_LIBRARY (string): load exactly this file as the driver */
+  FDP_PARAM_NCCL_LIBRARY,        /* FASTDP_NCCL_LIBRARY (string): load exactly this file as NCCL */
+  FDP_PARAM_DISABLE_NVRTC,       /* FASTDP_DISABLE_NVRTC: never compile kernels at run time */
+  FDP_PARAM_DISABLE_FATBIN,      /* FASTDP_DISABLE_FATBIN: ignore the build-time fatbin (NVRTC only) */
+  FDP_PARAM_KERNEL_CACHE,        /* FASTDP_KERNEL_CACHE: 0 keeps NVRTC output in memory only (no disk cache) */
+  FDP_PARAM_STRICT,              /* FASTDP_STRICT: raise instead of falling back to torch (read by fastdp/_fallback.py) */
+  FDP_PARAM_CACHE_DIR,           /* FASTDP_CACHE_DIR (string): kernel cache folder (default ~/.cache/fastdp/kernels) */
+  FDP_PARAM_NVRTC_LIBRARY,       /* FASTDP_NVRTC_LIBRARY (string): the libnvrtc.so to load, tried first */
+  FDP_PARAM_TENSOR_PATH,         /* FASTDP_TENSOR_PATH (string): "python" reads tensors through their Python API */
+  FDP_PARAM_SHIM_ABSENT,         /* FASTDP_SHIM_ABSENT (string): C-shim entry points to treat as missing */
+  FDP_PARAM_COUNT
+} fdp_param_t;
+
+/* Integer value of a knob (its default when unset or unparsable; 0 for string knobs). */
+int64_t fdp_param(fdp_param_t p);
+/* Value of a string knob; NULL when unset or empty (valid for the process lifetime). */
+const char *fdp_param_str(fdp_param_t p);
+const char *fdp_param_name(fdp_param_t p);
+
+/* ---- per-thread scratch ----
+ * Temporary arrays of one call (base/scratch.c), for the library and its bindings' descriptor arrays.
+ * fdp_scratch_alloc is malloc (uninitialised; NULL when out of memory), but blocks of 64 KiB and more given back
+ * with fdp_scratch_free are kept, up to 4 per thread, and handed out again, so that calls with thousands of tensors
+ * reuse warm pages. A block may be freed on any thread (it joins that
+ * thread's kept ones); a thread's kept blocks are freed when it exits, or by fdp_scratch_release on it. */
+void *fdp_scratch_alloc(size_t bytes);
+void fdp_scratch_free(void *p);
+void fdp_scratch_release(void);
 
 /* Releases cached communicators and device state. Not safe concurrently with other calls; the next call
  * rebuilds what it needs. */

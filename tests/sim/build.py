@@ -77,7 +77,9 @@ def build(sanitize=False):
                      "-o", obj])
         objects.append(obj)
     cmds.append([cc, *flags, *includes, *[os.path.join(HERE, s) for s in SOURCES], *objects, "-o",
-                 os.path.join(tmp, "libsimgpu.so"), "-Wl,-soname,libsimgpu.so", "-lstdc++", "-lm", "-pthread"])
+                 os.path.join(tmp, "libsimgpu.so"), "-Wl,-soname,libsimgpu.so", "-lstdc++", "-lm", "-pthread",
+                 # every symbol defined (NOTE [driver entry points]); the sanitizers' runtime comes from the program
+                 *([] if sanitize else ["-Wl,-z,defs"])])
     for cmd in cmds:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:

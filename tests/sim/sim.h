@@ -14,23 +14,25 @@
 #define SIM_MAX_DEVICES 16
 #define SIM_MAX_AGENTS 1024 /* streams ever created (each context's legacy stream included) */
 
-/* Every entry point, in one list: call counting and fault injection are indexed by it. */
-#define SIM_ENTRIES(X)                                                                                                 \
-  X(cuInit) X(cuDriverGetVersion) X(cuGetErrorString) X(cuGetErrorName) X(cuDeviceGetCount) X(cuDeviceGet)           \
-  X(cuDeviceGetName) X(cuDeviceTotalMem_v2) X(cuDeviceGetAttribute) X(cuDeviceCanAccessPeer)                         \
-  X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxGetState) X(cuCtxPushCurrent_v2)   \
-  X(cuCtxPopCurrent_v2) X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxSynchronize) X(cuCtxEnablePeerAccess)          \
-  X(cuMemGetInfo_v2) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocAsync) X(cuMemFreeAsync) X(cuMemcpyAsync)          \
-  X(cuMemcpyHtoDAsync_v2) X(cuMemcpyDtoHAsync_v2) X(cuStreamSynchronize) X(cuStreamQuery) X(cuMemcpyPeerAsync)       \
-  X(cuMemcpy2DAsync_v2) X(cuMemcpy3DPeerAsync) X(cuEventCreate) X(cuEventRecord) X(cuEventDestroy_v2)                \
-  X(cuEventSynchronize) X(cuEventQuery) X(cuStreamWaitEvent) X(cuModuleLoadData) X(cuModuleUnload)                  \
-  X(cuModuleGetFunction) X(cuLaunchKernel) X(cuStreamCreate) X(cuStreamDestroy_v2) X(ncclGetVersion)                \
-  X(ncclCommInitAll) X(ncclCommDestroy) X(ncclCommAbort) X(ncclCommGetAsyncError) X(ncclGetLastError)               \
-  X(ncclGroupStart) X(ncclGroupEnd) X(ncclBroadcast) X(ncclReduce) X(ncclGetErrorString) X(simgpu_cache_alloc)
+/* Every entry point, in one list: call counting and fault injection are indexed by it. The driver's are fastdp's own
+ * list (FDP_CU_ENTRY_POINTS, NOTE [driver entry points] in dl/cuda_api.h), so an entry point the loader learns is
+ * one here too, declared below with its real parameters: the library is linked with -z defs, so one that is not
+ * defined, or defined with other parameters, fails the build. Then the simulator's own, NCCL's and the allocator's.
+ * Used as `#define SIM_X(name) ...` followed by SIM_ENTRIES. */
+#define SIM_DRIVER_ENTRY(field, symbol, optional, params) SIM_X(symbol)
+#define SIM_OTHER_ENTRIES(X)                                                                                           \
+  X(cuStreamCreate) X(cuStreamDestroy_v2) X(ncclGetVersion) X(ncclCommInitAll) X(ncclCommDestroy) X(ncclCommAbort)   \
+  X(ncclCommGetAsyncError) X(ncclGetLastError) X(ncclGroupStart) X(ncclGroupEnd) X(ncclBroadcast) X(ncclReduce)     \
+  X(ncclGetErrorString) X(simgpu_cache_alloc)
+#define SIM_ENTRIES FDP_CU_ENTRY_POINTS(SIM_DRIVER_ENTRY) SIM_OTHER_ENTRIES(SIM_X)
+
+#define SIM_DECLARE_DRIVER_ENTRY(field, symbol, optional, params) CUresult symbol params;
+FDP_CU_ENTRY_POINTS(SIM_DECLARE_DRIVER_ENTRY)
+#undef SIM_DECLARE_DRIVER_ENTRY
 
 typedef enum {
 #define SIM_X(name) SIM_E_##name,
-  SIM_ENTRIES(SIM_X)
+  SIM_ENTRIES
 #undef SIM_X
       SIM_E_COUNT
 } sim_entry_t;

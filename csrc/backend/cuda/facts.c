@@ -16,7 +16,7 @@ void fdp__cuda_library_facts(fdp_library_facts_t *out) {
 
 /* Free memory needs a context. One PyTorch (or fastdp) already made is used as it is; otherwise the primary
  * context is created just for the query and released again, so that asking costs no lasting GPU memory (but
- * costs the creation: see fdp_cuda_device_active for callers that must not). */
+ * costs the creation: FDP_FREE_IF_ACTIVE is for callers that must not). */
 static fdp_result_t mem_info(const fdp_cu_t *cu, int device, CUdevice dev, size_t *free_bytes, size_t *total) {
   CUcontext ctx;
   /* Retain/release keeps an active context alive and drops one made only for this query. */

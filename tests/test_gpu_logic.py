@@ -23,7 +23,7 @@ def test_collective_asks_the_core_once_per_device_list(monkeypatch):
     asked = []
 
     def no_info(*a, **k):
-        raise AssertionError("comm._collective called _C.info()")
+        raise AssertionError("comm.broadcast_is_collective called _C.info()")
 
     def route(op, devices):
         asked.append((op, tuple(devices)))
@@ -33,16 +33,16 @@ def test_collective_asks_the_core_once_per_device_list(monkeypatch):
     monkeypatch.setattr(_C, "route", route)
     monkeypatch.setattr(comm, "_ROUTES", {})
     devs = [torch.device("cuda", 0), torch.device("cuda", 1)]
-    assert comm._collective(devs) is True
-    assert comm._collective(devs) is True  # kept: asked once
-    assert comm._collective([torch.device("cuda", 0)] * 2) is False
+    assert comm.broadcast_is_collective(devs) is True
+    assert comm.broadcast_is_collective(devs) is True  # kept: asked once
+    assert comm.broadcast_is_collective([torch.device("cuda", 0)] * 2) is False
     assert asked == [("broadcast", (0, 1)), ("broadcast", (0, 0))]
 
 
 def test_collective_on_host_devices_is_the_cores_answer(monkeypatch):
     monkeypatch.setattr(comm, "_ROUTES", {})
     assert _C.route("broadcast", [-1, -1]) == "host"
-    assert comm._collective([torch.device("cpu")] * 2) is False
+    assert comm.broadcast_is_collective([torch.device("cpu")] * 2) is False
 
 
 def test_usable_agrees_with_info():

@@ -68,9 +68,9 @@ def main():
         print(f"{k:20s} median {statistics.median(v) * 1e6:8.1f} us/step  (min {min(v) * 1e6:.1f})")
     m = {k: statistics.median(v) for k, v in res.items()}
     # The added work itself, without the model: acquire the lock, mark the wrapper as running, undo both.
-    from fastdp.parallel_apply import _HELD
+    from fastdp.parallel_apply import forwards_running
 
-    lock, held, key = threading.Lock(), _HELD, id(locked)
+    lock, held, key = threading.Lock(), forwards_running, id(locked)
 
     def bookkeeping():
         for _ in range(10000):

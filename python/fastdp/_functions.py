@@ -104,7 +104,7 @@ def _scatter_host_to_cuda(input, target_devices, chunk_sizes, dim):
     reused); smaller ones are copied from where they are, since the driver has read pageable host memory by the
     time the copy call returns. A blocking copy would wait for the device on every step.
     """
-    sizes = chunk_sizes if chunk_sizes is not None else comm._chunk_sizes(input.size(dim), len(target_devices))
+    sizes = chunk_sizes if chunk_sizes is not None else comm.torch_chunk_sizes(input.size(dim), len(target_devices))
     src = input
     if not src.is_pinned() and src.numel() * src.element_size() >= _PIN_MIN_BYTES:
         src = src.pin_memory()

@@ -67,7 +67,7 @@ from . import _devices, _hooks, _streams, comm
 from ._fallback import core as _C  # _C, with torch behind every data-moving call
 from ._core import reduce_columns, streams_for, to_core_dtype
 from ._functions import ReduceAddCoalesced
-from .replicate import _check_initialized, is_compiled, skeletons
+from .replicate import check_initialized, is_compiled, skeletons
 from .sync_batchnorm import layer_indices
 
 __all__ = ["ReplicaSet", "persistable", "reduce_bucket"]
@@ -119,8 +119,8 @@ def inference_made(network):
 
 def check_replicatable(network):
     """The checks fresh replication makes (uninitialised lazy parameters raise torch's ValueError)."""
-    _check_initialized(network.parameters())
-    _check_initialized(network.buffers())
+    check_initialized(network.parameters())
+    check_initialized(network.buffers())
 
 
 # (every distinct module under root, root first; the structure signature: everything whose change makes kept
@@ -230,7 +230,7 @@ class _State:
         self.devices = list(devices)
         self.tdevs = [_devices.torch_device(d) for d in devices]
         self.host = all(d.type == "cpu" for d in self.tdevs)  # emulated replicas: sums need no packing
-        self.collective = comm._collective(self.tdevs)
+        self.collective = comm.broadcast_is_collective(self.tdevs)
         self.sync = True
         # Weak references to every bucket with an autograd node (set by ReplicaSet): buckets hold the state, so
         # strong ones would make a cycle, and a replaced ReplicaSet's flat buffers would wait for the collector.

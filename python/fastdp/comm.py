@@ -219,7 +219,7 @@ def _split(flat, sizes, like):
 _ROUTES = {}
 
 
-def _collective(devices):
+def broadcast_is_collective(devices):
     """True when the core broadcasts a packed buffer from devices[0] to the others with NCCL (it asks the backends,
     see NOTE [routing] in csrc/core/backend.h); otherwise every member is copied straight into every buffer.
     Loads libraries and counts devices; creates no CUDA context. Answers are kept per device list."""
@@ -271,7 +271,7 @@ def broadcast_coalesced(tensors, devices, buffer_size=10485760):
     dense = [prepare(tensors[i]) for i in dense_idx]
     if not dense or len(devices) == 1:
         return tuple(outputs)
-    collective = _collective(devices)
+    collective = broadcast_is_collective(devices)
     for numel, members in _plan(dense, buffer_size):
         idx = [i for i, _, _ in members]
         views = _broadcast_bucket([dense[i] for i in idx], [n for _, _, n in members], numel, devices, collective)
@@ -409,7 +409,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=10485760):
     return tuple(outputs)
 
 
-def _chunk_sizes(size, n):
+def torch_chunk_sizes(size, n):
     """torch.chunk's rule: pieces of ceil(size/n), the last one short, fewer than n pieces when they run out."""
     if size == 0:
         return [0] * n
@@ -517,7 +517,7 @@ def _index(i, s):
 def _scatter_sizes(chunk_sizes, size, n, d):
     """The chunk sizes: torch.chunk's rule, or the user's, which are checked here, where they are named."""
     if chunk_sizes is None:
-        return _chunk_sizes(size, n)
+        return torch_chunk_sizes(size, n)
     if isinstance(chunk_sizes, (int, torch.Tensor)) or not hasattr(chunk_sizes, "__iter__"):
         raise TypeError(f"'chunk_sizes' must be a sequence of ints, got {type(chunk_sizes).__name__}")
     sizes = list(chunk_sizes)

@@ -17,7 +17,7 @@ import torch
 from torch.nn.modules import Module
 
 from . import _devices, _idle_master, _launch, _replica_loss, _replicas, _split, _streams, sync_batchnorm
-from .parallel_apply import _HELD, parallel_apply
+from .parallel_apply import forwards_running, parallel_apply
 from .replicate import is_compiled, replicate
 from .scatter_gather import gather, scatter_kwargs, unaligned_outputs
 
@@ -456,7 +456,7 @@ class DataParallel(_UPSTREAM):
             # A replica of a wrapper (nested wrappers): its per-call state lives in its own __dict__, and its
             # replicas are built fresh (replicate below), so it shares nothing with other threads.
             return self._forward(inputs, kwargs, loss)
-        held = _HELD
+        held = forwards_running
         if id(self) in held.wrappers:
             # Re-entered from inside its own forward (this thread or a replica's worker): the kept replicas
             # are in use by the outer call, so this call replicates afresh and takes no lock.

@@ -35,11 +35,9 @@ class _Held(threading.local):
         self.wrappers = frozenset()
 
 
-_HELD = _Held()
-
-
-def _held():
-    return _HELD
+# The wrappers whose forward runs in this thread (or in a caller waiting on it): what DataParallel reads to tell a
+# re-entrant call from another thread's, and what parallel_apply's workers inherit.
+forwards_running = _Held()
 
 
 def _autocast_state(device_types):
@@ -64,7 +62,7 @@ class _Context:
             types.append("cuda")
         self.autocast = _autocast_state(types)
         self.cache_enabled = torch.is_autocast_cache_enabled()
-        self.wrappers = _HELD.wrappers
+        self.wrappers = forwards_running.wrappers
 
 
 class _ReplicaError(ExceptionWrapper):
@@ -89,7 +87,7 @@ def _run(index, module, args, kwargs, device, stream, context, results):
     replica's code): it comes back to the caller as upstream's "Caught X in replica i on device d." and never
     ends the thread it ran on.
     """
-    held = _held()
+    held = forwards_running
     outer = held.wrappers
     try:
         with ExitStack() as stack:
@@ -253,7 +251,7 @@ def _after_fork():
     global _POOL_LOCK
     _IDLE.clear()
     _POOL_LOCK = threading.Lock()
-    _HELD.wrappers = frozenset()
+    forwards_running.wrappers = frozenset()
 
 
 if hasattr(os, "register_at_fork"):

@@ -84,7 +84,7 @@ def _check_replicatable(network):
                     raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")
 
 
-def _check_initialized(tensors):
+def check_initialized(tensors):
     for t in tensors:
         if is_lazy(t):
             # torch's own text for uninitialized (lazy) parameters and buffers.
@@ -155,8 +155,8 @@ def replicate(network, devices, detach=False):
 
     params = list(network.parameters())
     buffers = list(network.buffers())
-    _check_initialized(params)
-    _check_initialized(buffers)
+    check_initialized(params)
+    check_initialized(buffers)
     # Buffers that require grad travel with the parameters, through the differentiable broadcast.
     grad_tensors = params + [b for b in buffers if b.requires_grad and not detach]
     other_buffers = [b for b in buffers if not (b.requires_grad and not detach)]

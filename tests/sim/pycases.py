@@ -391,7 +391,7 @@ def case_defect_usability_touches_gpu(sim):
     sim.close()  # no client context either: nothing may be retained at all
     from fastdp import comm
     before = sim.calls("cuDevicePrimaryCtxRetain")
-    comm._collective([torch.device("cuda", 0), torch.device("cuda", 1)])
+    comm.broadcast_is_collective([torch.device("cuda", 0), torch.device("cuda", 1)])
     assert sim.calls("cuDevicePrimaryCtxRetain") == before, "the NCCL usability check retained primary contexts"
     assert sim.stat("retains") == 0
     sim.open()

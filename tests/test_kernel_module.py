@@ -1,7 +1,6 @@
 """The cuda backend's kernel-module cache (which image failures stick, and the fatbin → NVRTC order), driven through
-the core against a tiny fake libcuda.so.1 (tests/kmod/fake_cuda.c) that answers cuModuleLoadData call by call:
-only an image the driver refuses sticks; out-of-memory is retried; copies never need kernels; a refused fatbin moves
-on to NVRTC."""
+the core on the simulated GPU, whose cuModuleLoadData is made to fail on chosen calls (SIMGPU_FAIL): only an image
+the driver refuses sticks; out-of-memory is retried; copies never need kernels; a refused fatbin moves on to NVRTC."""
 
 import glob
 import importlib.util
@@ -14,6 +13,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+pytestmark = pytest.mark.sim  # runs on the simulated GPU (scripts/sim_tests.sh)
 CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-O1", "-Wall", "-Wextra", "-Werror", "-fsanitize=address,undefined",
           "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
 
@@ -30,7 +30,7 @@ def _blob(path, fatbin):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.build_blob(ROOT / "cuda", None, path)
-    if fatbin:  # a stand-in fatbin: the fake driver decides whether it "loads"
+    if fatbin:  # a stand-in fatbin: the simulated driver loads any image unless told to fail
         text = path.read_text()
         text = text.replace("fdp__kernels_fatbin[] = {0};", "fdp__kernels_fatbin[] = {1, 2, 3, 4};")
         text = text.replace("fdp__kernels_fatbin_size = 0;", "fdp__kernels_fatbin_size = 4;")
@@ -39,12 +39,18 @@ def _blob(path, fatbin):
     return path
 
 
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     cc = _cc()
     out = tmp_path_factory.mktemp("kmod")
-    subprocess.run([cc, *CFLAGS, "-shared", "-fPIC", "-Wno-unused-parameter", str(HERE / "kmod" / "fake_cuda.c"),
-                    "-o", str(out / "libcuda.so.1")], check=True)
+    sim = _load("fastdp_sim_build", HERE / "sim" / "build.py").env(sanitize=True)
     core = []
     for sub in ("base", "core", "backend/host", "backend/cuda", "dl"):
         core += sorted(glob.glob(str(ROOT / "csrc" / sub / "*.c")))
@@ -55,7 +61,7 @@ def build(tmp_path_factory):
         subprocess.run([cc, *CFLAGS, f"-I{ROOT / 'csrc'}", *core, str(blob), str(HERE / "kmod" / "kernel_module.c"),
                         "-o", str(exe), "-lm", "-pthread", "-ldl"], check=True)
         exes[kind] = exe
-    return out, exes
+    return sim, exes
 
 
 def _nvrtc_dirs():
@@ -83,9 +89,10 @@ def _has_nvrtc():
 def test_kernel_module(build, tmp_path, kind, scenario, results, extra, needs_nvrtc):
     if needs_nvrtc and not _has_nvrtc():
         pytest.skip("no NVRTC here")
-    libdir, exes = build
-    env = {**os.environ, "LD_LIBRARY_PATH": str(libdir), "FAKE_MODULE_RESULTS": results,
-           "FASTDP_CACHE_DIR": str(tmp_path), "NVRTC_DIRS": _nvrtc_dirs(), **extra}
+    sim, exes = build
+    fail = ",".join(f"cuModuleLoadData:{k}:{code}" for k, code in enumerate(results.split(","), 1) if code)
+    env = {**os.environ, **sim, "SIMGPU_FAIL": fail, "FASTDP_CACHE_DIR": str(tmp_path), "NVRTC_DIRS": _nvrtc_dirs(),
+           "ASAN_OPTIONS": "detect_leaks=0", **extra}
     for k in ("FASTDP_DISABLE_CUDA", "FASTDP_DISABLE_FATBIN"):
         env.pop(k, None)
     res = subprocess.run([str(exes[kind]), scenario], env=env, capture_output=True, text=True, timeout=120)

@@ -1,14 +1,16 @@
-/* Drives the cuda backend's kernel-module cache against tests/kmod/fake_cuda.c: which failures stick, which are
- * retried, and that copies never depend on kernels. One scenario per process (argv[1]); exit status 0 = pass. */
+/* Drives the cuda backend's kernel-module cache on the simulated GPU (tests/sim; SIMGPU_FAIL makes chosen
+ * cuModuleLoadData calls fail): which failures stick, which are retried, and that copies never depend on kernels.
+ * One scenario per process (argv[1]); exit status 0 = pass. */
 #include "fastdp.h"
 
 #include <dlfcn.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 static int failures;
-static float a[64], b[64], out[64];
+static unsigned long long a, b, out; /* 64 floats each, device 0's memory in the simulator */
 
 #define EXPECT(cond, ...)                                                                                              \
   do {                                                                                                                 \
@@ -20,16 +22,27 @@ static float a[64], b[64], out[64];
     }                                                                                                                  \
   } while (0)
 
-static int counter(const char *name) {
-  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  int *p = h ? (int *)dlsym(h, name) : NULL;
-  return p ? *p : -1;
+/* The simulator's controls, from the driver fastdp loaded (FASTDP_CUDA_DRIVER_LIBRARY). */
+static void *sim_symbol(const char *name) {
+  void *h = dlopen(getenv("FASTDP_CUDA_DRIVER_LIBRARY"), RTLD_NOW | RTLD_NOLOAD);
+  void *p = h ? dlsym(h, name) : NULL;
+  if (!p) {
+    printf("the simulated GPU has no %s\n", name);
+    exit(3);
+  }
+  return p;
 }
 
-static fdp_tensor_t dev_tensor(float *p, int rows, int cols, int transposed) {
+/* How many times the code under test called `entry` (cuModuleLoadData, cuLaunchKernel). */
+static int counter(const char *entry) {
+  long long (*calls)(const char *) = (long long (*)(const char *))sim_symbol("simgpu_calls");
+  return (int)calls(entry);
+}
+
+static fdp_tensor_t dev_tensor(unsigned long long p, int rows, int cols, int transposed) {
   fdp_tensor_t t;
   memset(&t, 0, sizeof t);
-  t.data = (char *)p;
+  t.data = (char *)(uintptr_t)p;
   t.device = 0;
   t.dtype = FDP_DTYPE_F32;
   t.elem_size = 4;
@@ -71,12 +84,12 @@ static int has(const char *text) {
 /* cuModuleLoadData fails with out-of-memory once: reported as a CUDA error, retried by the next call. */
 static void transient(void) {
   EXPECT(flat_copy() == FDP_OK, "flat copy: %s", fdp_last_error());
-  EXPECT(counter("fake_module_loads") == 0, "a flat copy loaded the kernels");
+  EXPECT(counter("cuModuleLoadData") == 0, "a flat copy loaded the kernels");
   EXPECT(sum() == FDP_CUDA && has("out of memory"), "first sum: %s", fdp_last_error());
   EXPECT(flat_copy() == FDP_OK, "copy after a failed kernel load: %s", fdp_last_error());
   EXPECT(sum() == FDP_OK, "second sum: %s", fdp_last_error());
-  EXPECT(counter("fake_module_loads") == 2 && counter("fake_launches") == 1, "loads %d launches %d",
-         counter("fake_module_loads"), counter("fake_launches"));
+  EXPECT(counter("cuModuleLoadData") == 2 && counter("cuLaunchKernel") == 1, "loads %d launches %d",
+         counter("cuModuleLoadData"), counter("cuLaunchKernel"));
   EXPECT(strstr(source(0), "NVRTC") != NULL, "source: %s", source(0));
 }
 
@@ -84,20 +97,20 @@ static void transient(void) {
 static void sticky(void) {
   EXPECT(sum() == FDP_UNAVAILABLE && has("no fastdp kernels load on device 0"), "first sum: %s", fdp_last_error());
   EXPECT(sum() == FDP_UNAVAILABLE, "second sum: %s", fdp_last_error());
-  EXPECT(counter("fake_module_loads") == 1, "refused image retried: %d loads", counter("fake_module_loads"));
+  EXPECT(counter("cuModuleLoadData") == 1, "refused image retried: %d loads", counter("cuModuleLoadData"));
   EXPECT(flat_copy() == FDP_OK, "flat copy: %s", fdp_last_error());
   EXPECT(strided_copy() == FDP_UNAVAILABLE && has("strided-copy kernel"), "strided copy: %s", fdp_last_error());
   EXPECT(strstr(source(0), "no fastdp kernels") != NULL, "source: %s", source(0));
   fdp_shutdown();
-  /* Shutdown forgets the verdict: the next call loads again (and the fake driver now accepts the image). */
-  EXPECT(sum() == FDP_OK && counter("fake_module_loads") == 2, "after shutdown: %s, %d loads", fdp_last_error(),
-         counter("fake_module_loads"));
+  /* Shutdown forgets the verdict: the next call loads again (only the first load was made to fail). */
+  EXPECT(sum() == FDP_OK && counter("cuModuleLoadData") == 2, "after shutdown: %s, %d loads", fdp_last_error(),
+         counter("cuModuleLoadData"));
 }
 
 /* No fatbin and NVRTC disabled: unavailable, never sticky, no load attempted; copies unaffected. */
 static void no_kernels(void) {
   EXPECT(sum() == FDP_UNAVAILABLE && has("FASTDP_DISABLE_NVRTC"), "sum: %s", fdp_last_error());
-  EXPECT(counter("fake_module_loads") == 0, "loads %d", counter("fake_module_loads"));
+  EXPECT(counter("cuModuleLoadData") == 0, "loads %d", counter("cuModuleLoadData"));
   EXPECT(flat_copy() == FDP_OK, "flat copy: %s", fdp_last_error());
   EXPECT(strided_copy() == FDP_UNAVAILABLE && has("strided-copy kernel"), "strided copy: %s", fdp_last_error());
 }
@@ -105,13 +118,13 @@ static void no_kernels(void) {
 /* With a fatbin: refused (image error) → NVRTC; out of memory → reported, no NVRTC, retried; else used. */
 static void fatbin_refused(void) {
   EXPECT(sum() == FDP_OK, "sum: %s", fdp_last_error());
-  EXPECT(counter("fake_module_loads") == 2, "loads %d", counter("fake_module_loads"));
+  EXPECT(counter("cuModuleLoadData") == 2, "loads %d", counter("cuModuleLoadData"));
   EXPECT(strstr(source(0), "NVRTC") != NULL, "source: %s", source(0));
 }
 
 static void fatbin_transient(void) {
   EXPECT(sum() == FDP_CUDA && has("out of memory"), "first sum: %s", fdp_last_error());
-  EXPECT(counter("fake_module_loads") == 1, "loads %d", counter("fake_module_loads"));
+  EXPECT(counter("cuModuleLoadData") == 1, "loads %d", counter("cuModuleLoadData"));
   EXPECT(sum() == FDP_OK, "second sum: %s", fdp_last_error());
   EXPECT(strstr(source(0), "fatbin") == source(0), "source: %s",
          source(0));
@@ -126,9 +139,22 @@ int main(int argc, char **argv) {
                    {"fatbin_transient", fatbin_transient}};
   const char *dirs = getenv("NVRTC_DIRS");
   if (dirs && fdp_nvrtc_search_dirs(dirs) != FDP_OK) return 3;
+  /* Loading the driver (fastdp's first look at the devices) maps the simulator; device 0's primary context is
+   * retained here, as PyTorch holds it, so that the tensors' memory can be made in it. */
+  if (!fdp_backend_usable(FDP_BACKEND_CUDA, NULL)) return 3;
+  void *ctx = NULL;
+  int (*retain)(void **, int) = (int (*)(void **, int))sim_symbol("cuDevicePrimaryCtxRetain");
+  if (retain(&ctx, 0) != 0) return 3;
+  unsigned long long (*alloc)(int, size_t) = (unsigned long long (*)(int, size_t))sim_symbol("simgpu_alloc");
+  a = alloc(0, 64 * sizeof(float));
+  b = alloc(0, 64 * sizeof(float));
+  out = alloc(0, 64 * sizeof(float));
   for (size_t i = 0; argc > 1 && i < sizeof scenarios / sizeof scenarios[0]; i++) {
     if (strcmp(argv[1], scenarios[i].name) != 0) continue;
     scenarios[i].run();
+    char misuse[4096] = "";
+    long long (*errors)(char *, size_t) = (long long (*)(char *, size_t))sim_symbol("simgpu_errors");
+    EXPECT(errors(misuse, sizeof misuse) == 0, "the simulated GPU recorded misuse: %s", misuse);
     printf("%s: %s\n", argv[1], failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
   }

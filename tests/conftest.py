@@ -1,10 +1,18 @@
 """Shared test set-up: GPU tests are marked and skipped cleanly; CUDA is never initialised at collection."""
 
+import signal
+
 import pytest
 
 import _torchvision_ops
 
 _torchvision_ops.install()  # before any test imports torchvision or transformers
+
+# A run started where SIGINT is ignored (a background job of a non-interactive shell, nohup in a script) would pass
+# that on to every child process, and the tests that interrupt a child would see nothing arrive: give the children
+# the disposition an interactive run has (exec resets a handled signal to its default; an ignored one stays ignored).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _cuda_count():

@@ -1,6 +1,6 @@
 """fastdp._C on the simulated GPU through duck-typed CUDA tensors (tests/sim/simgpu.py SimTensor), compared with
-torch's CPU results; the fault-injection sweep through the binding (CudaError/NcclError); and one test per defect
-of issue 9 section 2 that the simulator can reach without CUDA torch. Every case runs in its own process
+torch's CPU results; the fault-injection sweep through the binding (CudaError/NcclError); and one test per GPU-path
+defect found so far that the simulator can reach without CUDA torch. Every case runs in its own process
 (tests/sim/pycases.py), with the simulated libraries named in its environment."""
 
 import functools
@@ -63,16 +63,16 @@ def test_fault_injection_sweep_through_the_binding():
     "defect_staging_retry",
     "defect_shutdown_order",
 ])
-def test_issue9_defect(case):
+def test_gpu_path_defect(case):
     _case(case)
 
 
 def test_no_kernels_on_simulated_devices():
-    """Issue 10: no fatbin and no NVRTC. Copies stay in the core, kernel work falls back to torch's result."""
+    """A GPU for which no kernels exist: no fatbin and no NVRTC. Copies stay in the core, kernel work falls back to torch's result."""
     _case("no_kernels", FASTDP_DISABLE_NVRTC="1", FASTDP_DISABLE_FATBIN="1")
 
 
 def test_library_status_and_out_of_memory():
-    """Issue 14: .status carries the CUresult / ncclResult_t; CUDA out of memory (the driver's pool or PyTorch's
+    """.status carries the CUresult / ncclResult_t; CUDA out of memory (the driver's pool or PyTorch's
     allocator) is fastdp.CudaOutOfMemoryError, a torch.OutOfMemoryError."""
     _case("status")

@@ -364,7 +364,7 @@ def case_selfcheck(sim):
     expect(0, "an injected failure (not misuse)", injected)
 
 
-# ---- issue 9, section 2: one case per defect (each fails on the code before the fix) ----
+# ---- one case per GPU-path defect found (each fails on the code before its fix) ----
 
 def case_defect_transient_module_failure(sim):
     """A transient cuModuleLoadData OOM fails that call only: a plain peer copy and the next kernel work succeed."""
@@ -451,7 +451,7 @@ def case_defect_shutdown_order(sim):
     sim.open()
 
 
-# ---- issue 14: the library's own code on the exception; CUDA out of memory is PyTorch's OutOfMemoryError ----
+# ---- the library's own code on the exception; CUDA out of memory is PyTorch's OutOfMemoryError ----
 
 def _staged_copy(sim):
     """A strided cross-device copy: it needs scratch memory (staging) on both devices."""
@@ -519,7 +519,7 @@ def case_status(sim):
         t.release()
 
 
-# ---- issue 10: a GPU for which no kernels exist (run with FASTDP_DISABLE_NVRTC=1 FASTDP_DISABLE_FATBIN=1) ----
+# ---- a GPU for which no kernels exist (run with FASTDP_DISABLE_NVRTC=1 FASTDP_DISABLE_FATBIN=1) ----
 
 def case_no_kernels(sim):
     """No fatbin and no NVRTC: the core still does every copy the copy engines can do, refuses kernel work with
@@ -582,7 +582,10 @@ def scratch_route(sim):
 
 def main(name):
     sim = Sim().open()
-    os.environ.setdefault("SIMGPU_REQUIRE_FREE_MUTEX", "1")  # Sim made its getFreeMutex visible before NCCL loads
+    if not torch.backends.cuda.is_built():
+        # Sim made its getFreeMutex visible before NCCL loads, so fastdp must find it. A CUDA build of torch has
+        # loaded its own libc10_cuda, whose free mutex fastdp rightly takes instead (the simulator cannot see it).
+        os.environ.setdefault("SIMGPU_REQUIRE_FREE_MUTEX", "1")
     sim.reset()
     scratch_route(sim)
     globals()["case_" + name](sim)

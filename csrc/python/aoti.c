@@ -222,10 +222,10 @@ static fdp_aten_handle_t handle_of(PyObject *obj) {
   return PyCapsule_CheckExact(obj) ? PyCapsule_GetPointer(obj, PyCapsule_GetName(obj)) : NULL;
 }
 
-/* Reads every tensor of `items` through the shim into ts[i], with its shim dtype code in codes[i], or -1 where the
- * shim cannot read that one (not plain strided CPU/CUDA memory of a known element size, or the shim failed).
- * 1 when the tuple holds objects the shim path never reads (subclasses), -1 with an error when the conversion
- * itself failed, else 0. */
+/* Reads every tensor of `items` through the shim into ts[i], and its shim dtype code into codes[i] when codes is
+ * not NULL. A tensor the shim cannot read (not plain strided CPU/CUDA memory of a known element size, or the shim
+ * failed) is marked by ts[i].elem_size == 0 (no readable tensor has that) and codes[i] == -1. 1 when the tuple holds
+ * objects the shim path never reads (subclasses), -1 with an error when the conversion itself failed, else 0. */
 static int read_handles(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes) {
   if (!plain_tensors(st, items)) return 1;
   /* One call converts the whole list into new at::Tensor references (capsules without a destructor): every one
@@ -241,41 +241,30 @@ static int read_handles(module_state *st, PyObject *items, fdp_tensor_t *ts, int
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
     fdp_aten_handle_t h = handle_of(PyList_GET_ITEM(handles, i));
     int32_t code = -1;
-    if (h && from_handle(h, &ts[i], &code)) code = -1;
+    if (!h || from_handle(h, &ts[i], &code)) {
+      code = -1;
+      ts[i].elem_size = 0;
+    }
     if (h) shim.delete_tensor(h);
-    codes[i] = code;
+    if (codes) codes[i] = code;
   }
   Py_DECREF(handles);
   return 0;
 }
 
-/* read_handles with a code array of its own; what the caller does with unread tensors is its business. */
-static int read_all(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t **codes) {
-  *codes = fdp_scratch_alloc((size_t)PyTuple_GET_SIZE(items) * sizeof **codes + 1);
-  if (!*codes) {
-    PyErr_NoMemory();
-    return -1;
-  }
-  return read_handles(st, items, ts, *codes);
-}
-
 int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
-  int32_t *codes;
-  int rc = read_all(st, items, ts, &codes);
+  int rc = read_handles(st, items, ts, NULL);
   /* A tensor the shim could not read goes through the Python path, which raises its usual error for bad ones. */
   for (Py_ssize_t i = 0; rc == 0 && i < PyTuple_GET_SIZE(items); i++)
-    if (codes[i] < 0 && fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0)
+    if (ts[i].elem_size == 0 && fdp__describe_python(st, PyTuple_GET_ITEM(items, i), &ts[i], what, single ? -1 : i) < 0)
       rc = -1;
-  fdp_scratch_free(codes);
   return rc;
 }
 
 int fdp__aoti_try_describe(module_state *st, PyObject *items, fdp_tensor_t *ts) {
-  int32_t *codes;
-  int rc = read_all(st, items, ts, &codes);
+  int rc = read_handles(st, items, ts, NULL);
   for (Py_ssize_t i = 0; rc == 0 && i < PyTuple_GET_SIZE(items); i++)
-    if (codes[i] < 0) rc = 1;
-  fdp_scratch_free(codes);
+    if (ts[i].elem_size == 0) rc = 1;
   return rc;
 }
 

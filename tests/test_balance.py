@@ -102,7 +102,7 @@ def test_chunk_sizes_forms(spec, batch, expected):
     model = net()
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R, chunk_sizes=spec)
     dp(batch_of(batch))
-    assert dp._last_chunk_sizes == expected
+    assert dp._last_step.chunk_sizes == expected
     assert sorted(s[0] for s in model.seen) == sorted(n for n in expected if n > 0)  # replicas run concurrently
 
 
@@ -224,7 +224,7 @@ def test_training_with_any_split_equals_the_bare_model(spec):
             opt.step()
     params_close(model, bare)
     # Every tensor of args and kwargs got the same chunk in each replica.
-    expected = [n for n in dp._last_chunk_sizes if n > 0]
+    expected = [n for n in dp._last_step.chunk_sizes if n > 0]
     assert sorted(model.seen[-len(expected):]) == sorted([n] * 4 for n in expected)
 
 
@@ -262,7 +262,7 @@ def test_batchnorm_running_stats_come_from_the_first_nonempty_chunk(spec, first)
 def test_empty_batch_and_inputs_without_tensors_follow_upstream():
     dp = fastdp.DataParallel(net(), device_ids=["cpu"] * R, chunk_sizes=[0.0, 1.0, 1.0])
     out = dp(batch_of(0))
-    assert out.shape == (0, 3) and dp._last_chunk_sizes is None
+    assert out.shape == (0, 3) and dp._last_step.chunk_sizes is None
 
 
 # ---- per-replica loss --------------------------------------------------------------------------------------------
@@ -447,7 +447,7 @@ def test_deepcopy_keeps_the_split_and_criterion():
     dp(x, target=y).backward()
     clone = copy.deepcopy(dp)
     torch.testing.assert_close(clone(x, target=y), dp(x, target=y), rtol=0, atol=0)
-    assert clone._last_chunk_sizes == [2, 4, 4]
+    assert clone._last_step.chunk_sizes == [2, 4, 4]
 
 
 # ---- memory report -----------------------------------------------------------------------------------------------
@@ -503,7 +503,8 @@ class FakeMemory:
 
     def __call__(self):
         self.calls += 1
-        sizes = self.dp._last_chunk_sizes or [0] * len(self.dp.device_ids)
+        last = self.dp._last_step  # the previous forward's split (None before the first)
+        sizes = (last and last.chunk_sizes) or [0] * len(self.dp.device_ids)
         return [self.base + self.per_sample * n + (self.extra if i == 0 else 0) for i, n in enumerate(sizes)]
 
 
@@ -527,7 +528,7 @@ def test_auto_settles_by_bisection_within_the_bound_and_stays():
     assert [s for s, _ in rule.history] == [1.0, 0.5, 0.25, 0.375, 0.3125, 0.34375]
     assert rule.share == 0.34375 and all(r > 1.05 for s, r in rule.history if s > rule.share)
     sizes = largest_remainder([rule.share, 1.0, 1.0, 1.0], 32)
-    assert dp._last_chunk_sizes == sizes
+    assert dp._last_step.chunk_sizes == sizes
     assert 1000 + 600 + 100 * sizes[0] <= 1.05 * (1000 + 100 * sizes[1])
     assert len(set(shares[9:])) == 1  # settled after 2 + 1 + 1 + 5 steps, fixed from then on
     again, shares_again, _ = _auto_run(extra=600)
@@ -565,7 +566,7 @@ def test_auto_without_a_reader_settles_at_once_on_cpu():
     dp = fastdp.DataParallel(nn.Linear(6, 3), device_ids=["cpu"] * 3, chunk_sizes="auto")
     assert dp._split.settled and dp._split.share == 1.0 and "'cpu'" in dp._split.reason
     dp(torch.randn(10, 6))
-    assert dp._last_chunk_sizes == [3, 3, 4]
+    assert dp._last_step.chunk_sizes == [3, 3, 4]
     assert "auto" in str(fastdp.memory_report(dp))
     shared = fastdp.AutoSplit(reader=lambda: [0, 0])
     a = fastdp.DataParallel(nn.Linear(6, 3), device_ids=["cpu"] * 2, chunk_sizes=shared)

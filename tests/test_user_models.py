@@ -201,21 +201,21 @@ TORCH_LOSSES = {
 def test_torch_losses_per_replica_equal_the_bare_loss(name):
     x = torch.randn(7, 6, dtype=torch.float64)
     dp = _check_loss(TORCH_LOSSES[name](), ClassModel, x, _class_target())
-    assert dp._avoided_gather_bytes, "torch's own losses are computed per replica"
+    assert dp._last_step.avoided_gather_bytes, "torch's own losses are computed per replica"
 
 
 def test_function_criterion_goes_through_the_gathered_output():
     x = torch.randn(7, 6, dtype=torch.float64)
     target = torch.randn(7, 5, dtype=torch.float64)
     dp = _check_loss(lambda out, t: (out - t).square().mean(), ClassModel, x, target)
-    assert not dp._avoided_gather_bytes
+    assert not dp._last_step.avoided_gather_bytes
 
 
 def test_declared_decomposable_criterion_runs_per_replica():
     x = torch.randn(7, 6, dtype=torch.float64)
     target = torch.randn(7, 5, dtype=torch.float64)
     dp = _check_loss(lambda out, t: (out - t).square().mean(), ClassModel, x, target, criterion_reduction="mean")
-    assert dp._avoided_gather_bytes
+    assert dp._last_step.avoided_gather_bytes
     _check_loss(lambda out, t: (out - t).square().sum(), ClassModel, x, target, criterion_reduction="sum")
 
 

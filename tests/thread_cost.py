@@ -35,7 +35,7 @@ def main():
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
     locked = fastdp.DataParallel(net, device_ids=["cpu"] * 2)
     unlocked = fastdp.DataParallel(net, device_ids=["cpu"] * 2)
-    unlocked.__dict__["_forward_lock"] = None  # the unsafe path: no lock, no re-entry bookkeeping
+    unlocked.__dict__["_forward_lock"] = None  # the unsafe path: no lock (the step is still opened and closed)
     x = torch.randn(32, 64)
     xs = [torch.randn(32, 64) for _ in range(4)]
     for dp in (locked, unlocked):
@@ -67,17 +67,19 @@ def main():
     for k, v in res.items():
         print(f"{k:20s} median {statistics.median(v) * 1e6:8.1f} us/step  (min {min(v) * 1e6:.1f})")
     m = {k: statistics.median(v) for k, v in res.items()}
-    # The added work itself, without the model: acquire the lock, mark the wrapper as running, undo both.
-    from fastdp.parallel_apply import forwards_running
+    # The added work itself, without the model: acquire the lock, look for a re-entry, open and close the step.
+    from fastdp import _step
 
-    lock, held, key = threading.Lock(), forwards_running, id(locked)
+    lock = threading.Lock()
 
     def bookkeeping():
         for _ in range(10000):
+            step = _step.Step(locked, None)
+            step.fresh = _step.is_running(locked)
+            outer = _step.open_step(step)
             with lock:
-                outer = held.wrappers
-                held.wrappers = outer | {key}
-                held.wrappers = outer
+                pass
+            _step.close_step(step, outer)
 
     book = statistics.median(timed(bookkeeping) / 10000 for _ in range(9))
     print(f"lock + re-entry bookkeeping alone: {book * 1e6:.2f} us per forward")

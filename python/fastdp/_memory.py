@@ -115,7 +115,8 @@ def memory_report(model, *, reset_peak=False):
     state = getattr(model, "__dict__", {})
     ids = [_devices.normalize(d) for d in device_ids]
     master = _master_bytes(model.module, _devices.torch_device(ids[0])) if hasattr(model, "module") else 0
-    last = state.get("_last_chunk_sizes") or ()
+    last_step = state.get("_last_step")  # what the last forward found (fastdp._step.Outcome)
+    last = (last_step.chunk_sizes if last_step is not None else None) or ()
     rows = [_row(i, d, last[i] if i < len(last) else None, master if i == 0 else 0) for i, d in enumerate(ids)]
     notes = []
     if _devices.CPU in ids:
@@ -127,7 +128,7 @@ def memory_report(model, *, reset_peak=False):
     split = state.get("_split")
     return MemoryReport(
         rows,
-        avoided_gather_bytes=state.get("_avoided_gather_bytes"),
+        avoided_gather_bytes=None if last_step is None else last_step.avoided_gather_bytes,
         split=None if split is None else split.describe(),
         notes=notes,
     )

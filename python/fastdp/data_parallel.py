@@ -16,15 +16,14 @@ from itertools import chain
 import torch
 from torch.nn.modules import Module
 
-from . import _devices, _idle_master, _launch, _replica_loss, _replicas, _split, _streams, sync_batchnorm
-from .parallel_apply import forwards_running, parallel_apply
+from . import _devices, _idle_master, _launch, _replica_loss, _replicas, _split, _step, _streams, sync_batchnorm
+from .parallel_apply import parallel_apply
 from .replicate import is_compiled, replicate
 from .scatter_gather import gather, scatter_kwargs, unaligned_outputs
 
 __all__ = ["DataParallel", "data_parallel"]
 
 _PREFIX = "module."
-_FRESH = threading.local()  # ids of the wrappers re-entered in this thread: they replicate afresh
 
 _IMBALANCE_WARNING = (
     "There is an imbalance between your GPUs. You may want to exclude GPU {} which has less than 75% of the "
@@ -276,32 +275,6 @@ def _run_single(module, args, kwargs, loss):
     return loss.criterion(module(*args, **kwargs), target)
 
 
-class _Plan:
-    """What one multi-device forward runs, decided once after the scatter.
-
-    Devices with an empty chunk run no replica. Replication always starts from device_ids[0], which holds the
-    master: when device 0 has no chunk, its replica (the master itself, nothing copied) is built but not run
-    (``skip`` is 1). ``with_loss``: the replicas return their losses (combined at the end) instead of outputs.
-    """
-
-    __slots__ = ("run", "positions", "skip", "with_loss")
-
-    def __init__(self, sizes, nchunks, with_loss):
-        run = list(range(nchunks))
-        if sizes is not None and 0 in sizes:
-            run = [i for i in run if sizes[i] > 0]
-        self.run = run
-        self.positions = run if run[0] == 0 else [0] + run
-        self.skip = len(self.positions) - len(run)
-        self.with_loss = with_loss
-
-    def keep(self, per_chunk):
-        """The entries of the chunks that run."""
-        if len(self.run) == len(per_chunk):
-            return per_chunk
-        return tuple(per_chunk[i] for i in self.run)
-
-
 def _choose_class(cls, mode):
     """The class ``fastdp.DataParallel(..., mode=mode)`` builds: ``cls`` or ``fastdp.DistributedDataParallel``."""
     _launch.check_mode(mode)
@@ -373,10 +346,7 @@ class DataParallel(_UPSTREAM):
         self._criterion_reduction = criterion_reduction
         self._broadcast = _check_broadcast(broadcast)
         self._split = None  # the chunk_sizes rule (fastdp._split), None for torch.chunk's
-        self._last_chunk_sizes = None  # per-device sizes of the last forward's split (None: torch.chunk's rule)
-        self._replica_positions = None  # device_ids positions of the devices last replicated to
-        self._apply_devices = None  # devices of the replicas handed to parallel_apply in this forward
-        self._avoided_gather_bytes = None  # outputs the last per-replica loss forward did not gather
+        self._last_step = None  # what the last forward found (fastdp._step.Outcome): its chunk sizes…
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
         self._bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
@@ -414,101 +384,147 @@ class DataParallel(_UPSTREAM):
         try:
             if _profiler_flag() or _profiler_enabled():
                 with torch.autograd.profiler.record_function("DataParallel.forward"):
-                    return self._forward_body(inputs, kwargs, self.__dict__.get("_criterion"))
-            return self._forward_body(inputs, kwargs, self.__dict__.get("_criterion"))
+                    return self._forward(inputs, kwargs)
+            return self._forward(inputs, kwargs)
         except BaseException:
             # An interrupt can land inside a grad-mode switch (torch.no_grad().__enter__ after the mode changed),
             # which would leave the caller's thread without autograd: the caller's mode is put back.
             torch.set_grad_enabled(grad_enabled)
             raise
 
-    def _forward_body(self, inputs, kwargs, criterion):
-        with_loss = criterion is not None and "target" in kwargs
-        if with_loss:  # the criterion's target, split like the inputs (the last positional input); the model never
-            kwargs = dict(kwargs)  # sees it
-            inputs = inputs + (kwargs.pop("target"),)
-        if not self.device_ids:
-            if with_loss:
-                return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1])
-            return self.module(*inputs, **kwargs)
-        loss = None
-        if with_loss:
-            rule = _replica_loss.loss_rule(criterion, inputs[-1], self.dim, self.__dict__.get("_criterion_reduction"))
-            if rule is None:  # not decomposable: the criterion on the gathered output, as upstream computes it
-                self._avoided_gather_bytes = 0
-                return criterion(self._forward_body(inputs[:-1], kwargs, None), inputs[-1])
-            loss = _replica_loss.PerReplicaLoss(criterion, rule)
+    def _forward(self, inputs, kwargs):
+        """Upstream's forward: no devices, pass through; one device with the inputs there, call the module; else
+        one step over the devices. With ``criterion`` and ``target=``, the loss instead of the outputs: computed on
+        each replica when the criterion decomposes, else on the gathered output, as upstream's training loop does."""
+        criterion = self.__dict__.get("_criterion")
+        target = None
+        if criterion is not None and "target" in kwargs:
+            kwargs = dict(kwargs)  # the model never sees the target
+            target = kwargs.pop("target")
         module = self._modules["module"]  # not self.module: Module.__getattr__ costs about 1 µs per read
+        if not self.device_ids:
+            return module(*inputs, **kwargs) if target is None else criterion(module(*inputs, **kwargs), target)
+        if target is None:
+            return self._over_devices(module, inputs, kwargs, None)
+        rule = _replica_loss.loss_rule(criterion, target, self.dim, self.__dict__.get("_criterion_reduction"))
+        if rule is None:  # not decomposable: the criterion on the gathered output, as upstream's loop computes it
+            return criterion(self._over_devices(module, inputs, kwargs, None, avoided_gather_bytes=0), target)
+        # The target is split like the inputs, as their last.
+        return self._over_devices(module, inputs + (target,), kwargs, _replica_loss.PerReplicaLoss(criterion, rule))
+
+    def _over_devices(self, module, inputs, kwargs, loss, avoided_gather_bytes=None):
+        """The forward over ``device_ids``: upstream's check that the module is on device_ids[0], then one step."""
         _check_module_device(module, self.src_device_obj)
-        if (len(self.device_ids) == 1 and not with_loss and type(self).scatter is DataParallel.scatter
+        if (loss is None and len(self.device_ids) == 1 and type(self).scatter is DataParallel.scatter
                 and _inputs_on_device(inputs, kwargs, self.src_device_obj)):
             # The short path: one device and every input already there. Scattering would only wrap each
             # tensor in a view (and an autograd node): the module gets them as they are.
             return module(*inputs, **kwargs)
         if self.src_device_obj.type == "cuda":
             _streams.refuse_capture("fastdp.DataParallel's forward over several devices")
-        return self._forward_held(inputs, kwargs, loss)
+        step = _step.Step(self, loss)
+        step.avoided_gather_bytes = avoided_gather_bytes
+        return self._run_step(step, inputs, kwargs)
 
-    def _forward_held(self, inputs, kwargs, loss):
-        """_forward, holding this wrapper's kept replicas for the call (or replicating afresh when re-entered)."""
+    def _run_step(self, step, inputs, kwargs):
+        """Runs ``step`` from its thread's stack of running steps, holding the wrapper's kept replicas: one
+        forward of a wrapper at a time uses them (docs/data_parallel.md, "Threads"). A call re-entered from inside
+        the wrapper's own forward (this thread, or a replica's worker) finds them in use by the outer call, and the
+        forward of a replicated wrapper (nested wrappers) has none: both replicate afresh and take no lock."""
         lock = self.__dict__.get("_forward_lock")
-        if lock is None or self.__dict__.get("_is_replica"):
-            # A replica of a wrapper (nested wrappers): its per-call state lives in its own __dict__, and its
-            # replicas are built fresh (replicate below), so it shares nothing with other threads.
-            return self._forward(inputs, kwargs, loss)
-        held = forwards_running
-        if id(self) in held.wrappers:
-            # Re-entered from inside its own forward (this thread or a replica's worker): the kept replicas
-            # are in use by the outer call, so this call replicates afresh and takes no lock.
-            _FRESH.ids = getattr(_FRESH, "ids", frozenset()) | {id(self)}
-            try:
-                return self._forward(inputs, kwargs, loss)
-            finally:
-                _FRESH.ids = _FRESH.ids - {id(self)}
-        # Another thread's forward may be running: the kept replicas and the per-call attributes are used by
-        # one forward at a time (docs/data_parallel.md, "Threads").
-        with lock:
-            outer = held.wrappers
-            held.wrappers = outer | {id(self)}
-            try:
-                return self._forward(inputs, kwargs, loss)
-            finally:
-                held.wrappers = outer
+        step.fresh = bool(self.__dict__.get("_is_replica")) or _step.is_running(self)
+        outer = _step.open_step(step)
+        try:
+            if step.fresh or lock is None:
+                return self._four_steps(step, inputs, kwargs)
+            with lock:
+                return self._four_steps(step, inputs, kwargs)
+        finally:
+            _step.close_step(step, outer)
 
-    def _forward(self, inputs, kwargs, loss):
-        """The multi-replica spine: check -> scatter -> replicate -> parallel_apply -> gather (or combine the losses).
-
-        ``loss`` is None, or the _replica_loss.PerReplicaLoss computed on the replicas, whose target is the last of
-        ``inputs``.
-        """
-        inputs, module_kwargs = self._check_and_scatter(inputs, kwargs, loss is not None)
+    def _four_steps(self, step, inputs, kwargs):
+        """scatter -> replicate -> parallel_apply -> gather (or combine the replicas' losses), as upstream."""
+        inputs, module_kwargs = self._scatter_step(step, inputs, kwargs)
         if len(self.device_ids) == 1:
-            return _run_single(self.module, inputs[0], module_kwargs[0], loss)
-        plan = _Plan(self._last_chunk_sizes, len(inputs), loss is not None)
-        inputs, module_kwargs = plan.keep(inputs), plan.keep(module_kwargs)
-        replicas, devices, watch, rule, synced = self._replicas_for(plan, loss)
-        outputs = self._run_replicas(replicas, inputs, module_kwargs, devices, synced)
+            return _run_single(self.module, inputs[0], module_kwargs[0], step.loss)
+        step.plan(len(inputs), self.device_ids)
+        inputs, module_kwargs = step.keep(inputs), step.keep(module_kwargs)
+        replicas, watch, synced = self._replicate_step(step)
+        outputs = self._apply_step(replicas, inputs, module_kwargs, synced)
         split = self.__dict__.get("_split")
         if isinstance(split, _split.AutoSplit) and torch.is_grad_enabled() and self.module.training:
             split.sample()  # the step's activations are alive now: "auto" notes the memory they take
         if watch is not None:
             watch.copy_back()
-        return self._finish(rule, outputs, inputs, module_kwargs)
+        return self._gather_step(step, outputs, inputs, module_kwargs)
 
-    def _check_and_scatter(self, inputs, kwargs, with_loss):
+    def _scatter_step(self, step, inputs, kwargs):
         """The split's per-forward work (one call into fastdp._split), then ``self.scatter``; a forward without
         inputs still runs once, on device_ids[0]. Keyword arguments named in ``broadcast`` skip the split: every
         replica gets them whole."""
+        with_loss = step.loss is not None
         whole = None
         names = self.__dict__.get("_broadcast")
         if names and kwargs:
             whole = {k: v for k, v in kwargs.items() if k in names}
             kwargs = {k: v for k, v in kwargs.items() if k not in names}
         self._warn_not_batch_major(inputs[:-1] if with_loss else inputs, kwargs)
-        inputs, module_kwargs = self._scatter_checked(inputs, kwargs, with_loss)
+        rule = self.__dict__.get("_split")
+        # Else an override (a subclass's, or one set on the instance) is called, and its super().scatter asks for
+        # the sizes itself.
+        own = type(self).scatter is DataParallel.scatter and "scatter" not in self.__dict__
+        sizes = _split.begin_forward(rule, inputs, kwargs, self.dim, len(self.device_ids), with_target=with_loss,
+                                     training=torch.is_grad_enabled() and self.module.training, sizes=own)
+        if own:
+            step.chunk_sizes = sizes
+            inputs, module_kwargs = self._scatter_sized(inputs, kwargs, self.device_ids, rule, sizes)
+        else:
+            inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+        if not inputs and not module_kwargs:
+            inputs, module_kwargs = ((),), ({},)
         if whole:
             module_kwargs = tuple({**kw, **_whole_on(whole, self.device_ids[i])} for i, kw in enumerate(module_kwargs))
         return inputs, module_kwargs
+
+    def _replicate_step(self, step):
+        """(what parallel_apply runs, the idle master's BufferWatch or None, the SyncBatchNorm session or None):
+        ``self.replicate`` onto the step's positions, without the master's own replica when device 0 runs no chunk;
+        with a per-replica loss, each replica paired with its criterion copy."""
+        devices = [self.device_ids[i] for i in step.positions]
+        replicas = self.replicate(self.module, devices)
+        skip = step.skip
+        watch = _idle_master.BufferWatch(self.module, replicas[skip]) if skip else None
+        # None: no SyncBatchNorm layer to synchronise (see NOTE [synced layers] in sync_batchnorm.py)
+        synced = sync_batchnorm.begin(self.module, replicas[skip:], step.devices, self._replica_set)
+        if step.loss is not None:
+            replicas = _replica_loss.pair(replicas, step.loss, devices)
+        replicas = replicas[skip:]
+        if synced is not None:
+            replicas = synced.track(replicas)
+        return replicas, watch, synced
+
+    def _apply_step(self, replicas, inputs, module_kwargs, synced):
+        try:
+            return self.parallel_apply(replicas, inputs, module_kwargs)
+        except BaseException as e:
+            if getattr(e, "_fastdp_abandoned", False):
+                # Interrupted twice: workers may still run the kept replicas, so they are not reused.
+                self._replica_set = None
+            raise
+        finally:
+            if synced is not None:
+                synced.end()
+
+    def _gather_step(self, step, outputs, inputs, module_kwargs):
+        """The forward's one result: the gathered outputs, or the replicas' losses combined by the loss's rule."""
+        if step.loss is None:
+            if type(self).gather is DataParallel.gather and len(outputs) > 1:
+                self._warn_unaligned(outputs, inputs, module_kwargs)
+            return self.gather(outputs, self.output_device)
+        step.avoided_gather_bytes = sum(o[2] for o in outputs)
+        device = _devices.CPU if self.output_device == -1 else self.output_device
+        return _replica_loss.combine(outputs, [i[-1] for i in inputs], step.loss.rule, self.dim, device,
+                                    lambda losses: self.gather(losses, self.output_device))
 
     def _warn_not_batch_major(self, inputs, kwargs):
         """Warns once per argument whose size along dim differs from the batch's: scatter splits it anyway."""
@@ -549,74 +565,12 @@ class DataParallel(_UPSTREAM):
                 stacklevel=2,
             )
 
-    def _scatter_checked(self, inputs, kwargs, with_loss):
-        rule = self.__dict__.get("_split")
-        # Else an override (a subclass's, or one set on the instance) is called, and its super().scatter asks for
-        # the sizes itself.
-        own = type(self).scatter is DataParallel.scatter and "scatter" not in self.__dict__
-        try:  # "auto" reads the last forward's sizes first (its reader may look at them): reset after
-            sizes = _split.begin_forward(rule, inputs, kwargs, self.dim, len(self.device_ids), with_target=with_loss,
-                                         training=torch.is_grad_enabled() and self.module.training, sizes=own)
-        finally:
-            self._last_chunk_sizes = None
-        if own:
-            inputs, module_kwargs = self._scatter_sized(inputs, kwargs, self.device_ids, rule, sizes)
-        else:
-            inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
-        if not inputs and not module_kwargs:
-            return ((),), ({},)
-        return inputs, module_kwargs
-
-    def _replicas_for(self, plan, loss):
-        """(what parallel_apply runs, their devices, the idle master's BufferWatch or None, the loss rule or None,
-        the SyncBatchNorm session or None):
-        ``self.replicate`` onto the plan's devices, without the master's own replica when device 0 runs no chunk;
-        with a per-replica ``loss``, each replica paired with its criterion copy."""
-        devices = [self.device_ids[i] for i in plan.positions]
-        self._replica_positions = plan.positions
-        replicas = self.replicate(self.module, devices)
-        skip = plan.skip
-        watch = _idle_master.BufferWatch(self.module, replicas[skip]) if skip else None
-        # None: no SyncBatchNorm layer to synchronise (see NOTE [synced layers] in sync_batchnorm.py)
-        synced = sync_batchnorm.begin(self.module, replicas[skip:], devices[skip:], self._replica_set)
-        rule = None
-        if loss is not None:
-            replicas, rule = _replica_loss.pair(replicas, loss, devices), loss.rule
-        replicas = replicas[skip:]
-        if synced is not None:
-            replicas = synced.track(replicas)
-        return replicas, devices[skip:], watch, rule, synced
-
-    def _run_replicas(self, replicas, inputs, module_kwargs, devices, synced):
-        self._apply_devices = devices
-        try:
-            return self.parallel_apply(replicas, inputs, module_kwargs)
-        except BaseException as e:
-            if getattr(e, "_fastdp_abandoned", False):
-                # Interrupted twice: workers may still run the kept replicas, so they are not reused.
-                self._replica_set = None
-            raise
-        finally:
-            self._apply_devices = None
-            if synced is not None:
-                synced.end()
-
-    def _finish(self, rule, outputs, inputs, module_kwargs):
-        """The forward's one result: the gathered outputs, or the replicas' losses combined by ``rule``."""
-        if rule is None:
-            if type(self).gather is DataParallel.gather and len(outputs) > 1:
-                self._warn_unaligned(outputs, inputs, module_kwargs)
-            return self.gather(outputs, self.output_device)
-        self._avoided_gather_bytes = sum(o[2] for o in outputs)
-        device = _devices.CPU if self.output_device == -1 else self.output_device
-        return _replica_loss.combine(outputs, [i[-1] for i in inputs], rule, self.dim, device,
-                                    lambda losses: self.gather(losses, self.output_device))
-
     def replicate(self, module, device_ids):
-        if module is not self.module or self.__dict__.get("_is_replica") or id(self) in getattr(_FRESH, "ids", ()):
+        step = _step.current(self)
+        if module is not self.module or self.__dict__.get("_is_replica") or (step is not None and step.fresh):
             return replicate(module, device_ids, not torch.is_grad_enabled())
         devices = _devices.normalize_list(device_ids, "device_ids")
-        positions = self._replica_positions  # set by forward: which device_ids entries these devices are
+        positions = None if step is None else step.positions  # which device_ids entries these devices are
         if positions is not None and [self.device_ids[i] for i in positions] != devices:
             positions = None  # a call of its own (an override's, a user's): the devices as named
         kept = self._replica_set
@@ -673,17 +627,20 @@ class DataParallel(_UPSTREAM):
     def scatter(self, inputs, kwargs, device_ids):
         rule = self.__dict__.get("_split")
         sizes = None if rule is None else _split.split_for(rule, inputs, kwargs, self.dim, len(device_ids))
+        step = _step.current(self)
+        if step is not None:
+            step.chunk_sizes = sizes
         return self._scatter_sized(inputs, kwargs, device_ids, rule, sizes)
 
     def _scatter_sized(self, inputs, kwargs, device_ids, rule, sizes):
         """scatter with this batch's sizes already known (None: torch.chunk's rule)."""
         if rule is None:
             return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
-        self._last_chunk_sizes = sizes
         return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim, chunk_sizes=sizes)
 
     def parallel_apply(self, replicas, inputs, kwargs):
-        devices = self.__dict__.get("_apply_devices")  # set by forward: replicas may skip devices with no chunk
+        step = _step.current(self)
+        devices = None if step is None else step.devices  # replicas may skip devices with no chunk
         if devices is None or len(devices) != len(replicas):
             devices = self.device_ids[: len(replicas)]
         return parallel_apply(replicas, inputs, kwargs, devices)

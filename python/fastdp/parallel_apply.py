@@ -21,23 +21,10 @@ from contextlib import ExitStack
 import torch
 from torch._utils import ExceptionWrapper
 
-from . import _devices
+from . import _devices, _step
 from .sync_batchnorm import first_cause, needs_threads
 
 __all__ = ["parallel_apply"]
-
-
-class _Held(threading.local):
-    """Per thread: the ids of the wrappers whose forward is running in this thread or in a caller waiting on it
-    (workers inherit their caller's set). DataParallel uses it to tell a re-entrant call from another thread's."""
-
-    def __init__(self):
-        self.wrappers = frozenset()
-
-
-# The wrappers whose forward runs in this thread (or in a caller waiting on it): what DataParallel reads to tell a
-# re-entrant call from another thread's, and what parallel_apply's workers inherit.
-forwards_running = _Held()
 
 
 def _autocast_state(device_types):
@@ -52,7 +39,7 @@ def _autocast_state(device_types):
 class _Context:
     """Thread-local state captured in the caller and re-applied in each worker."""
 
-    __slots__ = ("grad_enabled", "inference", "autocast", "cache_enabled", "wrappers")
+    __slots__ = ("grad_enabled", "inference", "autocast", "cache_enabled", "steps")
 
     def __init__(self, devices):
         self.grad_enabled = torch.is_grad_enabled()
@@ -62,7 +49,7 @@ class _Context:
             types.append("cuda")
         self.autocast = _autocast_state(types)
         self.cache_enabled = torch.is_autocast_cache_enabled()
-        self.wrappers = forwards_running.wrappers
+        self.steps = _step.running.steps  # a wrapper called inside a replica knows it is re-entered
 
 
 class _ReplicaError(ExceptionWrapper):
@@ -87,12 +74,12 @@ def _run(index, module, args, kwargs, device, stream, context, results):
     replica's code): it comes back to the caller as upstream's "Caught X in replica i on device d." and never
     ends the thread it ran on.
     """
-    held = forwards_running
-    outer = held.wrappers
+    running = _step.running
+    outer = running.steps
     try:
         with ExitStack() as stack:
             if context is not None:
-                held.wrappers = context.wrappers
+                running.steps = context.steps
                 stack.enter_context(torch.inference_mode(context.inference))
                 stack.enter_context(torch.set_grad_enabled(context.grad_enabled))
             if device != _devices.CPU:
@@ -110,7 +97,7 @@ def _run(index, module, args, kwargs, device, stream, context, results):
     except BaseException:
         results[index] = _ReplicaError(where=f"in replica {index} on device {device}")
     finally:
-        held.wrappers = outer
+        running.steps = outer
 
 
 class _Worker:
@@ -251,7 +238,7 @@ def _after_fork():
     global _POOL_LOCK
     _IDLE.clear()
     _POOL_LOCK = threading.Lock()
-    forwards_running.wrappers = frozenset()
+    _step.running.steps = ()
 
 
 if hasattr(os, "register_at_fork"):

@@ -1,0 +1,104 @@
+"""One forward of a ``fastdp.DataParallel``: the state that belongs to it and to no other call.
+
+``forward`` makes a :class:`Step`, opens it (on this thread's stack of running steps), hands it down through
+scatter, replicate, parallel_apply and gather, and closes it at the end. The overridable methods keep upstream's
+signatures, so when ``forward`` calls them through ``self`` they find their step with :func:`current`. A step is
+seen only by the thread that opened it and by the workers running its replicas (which inherit the stack: a
+wrapper called again from inside a replica knows it is re-entered); another thread's forward, or a nested or
+re-entrant call, has a step of its own. When the step closes, what it found out (the chunk sizes, the bytes a
+per-replica loss did not gather) stays on the wrapper as its last step, for ``fastdp.memory_report`` and for the
+next forward's ``chunk_sizes="auto"`` reader.
+"""
+
+import threading
+
+__all__ = ["Step", "Outcome", "running", "current", "is_running", "open_step", "close_step"]
+
+
+class Step:
+    """What one forward decided and found.
+
+    ``wrapper``: the DataParallel running it. ``fresh``: its replicas are built afresh instead of taken from the
+    wrapper's kept set (a call re-entered while the outer one holds the set, or the forward of a replicated
+    wrapper). ``loss``: the per-replica loss (``fastdp._replica_loss.PerReplicaLoss``) or None. After the scatter:
+    ``chunk_sizes`` (per device_ids position, None for torch.chunk's rule), then the plan: ``run`` (the positions
+    with a chunk), ``positions`` (the positions replicated to: ``run``, with position 0 in front when it has no
+    chunk, because replication starts from the master there), ``skip`` (1 when that replica is built but not run)
+    and ``devices`` (the devices of the replicas that run). At the end: ``avoided_gather_bytes``, the outputs a
+    per-replica loss did not gather (0 for a criterion computed on the gathered output, None without one).
+    """
+
+    __slots__ = ("wrapper", "fresh", "loss", "chunk_sizes", "run", "positions", "skip", "devices",
+                 "avoided_gather_bytes")
+
+    def __init__(self, wrapper, loss):
+        self.wrapper = wrapper
+        self.fresh = False  # decided when the step starts running (DataParallel._run_step)
+        self.loss = loss
+        self.chunk_sizes = None
+        self.run = self.positions = self.devices = None
+        self.skip = 0
+        self.avoided_gather_bytes = None
+
+    def plan(self, nchunks, device_ids):
+        """Which devices run a replica: those with a non-empty chunk (all ``nchunks`` under torch.chunk's rule)."""
+        run = list(range(nchunks))
+        sizes = self.chunk_sizes
+        if sizes is not None and 0 in sizes:
+            run = [i for i in run if sizes[i] > 0]
+        self.run = run
+        self.positions = run if run[0] == 0 else [0] + run
+        self.skip = len(self.positions) - len(run)
+        self.devices = [device_ids[i] for i in run]
+
+    def keep(self, per_chunk):
+        """The entries of the chunks that run."""
+        if len(self.run) == len(per_chunk):
+            return per_chunk
+        return tuple(per_chunk[i] for i in self.run)
+
+
+class Outcome:
+    """What a wrapper's last forward found, kept after it: plain values, no reference to the step's objects."""
+
+    __slots__ = ("chunk_sizes", "avoided_gather_bytes")
+
+    def __init__(self, chunk_sizes, avoided_gather_bytes):
+        self.chunk_sizes = chunk_sizes
+        self.avoided_gather_bytes = avoided_gather_bytes
+
+
+class _Running(threading.local):
+    """Per thread: the steps running in this thread or in a caller waiting on it, innermost last."""
+
+    def __init__(self):
+        self.steps = ()
+
+
+running = _Running()
+
+
+def current(wrapper):
+    """The innermost running step of ``wrapper`` seen from this thread, or None outside its forward."""
+    for step in reversed(running.steps):
+        if step.wrapper is wrapper:
+            return step
+    return None
+
+
+def is_running(wrapper):
+    """Whether a forward of ``wrapper`` runs in this thread or in a caller waiting on it (a re-entered call)."""
+    return any(step.wrapper is wrapper for step in running.steps)
+
+
+def open_step(step):
+    """Puts ``step`` on this thread's stack; returns the stack to restore with :func:`close_step`."""
+    outer = running.steps
+    running.steps = outer + (step,)
+    return outer
+
+
+def close_step(step, outer):
+    """Takes ``step`` off this thread's stack and leaves what it found on its wrapper (``_last_step``)."""
+    running.steps = outer
+    step.wrapper.__dict__["_last_step"] = Outcome(step.chunk_sizes, step.avoided_gather_bytes)

@@ -97,8 +97,8 @@ def test_torch_fallback_copies_run_on_the_listed_streams(cuda):
         def copy_(self, src):
             seen.append(cuda.current_stream(1).name)
 
-    _fallback._copy([Dst(), Dst()], [None, None], [(1, work.cuda_stream)])
-    _fallback._copy([Dst()], [None], None)
+    _fallback.copy([Dst(), Dst()], [None, None], [(1, work.cuda_stream)])
+    _fallback.copy([Dst()], [None], None)
     assert seen == ["core@1", "core@1", "default@1"]
 
 

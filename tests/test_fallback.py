@@ -114,6 +114,7 @@ def test_one_warning_per_process_with_reason_and_fix(unavailable):
         "the driver (PyTorch's CUDA wheels bring it), or reinstall fastdp on a machine where nvcc is found. Set "
         "FASTDP_STRICT=1 to make this an error. (Shown once per process.)"
     )
+    assert w.filename == __file__  # it names the user's call of fastdp.comm
     assert _fallback.reason() == REASON
     assert fastdp.info()["fallback"] == REASON
 
@@ -177,3 +178,69 @@ def test_fix_for_a_disabled_driver():
     assert res.returncode == 0, res.stderr
     why, fix = res.stdout.strip().splitlines()[-2:]
     assert "FASTDP_DISABLE_CUDA" in why and fix == "unset FASTDP_DISABLE_CUDA"
+
+
+# ---- the route: which implementation serves a sum over several devices ----------------------------------------
+
+
+class OnDevice:
+    """A tensor standing on a named device: ``to`` moves it (recorded), the values stay a host tensor."""
+
+    moves = []
+
+    def __init__(self, values, device):
+        self.values, self.device = values, device
+
+    def to(self, device):
+        OnDevice.moves.append((self.device, device))
+        return OnDevice(self.values, device)
+
+
+def _sum_core(can_span):
+    """A core that sums columns whose tensors share their output's device, and across devices only when
+    ``can_span`` (as with NCCL); otherwise it raises BackendUnavailableError, as the cuda backend does."""
+    calls = []
+
+    def reduce_many(columns, outs, streams):
+        calls.append([[t.device for t in c] for c in columns])
+        if not can_span and any(t.device != o.device for c, o in zip(columns, outs) for t in c):
+            raise _C.BackendUnavailableError("no backend can sum across devices here: NCCL is disabled")
+        for c, o in zip(columns, outs):
+            o.values.copy_(_sum_in_order([t.values for t in c]))
+
+    return reduce_many, calls
+
+
+@pytest.mark.parametrize("can_span", [True, False])
+def test_a_sum_across_devices_is_staged_on_the_outputs_device_when_the_core_cannot_span_them(monkeypatch, can_span):
+    from fastdp import _route
+
+    reduce_many, calls = _sum_core(can_span)
+    monkeypatch.setattr(_C, "reduce_many", reduce_many)
+    monkeypatch.setattr(_fallback, "_reason", None)
+    OnDevice.moves = []
+    ins = [OnDevice(torch.randn(5), f"cuda:{d}") for d in range(3)]
+    out = OnDevice(torch.empty(5), "cuda:0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _fallback.FallbackWarning)  # staging is the core's route: no warning
+        _route.reduce_many([ins], [out], None)
+    assert torch.equal(out.values, _sum_in_order([t.values for t in ins]))
+    if can_span:
+        assert calls == [[["cuda:0", "cuda:1", "cuda:2"]]] and OnDevice.moves == []
+    else:
+        assert calls == [[["cuda:0", "cuda:1", "cuda:2"]], [["cuda:0"] * 3]]
+        assert OnDevice.moves == [("cuda:1", "cuda:0"), ("cuda:2", "cuda:0")]
+    assert _fallback.reason() is None
+
+
+def test_a_sum_the_core_cannot_run_on_one_device_goes_to_torch_without_a_second_try(unavailable):
+    from fastdp import _route
+
+    ins, out = [torch.randn(4) for _ in range(3)], torch.empty(4)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _route.reduce_many([ins], [out], None)
+    assert unavailable == ["reduce_many"]  # nothing to stage: asked once, then torch
+    assert torch.equal(out, _sum_in_order(ins))
+    (w,) = _fallback_warnings(record)
+    assert w.filename == __file__  # the warning names the caller's line, not fastdp's

@@ -3,8 +3,7 @@ order core work (PyTorch's current stream of each CUDA device; none for host ten
 
 import torch
 
-from . import _C
-from ._fallback import core as _guarded_core  # the staged retry below falls back to torch when the core cannot
+from . import _C, _route
 
 _CODES = _C.dtype_codes()
 _CORE_DTYPES = {
@@ -113,11 +112,7 @@ if torch.backends.cuda.is_built():  # a PyTorch without CUDA has no allocator to
 
 
 def _reduce(columns, outs):
-    try:
-        _C.reduce_many(columns, outs, streams_for([*outs, *(t for c in columns for t in c)]))
-    except _C.BackendUnavailableError:
-        staged = [[t if t.device == o.device else t.to(o.device) for t in c] for c, o in zip(columns, outs)]
-        _guarded_core.reduce_many(staged, outs, streams_for([*outs, *(t for c in staged for t in c)]))
+    _route.reduce_many(columns, outs, streams_for([*outs, *(t for c in columns for t in c)]))
 
 
 def _tiles(outs):
@@ -175,7 +170,7 @@ def _pack(columns, outs):
         if filled[key] != flat.numel():  # some column has no tensor here: its part must add nothing
             flat.zero_()
     if dsts:
-        _guarded_core.copy(dsts, srcs, streams_for([*slots.values(), *srcs]))
+        _route.copy(dsts, srcs, streams_for([*slots.values(), *srcs]))
     return list(slots.values()), result, flat_out is None
 
 
@@ -194,7 +189,7 @@ def reduce_columns(columns, outs):
         _reduce([flats], [result])
         if copy_back:
             parts = list(result.split([o.numel() for o in outs]))
-            _guarded_core.copy([o.view(-1) for o in outs], parts, streams_for([result]))
+            _route.copy([o.view(-1) for o in outs], parts, streams_for([result]))
         return
     _reduce(columns, outs)
 

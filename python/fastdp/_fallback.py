@@ -1,15 +1,16 @@
-"""The core's data-moving calls with torch's own implementation behind them.
+"""The torch route: torch's own implementation of the core's data-moving calls, and what taking it says.
 
-When fastdp's C core cannot run an operation here (no CUDA driver it can use, no kernels for this GPU: no NVRTC
-and no matching fatbin, CUDA disabled...), it raises ``BackendUnavailableError``; ``core.<op>`` then does the same
-work with ``Tensor.copy_`` and ``torch.add`` (what ``torch.nn.parallel.comm`` does underneath), in the same
-order and rounding, and warns once per process naming the reason and the fix. ``FASTDP_STRICT=1`` (declared
-in csrc/base/param.c) turns the fallback into that error, for benchmarks and checks that must prove the C
-paths ran. ``core`` is a drop-in for the ``_C`` module: every other attribute is ``_C``'s own.
+``fastdp._route`` sends a call here when fastdp's C core cannot run it (``BackendUnavailableError``: no CUDA driver
+it can use, no kernels for this GPU (no NVRTC and no matching fatbin), CUDA disabled...). The functions below do the
+same work with ``Tensor.copy_`` and ``torch.add`` (what ``torch.nn.parallel.comm`` does underneath), in the same
+order and rounding, with the core's signatures. ``take_over`` warns once per process, naming the reason and the
+fix; ``FASTDP_STRICT=1`` (declared in csrc/base/param.c) makes it raise that error instead, for benchmarks and
+checks that must prove the C paths ran.
 """
 
 import contextlib
 import os
+import sys
 import threading
 import warnings
 
@@ -17,7 +18,7 @@ import torch
 
 from . import _C
 
-__all__ = ["core", "FallbackWarning", "reason", "strict"]
+__all__ = ["FallbackWarning", "reason", "strict", "take_over", "copy", "broadcast", "scatter", "gather", "reduce_many"]
 
 
 class FallbackWarning(UserWarning):
@@ -56,8 +57,9 @@ def _fix(message):
     return "see `python -m fastdp info` for what is missing"
 
 
-def _fall_back(exc, op):
-    """Raises under FASTDP_STRICT; otherwise records the reason and warns the first time."""
+def take_over(exc, op):
+    """Torch is about to run ``op`` because the core raised ``exc``: raises under FASTDP_STRICT; otherwise records
+    the reason and warns the first time."""
     global _reason
     if strict():
         raise _C.BackendUnavailableError(
@@ -73,8 +75,17 @@ def _fall_back(exc, op):
             f"for this and every later call that needs it. Fix: {_fix(str(exc))}. Set FASTDP_STRICT=1 to make "
             "this an error. (Shown once per process.)",
             FallbackWarning,
-            stacklevel=4,
+            stacklevel=_first_caller_outside_fastdp(),
         )
+
+
+def _first_caller_outside_fastdp():
+    """The warning's stack level that names the user's line (the call into fastdp), whichever path led here."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1  # take_over's frame is level 1 of its warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _on_stream(streams, t):
@@ -88,28 +99,28 @@ def _on_stream(streams, t):
     return contextlib.nullcontext()
 
 
-def _copy(dsts, srcs, streams=None):
+def copy(dsts, srcs, streams=None):
     for d, s in zip(dsts, srcs):
         with _on_stream(streams, d):
             d.copy_(s)
 
 
-def _broadcast(src, dsts, streams=None):
-    _copy(dsts, [src] * len(dsts), streams)
+def broadcast(src, dsts, streams=None):
+    copy(dsts, [src] * len(dsts), streams)
 
 
 def _same_view(a, b):
     return a.device == b.device and a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
 
 
-def _scatter(src, outs, dim, chunk_sizes, streams=None):
+def scatter(src, outs, dim, chunk_sizes, streams=None):
     for o, piece in zip(outs, src.split(list(chunk_sizes), dim)):
         if not _same_view(o, piece):  # the source's own entry is a view of it: nothing to move
             with _on_stream(streams, o):
                 o.copy_(piece)
 
 
-def _gather(inputs, out, dim, streams=None):
+def gather(inputs, out, dim, streams=None):
     start = 0
     with _on_stream(streams, out):
         for t in inputs:
@@ -131,39 +142,6 @@ def _reduce(inputs, out, streams=None):
         _sum_into(list(inputs), out)
 
 
-def _reduce_many(columns, outs, streams=None):
+def reduce_many(columns, outs, streams=None):
     for column, out in zip(columns, outs):
         _reduce(column, out, streams)
-
-
-class _Core:
-    """``_C`` with copy, broadcast, scatter, gather, reduce and reduce_many falling back to torch."""
-
-    def __getattr__(self, name):
-        return getattr(_C, name)
-
-
-def _guarded(name, fallback):
-    def call(*args):
-        try:
-            return getattr(_C, name)(*args)  # looked up per call, so tests can replace _C's function
-        except _C.BackendUnavailableError as e:
-            _fall_back(e, f"fastdp.comm's {name}")
-            return fallback(*args)
-
-    call.__name__ = name
-    call.__doc__ = f"_C.{name}, or torch's implementation when the core cannot run it"
-    return staticmethod(call)
-
-
-for _name, _impl in (
-    ("copy", _copy),
-    ("broadcast", _broadcast),
-    ("scatter", _scatter),
-    ("gather", _gather),
-    ("reduce", _reduce),
-    ("reduce_many", _reduce_many),
-):
-    setattr(_Core, _name, _guarded(_name, _impl))
-
-core = _Core()

@@ -63,8 +63,7 @@ import torch
 from torch.autograd import Function
 from torch.nn.parameter import is_lazy
 
-from . import _devices, _hooks, _streams, comm
-from ._fallback import core as _C  # _C, with torch behind every data-moving call
+from . import _C, _devices, _hooks, _route, _streams, comm
 from ._core import reduce_columns, streams_for, to_core_dtype
 from ._functions import ReduceAddCoalesced
 from .replicate import check_initialized, is_compiled, skeletons
@@ -341,19 +340,19 @@ class _Bucket:
         state = self.state
         if flat is not None:
             if state.collective:
-                _C.broadcast(flat, flats, streams_for([flat, *flats]))
+                _route.broadcast(flat, flats, streams_for([flat, *flats]))
             else:
-                _C.copy(flats, [flat] * len(flats), streams_for([flat, *flats]))
+                _route.copy(flats, [flat] * len(flats), streams_for([flat, *flats]))
             return
         sources = [t.detach() for t in self.master]
         if state.collective:  # NCCL broadcasts one packed buffer from device_ids[0]
             if self.src_pool is None:
                 self.src_pool = _FlatPool(self.numel, self.dtype, state.tdevs[0])
             src_flat, src_views = self.src_pool.take(self.like, self.sizes, self.shapes, False)
-            _C.copy(src_views, sources, streams_for([src_flat]))
-            _C.broadcast(src_flat, flats, streams_for([src_flat, *flats]))
+            _route.copy(src_views, sources, streams_for([src_flat]))
+            _route.broadcast(src_flat, flats, streams_for([src_flat, *flats]))
         else:  # host entries or repeated CUDA ids: every member straight into every replica's buffer, one call
-            _C.copy([v for vs in views for v in vs], sources * len(views), streams_for([*sources, *flats]))
+            _route.copy([v for vs in views for v in vs], sources * len(views), streams_for([*sources, *flats]))
 
 
 class _KeptBroadcast(Function):

@@ -27,8 +27,7 @@ import warnings
 
 import torch
 
-from . import _devices
-from ._fallback import core as _C  # _C, with torch behind every data-moving call
+from . import _C, _devices, _route
 from ._core import dtype_key, open_peers, prepare, reduce_columns, streams_for, to_core_dtype
 
 __all__ = [
@@ -201,7 +200,7 @@ def broadcast(tensor, devices=None, *, out=None):
     else:
         results, targets = _broadcast_into(tensor, out)
     if targets:
-        _C.broadcast(src, targets, streams_for([src, *targets]))
+        _route.broadcast(src, targets, streams_for([src, *targets]))
     return results
 
 
@@ -243,10 +242,10 @@ def _broadcast_bucket(srcs, sizes, numel, devices, collective):
             src_flat = srcs[0].view(-1)
         else:
             src_flat = torch.empty(numel, dtype=srcs[0].dtype, device=devices[0])
-            _C.copy(_split(src_flat, sizes, srcs), srcs, streams_for([src_flat]))
-        _C.broadcast(src_flat, flats, streams_for([src_flat, *flats]))
+            _route.copy(_split(src_flat, sizes, srcs), srcs, streams_for([src_flat]))
+        _route.broadcast(src_flat, flats, streams_for([src_flat, *flats]))
     else:  # host entries or repeated CUDA ids: copy every member straight into every flat, in one call
-        _C.copy([v for vs in views for v in vs], srcs * len(flats), streams_for([*srcs, *flats]))
+        _route.copy([v for vs in views for v in vs], srcs * len(flats), streams_for([*srcs, *flats]))
     return views
 
 
@@ -383,7 +382,7 @@ def _reduce_bucket(columns, idx, sizes, numel, destination):
     for ts in columns:
         srcs = [prepare(ts[i]) for i in idx]
         flat = torch.empty(numel, dtype=srcs[0].dtype, device=srcs[0].device)
-        _C.copy(_split(flat, sizes, srcs), srcs, streams_for([flat, *srcs]))
+        _route.copy(_split(flat, sizes, srcs), srcs, streams_for([flat, *srcs]))
         flats.append(flat)
     return reduce_add(flats, destination)
 
@@ -497,7 +496,7 @@ def _scatter_into(tensor, src, dim, out):
     _raise_first(RuntimeError, outs, [_same_kind_as(outs[0], "output"), shape],
                  _one_kind(outs) and _same_but_dim(outs, tensor, d))
     try:
-        _C.scatter(src, outs, d, [o.shape[d] for o in outs], streams_for([src, *outs]))
+        _route.scatter(src, outs, d, [o.shape[d] for o in outs], streams_for([src, *outs]))
     except ValueError as e:  # upstream's comm.cpp raises its checks (the core's, here) as RuntimeError
         raise RuntimeError(str(e)) from None
     return tuple(outs)
@@ -577,7 +576,7 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
         stream_pairs = [(k, s.cuda_stream) for k, s in chosen.items()]
         if len(chosen) > 1:
             open_peers(chosen)
-    _C.scatter(src, results, d, sizes, stream_pairs)
+    _route.scatter(src, results, d, sizes, stream_pairs)
     if given is not None:
         _hand_over(results, used, given, chosen)
     return tuple(results)
@@ -648,7 +647,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
             f"and {out.dtype}"
         )
     ins = [prepare(t) for t in tensors]
-    _C.gather(ins, out, d, streams_for([*ins, out]))
+    _route.gather(ins, out, d, streams_for([*ins, out]))
     return out
 
 

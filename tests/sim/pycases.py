@@ -523,11 +523,11 @@ def case_status(sim):
 
 def case_no_kernels(sim):
     """No fatbin and no NVRTC: the core still does every copy the copy engines can do, refuses kernel work with
-    BackendUnavailableError naming the kernel, and fastdp's fallback layer then gives torch's result (computed by
+    BackendUnavailableError naming the kernel, and fastdp's route to torch then gives torch's result (computed by
     torch on the host here, since torch cannot run on simulated memory) with one FallbackWarning."""
     import warnings
 
-    from fastdp import _fallback
+    from fastdp import _fallback, _route
 
     assert os.environ.get("FASTDP_DISABLE_NVRTC") == "1" and os.environ.get("FASTDP_DISABLE_FATBIN") == "1"
     assert _C.usable("cuda")[0], "the cuda backend must stay usable without kernels"
@@ -557,8 +557,8 @@ def case_no_kernels(sim):
     _fallback._sum_into = host_sum_into
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _fallback.core.reduce(ins, out)
-        _fallback.core.reduce(ins, out)
+        _route.reduce_many([ins], [out], None)
+        _route.reduce_many([ins], [out], None)
     assert ran == [3, 3], ran
     falls = [w for w in caught if issubclass(w.category, fastdp.FallbackWarning)]
     assert len(falls) == 1 and "k-way sum kernel" in str(falls[0].message), [str(w.message) for w in caught]

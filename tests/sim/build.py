@@ -21,10 +21,10 @@ SOURCES = ["sim_cuda.c", "sim_nccl.c", "sim_host.c"]
 # fastdp's real kernels, compiled as host C++ with kernel_host.h (sim_kernels.cc runs them over their grids).
 KERNELS = [os.path.join(ROOT, "cuda", "sum.cu"), os.path.join(ROOT, "cuda", "copy.cu")]
 CXX_SOURCES = [os.path.join(HERE, "sim_kernels.cc")]
-HEADERS = [os.path.join(HERE, "sim.h"), os.path.join(ROOT, "csrc", "dl", "cuda_api.h"),
-           os.path.join(ROOT, "csrc", "dl", "nccl_api.h"), os.path.join(ROOT, "csrc", "backend", "cuda", "kernels.h"),
-           os.path.join(ROOT, "csrc", "fastdp.h"), os.path.join(ROOT, "csrc", "base", "base.h"),
-           os.path.join(ROOT, "csrc", "core", "backend.h"), os.path.join(HERE, "kernel_host.h")]
+HEADERS = [os.path.join(HERE, "sim.h"), os.path.join(HERE, "sim_driver.h"), os.path.join(HERE, "kernel_host.h"),
+           os.path.join(ROOT, "csrc", "dl", "cuda_api.h"), os.path.join(ROOT, "csrc", "dl", "nccl_api.h"),
+           os.path.join(ROOT, "csrc", "backend", "cuda", "kernels.h"), os.path.join(ROOT, "csrc", "fastdp.h"),
+           os.path.join(ROOT, "csrc", "base", "base.h"), os.path.join(ROOT, "csrc", "core", "backend.h")]
 CXXFLAGS = ["-std=c++17", "-g", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", "-fno-fast-math"]
 CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-O1", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
           "-ffp-contract=off", "-fno-fast-math"]

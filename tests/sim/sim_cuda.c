@@ -3,7 +3,7 @@
  * on the host, and a happens-before (vector clock) check of every device access. Misuse is recorded, never
  * fatal; tests read it back through the simgpu_* controls. Work runs eagerly, at enqueue time. */
 
-#include "sim.h"
+#include "sim_driver.h"
 
 #include "backend/cuda/kernels.h"
 #include "fastdp.h"
@@ -16,78 +16,32 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#define MAGIC_CTX 0x43545831u
-#define MAGIC_STREAM 0x5354524du
-#define MAGIC_EVENT 0x45564e54u
-#define MAGIC_MODULE 0x4d4f444cu
-#define MAGIC_FUNC 0x46554e43u
 #define RANGE_BYTES (1ull << 36) /* fake address range reserved per device (PROT_NONE: the host cannot touch it) */
 #define GAP 256
-#define MAX_ERRORS_KEPT 64
 #define PAGE 4096
-#define DEVICE_ALIGN 256
-#define CANARY 0x5a
 #define HUGE_BYTES (256u << 20) /* allocations from this size on start zeroed: filling them would cost real memory */
 
 /* ---- state ---- */
 
 static pthread_mutex_t g_mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
-static int g_ndev = -1;
-static int g_inited;
-static size_t g_mem_total;
-static int g_check_races = 1;
-static int g_sms = 2;
+int g_ndev = -1;
+int g_inited;
+size_t g_mem_total;
+int g_check_races = 1;
+int g_sms = 2;
 
-typedef struct sim_alloc {
-  CUdeviceptr base;
-  size_t size;
-  int dev;
-  int freed;
-  int async;
-  /* Blocks of the simulated caching allocator (simgpu_cache_alloc): owned by it, the stream they belong to, whether
-   * it holds them as free now, and the size the current owner asked for (accesses past it are overruns). */
-  int cache_owned, cached;
-  sim_stream_t *cache_stream;
-  size_t asked;
-  unsigned char *mem; /* the bytes, ending just before a guard page (see mem_new) */
-  void *map;          /* the host mapping holding them */
-  size_t maplen;
-  uint32_t *w, *r; /* per-byte epochs of the last write and the last read: (agent << 22) | clock */
-} sim_alloc_t;
-
-typedef struct device {
-  CUdeviceptr lo, hi, next; /* reserved range and bump pointer (addresses are never reused) */
-  size_t used;
-  int refs; /* primary context retains */
-  sim_ctx_t *ctx; /* the current primary context (possibly dead) */
-  sim_alloc_t **allocs; /* sorted by base */
-  size_t nallocs, cap;
-} device_t;
-
-static device_t g_dev[SIM_MAX_DEVICES];
+device_t g_dev[SIM_MAX_DEVICES];
 
 /* Everything ever created, kept (dead) until the process ends so that a stale handle is recognised. */
-static void **g_objs;
-static size_t g_nobjs, g_capobjs;
+void **g_objs;
+size_t g_nobjs;
+static size_t g_capobjs;
 
-static sim_stream_t **g_streams; /* live streams, legacy ones included */
-static size_t g_nstreams, g_capstreams;
+sim_stream_t **g_streams; /* live streams, legacy ones included */
+size_t g_nstreams;
+static size_t g_capstreams;
 static int g_agents;
 static uint32_t g_host_vc[SIM_MAX_AGENTS];
-
-typedef struct sim_event {
-  uint32_t magic;
-  sim_ctx_t *ctx;
-  int alive;
-  int recorded;
-  uint32_t *vc;
-} sim_event_t;
-
-typedef struct sim_module {
-  uint32_t magic;
-  sim_ctx_t *ctx;
-  int alive;
-} sim_module_t;
 
 typedef enum { K_SUM, K_COPY } kind_t;
 typedef struct sim_func {
@@ -100,14 +54,14 @@ typedef struct sim_func {
 } sim_func_t;
 
 /* counters */
-static long long g_calls[SIM_E_COUNT];
-static long long g_fail_at[SIM_E_COUNT]; /* call number that fails (0: none) */
-static int g_fail_code[SIM_E_COUNT];
-static long long g_nerrors, g_nraces;
-static char g_errors[MAX_ERRORS_KEPT][512];
-static long long g_cache_reuses; /* blocks the simulated caching allocator handed out again */
-static long long g_live_allocs, g_live_streams, g_live_events, g_live_modules, g_pushes, g_comms, g_groups;
-static long long g_peer_enables;
+long long g_calls[SIM_E_COUNT];
+long long g_fail_at[SIM_E_COUNT]; /* call number that fails (0: none) */
+int g_fail_code[SIM_E_COUNT];
+long long g_nerrors, g_nraces;
+char g_errors[MAX_ERRORS_KEPT][512];
+long long g_cache_reuses; /* blocks the simulated caching allocator handed out again */
+long long g_live_allocs, g_live_streams, g_live_events, g_live_modules, g_pushes, g_comms, g_groups;
+long long g_peer_enables;
 static int g_verbose;
 
 static __thread sim_ctx_t *t_stack[64];
@@ -118,7 +72,7 @@ static __thread int t_depth;
 __attribute__((used)) static void (*const k_driver_entry_points[])(void) = {FDP_CU_ENTRY_POINTS(SIM_DRIVER_ENTRY)};
 #undef SIM_X
 
-static const char *const k_entry_names[SIM_E_COUNT] = {
+const char *const k_entry_names[SIM_E_COUNT] = {
 #define SIM_X(name) #name,
     SIM_ENTRIES
 #undef SIM_X
@@ -152,7 +106,7 @@ void sim_race(const char *fmt, ...) {
   sim_misuse("%s", buf);
 }
 
-static void track(void *p) {
+void sim_track(void *p) {
   if (g_nobjs == g_capobjs) {
     g_capobjs = g_capobjs ? g_capobjs * 2 : 256;
     g_objs = realloc(g_objs, g_capobjs * sizeof *g_objs);
@@ -160,7 +114,7 @@ static void track(void *p) {
   g_objs[g_nobjs++] = p;
 }
 
-static long long env_ll(const char *name, long long def) {
+long long sim_env_ll(const char *name, long long def) {
   const char *s = getenv(name);
   return s && *s ? strtoll(s, NULL, 0) : def;
 }
@@ -184,16 +138,16 @@ static void parse_fail_env(void) {
   }
 }
 
-static void setup(void) {
+void sim_setup(void) {
   if (g_ndev >= 0) return;
-  g_ndev = (int)env_ll("SIMGPU_DEVICES", 4);
+  g_ndev = (int)sim_env_ll("SIMGPU_DEVICES", 4);
   if (g_ndev < 0) g_ndev = 0;
   if (g_ndev > SIM_MAX_DEVICES) g_ndev = SIM_MAX_DEVICES;
-  g_mem_total = (size_t)env_ll("SIMGPU_MEM_MB", 4096) << 20;
-  g_check_races = env_ll("SIMGPU_RACES", 1) != 0;
-  g_sms = (int)env_ll("SIMGPU_SMS", 2);
+  g_mem_total = (size_t)sim_env_ll("SIMGPU_MEM_MB", 4096) << 20;
+  g_check_races = sim_env_ll("SIMGPU_RACES", 1) != 0;
+  g_sms = (int)sim_env_ll("SIMGPU_SMS", 2);
   if (g_sms < 1) g_sms = 1;
-  g_verbose = env_ll("SIMGPU_VERBOSE", 0) != 0;
+  g_verbose = sim_env_ll("SIMGPU_VERBOSE", 0) != 0;
   for (int d = 0; d < g_ndev; d++) {
     void *p = mmap(NULL, RANGE_BYTES, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) {
@@ -208,7 +162,7 @@ static void setup(void) {
 }
 
 int sim_enter(sim_entry_t e) {
-  setup();
+  sim_setup();
   long long n = ++g_calls[e];
   if (g_fail_at[e] != 0 && n == g_fail_at[e]) {
     g_fail_at[e] = 0;
@@ -220,7 +174,7 @@ int sim_enter(sim_entry_t e) {
 }
 
 int sim_ndev(void) {
-  setup();
+  sim_setup();
   return g_ndev;
 }
 
@@ -248,7 +202,7 @@ void sim_vc_join(uint32_t *into, const uint32_t *from) {
     if (from[a] > into[a]) into[a] = from[a];
 }
 
-static sim_stream_t *stream_new(sim_ctx_t *ctx, int legacy, int blocking) {
+sim_stream_t *sim_stream_new(sim_ctx_t *ctx, int legacy, int blocking) {
   sim_stream_t *s = calloc(1, sizeof *s);
   s->magic = MAGIC_STREAM;
   s->ctx = ctx;
@@ -266,7 +220,7 @@ static sim_stream_t *stream_new(sim_ctx_t *ctx, int legacy, int blocking) {
   }
   /* A new stream starts after everything the host has seen. */
   sim_vc_join(s->vc, g_host_vc);
-  track(s);
+  sim_track(s);
   if (g_nstreams == g_capstreams) {
     g_capstreams = g_capstreams ? 2 * g_capstreams : 64;
     g_streams = realloc(g_streams, g_capstreams * sizeof *g_streams);
@@ -275,7 +229,7 @@ static sim_stream_t *stream_new(sim_ctx_t *ctx, int legacy, int blocking) {
   return s;
 }
 
-static void stream_kill(sim_stream_t *s) {
+void sim_stream_kill(sim_stream_t *s) {
   s->alive = 0;
   for (size_t i = 0; i < g_nstreams; i++)
     if (g_streams[i] == s) {
@@ -304,21 +258,21 @@ void sim_op_begin(sim_op_t *op, sim_stream_t *s, const char *name, int dev) {
 }
 
 /* The host learns that everything `vc` covers has completed: copies to host memory among it land now. */
-static void host_sync(const uint32_t *vc) {
+void sim_host_sync(const uint32_t *vc) {
   sim_vc_join(g_host_vc, vc);
   sim_host_retire(g_host_vc);
 }
 
 static void host_sync_stream(sim_stream_t *s) {
-  host_sync(s->vc);
+  sim_host_sync(s->vc);
   if (s->legacy) /* the legacy stream also waits for the blocking streams of its context */
     for (size_t i = 0; i < g_nstreams; i++)
-      if (g_streams[i]->ctx == s->ctx && g_streams[i]->blocking) host_sync(g_streams[i]->vc);
+      if (g_streams[i]->ctx == s->ctx && g_streams[i]->blocking) sim_host_sync(g_streams[i]->vc);
 }
 
 /* ---- memory ---- */
 
-static sim_alloc_t *find_alloc(CUdeviceptr p, int *dev) {
+sim_alloc_t *sim_find_alloc(CUdeviceptr p, int *dev) {
   for (int d = 0; d < g_ndev; d++) {
     device_t *D = &g_dev[d];
     if (p < D->lo || p >= D->hi) continue;
@@ -337,7 +291,7 @@ static sim_alloc_t *find_alloc(CUdeviceptr p, int *dev) {
   return NULL;
 }
 
-static int in_device_range(const void *host) {
+int sim_in_device_range(const void *host) {
   uintptr_t p = (uintptr_t)host;
   for (int d = 0; d < g_ndev; d++)
     if (p >= g_dev[d].lo && p < g_dev[d].hi) return 1;
@@ -354,7 +308,7 @@ static const char *stream_name(const sim_stream_t *s, char *buf, size_t len) {
 
 unsigned char *sim_check_range(sim_op_t *op, CUdeviceptr p, size_t n) {
   int dev;
-  sim_alloc_t *a = find_alloc(p, &dev);
+  sim_alloc_t *a = sim_find_alloc(p, &dev);
   if (dev < 0) {
     sim_misuse("%s: 0x%llx is not device memory (a host pointer?)", op->name, (unsigned long long)p);
     return NULL;
@@ -430,14 +384,14 @@ unsigned char *sim_access(sim_op_t *op, CUdeviceptr p, size_t n, int write) {
   unsigned char *h = sim_check_range(op, p, n);
   if (h == NULL) return NULL;
   int dev;
-  sim_alloc_t *a = find_alloc(p, &dev);
+  sim_alloc_t *a = sim_find_alloc(p, &dev);
   shadow(op, a, (size_t)(p - a->base), n, write);
   return h;
 }
 
 /* Device bytes live in host pages followed by an inaccessible guard page. The block ends where the guard begins,
  * less the rounding that keeps its start aligned as device memory is (256 bytes); those few bytes hold a canary.
- * So a kernel that strays past its memory faults at once, or leaves the canary changed (mem_overrun). */
+ * So a kernel that strays past its memory faults at once, or leaves the canary changed (sim_mem_overrun). */
 static unsigned char *mem_new(size_t bytes, void **map, size_t *maplen) {
   size_t span = (bytes + DEVICE_ALIGN - 1) & ~(size_t)(DEVICE_ALIGN - 1);
   size_t pages = (span + PAGE - 1) & ~(size_t)(PAGE - 1);
@@ -455,7 +409,7 @@ static unsigned char *mem_new(size_t bytes, void **map, size_t *maplen) {
 }
 
 /* Whether anything wrote past the end of allocation `a` (into its canary). */
-static int mem_overrun(const sim_alloc_t *a) {
+int sim_mem_overrun(const sim_alloc_t *a) {
   size_t span = (a->size + DEVICE_ALIGN - 1) & ~(size_t)(DEVICE_ALIGN - 1);
   for (size_t i = a->size; i < span; i++)
     if (a->mem[i] != CANARY) return 1;
@@ -477,7 +431,7 @@ static void shadow_free(uint32_t *p, size_t n) {
     munmap(p, n * sizeof(uint32_t));
 }
 
-static void alloc_free(sim_alloc_t *a) {
+void sim_alloc_free(sim_alloc_t *a) {
   a->freed = 1;
   g_dev[a->dev].used -= a->size;
   if (a->map) munmap(a->map, a->maplen);
@@ -489,7 +443,7 @@ static void alloc_free(sim_alloc_t *a) {
   g_live_allocs--;
 }
 
-static CUresult alloc_new(int dev, size_t bytes, int async, CUdeviceptr *out) {
+CUresult sim_alloc_new(int dev, size_t bytes, int async, CUdeviceptr *out) {
   device_t *D = &g_dev[dev];
   if (bytes == 0) return CUDA_ERROR_INVALID_VALUE;
   if (D->used + bytes > g_mem_total || D->next + bytes + GAP > D->hi) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -529,7 +483,7 @@ static sim_ctx_t *current(void) {
 }
 
 /* The current context, alive; NULL after recording why (*err receives the result to return). */
-static sim_ctx_t *need_ctx(const char *op, CUresult *err) {
+sim_ctx_t *sim_need_ctx(const char *op, CUresult *err) {
   sim_ctx_t *c = current();
   if (c == NULL) {
     sim_misuse("%s: no CUDA context is current on this thread", op);
@@ -558,22 +512,22 @@ sim_ctx_t *sim_current(void) {
 
 int sim_ptr_device(CUdeviceptr p) {
   int dev;
-  find_alloc(p, &dev);
+  sim_find_alloc(p, &dev);
   return dev;
 }
 
 /* Handles are never freed (dead objects stay until the process ends), so a handle this library returned can
  * always be read; the magic tells its kind and `alive` whether it may still be used. */
-static int valid_obj(const void *p, uint32_t magic) {
+int sim_valid_obj(const void *p, uint32_t magic) {
   return p != NULL && *(const uint32_t *)p == magic;
 }
 
-static int valid_ctx(const sim_ctx_t *c) {
-  return valid_obj(c, MAGIC_CTX);
+int sim_valid_ctx(const sim_ctx_t *c) {
+  return sim_valid_obj(c, MAGIC_CTX);
 }
 
 /* A stream handle for work with context `c` current (NULL: its legacy stream). */
-static sim_stream_t *resolve_stream(CUstream h, sim_ctx_t *c, const char *op, CUresult *err) {
+sim_stream_t *sim_resolve_stream(CUstream h, sim_ctx_t *c, const char *op, CUresult *err) {
   if (h == NULL || h == (CUstream)(uintptr_t)1) return c->null_stream;
   if (h == (CUstream)(uintptr_t)2) {
     sim_misuse("%s: the per-thread default stream is not simulated", op);
@@ -581,7 +535,7 @@ static sim_stream_t *resolve_stream(CUstream h, sim_ctx_t *c, const char *op, CU
     return NULL;
   }
   sim_stream_t *s = (sim_stream_t *)h;
-  if (!valid_obj(s, MAGIC_STREAM)) {
+  if (!sim_valid_obj(s, MAGIC_STREAM)) {
     sim_misuse("%s: %p is not a stream", op, (void *)h);
     *err = CUDA_ERROR_INVALID_HANDLE;
     return NULL;
@@ -606,7 +560,7 @@ sim_stream_t *sim_stream_for_dev(void *h, int dev, const char *what) {
     return NULL;
   }
   CUresult err;
-  return resolve_stream((CUstream)h, c, what, &err);
+  return sim_resolve_stream((CUstream)h, c, what, &err);
 }
 
 static void ctx_destroy(sim_ctx_t *c) {
@@ -621,7 +575,7 @@ static void ctx_destroy(sim_ctx_t *c) {
   device_t *D = &g_dev[dev];
   for (size_t i = 0; i < D->nallocs; i++)
     if (!D->allocs[i]->freed) {
-      alloc_free(D->allocs[i]);
+      sim_alloc_free(D->allocs[i]);
       live++;
     }
   if (live) sim_misuse("the primary context of device %d was destroyed with %lld live allocation(s)", dev, live);
@@ -631,7 +585,7 @@ static void ctx_destroy(sim_ctx_t *c) {
       sim_stream_t *s = g_objs[i];
       if (s->ctx == c && s->alive) {
         if (!s->legacy) g_live_streams--;
-        stream_kill(s);
+        sim_stream_kill(s);
       }
     } else if (m == MAGIC_EVENT) {
       sim_event_t *e = g_objs[i];
@@ -651,13 +605,6 @@ static void ctx_destroy(sim_ctx_t *c) {
 
 /* ---- the driver API ---- */
 
-#define ENTER(name) SIM_ENTER(CUresult, name)
-#define RETURN(v) SIM_RETURN(CUresult, v)
-#define NEED_INIT(name)                                                                                                \
-  if (!g_inited) {                                                                                                     \
-    sim_misuse("%s before cuInit", #name);                                                                             \
-    RETURN(CUDA_ERROR_NOT_INITIALIZED);                                                                                \
-  }
 
 CUresult cuInit(unsigned int flags) {
   ENTER(cuInit);
@@ -741,12 +688,6 @@ CUresult cuDeviceGetCount(int *n) {
   RETURN(CUDA_SUCCESS);
 }
 
-#define CHECK_DEV(name, d)                                                                                             \
-  if ((d) < 0 || (d) >= g_ndev) {                                                                                      \
-    sim_misuse("%s: device %d does not exist", #name, (int)(d));                                                       \
-    RETURN(CUDA_ERROR_INVALID_DEVICE);                                                                                 \
-  }
-
 CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
   ENTER(cuDeviceGet);
   NEED_INIT(cuDeviceGet);
@@ -792,7 +733,7 @@ CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
   NEED_INIT(cuDeviceCanAccessPeer);
   CHECK_DEV(cuDeviceCanAccessPeer, dev);
   CHECK_DEV(cuDeviceCanAccessPeer, peer);
-  *can = dev != peer && env_ll("SIMGPU_NO_PEER", 0) == 0;
+  *can = dev != peer && sim_env_ll("SIMGPU_NO_PEER", 0) == 0;
   RETURN(CUDA_SUCCESS);
 }
 
@@ -806,8 +747,8 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev) {
     c->magic = MAGIC_CTX;
     c->dev = dev;
     c->alive = 1;
-    track(c);
-    c->null_stream = stream_new(c, 1, 1);
+    sim_track(c);
+    c->null_stream = sim_stream_new(c, 1, 1);
     D->ctx = c;
   }
   D->refs++;
@@ -840,7 +781,7 @@ CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *acti
 CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
   ENTER(cuCtxPushCurrent_v2);
   sim_ctx_t *c = (sim_ctx_t *)ctx;
-  if (!valid_ctx(c)) {
+  if (!sim_valid_ctx(c)) {
     sim_misuse("cuCtxPushCurrent: %p is not a context", (void *)ctx);
     RETURN(CUDA_ERROR_INVALID_CONTEXT);
   }
@@ -883,7 +824,7 @@ CUresult cuCtxPopCurrent_v2(CUcontext *ctx) {
 CUresult cuCtxGetCurrent(CUcontext *ctx) {
   ENTER(cuCtxGetCurrent);
   if (!ctx) RETURN(CUDA_ERROR_INVALID_VALUE);
-  *ctx = (CUcontext)current();
+  *ctx = (CUcontext)sim_current();
   RETURN(CUDA_SUCCESS);
 }
 
@@ -897,7 +838,7 @@ CUresult cuCtxSetCurrent(CUcontext ctx) {
     }
     RETURN(CUDA_SUCCESS);
   }
-  if (!valid_ctx(c)) {
+  if (!sim_valid_ctx(c)) {
     sim_misuse("cuCtxSetCurrent: %p is not a context", (void *)ctx);
     RETURN(CUDA_ERROR_INVALID_CONTEXT);
   }
@@ -916,22 +857,22 @@ CUresult cuCtxSetCurrent(CUcontext ctx) {
 CUresult cuCtxSynchronize(void) {
   ENTER(cuCtxSynchronize);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuCtxSynchronize", &err);
+  sim_ctx_t *c = sim_need_ctx("cuCtxSynchronize", &err);
   if (!c) RETURN(err);
   for (size_t i = 0; i < g_nstreams; i++)
-    if (g_streams[i]->ctx == c) host_sync(g_streams[i]->vc);
+    if (g_streams[i]->ctx == c) sim_host_sync(g_streams[i]->vc);
   RETURN(CUDA_SUCCESS);
 }
 
 CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
   ENTER(cuCtxEnablePeerAccess);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuCtxEnablePeerAccess", &err);
+  sim_ctx_t *c = sim_need_ctx("cuCtxEnablePeerAccess", &err);
   if (!c) RETURN(err);
   sim_ctx_t *p = (sim_ctx_t *)peer;
-  if (flags != 0 || !valid_ctx(p) || !p->alive) {
+  if (flags != 0 || !sim_valid_ctx(p) || !p->alive) {
     sim_misuse("cuCtxEnablePeerAccess: bad flags or a dead/invalid peer context");
-    RETURN(!valid_ctx(p) || !p->alive ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_INVALID_VALUE);
+    RETURN(!sim_valid_ctx(p) || !p->alive ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_INVALID_VALUE);
   }
   if (p->dev == c->dev) {
     sim_misuse("cuCtxEnablePeerAccess: device %d with itself", c->dev);
@@ -946,7 +887,7 @@ CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
   ENTER(cuMemGetInfo_v2);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuMemGetInfo", &err);
+  sim_ctx_t *c = sim_need_ctx("cuMemGetInfo", &err);
   if (!c) RETURN(err);
   *free_bytes = g_mem_total - g_dev[c->dev].used;
   *total = g_mem_total;
@@ -956,15 +897,15 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
 CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
   ENTER(cuMemAlloc_v2);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuMemAlloc", &err);
+  sim_ctx_t *c = sim_need_ctx("cuMemAlloc", &err);
   if (!c) RETURN(err);
   if (!ptr) RETURN(CUDA_ERROR_INVALID_VALUE);
-  RETURN(alloc_new(c->dev, bytes, 0, ptr));
+  RETURN(sim_alloc_new(c->dev, bytes, 0, ptr));
 }
 
-static sim_alloc_t *alloc_to_free(CUdeviceptr p, const char *op, CUresult *err) {
+sim_alloc_t *sim_alloc_to_free(CUdeviceptr p, const char *op, CUresult *err) {
   int dev;
-  sim_alloc_t *a = find_alloc(p, &dev);
+  sim_alloc_t *a = sim_find_alloc(p, &dev);
   if (a == NULL || a->base != p) {
     sim_misuse("%s: 0x%llx is not the start of a device allocation", op, (unsigned long long)p);
     *err = CUDA_ERROR_INVALID_VALUE;
@@ -986,26 +927,26 @@ static sim_alloc_t *alloc_to_free(CUdeviceptr p, const char *op, CUresult *err) 
 CUresult cuMemFree_v2(CUdeviceptr p) {
   ENTER(cuMemFree_v2);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuMemFree", &err);
+  sim_ctx_t *c = sim_need_ctx("cuMemFree", &err);
   if (!c) RETURN(err);
-  sim_alloc_t *a = alloc_to_free(p, "cuMemFree", &err);
+  sim_alloc_t *a = sim_alloc_to_free(p, "cuMemFree", &err);
   if (!a) RETURN(err);
   /* cuMemFree waits for the device to finish (as cudaFree does): the host then knows all of its work is done. */
   for (size_t i = 0; i < g_nstreams; i++)
-    if (g_streams[i]->dev == a->dev) host_sync(g_streams[i]->vc);
-  alloc_free(a);
+    if (g_streams[i]->dev == a->dev) sim_host_sync(g_streams[i]->vc);
+  sim_alloc_free(a);
   RETURN(CUDA_SUCCESS);
 }
 
 CUresult cuMemAllocAsync(CUdeviceptr *ptr, size_t bytes, CUstream stream) {
   ENTER(cuMemAllocAsync);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuMemAllocAsync", &err);
+  sim_ctx_t *c = sim_need_ctx("cuMemAllocAsync", &err);
   if (!c) RETURN(err);
-  sim_stream_t *s = resolve_stream(stream, c, "cuMemAllocAsync", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuMemAllocAsync", &err);
   if (!s) RETURN(err);
   if (!ptr) RETURN(CUDA_ERROR_INVALID_VALUE);
-  CUresult r = alloc_new(c->dev, bytes, 1, ptr);
+  CUresult r = sim_alloc_new(c->dev, bytes, 1, ptr);
   if (r == CUDA_SUCCESS) {
     /* Stream-ordered: the memory exists from this point of `stream` on; other streams must be ordered after. */
     sim_op_t op;
@@ -1018,24 +959,24 @@ CUresult cuMemAllocAsync(CUdeviceptr *ptr, size_t bytes, CUstream stream) {
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream stream) {
   ENTER(cuMemFreeAsync);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuMemFreeAsync", &err);
+  sim_ctx_t *c = sim_need_ctx("cuMemFreeAsync", &err);
   if (!c) RETURN(err);
-  sim_stream_t *s = resolve_stream(stream, c, "cuMemFreeAsync", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuMemFreeAsync", &err);
   if (!s) RETURN(err);
-  sim_alloc_t *a = alloc_to_free(p, "cuMemFreeAsync", &err);
+  sim_alloc_t *a = sim_alloc_to_free(p, "cuMemFreeAsync", &err);
   if (!a) RETURN(err);
   /* The free is a write of the whole block on `stream`: every earlier use must be ordered before it. */
   sim_op_t op;
   sim_op_begin(&op, s, "cuMemFreeAsync", a->dev);
   op.any_peer = 1;
   sim_access(&op, p, a->size, 1);
-  alloc_free(a);
+  sim_alloc_free(a);
   RETURN(CUDA_SUCCESS);
 }
 
 /* Checks a host pointer argument: it must not be a (fake) device address. */
 static int host_ok(const void *h, const char *op) {
-  if (h == NULL || in_device_range(h)) {
+  if (h == NULL || sim_in_device_range(h)) {
     sim_misuse("%s: host pointer %p is %s", op, h, h ? "device memory" : "NULL");
     return 0;
   }
@@ -1045,9 +986,9 @@ static int host_ok(const void *h, const char *op) {
 CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
   ENTER(cuMemcpyAsync);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuMemcpyAsync", &err);
+  sim_ctx_t *c = sim_need_ctx("cuMemcpyAsync", &err);
   if (!c) RETURN(err);
-  sim_stream_t *s = resolve_stream(stream, c, "cuMemcpyAsync", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuMemcpyAsync", &err);
   if (!s) RETURN(err);
   if (bytes == 0) RETURN(CUDA_SUCCESS);
   sim_op_t op;
@@ -1062,9 +1003,9 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream 
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CUstream stream) {
   ENTER(cuMemcpyHtoDAsync_v2);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuMemcpyHtoDAsync", &err);
+  sim_ctx_t *c = sim_need_ctx("cuMemcpyHtoDAsync", &err);
   if (!c) RETURN(err);
-  sim_stream_t *s = resolve_stream(stream, c, "cuMemcpyHtoDAsync", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuMemcpyHtoDAsync", &err);
   if (!s) RETURN(err);
   if (bytes == 0) RETURN(CUDA_SUCCESS);
   if (!host_ok(src, "cuMemcpyHtoDAsync")) RETURN(CUDA_ERROR_INVALID_VALUE);
@@ -1080,9 +1021,9 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CU
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream stream) {
   ENTER(cuMemcpyDtoHAsync_v2);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuMemcpyDtoHAsync", &err);
+  sim_ctx_t *c = sim_need_ctx("cuMemcpyDtoHAsync", &err);
   if (!c) RETURN(err);
-  sim_stream_t *s = resolve_stream(stream, c, "cuMemcpyDtoHAsync", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuMemcpyDtoHAsync", &err);
   if (!s) RETURN(err);
   if (bytes == 0) RETURN(CUDA_SUCCESS);
   if (!host_ok(dst, "cuMemcpyDtoHAsync")) RETURN(CUDA_ERROR_INVALID_VALUE);
@@ -1100,17 +1041,17 @@ CUresult cuStreamSynchronize(CUstream stream) {
   sim_lock();
   int inj = sim_enter(SIM_E_cuStreamSynchronize);
   if (inj) {
-    sim_ctx_t *c = current();
+    sim_ctx_t *c = sim_current();
     sim_stream_t *s = (sim_stream_t *)stream;
     if (stream == NULL && c != NULL) s = c->null_stream;
-    if (valid_obj(s, MAGIC_STREAM)) sim_host_abandon(s->agent);
+    if (sim_valid_obj(s, MAGIC_STREAM)) sim_host_abandon(s->agent);
     sim_unlock();
     return (CUresult)inj;
   }
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuStreamSynchronize", &err);
+  sim_ctx_t *c = sim_need_ctx("cuStreamSynchronize", &err);
   if (!c) RETURN(err);
-  sim_stream_t *s = resolve_stream(stream, c, "cuStreamSynchronize", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuStreamSynchronize", &err);
   if (!s) RETURN(err);
   host_sync_stream(s);
   RETURN(CUDA_SUCCESS);
@@ -1119,9 +1060,9 @@ CUresult cuStreamSynchronize(CUstream stream) {
 CUresult cuStreamQuery(CUstream stream) {
   ENTER(cuStreamQuery);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuStreamQuery", &err);
+  sim_ctx_t *c = sim_need_ctx("cuStreamQuery", &err);
   if (!c) RETURN(err);
-  sim_stream_t *s = resolve_stream(stream, c, "cuStreamQuery", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuStreamQuery", &err);
   if (!s) RETURN(err);
   host_sync_stream(s); /* work is eager: always complete, and the host now knows it */
   RETURN(CUDA_SUCCESS);
@@ -1129,7 +1070,7 @@ CUresult cuStreamQuery(CUstream stream) {
 
 static sim_ctx_t *peer_ctx(CUcontext h, const char *op) {
   sim_ctx_t *c = (sim_ctx_t *)h;
-  if (!valid_ctx(c) || !c->alive) {
+  if (!sim_valid_ctx(c) || !c->alive) {
     sim_misuse("%s: %p is not a live context", op, (void *)h);
     return NULL;
   }
@@ -1139,7 +1080,7 @@ static sim_ctx_t *peer_ctx(CUcontext h, const char *op) {
 /* The device of a pointer that must be live device memory of context `c`. */
 static int ptr_on(sim_op_t *op, CUdeviceptr p, const sim_ctx_t *c, const char *side) {
   int dev;
-  find_alloc(p, &dev);
+  sim_find_alloc(p, &dev);
   if (dev != c->dev) {
     sim_misuse("%s: the %s pointer 0x%llx is not memory of device %d, whose context was named", op->name, side,
                (unsigned long long)p, c->dev);
@@ -1153,7 +1094,7 @@ static int ptr_on(sim_op_t *op, CUdeviceptr p, const sim_ctx_t *c, const char *s
  * to the driver's staging through host memory, a silent slow path). */
 static void peer_direction(const sim_op_t *op, const sim_ctx_t *c, const sim_ctx_t *sc, const sim_ctx_t *dc) {
   int other = sc->dev != c->dev ? sc->dev : dc->dev;
-  if (other == c->dev || env_ll("SIMGPU_NO_PEER", 0) != 0 || c->peer[other]) return;
+  if (other == c->dev || sim_env_ll("SIMGPU_NO_PEER", 0) != 0 || c->peer[other]) return;
   sim_misuse("%s on device %d reaches device %d's memory without peer access enabled from device %d to device %d",
              op->name, c->dev, other, c->dev, other);
 }
@@ -1162,9 +1103,9 @@ CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUc
                            CUstream stream) {
   ENTER(cuMemcpyPeerAsync);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuMemcpyPeerAsync", &err);
+  sim_ctx_t *c = sim_need_ctx("cuMemcpyPeerAsync", &err);
   if (!c) RETURN(err);
-  sim_stream_t *s = resolve_stream(stream, c, "cuMemcpyPeerAsync", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuMemcpyPeerAsync", &err);
   if (!s) RETURN(err);
   sim_ctx_t *dc = peer_ctx(dctx, "cuMemcpyPeerAsync"), *sc = peer_ctx(sctx, "cuMemcpyPeerAsync");
   if (!dc || !sc) RETURN(CUDA_ERROR_INVALID_CONTEXT);
@@ -1197,7 +1138,7 @@ static int side_of(sim_op_t *op, CUmemorytype t, const void *h, CUdeviceptr d, c
   }
   if (t == CU_MEMORYTYPE_DEVICE || t == CU_MEMORYTYPE_UNIFIED) {
     int dev;
-    find_alloc(d, &dev);
+    sim_find_alloc(d, &dev);
     out->host = dev < 0 && t == CU_MEMORYTYPE_UNIFIED;
     out->addr = (uintptr_t)d;
     return 1;
@@ -1232,9 +1173,9 @@ static CUresult rows_copy(sim_op_t *op, side_t *s, side_t *d, size_t width, size
 CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *p, CUstream stream) {
   ENTER(cuMemcpy2DAsync_v2);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuMemcpy2DAsync", &err);
+  sim_ctx_t *c = sim_need_ctx("cuMemcpy2DAsync", &err);
   if (!c) RETURN(err);
-  sim_stream_t *s = resolve_stream(stream, c, "cuMemcpy2DAsync", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuMemcpy2DAsync", &err);
   if (!s) RETURN(err);
   sim_op_t op;
   sim_op_begin(&op, s, "cuMemcpy2DAsync", c->dev);
@@ -1254,9 +1195,9 @@ CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *p, CUstream stream) {
 CUresult cuMemcpy3DPeerAsync(const CUDA_MEMCPY3D_PEER *p, CUstream stream) {
   ENTER(cuMemcpy3DPeerAsync);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuMemcpy3DPeerAsync", &err);
+  sim_ctx_t *c = sim_need_ctx("cuMemcpy3DPeerAsync", &err);
   if (!c) RETURN(err);
-  sim_stream_t *s = resolve_stream(stream, c, "cuMemcpy3DPeerAsync", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuMemcpy3DPeerAsync", &err);
   if (!s) RETURN(err);
   sim_ctx_t *dc = peer_ctx(p->dstContext, "cuMemcpy3DPeerAsync"), *sc = peer_ctx(p->srcContext, "cuMemcpy3DPeerAsync");
   if (!dc || !sc) RETURN(CUDA_ERROR_INVALID_CONTEXT);
@@ -1279,10 +1220,10 @@ CUresult cuMemcpy3DPeerAsync(const CUDA_MEMCPY3D_PEER *p, CUstream stream) {
 CUresult cuStreamCreate(CUstream *out, unsigned int flags) {
   ENTER(cuStreamCreate);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuStreamCreate", &err);
+  sim_ctx_t *c = sim_need_ctx("cuStreamCreate", &err);
   if (!c) RETURN(err);
   if (!out || (flags & ~1u)) RETURN(CUDA_ERROR_INVALID_VALUE);
-  *out = (CUstream)stream_new(c, 0, !(flags & 1u)); /* 1 = CU_STREAM_NON_BLOCKING */
+  *out = (CUstream)sim_stream_new(c, 0, !(flags & 1u)); /* 1 = CU_STREAM_NON_BLOCKING */
   g_live_streams++;
   RETURN(CUDA_SUCCESS);
 }
@@ -1290,7 +1231,7 @@ CUresult cuStreamCreate(CUstream *out, unsigned int flags) {
 CUresult cuStreamDestroy_v2(CUstream h) {
   ENTER(cuStreamDestroy_v2);
   sim_stream_t *s = (sim_stream_t *)h;
-  if (!valid_obj(s, MAGIC_STREAM) || s->legacy) {
+  if (!sim_valid_obj(s, MAGIC_STREAM) || s->legacy) {
     sim_misuse("cuStreamDestroy: %p is not a stream that can be destroyed", (void *)h);
     RETURN(CUDA_ERROR_INVALID_HANDLE);
   }
@@ -1298,7 +1239,7 @@ CUresult cuStreamDestroy_v2(CUstream h) {
     sim_misuse("cuStreamDestroy: stream %d destroyed twice", s->agent);
     RETURN(CUDA_ERROR_INVALID_HANDLE);
   }
-  stream_kill(s);
+  sim_stream_kill(s);
   g_live_streams--;
   RETURN(CUDA_SUCCESS);
 }
@@ -1306,14 +1247,14 @@ CUresult cuStreamDestroy_v2(CUstream h) {
 CUresult cuEventCreate(CUevent *out, unsigned int flags) {
   ENTER(cuEventCreate);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuEventCreate", &err);
+  sim_ctx_t *c = sim_need_ctx("cuEventCreate", &err);
   if (!c) RETURN(err);
   if (!out || (flags & ~7u)) RETURN(CUDA_ERROR_INVALID_VALUE);
   sim_event_t *e = calloc(1, sizeof *e);
   e->magic = MAGIC_EVENT;
   e->ctx = c;
   e->alive = 1;
-  track(e);
+  sim_track(e);
   g_live_events++;
   *out = (CUevent)e;
   RETURN(CUDA_SUCCESS);
@@ -1321,7 +1262,7 @@ CUresult cuEventCreate(CUevent *out, unsigned int flags) {
 
 static sim_event_t *live_event(CUevent h, const char *op, CUresult *err) {
   sim_event_t *e = (sim_event_t *)h;
-  if (!valid_obj(e, MAGIC_EVENT)) {
+  if (!sim_valid_obj(e, MAGIC_EVENT)) {
     sim_misuse("%s: %p is not an event", op, (void *)h);
     *err = CUDA_ERROR_INVALID_HANDLE;
     return NULL;
@@ -1339,13 +1280,13 @@ CUresult cuEventRecord(CUevent ev, CUstream stream) {
   CUresult err = CUDA_SUCCESS;
   sim_event_t *e = live_event(ev, "cuEventRecord", &err);
   if (!e) RETURN(err);
-  sim_ctx_t *c = need_ctx("cuEventRecord", &err);
+  sim_ctx_t *c = sim_need_ctx("cuEventRecord", &err);
   if (!c) RETURN(err);
   if (e->ctx != c) {
     sim_misuse("cuEventRecord: the event belongs to device %d but device %d's context is current", e->ctx->dev, c->dev);
     RETURN(CUDA_ERROR_INVALID_HANDLE);
   }
-  sim_stream_t *s = resolve_stream(stream, c, "cuEventRecord", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuEventRecord", &err);
   if (!s) RETURN(err);
   sim_op_t op;
   sim_op_begin(&op, s, "cuEventRecord", c->dev);
@@ -1372,7 +1313,7 @@ CUresult cuEventSynchronize(CUevent ev) {
   CUresult err = CUDA_SUCCESS;
   sim_event_t *e = live_event(ev, "cuEventSynchronize", &err);
   if (!e) RETURN(err);
-  if (e->recorded) host_sync(e->vc);
+  if (e->recorded) sim_host_sync(e->vc);
   RETURN(CUDA_SUCCESS);
 }
 
@@ -1381,7 +1322,7 @@ CUresult cuEventQuery(CUevent ev) {
   CUresult err = CUDA_SUCCESS;
   sim_event_t *e = live_event(ev, "cuEventQuery", &err);
   if (!e) RETURN(err);
-  if (e->recorded) host_sync(e->vc);
+  if (e->recorded) sim_host_sync(e->vc);
   RETURN(CUDA_SUCCESS);
 }
 
@@ -1390,9 +1331,9 @@ CUresult cuStreamWaitEvent(CUstream stream, CUevent ev, unsigned int flags) {
   CUresult err = CUDA_SUCCESS;
   sim_event_t *e = live_event(ev, "cuStreamWaitEvent", &err);
   if (!e) RETURN(err);
-  sim_ctx_t *c = need_ctx("cuStreamWaitEvent", &err);
+  sim_ctx_t *c = sim_need_ctx("cuStreamWaitEvent", &err);
   if (!c) RETURN(err);
-  sim_stream_t *s = resolve_stream(stream, c, "cuStreamWaitEvent", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuStreamWaitEvent", &err);
   if (!s) RETURN(err);
   if (flags != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
   if (e->recorded) {
@@ -1406,14 +1347,14 @@ CUresult cuStreamWaitEvent(CUstream stream, CUevent ev, unsigned int flags) {
 CUresult cuModuleLoadData(CUmodule *out, const void *image) {
   ENTER(cuModuleLoadData);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuModuleLoadData", &err);
+  sim_ctx_t *c = sim_need_ctx("cuModuleLoadData", &err);
   if (!c) RETURN(err);
   if (!out || !image) RETURN(CUDA_ERROR_INVALID_VALUE);
   sim_module_t *m = calloc(1, sizeof *m);
   m->magic = MAGIC_MODULE;
   m->ctx = c;
   m->alive = 1;
-  track(m);
+  sim_track(m);
   g_live_modules++;
   *out = (CUmodule)m;
   RETURN(CUDA_SUCCESS);
@@ -1422,7 +1363,7 @@ CUresult cuModuleLoadData(CUmodule *out, const void *image) {
 CUresult cuModuleUnload(CUmodule h) {
   ENTER(cuModuleUnload);
   sim_module_t *m = (sim_module_t *)h;
-  if (!valid_obj(m, MAGIC_MODULE) || !m->alive) {
+  if (!sim_valid_obj(m, MAGIC_MODULE) || !m->alive) {
     sim_misuse("cuModuleUnload: %p is not a loaded module", (void *)h);
     RETURN(CUDA_ERROR_INVALID_HANDLE);
   }
@@ -1448,7 +1389,7 @@ static const struct {
 CUresult cuModuleGetFunction(CUfunction *out, CUmodule h, const char *name) {
   ENTER(cuModuleGetFunction);
   sim_module_t *m = (sim_module_t *)h;
-  if (!valid_obj(m, MAGIC_MODULE) || !m->alive) {
+  if (!sim_valid_obj(m, MAGIC_MODULE) || !m->alive) {
     sim_misuse("cuModuleGetFunction: %p is not a loaded module", (void *)h);
     RETURN(CUDA_ERROR_INVALID_HANDLE);
   }
@@ -1462,7 +1403,7 @@ CUresult cuModuleGetFunction(CUfunction *out, CUmodule h, const char *name) {
     f->dtype = k_kernels[i].dtype;
     f->es = k_kernels[i].es;
     snprintf(f->name, sizeof f->name, "%s", name);
-    track(f);
+    sim_track(f);
     *out = (CUfunction)f;
     RETURN(CUDA_SUCCESS);
   }
@@ -1571,8 +1512,8 @@ static CUresult run_real(sim_op_t *op, const sim_func_t *f, const unsigned int g
     return CUDA_ERROR_ILLEGAL_ADDRESS;
   }
   int dev;
-  sim_alloc_t *a = find_alloc(written, &dev);
-  if (a != NULL && mem_overrun(a)) {
+  sim_alloc_t *a = sim_find_alloc(written, &dev);
+  if (a != NULL && sim_mem_overrun(a)) {
     sim_misuse("%s: the kernel wrote past the end of its %zu-byte output allocation on device %d", op->name, a->size,
                dev);
     memset(a->mem + a->size, CANARY, ((a->size + DEVICE_ALIGN - 1) & ~(size_t)(DEVICE_ALIGN - 1)) - a->size);
@@ -1678,10 +1619,10 @@ CUresult cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy, unsigne
                         void **extra) {
   ENTER(cuLaunchKernel);
   CUresult err = CUDA_SUCCESS;
-  sim_ctx_t *c = need_ctx("cuLaunchKernel", &err);
+  sim_ctx_t *c = sim_need_ctx("cuLaunchKernel", &err);
   if (!c) RETURN(err);
   sim_func_t *f = (sim_func_t *)fn;
-  if (!valid_obj(f, MAGIC_FUNC) || !f->mod->alive) {
+  if (!sim_valid_obj(f, MAGIC_FUNC) || !f->mod->alive) {
     sim_misuse("cuLaunchKernel: %p is not a function of a loaded module", (void *)fn);
     RETURN(CUDA_ERROR_INVALID_HANDLE);
   }
@@ -1690,7 +1631,7 @@ CUresult cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy, unsigne
                f->mod->ctx->dev, c->dev);
     RETURN(CUDA_ERROR_INVALID_HANDLE);
   }
-  sim_stream_t *s = resolve_stream(stream, c, "cuLaunchKernel", &err);
+  sim_stream_t *s = sim_resolve_stream(stream, c, "cuLaunchKernel", &err);
   if (!s) RETURN(err);
   if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || (unsigned long long)bx * by * bz > 1024 ||
       gy > 65535 || gz > 65535 || shmem > 48 * 1024 || extra != NULL) {
@@ -1710,7 +1651,7 @@ CUresult cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy, unsigne
 /* Clears the recorded misuse, the call counters and planned failures; the simulated state stays. */
 void simgpu_reset(void) {
   sim_lock();
-  setup();
+  sim_setup();
   g_nerrors = g_nraces = 0;
   memset(g_calls, 0, sizeof g_calls);
   memset(g_fail_at, 0, sizeof g_fail_at);
@@ -1737,7 +1678,7 @@ long long simgpu_errors(char *buf, size_t len) {
 /* The `k`-th call of `entry` from now on (k >= 1) returns `code` instead of running. -1: unknown entry. */
 int simgpu_fail_at(const char *entry, long long k, int code) {
   sim_lock();
-  setup();
+  sim_setup();
   int found = -1;
   for (int e = 0; e < SIM_E_COUNT; e++)
     if (strcmp(k_entry_names[e], entry) == 0) {
@@ -1770,7 +1711,7 @@ const char *simgpu_entry(int i) {
 long long simgpu_stat(const char *name) {
   long long v = -1;
   sim_lock();
-  setup();
+  sim_setup();
   if (strcmp(name, "allocations") == 0) v = g_live_allocs;
   else if (strcmp(name, "streams") == 0) v = g_live_streams;
   else if (strcmp(name, "events") == 0) v = g_live_events;
@@ -1794,7 +1735,7 @@ long long simgpu_stat(const char *name) {
 /* The calling thread's current context, as cuCtxGetCurrent would say, for a harness (never counted or failed). */
 void *simgpu_current_context(void) {
   sim_lock();
-  void *c = current();
+  void *c = sim_current();
   sim_unlock();
   return c;
 }
@@ -1812,8 +1753,8 @@ int simgpu_peer_enabled(int dev, int peer) {
 unsigned long long simgpu_alloc(int dev, size_t bytes) {
   CUdeviceptr p = 0;
   sim_lock();
-  setup();
-  if (sim_primary(dev) == NULL || alloc_new(dev, bytes, 0, &p) != CUDA_SUCCESS) p = 0;
+  sim_setup();
+  if (sim_primary(dev) == NULL || sim_alloc_new(dev, bytes, 0, &p) != CUDA_SUCCESS) p = 0;
   sim_unlock();
   return p;
 }
@@ -1821,11 +1762,11 @@ unsigned long long simgpu_alloc(int dev, size_t bytes) {
 int simgpu_free(unsigned long long p) {
   sim_lock();
   CUresult err = CUDA_SUCCESS;
-  sim_alloc_t *a = alloc_to_free((CUdeviceptr)p, "simgpu_free", &err);
+  sim_alloc_t *a = sim_alloc_to_free((CUdeviceptr)p, "simgpu_free", &err);
   if (a) {
     for (size_t i = 0; i < g_nstreams; i++)
-      if (g_streams[i]->dev == a->dev) host_sync(g_streams[i]->vc);
-    alloc_free(a);
+      if (g_streams[i]->dev == a->dev) sim_host_sync(g_streams[i]->vc);
+    sim_alloc_free(a);
   }
   sim_unlock();
   return a ? 0 : -1;
@@ -1842,13 +1783,13 @@ int simgpu_free(unsigned long long p) {
  * signatures are fdp_allocator_t's (csrc/fastdp.h): alloc and free run with `device`'s primary context current. */
 
 static sim_stream_t *cache_stream(int device, void *stream, const char *op) {
-  sim_ctx_t *c = current();
+  sim_ctx_t *c = sim_current();
   if (c == NULL || !c->alive || c != sim_primary(device)) {
     sim_misuse("%s: device %d's primary context is not current", op, device);
     return NULL;
   }
   CUresult err;
-  return resolve_stream((CUstream)stream, c, op, &err);
+  return sim_resolve_stream((CUstream)stream, c, op, &err);
 }
 
 /* The next request on the block's stream may use it at once, from any thread: so every use so far, on any stream,
@@ -1892,7 +1833,7 @@ int simgpu_cache_alloc(void *ctx, int device, size_t bytes, void *stream, void *
     g_cache_reuses++;
   } else {
     CUdeviceptr p;
-    CUresult e = alloc_new(device, want, 0, &p);
+    CUresult e = sim_alloc_new(device, want, 0, &p);
     if (e != CUDA_SUCCESS) {
       snprintf(err, err_len, "CUDA out of memory: %zu bytes on simulated device %d", want, device);
       sim_unlock();
@@ -1912,7 +1853,7 @@ int simgpu_cache_alloc(void *ctx, int device, size_t bytes, void *stream, void *
 void simgpu_cache_free(void *ctx, int device, void *stream, void *handle) {
   (void)ctx;
   sim_lock();
-  setup();
+  sim_setup();
   sim_alloc_t *a = NULL;
   for (int d = 0; d < g_ndev && a == NULL; d++)
     for (size_t i = 0; i < g_dev[d].nallocs; i++)
@@ -1946,14 +1887,14 @@ void simgpu_cache_release(void *handle) {
 /* Frees every block the caching allocator holds as free (torch.cuda.empty_cache); returns how many. */
 int simgpu_cache_trim(void) {
   sim_lock();
-  setup();
+  sim_setup();
   int n = 0;
   for (int d = 0; d < g_ndev; d++)
     for (size_t i = 0; i < g_dev[d].nallocs; i++) {
       sim_alloc_t *a = g_dev[d].allocs[i];
       if (a->cache_owned && a->cached && !a->freed) {
         a->cached = 0;
-        alloc_free(a);
+        sim_alloc_free(a);
         n++;
       }
     }
@@ -1965,11 +1906,11 @@ int simgpu_cache_trim(void) {
 static int backdoor(unsigned long long p, void *host, size_t n, int write) {
   sim_lock();
   int dev;
-  sim_alloc_t *a = find_alloc((CUdeviceptr)p, &dev);
+  sim_alloc_t *a = sim_find_alloc((CUdeviceptr)p, &dev);
   int ok = a && !a->freed && p + n <= a->base + a->size;
   if (ok) {
     for (size_t i = 0; i < g_nstreams; i++)
-      if (g_streams[i]->dev == a->dev) host_sync(g_streams[i]->vc);
+      if (g_streams[i]->dev == a->dev) sim_host_sync(g_streams[i]->vc);
     if (write) {
       memcpy(a->mem + (p - a->base), host, n);
       memset(a->w + (p - a->base), 0, n * sizeof(uint32_t));

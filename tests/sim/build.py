@@ -17,8 +17,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SOURCES = ["sim_cuda.c", "sim_context.c", "sim_stream.c", "sim_memory.c", "sim_copy.c", "sim_launch.c", "sim_arith.c",
-           "sim_controls.c", "sim_allocator.c", "sim_nccl.c", "sim_host.c"]
+SOURCES = ["sim_state.c", "sim_device.c", "sim_context.c", "sim_stream.c", "sim_memory.c", "sim_copy.c", "sim_launch.c",
+           "sim_arith.c", "sim_controls.c", "sim_allocator.c", "sim_nccl.c", "sim_host.c"]
 # fastdp's real kernels, compiled as host C++ with kernel_host.h (sim_kernels.cc runs them over their grids).
 KERNELS = [os.path.join(ROOT, "cuda", "sum.cu"), os.path.join(ROOT, "cuda", "copy.cu")]
 CXX_SOURCES = [os.path.join(HERE, "sim_kernels.cc")]

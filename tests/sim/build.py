@@ -1,5 +1,6 @@
-"""Builds the simulated GPU (sim_cuda.c + sim_nccl.c → one shared object, reachable as libcuda.so.1 and
-libnccl.so.2) with the machine's C compiler, cached under tests/sim/build/ by a hash of its sources and flags.
+"""Builds the simulated GPU (the driver's files, sim_nccl.c, sim_host.c and the kernels → one shared object,
+reachable as libcuda.so.1 and libnccl.so.2) with the machine's C and C++ compilers, cached under tests/sim/build/ by
+a hash of its sources and flags.
 
     from build import build; paths = build()            # plain, for Python processes
     build(sanitize=True)                                 # ASan/UBSan, for the sanitized C test program

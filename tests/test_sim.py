@@ -137,8 +137,9 @@ def _toolkit_cuda_h():
 
 
 def test_simulator_signatures_match_the_toolkit():
-    """The simulated driver compiled with the toolkit's cuda.h in scope: every entry point it defines must have
-    the real prototype (a conflicting type is a compile error). Skipped where no toolkit header is found."""
+    """The simulated GPU's C files (build.py's SOURCES: the driver's files, NCCL, host memory) compiled with the
+    toolkit's cuda.h in scope: every entry point they define must have the real prototype (a conflicting type is a
+    compile error). Skipped where no toolkit header is found."""
     _need_cc()
     cuda_h = _toolkit_cuda_h()
     if cuda_h is None:
@@ -146,7 +147,7 @@ def test_simulator_signatures_match_the_toolkit():
     root = os.path.dirname(HERE)
     cmd = [_cbuild.compiler(), "-std=c11", "-D_GNU_SOURCE", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
            "-I" + os.path.join(root, "csrc"), "-I" + os.path.join(HERE, "sim"), "-include", cuda_h,
-           os.path.join(HERE, "sim", "sim_cuda.c")]
+           *[os.path.join(HERE, "sim", src) for src in _simbuild.SOURCES]]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout
 

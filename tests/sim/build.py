@@ -1,5 +1,6 @@
-"""Builds the simulated GPU (sim_cuda.c + sim_nccl.c → one shared object, reachable as libcuda.so.1 and
-libnccl.so.2) with the machine's C compiler, cached under tests/sim/build/ by a hash of its sources and flags.
+"""Builds the simulated GPU (the driver's files, sim_nccl.c, sim_host.c and the kernels → one shared object,
+reachable as libcuda.so.1 and libnccl.so.2) with the machine's C and C++ compilers, cached under tests/sim/build/ by
+a hash of its sources and flags.
 
     from build import build; paths = build()            # plain, for Python processes
     build(sanitize=True)                                 # ASan/UBSan, for the sanitized C test program
@@ -17,14 +18,15 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SOURCES = ["sim_cuda.c", "sim_nccl.c", "sim_host.c"]
+SOURCES = ["sim_state.c", "sim_device.c", "sim_context.c", "sim_stream.c", "sim_memory.c", "sim_copy.c", "sim_launch.c",
+           "sim_arith.c", "sim_controls.c", "sim_allocator.c", "sim_nccl.c", "sim_host.c"]
 # fastdp's real kernels, compiled as host C++ with kernel_host.h (sim_kernels.cc runs them over their grids).
 KERNELS = [os.path.join(ROOT, "cuda", "sum.cu"), os.path.join(ROOT, "cuda", "copy.cu")]
 CXX_SOURCES = [os.path.join(HERE, "sim_kernels.cc")]
-HEADERS = [os.path.join(HERE, "sim.h"), os.path.join(ROOT, "csrc", "dl", "cuda_api.h"),
-           os.path.join(ROOT, "csrc", "dl", "nccl_api.h"), os.path.join(ROOT, "csrc", "backend", "cuda", "kernels.h"),
-           os.path.join(ROOT, "csrc", "fastdp.h"), os.path.join(ROOT, "csrc", "base", "base.h"),
-           os.path.join(ROOT, "csrc", "core", "backend.h"), os.path.join(HERE, "kernel_host.h")]
+HEADERS = [os.path.join(HERE, "sim.h"), os.path.join(HERE, "sim_driver.h"), os.path.join(HERE, "kernel_host.h"),
+           os.path.join(ROOT, "csrc", "dl", "cuda_api.h"), os.path.join(ROOT, "csrc", "dl", "nccl_api.h"),
+           os.path.join(ROOT, "csrc", "backend", "cuda", "kernels.h"), os.path.join(ROOT, "csrc", "fastdp.h"),
+           os.path.join(ROOT, "csrc", "base", "base.h"), os.path.join(ROOT, "csrc", "core", "backend.h")]
 CXXFLAGS = ["-std=c++17", "-g", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", "-fno-fast-math"]
 CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-O1", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
           "-ffp-contract=off", "-fno-fast-math"]

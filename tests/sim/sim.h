@@ -1,6 +1,7 @@
-/* Internals shared by the two halves of the simulated GPU (sim_cuda.c: the driver, sim_nccl.c: NCCL), which are
- * linked into one shared object so that both see the same devices, memory, streams and clocks. Not a public
- * header: tests reach the simulator only through the driver/NCCL entry points and the simgpu_* controls. */
+/* Internals shared by the two halves of the simulated GPU (the driver: the files sim_driver.h lists, sim_nccl.c:
+ * NCCL), host memory (sim_host.c) and the kernels (sim_kernels.cc), which are linked into one shared object so that
+ * all see the same devices, memory, streams and clocks. Not a public header: tests reach the simulator only through
+ * the driver/NCCL entry points and the simgpu_* controls. */
 #ifndef FASTDP_SIM_H
 #define FASTDP_SIM_H
 
@@ -108,7 +109,7 @@ void sim_comm_count(int delta);
 void sim_group_count(int delta);
 /* Live communicators on device `dev` whose context is `ctx` (for the context-destruction check). */
 int sim_nccl_comms_on(const sim_ctx_t *ctx);
-/* Host-side element arithmetic shared by kernels and NCCL: dst[i] = dst[i] + src[i] for `type`. */
+/* Host-side element arithmetic shared by kernels and NCCL (sim_arith.c): dst[i] = dst[i] + src[i] for `type`. */
 void sim_add(int fdp_dtype, void *acc, const void *x, int64_t n);
 /* Records a race (counted as one, and as misuse). Lock held. */
 void sim_race(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

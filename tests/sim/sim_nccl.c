@@ -1,4 +1,4 @@
-/* The simulated NCCL (libnccl.so.2) over the simulated devices of sim_cuda.c: communicators of N ranks from
+/* The simulated NCCL (libnccl.so.2) over the simulated driver's devices: communicators of N ranks from
  * ncclCommInitAll, groups, broadcast and sum-reduce executed when the group closes, with each rank's accesses
  * checked on its own stream like any other device work. As the real library may, its calls leave another device's
  * context current on the calling thread; group state is per thread, and two threads whose grouped calls interleave

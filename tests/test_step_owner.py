@@ -4,6 +4,7 @@ ended (for ``fastdp.memory_report`` and the ``chunk_sizes="auto"`` reader). The 
 bare model."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -105,8 +106,29 @@ def test_the_per_replica_loss_reports_the_step_that_computed_it():
     loss = dp(x, target=y)
     torch.testing.assert_close(loss, nn.CrossEntropyLoss()(model(x), y))
     assert fastdp.memory_report(dp).avoided_gather_bytes == 6 * 3 * 4  # the logits it did not gather
-    dp(x)  # a forward without a target computes no loss: nothing avoided
-    assert fastdp.memory_report(dp).avoided_gather_bytes is None
+    with torch.no_grad():
+        dp(x)  # an evaluation without a target: the figure stays the last criterion forward's
+    assert fastdp.memory_report(dp).avoided_gather_bytes == 6 * 3 * 4
+    assert fastdp.memory_report(dp).devices[0].chunk is None  # torch.chunk's rule: no sizes of its own
+
+
+@pytest.mark.parametrize("ndev", [1, 2])
+def test_a_criterion_on_the_gathered_output_avoids_nothing(ndev):
+    model = nn.Linear(4, 3)
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * ndev, criterion=lambda out, y: (out - y).abs().max())
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+    torch.testing.assert_close(dp(x, target=y), (model(x) - y).abs().max())
+    assert fastdp.memory_report(dp).avoided_gather_bytes == 0
+
+
+def test_the_last_step_survives_pickling_under_every_protocol():
+    import pickle
+
+    dp = fastdp.DataParallel(nn.Linear(4, 3), device_ids=["cpu"] * 3, chunk_sizes=[1.0, 1.0, 2.0])
+    dp(torch.randn(8, 4))
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        clone = pickle.loads(pickle.dumps(dp, protocol=protocol))
+        assert clone._last_step == dp._last_step == ([2, 2, 4], None), protocol
 
 
 def test_a_failing_step_ends_and_the_next_one_runs():
@@ -123,3 +145,32 @@ def test_a_failing_step_ends_and_the_next_one_runs():
     model.__dict__["look"] = None
     x = torch.randn(4, 4)
     torch.testing.assert_close(dp(x), model(x))
+
+
+def test_a_step_ends_before_the_next_forward_of_its_wrapper_starts(monkeypatch):
+    """Threads sharing a wrapper: a forward's findings are left on the wrapper while it still holds the forward
+    lock, so the next forward (and its "auto" reader) sees them, and an older forward never overwrites a newer."""
+    events = []
+    publish = _step._publish
+
+    def slow_publish(*args):
+        events.append("ending")
+        time.sleep(0.02)
+        publish(*args)
+        events.append("ended")
+
+    monkeypatch.setattr(_step, "_publish", slow_publish)
+    model = Probe()
+    model.__dict__["look"] = lambda: events.append("forward")
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 2)
+    x = torch.randn(4, 4)
+    threads = [threading.Thread(target=dp, args=(x,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert events.count("ended") == 4 and events.count("forward") == 8
+    ending = False
+    for e in events:
+        assert not (ending and e == "forward"), events
+        ending = e == "ending"

@@ -80,12 +80,16 @@ def take_over(exc, op):
 
 
 def _first_caller_outside_fastdp():
-    """The warning's stack level that names the user's line (the call into fastdp), whichever path led here."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    """The warning's stack level that names the user's line: the first frame that is neither fastdp's nor torch's
+    (the data moves run inside autograd Functions and Module.__call__), whichever path led here. On a thread that
+    fastdp or torch started, no frame is the user's, and the thread's start is named."""
     frame, level = sys._getframe(1), 1  # take_over's frame is level 1 of its warnings.warn
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_NOT_THE_USERS):
         frame, level = frame.f_back, level + 1
     return level
+
+
+_NOT_THE_USERS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
 
 
 def _on_stream(streams, t):

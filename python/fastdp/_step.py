@@ -1,18 +1,19 @@
 """One forward of a ``fastdp.DataParallel``: the state that belongs to it and to no other call.
 
-``forward`` makes a :class:`Step`, opens it (on this thread's stack of running steps), hands it down through
-scatter, replicate, parallel_apply and gather, and closes it at the end. The overridable methods keep upstream's
-signatures, so when ``forward`` calls them through ``self`` they find their step with :func:`current`. A step is
-seen only by the thread that opened it and by the workers running its replicas (which inherit the stack: a
+``forward`` makes a :class:`Step` and runs it inside ``with step:``, which puts it on this thread's stack of running
+steps; the step is handed down through scatter, replicate, parallel_apply and gather. The overridable methods keep
+upstream's signatures, so when ``forward`` calls them through ``self`` they find their step with :func:`current`. A
+step is seen only by the thread that runs it and by the workers running its replicas (which inherit the stack: a
 wrapper called again from inside a replica knows it is re-entered); another thread's forward, or a nested or
-re-entrant call, has a step of its own. When the step closes, what it found out (the chunk sizes, the bytes a
-per-replica loss did not gather) stays on the wrapper as its last step, for ``fastdp.memory_report`` and for the
-next forward's ``chunk_sizes="auto"`` reader.
+re-entrant call, has a step of its own. When the step ends (inside the wrapper's forward lock, so before the next
+forward of the wrapper starts), what it found stays on the wrapper as an :data:`Outcome`, for
+``fastdp.memory_report`` and for the next forward's ``chunk_sizes="auto"`` reader.
 """
 
+import collections
 import threading
 
-__all__ = ["Step", "Outcome", "running", "current", "is_running", "open_step", "close_step"]
+__all__ = ["Step", "Outcome", "running", "current", "is_running", "note_gathered_loss"]
 
 
 class Step:
@@ -29,7 +30,7 @@ class Step:
     """
 
     __slots__ = ("wrapper", "fresh", "loss", "chunk_sizes", "run", "positions", "skip", "devices",
-                 "avoided_gather_bytes")
+                 "avoided_gather_bytes", "_outer")
 
     def __init__(self, wrapper, loss):
         self.wrapper = wrapper
@@ -39,6 +40,17 @@ class Step:
         self.run = self.positions = self.devices = None
         self.skip = 0
         self.avoided_gather_bytes = None
+        self._outer = None
+
+    def __enter__(self):
+        self._outer = running.steps
+        running.steps = self._outer + (self,)
+        return self
+
+    def __exit__(self, *exc):
+        running.steps = self._outer
+        _publish(self.wrapper, self.chunk_sizes, self.avoided_gather_bytes)
+        return False
 
     def plan(self, nchunks, device_ids):
         """Which devices run a replica: those with a non-empty chunk (all ``nchunks`` under torch.chunk's rule)."""
@@ -58,14 +70,24 @@ class Step:
         return tuple(per_chunk[i] for i in self.run)
 
 
-class Outcome:
-    """What a wrapper's last forward found, kept after it: plain values, no reference to the step's objects."""
+Outcome = collections.namedtuple("Outcome", ["chunk_sizes", "avoided_gather_bytes"])
+Outcome.__doc__ = """What a wrapper's forwards found, kept after them (``DataParallel._last_step``): ``chunk_sizes``, the
+split of the last forward that split the batch (None: torch.chunk's rule); ``avoided_gather_bytes``, the outputs the
+last forward with a criterion did not gather (0 when the criterion ran on the gathered output). Plain values: no
+reference to a step's objects."""
 
-    __slots__ = ("chunk_sizes", "avoided_gather_bytes")
 
-    def __init__(self, chunk_sizes, avoided_gather_bytes):
-        self.chunk_sizes = chunk_sizes
-        self.avoided_gather_bytes = avoided_gather_bytes
+def _publish(wrapper, chunk_sizes, avoided_gather_bytes):
+    last = wrapper.__dict__.get("_last_step")
+    if avoided_gather_bytes is None and last is not None:
+        avoided_gather_bytes = last.avoided_gather_bytes  # this forward had no criterion: the last one's stays
+    wrapper.__dict__["_last_step"] = Outcome(chunk_sizes, avoided_gather_bytes)
+
+
+def note_gathered_loss(wrapper):
+    """A forward that split nothing (one device, inputs already there) computed its criterion on the output."""
+    last = wrapper.__dict__.get("_last_step")
+    _publish(wrapper, None if last is None else last.chunk_sizes, 0)
 
 
 class _Running(threading.local):
@@ -89,16 +111,3 @@ def current(wrapper):
 def is_running(wrapper):
     """Whether a forward of ``wrapper`` runs in this thread or in a caller waiting on it (a re-entered call)."""
     return any(step.wrapper is wrapper for step in running.steps)
-
-
-def open_step(step):
-    """Puts ``step`` on this thread's stack; returns the stack to restore with :func:`close_step`."""
-    outer = running.steps
-    running.steps = outer + (step,)
-    return outer
-
-
-def close_step(step, outer):
-    """Takes ``step`` off this thread's stack and leaves what it found on its wrapper (``_last_step``)."""
-    running.steps = outer
-    step.wrapper.__dict__["_last_step"] = Outcome(step.chunk_sizes, step.avoided_gather_bytes)

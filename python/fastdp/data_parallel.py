@@ -419,6 +419,8 @@ class DataParallel(_UPSTREAM):
                 and _inputs_on_device(inputs, kwargs, self.src_device_obj)):
             # The short path: one device and every input already there. Scattering would only wrap each
             # tensor in a view (and an autograd node): the module gets them as they are.
+            if avoided_gather_bytes is not None:
+                _step.note_gathered_loss(self)
             return module(*inputs, **kwargs)
         if self.src_device_obj.type == "cuda":
             _streams.refuse_capture("fastdp.DataParallel's forward over several devices")
@@ -427,20 +429,18 @@ class DataParallel(_UPSTREAM):
         return self._run_step(step, inputs, kwargs)
 
     def _run_step(self, step, inputs, kwargs):
-        """Runs ``step`` from its thread's stack of running steps, holding the wrapper's kept replicas: one
-        forward of a wrapper at a time uses them (docs/data_parallel.md, "Threads"). A call re-entered from inside
-        the wrapper's own forward (this thread, or a replica's worker) finds them in use by the outer call, and the
-        forward of a replicated wrapper (nested wrappers) has none: both replicate afresh and take no lock."""
+        """Runs ``step`` on its thread's stack of running steps, holding the wrapper's kept replicas: one forward of
+        a wrapper at a time uses them, and leaves what it found before the next one starts (docs/data_parallel.md,
+        "Threads"). A call re-entered from inside the wrapper's own forward (this thread, or a replica's worker)
+        finds them in use by the outer call, and the forward of a replicated wrapper (nested wrappers) has none:
+        both replicate afresh and take no lock."""
         lock = self.__dict__.get("_forward_lock")
         step.fresh = bool(self.__dict__.get("_is_replica")) or _step.is_running(self)
-        outer = _step.open_step(step)
-        try:
-            if step.fresh or lock is None:
+        if step.fresh or lock is None:
+            with step:
                 return self._four_steps(step, inputs, kwargs)
-            with lock:
-                return self._four_steps(step, inputs, kwargs)
-        finally:
-            _step.close_step(step, outer)
+        with lock, step:
+            return self._four_steps(step, inputs, kwargs)
 
     def _four_steps(self, step, inputs, kwargs):
         """scatter -> replicate -> parallel_apply -> gather (or combine the replicas' losses), as upstream."""

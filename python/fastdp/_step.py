@@ -71,10 +71,10 @@ class Step:
 
 
 Outcome = collections.namedtuple("Outcome", ["chunk_sizes", "avoided_gather_bytes"])
-Outcome.__doc__ = """What a wrapper's forwards found, kept after them (``DataParallel._last_step``): ``chunk_sizes``, the
-split of the last forward that split the batch (None: torch.chunk's rule); ``avoided_gather_bytes``, the outputs the
-last forward with a criterion did not gather (0 when the criterion ran on the gathered output). Plain values: no
-reference to a step's objects."""
+Outcome.__doc__ = """What a wrapper's forwards found, kept after them (``DataParallel._last_step``):
+``chunk_sizes``, the split of the last forward that split the batch (None: torch.chunk's rule);
+``avoided_gather_bytes``, the outputs the last forward with a criterion did not gather (0 when the criterion ran on
+the gathered output). Plain values: no reference to a step's objects."""
 
 
 def _publish(wrapper, chunk_sizes, avoided_gather_bytes):

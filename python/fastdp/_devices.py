@@ -127,3 +127,13 @@ def of_tensor(t):
 def cuda_available():
     """Whether a CUDA device can run replicas (never initialises a CUDA context)."""
     return torch.cuda.is_available()
+
+
+def require_indexable(device_ids):
+    if not (hasattr(device_ids, "__getitem__") and hasattr(device_ids, "__len__")) or isinstance(
+        device_ids, (str, torch.device)
+    ):
+        raise TypeError(
+            f"device_ids must be a list or tuple of devices (DataParallel reads device_ids[0]), got "
+            f"{type(device_ids).__name__} {device_ids!r}"
+        )

@@ -10,14 +10,15 @@ from collections import namedtuple
 
 import torch.distributed as dist
 
-__all__ = ["MODES", "LaunchEnv", "launch_env", "is_distributed", "check_mode"]
+__all__ = ["MODES", "LaunchEnv", "LAUNCH_VARS", "LAUNCH_HINT", "launch_env", "is_distributed", "check_mode",
+           "group_initialized", "int_var"]
 
 MODES = ("auto", "single", "distributed")
 
 # The variables torchrun sets for every worker; init_process_group("env://") reads all but LOCAL_RANK.
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
-_LAUNCH_HINT = (
+LAUNCH_HINT = (
     "Launch the script with `torchrun --nproc_per_node N script.py` (add --nnodes/--node_rank/--master_addr or "
     "--rdzv_endpoint across machines), which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; "
     "or set the missing variables; or pass mode=\"single\" to run a single-process DataParallel."
@@ -29,19 +30,21 @@ LaunchEnv = namedtuple("LaunchEnv", "rank world_size local_rank master_addr mast
 # ---- Detection --------------------------------------------------------------------------------------------------
 
 
-def _group_initialized():
+def group_initialized():
+    """Whether this process has a default torch.distributed process group."""
     return dist.is_available() and dist.is_initialized()
 
 
-def _int_var(env, name, lo=None, hi=None):
+def int_var(env, name, lo=None, hi=None):
+    """``env[name]`` as an int within [lo, hi]; else a ValueError naming the variable and how to launch."""
     text = env[name]
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"environment variable {name}={text!r} is not an integer. {_LAUNCH_HINT}") from None
+        raise ValueError(f"environment variable {name}={text!r} is not an integer. {LAUNCH_HINT}") from None
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         bounds = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"environment variable {name}={value} is out of range (expected {bounds}). {_LAUNCH_HINT}")
+        raise ValueError(f"environment variable {name}={value} is out of range (expected {bounds}). {LAUNCH_HINT}")
     return value
 
 
@@ -53,29 +56,29 @@ def launch_env(environ=None, require=False):
     without WORLD_SIZE, or WORLD_SIZE > 1 (or ``require``) with any of them missing, or values out of range.
     """
     env = os.environ if environ is None else environ
-    present = {name: env[name] for name in _LAUNCH_VARS if env.get(name, "") != ""}
+    present = {name: env[name] for name in LAUNCH_VARS if env.get(name, "") != ""}
     if not present:
         return None
     if "WORLD_SIZE" not in present:
         raise ValueError(
             f"{', '.join(sorted(present))} {'is' if len(present) == 1 else 'are'} set but WORLD_SIZE is not: the "
-            f"environment is half a torch.distributed launch. {_LAUNCH_HINT}"
+            f"environment is half a torch.distributed launch. {LAUNCH_HINT}"
         )
-    world_size = _int_var(present, "WORLD_SIZE", lo=1)
+    world_size = int_var(present, "WORLD_SIZE", lo=1)
     if world_size == 1 and not require:
         return None
-    missing = [name for name in _LAUNCH_VARS if name not in present]
+    missing = [name for name in LAUNCH_VARS if name not in present]
     if missing:
         raise ValueError(
             f"WORLD_SIZE={world_size} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
-            f"the environment is half a torch.distributed launch. {_LAUNCH_HINT}"
+            f"the environment is half a torch.distributed launch. {LAUNCH_HINT}"
         )
     return LaunchEnv(
-        rank=_int_var(present, "RANK", lo=0, hi=world_size - 1),
+        rank=int_var(present, "RANK", lo=0, hi=world_size - 1),
         world_size=world_size,
-        local_rank=_int_var(present, "LOCAL_RANK", lo=0),
+        local_rank=int_var(present, "LOCAL_RANK", lo=0),
         master_addr=present["MASTER_ADDR"],
-        master_port=_int_var(present, "MASTER_PORT", lo=1, hi=65535),
+        master_port=int_var(present, "MASTER_PORT", lo=1, hi=65535),
     )
 
 
@@ -85,7 +88,7 @@ def is_distributed():
     True when a default process group is initialised, or when the torchrun variables say WORLD_SIZE > 1.
     Raises ValueError for a half-set environment.
     """
-    if _group_initialized():
+    if group_initialized():
         return True
     return launch_env() is not None
 

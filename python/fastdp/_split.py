@@ -15,7 +15,8 @@ from torch.nn.utils.rnn import PackedSequence
 
 from . import _devices
 
-__all__ = ["AutoSplit", "largest_remainder", "parse_chunk_sizes", "begin_forward", "split_for", "check_target"]
+__all__ = ["AutoSplit", "largest_remainder", "parse_chunk_sizes", "begin_forward", "split_for", "check_target",
+           "parse_broadcast"]
 
 
 def largest_remainder(weights, total):
@@ -409,3 +410,14 @@ class AutoSplit:
     def describe(self):
         state = f"settled ({self.reason})" if self.settled else f"measuring, {len(self.history)} steps judged"
         return f"auto: device 0 share {self.share:g}, {state}"
+
+
+def parse_broadcast(broadcast):
+    """``broadcast=``: the keyword arguments every replica gets whole instead of split, as a frozenset."""
+    if broadcast is None:
+        return frozenset()
+    if isinstance(broadcast, str) or not all(isinstance(n, str) for n in broadcast):
+        raise TypeError(
+            f"broadcast must be a tuple of keyword argument names, e.g. broadcast=('tgt_mask',), got {broadcast!r}"
+        )
+    return frozenset(broadcast)

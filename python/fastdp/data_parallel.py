@@ -10,20 +10,19 @@ import contextlib
 import importlib
 import threading
 import warnings
-from collections import OrderedDict
 from itertools import chain
 
 import torch
 from torch.nn.modules import Module
 
-from . import _devices, _idle_master, _launch, _replica_loss, _replicas, _split, _step, _streams, sync_batchnorm
+from . import (_checkpoint, _devices, _idle_master, _launch, _replica_loss, _replicas, _split, _step, _streams,
+               sync_batchnorm)
 from .parallel_apply import parallel_apply
-from .replicate import is_compiled, replicate
+from .replicate import replicate
 from .scatter_gather import gather, scatter_kwargs, unaligned_outputs
 
 __all__ = ["DataParallel", "data_parallel"]
 
-_PREFIX = "module."
 
 _IMBALANCE_WARNING = (
     "There is an imbalance between your GPUs. You may want to exclude GPU {} which has less than 75% of the "
@@ -52,16 +51,6 @@ def _require_module(module, what):
         )
 
 
-def _require_indexable(device_ids):
-    if not (hasattr(device_ids, "__getitem__") and hasattr(device_ids, "__len__")) or isinstance(
-        device_ids, (str, torch.device)
-    ):
-        raise TypeError(
-            f"device_ids must be a list or tuple of devices (DataParallel reads device_ids[0]), got "
-            f"{type(device_ids).__name__} {device_ids!r}"
-        )
-
-
 def _whole_on(values, device):
     """Keyword arguments given whole to a replica on ``device`` (tensors copied there, differentiably)."""
     if _devices.is_cpu(device):
@@ -80,16 +69,6 @@ def _whole_on(values, device):
     return {k: move(v) for k, v in values.items()}
 
 
-def _check_broadcast(broadcast):
-    if broadcast is None:
-        return frozenset()
-    if isinstance(broadcast, str) or not all(isinstance(n, str) for n in broadcast):
-        raise TypeError(
-            f"broadcast must be a tuple of keyword argument names, e.g. broadcast=('tgt_mask',), got {broadcast!r}"
-        )
-    return frozenset(broadcast)
-
-
 def _is_host_index(d):
     """-1: upstream's deprecated "gather to the host" output device."""
     return isinstance(d, int) and not isinstance(d, bool) and d == -1
@@ -101,7 +80,7 @@ def _resolve(device_ids, output_device):
     CPU entries select emulated replicas on any machine; otherwise, as upstream, no GPU means pass-through.
     """
     if device_ids is not None:
-        _require_indexable(device_ids)
+        _devices.require_indexable(device_ids)
         if any(_devices.is_cpu(d) for d in device_ids):
             ids = _devices.normalize_list(device_ids, "device_ids")
             if output_device is None or _devices.is_cpu(output_device):
@@ -197,60 +176,6 @@ def _raise_module_device(module, src_device_obj):
             )
 
 
-def _has_module_prefix(keys, expected, prefix=_PREFIX):
-    """Whether checkpoint keys carry DataParallel's "module." prefix (or torch.compile's "_orig_mod."), judged
-    against the module's own keys."""
-    keys = list(keys)
-    if not keys or not all(k.startswith(prefix) for k in keys):
-        return False
-    # A module whose own child is named "module" has prefix-free keys that start with "module." too.
-    if all(k in expected for k in keys) and not all(k[len(prefix) :] in expected for k in keys):
-        return False
-    return True
-
-
-def _strip_prefix(state_dict, prefix=_PREFIX):
-    """A copy of a "module."-prefixed (or other prefixed) state dict without the prefix, metadata included."""
-    out = OrderedDict((k[len(prefix) :], v) for k, v in state_dict.items())
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:
-        stripped = OrderedDict()
-        for k, v in metadata.items():
-            if k == prefix[:-1]:
-                stripped[""] = v
-            elif k.startswith(prefix):
-                stripped[k[len(prefix) :]] = v
-        out._metadata = stripped
-    return out
-
-
-_COMPILED_PREFIX = "_orig_mod."
-
-
-def _uncompiled(module):
-    """The module under torch.compile's wrapper(s): checkpoints carry its keys, as the bare model's."""
-    while is_compiled(module):
-        module = module._orig_mod
-    return module
-
-
-def _nested_load_pre_hook(wrapper, state_dict, prefix, *unused):
-    """When the wrapper is a submodule, adds "module." to prefix-free keys under it so nested loads match.
-
-    Registered with ``with_module=True``: torch holds the wrapper weakly (no reference cycle) and re-binds it
-    when the wrapper is pickled or deep-copied.
-    """
-    keys = [k for k in state_dict if k.startswith(prefix)]
-    relative = [k[len(prefix) :] for k in keys]
-    if not keys:
-        return
-    expected = set(wrapper.module.state_dict(keep_vars=True).keys())
-    if _has_module_prefix(relative, expected):
-        return
-    for key, rel in zip(keys, relative):
-        state_dict[prefix + _PREFIX + rel] = state_dict.pop(key)
-
-
 # What torch.compile keeps on the module it wraps: never answered from a wrapped compiled module, or compiling the
 # wrapper itself would find them on it and refuse ("already has a get_compiler_config attribute").
 _COMPILE_ATTRIBUTES = frozenset({"get_compiler_config", "dynamo_ctx", "_orig_mod", "_torchdynamo_orig_callable",
@@ -344,7 +269,7 @@ class DataParallel(_UPSTREAM):
         _replica_loss.check_declared(criterion_reduction, criterion)
         self.__dict__["_criterion"] = criterion
         self._criterion_reduction = criterion_reduction
-        self._broadcast = _check_broadcast(broadcast)
+        self._broadcast = _split.parse_broadcast(broadcast)
         self._split = None  # the chunk_sizes rule (fastdp._split), None for torch.chunk's
         self._last_step = None  # what the last forward found (fastdp._step.Outcome): its chunk sizes…
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
@@ -356,7 +281,7 @@ class DataParallel(_UPSTREAM):
         torch._C._log_api_usage_once("fastdp.DataParallel")
         mode, ids, out = _resolve(device_ids, output_device)
         self.module = module
-        self._register_load_state_dict_pre_hook(_nested_load_pre_hook, with_module=True)
+        self._register_load_state_dict_pre_hook(_checkpoint.nested_load_pre_hook, with_module=True)
         if mode is None:
             self.device_ids = []
             _split.parse_chunk_sizes(chunk_sizes, None)  # form checked; a pass-through has nothing to split
@@ -653,18 +578,12 @@ class DataParallel(_UPSTREAM):
     def state_dict(self, *args, **kwargs):
         """The wrapped module's ``state_dict()``: keys carry no ``module.`` prefix (nor torch.compile's
         ``_orig_mod.``: a compiled module's checkpoint loads into the bare model)."""
-        return _uncompiled(self.module).state_dict(*args, **kwargs)
+        return _checkpoint.uncompiled(self.module).state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Loads a plain or a ``module.``-prefixed state dict into the wrapped module (errors name plain keys);
         for a compiled module, ``_orig_mod.``-prefixed keys (torch.compile's own checkpoints) are accepted too."""
-        target = _uncompiled(self.module)
-        expected = set(target.state_dict(keep_vars=True).keys())
-        if _has_module_prefix(state_dict.keys(), expected):
-            state_dict = _strip_prefix(state_dict)
-        while target is not self.module and _has_module_prefix(state_dict.keys(), expected, _COMPILED_PREFIX):
-            state_dict = _strip_prefix(state_dict, _COMPILED_PREFIX)
-        return target.load_state_dict(state_dict, strict=strict, assign=assign)
+        return _checkpoint.load(self.module, state_dict, strict=strict, assign=assign)
 
     # Attribute forwarding: what the wrapper lacks is read from the wrapped module.
 
@@ -722,7 +641,7 @@ def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, mo
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
     if device_ids is not None:
-        _require_indexable(device_ids)
+        _devices.require_indexable(device_ids)
     emulated = device_ids is not None and any(_devices.is_cpu(d) for d in device_ids)
     if not emulated and not _devices.cuda_available():
         raise RuntimeError("device type could not be determined")  # Upstream's text.

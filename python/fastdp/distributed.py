@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch.nn.modules import Module
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from . import _devices, _replica_loss
-from .data_parallel import DataParallel, _check_broadcast, _nested_load_pre_hook, _require_indexable
+from . import _checkpoint, _devices, _replica_loss, _split
+from .data_parallel import DataParallel
 from ._launch import (  # noqa: F401  (LaunchEnv, launch_env, is_distributed and MODES stay public here)
-    _LAUNCH_HINT, _LAUNCH_VARS, MODES, LaunchEnv, _group_initialized, _int_var, check_mode, is_distributed, launch_env,
+    LAUNCH_HINT, LAUNCH_VARS, MODES, LaunchEnv, check_mode, group_initialized, int_var, is_distributed, launch_env,
 )
 
 __all__ = [
@@ -45,7 +45,7 @@ _owned_group = False
 def _destroy_owned_group():
     # An uncaught exception (a failing rank, Ctrl-C) leaves sys.last_value set before atexit runs: the peers may be
     # gone or stuck, and tearing communicators down could then block the exit: such a process is not torn down.
-    if not (_owned_group and _group_initialized()):
+    if not (_owned_group and group_initialized()):
         return
     # Gloo's worker threads drop each finished collective's tensors themselves, which takes the GIL; one still
     # waiting for it when the interpreter finalises is ended by Python inside a C++ destructor, and the process
@@ -62,8 +62,8 @@ def _destroy_owned_group():
 def _local_rank():
     text = os.environ.get("LOCAL_RANK", "")
     if text != "":
-        return _int_var(os.environ, "LOCAL_RANK", lo=0)
-    if _group_initialized():
+        return int_var(os.environ, "LOCAL_RANK", lo=0)
+    if group_initialized():
         # Groups set up by hand (mp.spawn) may lack LOCAL_RANK: assume ranks are packed node by node.
         return dist.get_rank() % max(torch.cuda.device_count(), 1)
     return 0
@@ -76,7 +76,7 @@ def _local_device(device_ids):
     several entries (DataParallel's list of this machine's GPUs) are indexed by LOCAL_RANK.
     """
     if device_ids is not None:
-        _require_indexable(device_ids)
+        _devices.require_indexable(device_ids)
         if any(_devices.is_cpu(d) for d in device_ids):
             _devices.normalize_list(device_ids, "device_ids")  # Mixed lists raise, as in single-process mode.
             return torch.device("cpu")
@@ -111,14 +111,14 @@ def _ensure_group(device):
     """Initialises the default process group from the torchrun variables unless one exists (NCCL for CUDA, gloo
     for the CPU); the group is destroyed at a clean exit."""
     global _owned_group
-    if _group_initialized():
+    if group_initialized():
         return
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed; use mode=\"single\"")
     if launch_env(require=True) is None:
         raise RuntimeError(
             "mode=\"distributed\" needs a torch.distributed launch, but none of "
-            f"{', '.join(_LAUNCH_VARS)} is set and no default process group is initialised. {_LAUNCH_HINT} "
+            f"{', '.join(LAUNCH_VARS)} is set and no default process group is initialised. {LAUNCH_HINT} "
             "Alternatively call torch.distributed.init_process_group() before wrapping the model."
         )
     if device.type == "cuda":
@@ -132,7 +132,7 @@ def _ensure_group(device):
 
 def get_rank():
     """This process's global rank: the process group's, else RANK from the environment, else 0."""
-    if _group_initialized():
+    if group_initialized():
         return dist.get_rank()
     try:
         return int(os.environ.get("RANK", "0") or 0)
@@ -142,7 +142,7 @@ def get_rank():
 
 def get_world_size():
     """The number of processes: the process group's size, else WORLD_SIZE from the environment, else 1."""
-    if _group_initialized():
+    if group_initialized():
         return dist.get_world_size()
     try:
         return max(int(os.environ.get("WORLD_SIZE", "1") or 1), 1)
@@ -180,7 +180,7 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
         # losses combine and broadcast names arguments not split; here every process has one device: checked, then
         # ignored.
         _replica_loss.check_declared(criterion_reduction, criterion)
-        _check_broadcast(broadcast)
+        _split.parse_broadcast(broadcast)
         # DataParallel.__init__ resolves single-process devices; this wrapper needs only Module's set-up plus the
         # conveniences DataParallel defines as methods and one load hook, which it inherits or reuses below.
         Module.__init__(self)
@@ -198,7 +198,7 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
         # to(), apply()…; DDP's own forward is called explicitly.
         self.__dict__["ddp"] = ddp
         self.__dict__["_criterion"] = criterion  # not a submodule, as in DataParallel
-        self._register_load_state_dict_pre_hook(_nested_load_pre_hook, with_module=True)
+        self._register_load_state_dict_pre_hook(_checkpoint.nested_load_pre_hook, with_module=True)
         self.dim = dim
         self.device_ids = index if index is not None else []
         self.output_device = ddp.output_device if index is not None else None
@@ -244,7 +244,7 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
         return result
 
     def extra_repr(self):
-        backend = dist.get_backend() if _group_initialized() else "?"
+        backend = dist.get_backend() if group_initialized() else "?"
         return f"rank={get_rank()}, world_size={get_world_size()}, device={self.src_device_obj}, backend={backend}"
 
 
@@ -346,7 +346,7 @@ def shard(loader, *, split_batch=True, seed=0, num_replicas=None, rank=None):
     if not isinstance(loader, DataLoader):
         raise TypeError(f"shard() expects a torch.utils.data.DataLoader, got {type(loader).__name__}")
     if num_replicas is None:
-        num_replicas = get_world_size() if _group_initialized() or is_distributed() else 1
+        num_replicas = get_world_size() if group_initialized() or is_distributed() else 1
     if rank is None:
         rank = get_rank() if num_replicas > 1 else 0
     if num_replicas == 1:
@@ -368,7 +368,7 @@ def save(obj, f, *args, src=0, **kwargs):
     it raises there and a RuntimeError naming the failure on the other ranks, instead of leaving them waiting.
     Not distributed: plain ``torch.save``.
     """
-    if not _group_initialized() or dist.get_world_size() == 1:
+    if not group_initialized() or dist.get_world_size() == 1:
         torch.save(obj, f, *args, **kwargs)
         return
     error = None

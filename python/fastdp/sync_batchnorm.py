@@ -321,7 +321,6 @@ class _SyncNorm(Function):
 
     @staticmethod
     def forward(ctx, devices, streams, eps, *xs):
-        n = len(xs)
         dest = xs[0].device
         dtype = _stat_dtype(xs[0])
         counts, parts = [], []

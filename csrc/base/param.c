@@ -13,7 +13,7 @@ static const struct {
 } table[FDP_PARAM_COUNT] = {
     [FDP_PARAM_DEBUG] = {"FASTDP_DEBUG", 0},
     [FDP_PARAM_HOST_THREADS] = {"FASTDP_HOST_THREADS", 0},
-    /* Threads are started per call (some 20-50 us each): below 16 MiB per call that costs more than they gain. */
+    /* Threads are started per call: below 16 MiB per call that costs more than they gain (docs/benchmarks.md). */
     [FDP_PARAM_HOST_PARALLEL_MIN] = {"FASTDP_HOST_PARALLEL_MIN", 16 << 20},
     [FDP_PARAM_DISABLE_NCCL] = {"FASTDP_DISABLE_NCCL", 0},
     [FDP_PARAM_DISABLE_CUDA] = {"FASTDP_DISABLE_CUDA", 0},

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /* Large temporary arrays (the descriptor lists of a call that moves thousands of tensors) kept per thread between
  * calls. Freed, such a block sits at the top of the heap, and glibc hands the top back to the system past its trim
- * threshold, so every call faulted the same pages in again (copy of 2000 pairs: 587 faults and 1.1 µs per pair,
- * 0.5 µs without them). */
+ * threshold, so every call faulted the same pages in again, which cost more than the copy itself
+ * (docs/benchmarks.md). */
 #include "base/base.h"
 
 #include <pthread.h>

@@ -33,18 +33,19 @@ A buffer's flat buffer is reused only when none of the views it handed out is al
 before backward gets fresh buffers), so a graph still waiting for backward never sees its tensors overwritten.
 
 NOTE [kept replica tensors]
-Making R x N replica tensors every step (autograd outputs, views, replica 0's aliases) costs about 8 µs per
-parameter tensor at 4 replicas in torch's C++ alone, whatever the binding does. So each grad bucket's node is made
-once and kept with its outputs: replica 0's tensors are detached aliases of the master tensors (sharing their
-storage and version counter, as upstream's aliases do), the other replicas' tensors detached views of flat buffers
-of their own; none is an autograd view, so writing the flat buffers in place never rewrites their grad_fn. Every
-step copies the master's flat buffer into the kept ones (one copy or broadcast per bucket and device; a bucket
-whose master cannot be flat is copied member by member, in one core call) and nothing else, whether autograd is
-on or not (without it the skeletons hold plain aliases of the same buffers); the node is remade when the master
-moves under it (flattened again, a member's ``.data`` replaced). The node has no saved tensors, so every backward may
-run it again, and the gradients reaching it from all graphs alive are reduced by ``reduce_bucket`` as before.
-What users see is upstream's: replica tensors are non-leaves with a grad_fn, the master parameters are in the
-graph (``torch.autograd.grad``, hooks on them, double backward). Two things keep it honest:
+Making R x N replica tensors every step (autograd outputs, views, replica 0's aliases) costs more per parameter
+tensor, in torch's C++ alone and whatever the binding does, than a step's whole per-tensor target
+(docs/benchmarks.md). So each grad bucket's node is made once and kept with its outputs: replica 0's tensors are
+detached aliases of the master tensors (sharing their storage and version counter, as upstream's aliases do), the
+other replicas' tensors detached views of flat buffers of their own; none is an autograd view, so writing the flat
+buffers in place never rewrites their grad_fn. Every step copies the master's flat buffer into the kept ones (one
+copy or broadcast per bucket and device; a bucket whose master cannot be flat is copied member by member, in one
+core call) and nothing else, whether autograd is on or not (without it the skeletons hold plain aliases of the same
+buffers); the node is remade when the master moves under it (flattened again, a member's ``.data`` replaced). The
+node has no saved tensors, so every backward may run it again, and the gradients reaching it from all graphs alive
+are reduced by ``reduce_bucket`` as before. What users see is upstream's: replica tensors are non-leaves with a
+grad_fn, the master parameters are in the graph (``torch.autograd.grad``, hooks on them, double backward). Two
+things keep it honest:
 - a graph still waiting for backward may have saved kept tensors. The master is copied every step (``p.data``
   edits are invisible to version counters), and when the master's version counters moved since the last copy
   the kept buffers' counters are bumped too, so such a graph fails loudly in backward, as the bare model does
@@ -152,10 +153,10 @@ def _pieces(flat, shapes, sizes):
 
 def _result_views(flat, bucket):
     """Per member of `bucket`, a tensor over `flat` shaped like it, for results nobody differentiates through
-    (reduced gradients): the C shim makes plain tensors sharing flat's memory (0.34 µs each against 1.15 for
-    autograd views, 1000 members), torch makes views where the shim cannot, detached by ``.data`` into plain tensors
-    too. Either way each has a version counter of its own, as a gradient autograd made would: zeroing one member's
-    ``.grad`` in place must not look like a change to the others' (NOTE [no_sync sums])."""
+    (reduced gradients): the C shim makes plain tensors sharing flat's memory (about a third of the cost of torch's
+    unflatten into autograd views, docs/benchmarks.md), torch makes views where the shim cannot, detached by
+    ``.data`` into plain tensors too. Either way each has a version counter of its own, as a gradient autograd made
+    would: zeroing one member's ``.grad`` in place must not look like a change to the others' (NOTE [no_sync sums])."""
     views = _C.views(flat, bucket.spec)
     if views is not None:
         return views
@@ -267,8 +268,8 @@ class _Bucket:
         self.ptrs = None  # the members' data pointers when flattened: any difference means .data was replaced
         self.reflattened = 0
         # Gradients packed before the sum only where members are small on average: packing costs a copy of every
-        # byte, which the per-member path's Python (a few µs per member) outweighs only for small members
-        # (measured: 42 members of 8K values on average, 4 replicas: packed 0.64 ms, per member 0.54 ms).
+        # byte, which the per-member path's Python overhead outweighs only for small members (_PACK_MEAN: from
+        # about 8K values per member on, the per-member path is already the faster).
         self.pack = _flatten_dense is not None and self.numel <= _PACK_MEAN * len(members)
 
     def flatten(self):

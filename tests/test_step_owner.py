@@ -60,7 +60,8 @@ def test_another_thread_sees_no_running_step():
     def from_another_thread():
         t = threading.Thread(target=lambda: found.append((_step.current(dp), dp.__dict__["_last_step"])))
         t.start()
-        t.join()
+        t.join(timeout=60)
+        assert not t.is_alive(), "the reading thread hung"
 
     model.__dict__["look"] = from_another_thread
     dp(torch.randn(8, 4))
@@ -168,7 +169,8 @@ def test_a_step_ends_before_the_next_forward_of_its_wrapper_starts(monkeypatch):
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a forward of the shared wrapper hung"
     assert events.count("ended") == 4 and events.count("forward") == 8
     ending = False
     for e in events:

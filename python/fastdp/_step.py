@@ -24,12 +24,13 @@ class Step:
     wrapper). ``loss``: the per-replica loss (``fastdp._replica_loss.PerReplicaLoss``) or None. After the scatter:
     ``chunk_sizes`` (per device_ids position, None for torch.chunk's rule), then the plan: ``run`` (the positions
     with a chunk), ``positions`` (the positions replicated to: ``run``, with position 0 in front when it has no
-    chunk, because replication starts from the master there), ``skip`` (1 when that replica is built but not run)
-    and ``devices`` (the devices of the replicas that run). At the end: ``avoided_gather_bytes``, the outputs a
-    per-replica loss did not gather (0 for a criterion computed on the gathered output, None without one).
+    chunk, because replication starts from the master there), ``replicated`` (their devices), ``skip`` (1 when
+    that replica is built but not run) and ``devices`` (the devices of the replicas that run). At the end:
+    ``avoided_gather_bytes``, the outputs a per-replica loss did not gather (0 for a criterion computed on the
+    gathered output, None without one).
     """
 
-    __slots__ = ("wrapper", "fresh", "loss", "chunk_sizes", "run", "positions", "skip", "devices",
+    __slots__ = ("wrapper", "fresh", "loss", "chunk_sizes", "run", "positions", "replicated", "skip", "devices",
                  "avoided_gather_bytes", "_outer")
 
     def __init__(self, wrapper, loss):
@@ -37,7 +38,7 @@ class Step:
         self.fresh = False  # decided when the step starts running (DataParallel._run_step)
         self.loss = loss
         self.chunk_sizes = None
-        self.run = self.positions = self.devices = None
+        self.run = self.positions = self.replicated = self.devices = None
         self.skip = 0
         self.avoided_gather_bytes = None
         self._outer = None
@@ -61,7 +62,8 @@ class Step:
         self.run = run
         self.positions = run if run[0] == 0 else [0] + run
         self.skip = len(self.positions) - len(run)
-        self.devices = [device_ids[i] for i in run]
+        self.replicated = [device_ids[i] for i in self.positions]
+        self.devices = self.replicated[self.skip:]
 
     def keep(self, per_chunk):
         """The entries of the chunks that run."""

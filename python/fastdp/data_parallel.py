@@ -416,7 +416,7 @@ class DataParallel(_UPSTREAM):
         """(what parallel_apply runs, the idle master's BufferWatch or None, the SyncBatchNorm session or None):
         ``self.replicate`` onto the step's positions, without the master's own replica when device 0 runs no chunk;
         with a per-replica loss, each replica paired with its criterion copy."""
-        devices = [self.device_ids[i] for i in step.positions]
+        devices = step.replicated
         replicas = self.replicate(self.module, devices)
         skip = step.skip
         watch = _idle_master.BufferWatch(self.module, replicas[skip]) if skip else None
@@ -497,7 +497,7 @@ class DataParallel(_UPSTREAM):
             return replicate(module, device_ids, not torch.is_grad_enabled())
         devices = _devices.normalize_list(device_ids, "device_ids")
         positions = None if step is None else step.positions  # which device_ids entries these devices are
-        if positions is not None and [self.device_ids[i] for i in positions] != devices:
+        if positions is not None and step.replicated != devices:
             positions = None  # a call of its own (an override's, a user's): the devices as named
         kept = self._replica_set
         # Kept replicas cover every position a forward ran on since they were built: a batch with fewer chunks

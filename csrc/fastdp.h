@@ -191,6 +191,28 @@ fdp_result_t fdp_op_gather(const fdp_tensor_t *inputs, int n, int dim, const fdp
 /* Element-wise copies dst[i] = src[i]; each pair has one shape. Used to pack tensors into flat buckets. */
 fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const fdp_streams_t *streams);
 
+/* ---- ordering work across streams ----
+ * Work that runs on streams of its own (the gradient reduction while backward runs) waits for the streams where its
+ * inputs are produced, and the streams that use its outputs wait for it; the host asks when it has completed, to
+ * release the memory it used. CUDA streams only: FDP_INVALID for a host entry, FDP_UNAVAILABLE without a usable
+ * driver. Nothing here blocks the host. Thread-safe. */
+
+/* For each i, waiters' i-th stream waits for the work enqueued so far on signals' i-th stream (any device: one event
+ * is recorded on the signal stream and waited on by the waiter). Both lists have the same length. */
+fdp_result_t fdp_streams_order(const fdp_streams_t *waiters, const fdp_streams_t *signals);
+
+/* A fence: the point each of a list of streams has reached when it was recorded (one event per stream). */
+typedef struct fdp_fence fdp_fence_t;
+/* Records a fence behind the work enqueued so far on every listed stream. On success *out is the caller's, released
+ * with fdp_fence_free. */
+fdp_result_t fdp_fence_record(const fdp_streams_t *streams, fdp_fence_t **out);
+/* Every listed stream waits for the work before the fence, on every fenced stream. */
+fdp_result_t fdp_fence_wait(const fdp_fence_t *fence, const fdp_streams_t *waiters);
+/* *done = 1 when the work before the fence has completed on every fenced stream, 0 when some is still running. */
+fdp_result_t fdp_fence_query(const fdp_fence_t *fence, int *done);
+/* Releases the fence (the driver keeps its events until the work before them completes); NULL is ignored. */
+void fdp_fence_free(fdp_fence_t *fence);
+
 /* ---- machine facts (python -m fastdp info) ----
  * What a backend knows of its library and its devices, asked through the backend table. Every fact reads as absent
  * (0, "") where a library cannot be loaded; nothing here touches a GPU unless asked to read free memory. */

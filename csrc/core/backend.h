@@ -52,6 +52,12 @@ typedef struct fdp_backend {
    * others. */
   fdp_result_t (*device_facts)(int device, fdp_free_read_t free_read, fdp_device_facts_t *out);
   int (*can_access_peer)(int device, int peer);
+  /* Fences (fdp_fence_*), from the backend that owns the GPUs, on streams the core has checked (CUDA entries,
+   * 1 <= n <= FDP_MAX_DEVICES); NULL for the others. */
+  fdp_result_t (*fence_record)(const fdp_streams_t *streams, fdp_fence_t **out);
+  fdp_result_t (*fence_wait)(const fdp_fence_t *fence, const fdp_streams_t *waiters);
+  fdp_result_t (*fence_query)(const fdp_fence_t *fence, int *done);
+  void (*fence_free)(fdp_fence_t *fence);
 } fdp_backend_t;
 
 /* The backend of `id`, or NULL when this build has none. */

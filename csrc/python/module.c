@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* fastdp._C, the module: its state, its life (init, traversal, shutdown) and the tables of entry points that the
  * other files of the binding define (ops.c, refresh.c, structure.c, describe.c,
- * facts.c, errors.c, allocator.c). */
+ * facts.c, errors.c, allocator.c, fence.c). */
 #include "binding.h"
 
 #include <stdio.h>
@@ -58,10 +58,10 @@ static int exec_module(PyObject *m) {
   /* Each file of the binding brings its own entry points. */
   PyMethodDef *const tables[] = {fdp__ops_methods,      fdp__refresh_methods, fdp__structure_methods,
                                  fdp__describe_methods, fdp__facts_methods,   fdp__errors_methods,
-                                 fdp__allocator_methods};
+                                 fdp__allocator_methods, fdp__fence_methods};
   for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
     if (PyModule_AddFunctions(m, tables[i]) < 0) return -1;
-  return 0;
+  return fdp__fence_type_add(m);
 }
 
 static int traverse(PyObject *m, visitproc visit, void *arg) {

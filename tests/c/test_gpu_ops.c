@@ -1042,6 +1042,106 @@ typedef struct sweep_op {
   void (*teardown)(void);
 } sweep_op_t;
 
+/* ---- the gradient reduction on streams of its own (fastdp._reducer, NOTE [reduction streams]) ----
+ * The inputs are produced on the caller's streams; autograd makes device 0's stream (the bucket node's canonical
+ * one) wait for all of them; fastdp makes each of its own streams wait for that stream, sums there, and the consumer
+ * (device 0's stream again) waits for a fence behind its own stream of device 0; the host releases the inputs (the
+ * caller may reuse their memory) only once a fence behind every own stream reports done. `skip` drops one of
+ * fastdp's orderings (0..n-1: an own stream's wait, n: the consumer's, n + 1: the host's query): the simulator must
+ * report a race for each. Returns the races recorded (0 on a real driver, where nothing is checked). */
+static long long own_streams_case(int n, const int *devs, int skip) {
+  int64_t count = 777, sz[1] = {count}, st[1] = {1};
+  int es = 4;
+  buf_t in[8], out = buf_new(devs[0], (size_t)(count * es));
+  fdp_tensor_t it[8];
+  CUstream own[FDP_MAX_DEVICES] = {0};
+  fdp_streams_t own_all = {0}, caller = {0}, canonical = {1, {devs[0]}, {(void *)g_stream[devs[0]]}};
+  for (int i = 0; i < n; i++) {
+    in[i] = buf_new(devs[i], (size_t)(count * es));
+    fill_values(FDP_DTYPE_F32, in[i].ref, count);
+    buf_upload(&in[i]);
+    it[i] = view(&in[i], FDP_DTYPE_F32, es, 1, sz, st, 0).t;
+    int d = devs[i];
+    if (own[d] == NULL) {
+      push(d);
+      dev_call(d, D.StreamCreate(&own[d], 1), "cuStreamCreate");
+      pop(d);
+      own_all.device[own_all.n] = d;
+      own_all.stream[own_all.n++] = (void *)own[d];
+      caller.device[caller.n] = d;
+      caller.stream[caller.n++] = (void *)g_stream[d];
+    }
+  }
+  fdp_tensor_t ot = view(&out, FDP_DTYPE_F32, es, 1, sz, st, 0).t;
+  buf_t *all[9];
+  for (int i = 0; i < n; i++)
+    all[i] = &in[i];
+  all[n] = &out;
+  caller_before(all, n + 1, g_stream); /* the gradients produced, the output handed out, on the caller's streams */
+  for (int k = 0; k < caller.n; k++) { /* autograd: the canonical stream waits for every input's producer */
+    fdp_streams_t one = {1, {caller.device[k]}, {caller.stream[k]}};
+    OK(fdp_streams_order(&canonical, &one));
+  }
+  for (int k = 0; k < own_all.n; k++) { /* fastdp: each own stream waits for the canonical one */
+    fdp_streams_t waiter = {1, {own_all.device[k]}, {own_all.stream[k]}};
+    if (skip != k) OK(fdp_streams_order(&waiter, &canonical));
+  }
+  OK(fdp_op_reduce(it, n, &ot, &own_all));
+  fdp_fence_t *deliver = NULL, *release = NULL;
+  fdp_streams_t first = {1, {own_all.device[0]}, {own_all.stream[0]}};
+  OK(fdp_fence_record(&first, &deliver));
+  OK(fdp_fence_record(&own_all, &release));
+  if (skip != own_all.n) OK(fdp_fence_wait(deliver, &canonical)); /* the delivery: the consumer waits */
+  caller_touch(&out, g_stream, 0);                                  /* and reads the sum */
+  int done = 0;
+  if (skip != own_all.n + 1) OK(fdp_fence_query(release, &done)); /* later, the host releases the inputs */
+  CHECK(done || skip == own_all.n + 1);
+  for (int i = 0; i < n; i++)
+    caller_touch(&in[i], g_stream, 1); /* the caller reuses the inputs' memory */
+  fdp_fence_free(deliver);
+  fdp_fence_free(release);
+  unsigned char *want = out.ref;
+  memcpy(want, in[0].ref, (size_t)(count * es));
+  for (int i = 1; i < n; i++)
+    ref_add(FDP_DTYPE_F32, want, in[i].ref, count);
+  buf_matches(&out, "reduce on own streams");
+  long long races = 0;
+  if (sim()) {
+    char text[4096];
+    races = S.errors(text, sizeof text);
+    S.reset();
+  }
+  for (int k = 0; k < own_all.n; k++) {
+    push(own_all.device[k]);
+    dev_call(own_all.device[k], D.StreamDestroy(own[own_all.device[k]]), "cuStreamDestroy");
+    pop(own_all.device[k]);
+  }
+  for (int i = 0; i < n; i++)
+    buf_free(&in[i]);
+  buf_free(&out);
+  return races;
+}
+
+static void test_reduce_on_own_streams(void) {
+  int spread[8], same[3] = {0, 0, 0};
+  for (int d = 0; d < g_ndev; d++)
+    spread[d] = d;
+  const int *cases[2] = {spread, same};
+  int counts[2] = {g_ndev, 3};
+  for (int c = 0; c < 2; c++) {
+    if (counts[c] < 2) continue;
+    int own_n = c == 0 ? g_ndev : 1;
+    CHECKF(own_streams_case(counts[c], cases[c], -1) == 0, "reduce on own streams (%d inputs): races recorded",
+           counts[c]);
+    /* (On one device the consumer's stream is every input's producer: its wait orders their reuse too, so the host's
+     * query adds nothing there.) */
+    for (int skip = 0; sim() && skip <= own_n + (c == 0); skip++)
+      CHECKF(own_streams_case(counts[c], cases[c], skip) > 0,
+             "reduce on own streams (%d inputs) without ordering %d: no race recorded", counts[c], skip);
+  }
+  sim_clean("reduce on own streams");
+}
+
 static buf_t g_b[80];
 static view_t g_v[80];
 static int g_nb;
@@ -1117,6 +1217,46 @@ static fdp_result_t sw_reduce(void) {
   }
   fdp_streams_t s = all_streams(g_stream);
   return fdp_op_reduce(in, g_ndev, &g_v[g_ndev].t, &s);
+}
+
+/* The reduction's pattern on streams of its own: ordered after the caller's streams, fenced for the consumer and
+ * for the host (own streams: a second non-blocking stream per device, made by sw_setup_own). */
+static CUstream g_own[FDP_MAX_DEVICES];
+static void sw_setup_own(void) {
+  sw_setup_dense();
+  for (int d = 0; d < g_ndev; d++) {
+    push(d);
+    dev_call(d, D.StreamCreate(&g_own[d], 1), "cuStreamCreate");
+    pop(d);
+  }
+}
+static void sw_free_own(void) {
+  for (int d = 0; d < g_ndev; d++) {
+    push(d);
+    dev_call(d, D.StreamDestroy(g_own[d]), "cuStreamDestroy");
+    pop(d);
+  }
+  sw_free();
+}
+static fdp_result_t sw_reduce_own(void) {
+  fdp_tensor_t in[FDP_MAX_DEVICES];
+  memcpy(g_b[g_ndev].ref, g_b[0].ref, g_b[0].bytes);
+  for (int i = 0; i < g_ndev; i++) {
+    in[i] = g_v[i].t;
+    if (i) ref_add(FDP_DTYPE_F32, g_b[g_ndev].ref, g_b[i].ref, 3000);
+  }
+  fdp_streams_t own = all_streams(g_own), caller = all_streams(g_stream), first = {1, {0}, {(void *)g_stream[0]}};
+  fdp_fence_t *deliver = NULL, *release = NULL;
+  int done = 0;
+  fdp_result_t r = fdp_streams_order(&own, &caller);
+  if (r == FDP_OK) r = fdp_op_reduce(in, g_ndev, &g_v[g_ndev].t, &own);
+  if (r == FDP_OK) r = fdp_fence_record(&own, &release);
+  if (r == FDP_OK) r = fdp_fence_record(&(fdp_streams_t){1, {0}, {(void *)g_own[0]}}, &deliver);
+  if (r == FDP_OK) r = fdp_fence_wait(deliver, &first);
+  if (r == FDP_OK) r = fdp_fence_query(release, &done);
+  fdp_fence_free(deliver);
+  fdp_fence_free(release);
+  return r;
 }
 
 static void sw_setup_local(void) {
@@ -1223,6 +1363,7 @@ static const sweep_op_t k_sweep[] = {
     {"copy (strided device -> host)", sw_setup_k4, NULL, sw_copy, sw_verify_last, sw_free},
     {"broadcast (nccl)", sw_setup_dense, NULL, sw_broadcast, sw_verify_bcast, sw_free},
     {"reduce (nccl)", sw_setup_dense, NULL, sw_reduce, sw_verify_last, sw_free},
+    {"reduce (nccl) on own streams, fenced", sw_setup_own, NULL, sw_reduce_own, sw_verify_last, sw_free_own},
     {"reduce (local, 40 inputs, out aliases one)", sw_setup_local_save, sw_prepare_local, sw_local, sw_verify_local,
      sw_free},
     {"scatter", sw_setup_scatter, NULL, sw_scatter, sw_verify_scatter, sw_free},
@@ -1414,6 +1555,7 @@ int main(int argc, char **argv) {
     test_broadcast();
     test_scatter_gather();
     test_reduce();
+    test_reduce_on_own_streams();
     test_coalesced();
     test_threads();
     test_shutdown_reuse();

@@ -4,6 +4,7 @@
  * the streams the caller lists. Kernels come from the fatbin embedded at build time when it fits the GPU, else
  * from NVRTC (kernel_image.c), loaded once per device. Copies the copy engines can do never need them. */
 #include "backend/cuda/facts.h"
+#include "backend/cuda/fence.h"
 #include "backend/cuda/kernel_image.h"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/layout.h"
@@ -866,4 +867,8 @@ const fdp_backend_t fdp__backend_cuda = {
     .library_facts = fdp__cuda_library_facts,
     .device_facts = fdp__cuda_device_facts,
     .can_access_peer = fdp__cuda_can_access_peer,
+    .fence_record = fdp__cuda_fence_record,
+    .fence_wait = fdp__cuda_fence_wait,
+    .fence_query = fdp__cuda_fence_query,
+    .fence_free = fdp__cuda_fence_free,
 };

@@ -5,9 +5,28 @@
 #include "binding.h"
 
 /* Attribute names, interned once per call: a lookup by an interned str is a pointer compare in the type's dict. */
-enum { N_PARAMS, N_BUFFERS, N_MODULES, N_DTYPE, N_SHAPE, N_DEVICE, N_REQUIRES_GRAD, N_LAYOUT, N_COUNT };
-static const char *const k_names[N_COUNT] = {"_parameters", "_buffers", "_modules",      "dtype",
-                                             "shape",       "device",   "requires_grad", "layout"};
+enum {
+  N_PARAMS,
+  N_BUFFERS,
+  N_MODULES,
+  N_DTYPE,
+  N_SHAPE,
+  N_DEVICE,
+  N_REQUIRES_GRAD,
+  N_LAYOUT,
+  N_DATA_PTR,
+  N_STRIDE,
+  N_COUNT
+};
+static const char *const k_names[N_COUNT] = {"_parameters",   "_buffers", "_modules", "dtype",    "shape",
+                                             "device",        "requires_grad",        "layout",   "data_ptr",
+                                             "stride"};
+
+/* A tensor entry: (key, id, dtype, shape, device, requires_grad, layout, data pointer, strides). The first seven
+ * are the structure (a change rebuilds the kept replicas); the last two where the tensor's memory is (a change
+ * only remakes what aliases it: NOTE [the master's tensors stay the user's] in fastdp/_replicas.py). */
+#define ENTRY_LEN 9
+#define ENTRY_STRUCTURE 7
 
 typedef struct {
   PyObject *name[N_COUNT];
@@ -47,17 +66,32 @@ static int append(walk_t *w, PyObject *entry) {
   return r;
 }
 
-/* (key, None) for an empty slot, else (key, id, dtype, shape, device, requires_grad, layout); NULL on error. */
+/* t.data_ptr() or t.stride() (a new reference); None where the tensor has neither (sparse, a lazy parameter). */
+static PyObject *memory_fact(PyObject *t, PyObject *name) {
+  PyObject *v = PyObject_CallMethodNoArgs(t, name);
+  if (!v) {
+    PyErr_Clear();
+    v = Py_NewRef(Py_None);
+  }
+  return v;
+}
+
+/* (key, None) for an empty slot, else the tensor's entry (ENTRY_LEN items); NULL on error. */
 static PyObject *tensor_entry(walk_t *w, PyObject *key, PyObject *t) {
   if (t == Py_None) return PyTuple_Pack(2, key, Py_None);
-  PyObject *e = PyTuple_New(7);
+  PyObject *e = PyTuple_New(ENTRY_LEN);
   if (!e) return NULL;
   PyTuple_SET_ITEM(e, 0, Py_NewRef(key));
   PyObject *v = PyLong_FromVoidPtr(t);
   for (int i = 1; v; i++) {
     PyTuple_SET_ITEM(e, i, v);
-    if (i == 6) return e;
-    v = PyObject_GetAttr(t, w->name[N_DTYPE + i - 1]);
+    if (i == ENTRY_LEN - 1) return e;
+    PyObject *name = w->name[N_DTYPE + i - 1]; /* the attribute of entry slot i + 1 */
+    if (i + 1 >= ENTRY_STRUCTURE) {
+      v = memory_fact(t, name);
+      continue;
+    }
+    v = PyObject_GetAttr(t, name);
     if (N_DTYPE + i - 1 == N_DEVICE) v = shared_device(w, v);
   }
   Py_DECREF(e); /* the slots not filled are NULL, which a tuple's deallocation skips */
@@ -162,8 +196,9 @@ static int walk_module(walk_t *w, PyObject *m) {
 
 /* walk(root) -> (modules, signature): every distinct module under root, root first, breadth first (children in
  * registration order); and per module a header (id, type, len(_parameters), len(_buffers)), one entry per
- * parameter and buffer slot ((key, None) when empty, else (key, id, dtype, shape, device, requires_grad, layout))
- * and one (key, id(child)) per child slot. Any change to these makes kept replicas or bucket layouts stale. */
+ * parameter and buffer slot ((key, None) when empty, else (key, id, dtype, shape, device, requires_grad, layout,
+ * data_ptr, stride)) and one (key, id(child)) per child slot. Any change to these makes kept replicas or bucket
+ * layouts stale (a data pointer or strides only what aliases the tensor). */
 static PyObject *py_walk(PyObject *module, PyObject *root) {
   (void)module;
   walk_t w = {{NULL}, PyList_New(0), PySet_New(NULL), PyList_New(0), NULL};
@@ -186,6 +221,7 @@ typedef struct {
   PyObject *name[N_COUNT];
   PyObject *sig;             /* a list */
   Py_ssize_t at;             /* the next signature entry to compare */
+  int moved;                 /* a tensor's data pointer or strides differ from its entry's */
   module_state *st;          /* NULL: every tensor compared through its Python attributes */
   PyObject *batch, *batched; /* tensors whose attributes match_batch compares, and their entries */
   PyObject *device;          /* the last entry device read, and what it is (see entry_device) */
@@ -210,13 +246,21 @@ static int same(PyObject *a, PyObject *b) {
   return a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
 }
 
-/* Compares a tensor's attributes with entry e through its Python API: 1 equal, 0 not, -1 error. */
+/* Compares a tensor's attributes with entry e through its Python API: 1 equal, 0 not, -1 error; where the
+ * structure is equal, a data pointer or strides other than the entry's set mt->moved. */
 static int match_attributes(match_t *mt, PyObject *e, PyObject *t) {
   int eq = 1;
   for (int i = 0; eq == 1 && i < 5; i++) {
     PyObject *v = PyObject_GetAttr(t, mt->name[N_DTYPE + i]);
     eq = v ? same(v, PyTuple_GET_ITEM(e, 2 + i)) : -1;
     Py_XDECREF(v);
+  }
+  for (int i = ENTRY_STRUCTURE; eq == 1 && !mt->moved && i < ENTRY_LEN; i++) {
+    PyObject *v = memory_fact(t, mt->name[N_DTYPE + i - 2]);
+    int here = same(v, PyTuple_GET_ITEM(e, i));
+    Py_DECREF(v);
+    if (here < 0) return -1;
+    mt->moved = !here;
   }
   return eq;
 }
@@ -278,6 +322,19 @@ static int same_sizes(PyObject *shape, const fdp_tensor_t *t) {
   return 1;
 }
 
+/* Whether entry values `ptr` (an int) and `strides` (a tuple of ints) are t's data pointer and strides. */
+static int same_memory(PyObject *ptr, PyObject *strides, const fdp_tensor_t *t) {
+  if (!PyLong_Check(ptr) || !PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != t->ndim) return 0;
+  int same_ptr = PyLong_AsVoidPtr(ptr) == (void *)t->data;
+  for (int d = 0; same_ptr && d < t->ndim; d++)
+    same_ptr = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, d)) == t->strides[d];
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return 0;
+  }
+  return same_ptr;
+}
+
 /* Learns the objects of t's dtype code and layout from its Python attributes (once per code). */
 static int learn(PyObject *t, int32_t code) {
   if (!g_dtype_objects[code] && !(g_dtype_objects[code] = PyObject_GetAttrString(t, "dtype"))) return -1;
@@ -297,6 +354,7 @@ static int match_facts(match_t *mt, PyObject *e, PyObject *t, const fdp_tensor_t
   if (!rg) return -1;
   int eq = same(rg, PyTuple_GET_ITEM(e, 5));
   Py_DECREF(rg);
+  if (eq == 1 && !mt->moved) mt->moved = !same_memory(PyTuple_GET_ITEM(e, 7), PyTuple_GET_ITEM(e, 8), ts);
   return eq;
 }
 
@@ -328,7 +386,7 @@ static int match_child(PyObject *e, PyObject *key, PyObject *c) {
 
 /* Compares one slot with the next entry: 1 equal, 0 not, -1 error. Entry, key and value are held meanwhile. */
 static int match_slot(match_t *mt, PyObject *key, PyObject *v, int child) {
-  PyObject *e = next_entry(mt, child ? 2 : v == Py_None ? 2 : 7);
+  PyObject *e = next_entry(mt, child ? 2 : v == Py_None ? 2 : ENTRY_LEN);
   if (!e) return 0;
   Py_INCREF(key);
   Py_INCREF(v);
@@ -380,15 +438,17 @@ static int intern_names(PyObject **name) {
   return 0;
 }
 
-/* matches(modules, signature) -> bool: whether walk(modules[0]) would give (modules, signature) now, compared in
- * place. The modules are not walked again: while every child slot holds the child it held, the breadth-first
- * order over them is the one `modules` recorded, so each module is compared where it stands in it. */
+/* matches(modules, signature) -> 0, 1 or 2: whether walk(modules[0]) would give (modules, signature) now, compared
+ * in place: 0 when the structure differs, 1 when all is equal, 2 when only some tensor's data pointer or strides do
+ * (its memory moved: `.data` replaced, a storage moved to shared memory). The modules are not walked again: while
+ * every child slot holds the child it held, the breadth-first order over them is the one `modules` recorded, so
+ * each module is compared where it stands in it. */
 static PyObject *py_matches(PyObject *module, PyObject *args) {
   PyObject *modules, *sig;
   if (!PyArg_ParseTuple(args, "O!O!:matches", &PyList_Type, &modules, &PyList_Type, &sig)) return NULL;
   module_state *st = PyModule_GetState(module);
   int shim = st && st->tensor_type && fdp__tensor_path() == FDP_TENSOR_PATH_AOTI;
-  match_t mt = {{NULL}, sig, 0, shim ? st : NULL, PyList_New(0), PyList_New(0), NULL, DEVICE_UNKNOWN};
+  match_t mt = {{NULL}, sig, 0, 0, shim ? st : NULL, PyList_New(0), PyList_New(0), NULL, DEVICE_UNKNOWN};
   int eq = mt.batch && mt.batched && intern_names(mt.name) == 0 ? 1 : -1;
   /* a list that changes while compared (a slot's __eq__ could) is read by index, with its size checked again */
   for (Py_ssize_t i = 0; eq == 1 && i < PyList_GET_SIZE(modules); i++) {
@@ -403,11 +463,12 @@ static PyObject *py_matches(PyObject *module, PyObject *args) {
   Py_XDECREF(mt.batched);
   Py_XDECREF(mt.device);
   if (eq < 0) return NULL;
-  return PyBool_FromLong(eq == 1 && mt.at == PyList_GET_SIZE(sig));
+  return PyLong_FromLong(eq == 1 && mt.at == PyList_GET_SIZE(sig) ? 1 + mt.moved : 0);
 }
 
 PyMethodDef fdp__structure_methods[] = {
     {"walk", py_walk, METH_O, "walk(root) -> (modules, structure signature)"},
-    {"matches", py_matches, METH_VARARGS, "matches(modules, signature) -> whether walk(modules[0]) gives both"},
+    {"matches", py_matches, METH_VARARGS,
+     "matches(modules, signature) -> 0 (the structure differs), 1 (equal), 2 (only some tensor's memory moved)"},
     {NULL, NULL, 0, NULL},
 };

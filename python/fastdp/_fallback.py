@@ -104,9 +104,10 @@ def _on_stream(streams, t):
 
 
 def copy(dsts, srcs, streams=None):
-    for d, s in zip(dsts, srcs):
-        with _on_stream(streams, d):
-            d.copy_(s)
+    with torch.no_grad():  # a data move, as the core's: never recorded by autograd (sources may be parameters)
+        for d, s in zip(dsts, srcs):
+            with _on_stream(streams, d):
+                d.copy_(s)
 
 
 def broadcast(src, dsts, streams=None):

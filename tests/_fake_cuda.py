@@ -76,6 +76,26 @@ class FakeEvent:
         return True
 
 
+class FakeFence:
+    """fastdp._C.Fence: a fence recorded behind the listed streams; waits on it and host queries are logged."""
+
+    _serial = itertools.count(1)
+
+    def __init__(self, cuda, streams):
+        self.cuda = cuda
+        self.name = f"f{next(self._serial)}"
+        for device, handle in streams:
+            cuda.record("fence", self.name, cuda.stream_of(device, handle).name)
+
+    def wait(self, streams):
+        for device, handle in streams:
+            self.cuda.record("wait_fence", self.cuda.stream_of(device, handle).name, self.name)
+
+    def done(self):
+        self.cuda.record("query", self.name)
+        return self.cuda.fences_done
+
+
 class FakeCuda:
     """``ndev`` fake CUDA devices. ``stream_on(d, name)`` makes a named non-default stream; ``capturing`` is what
     ``is_current_stream_capturing`` answers; ``allocated[d]`` what ``memory_allocated(d)`` answers."""
@@ -92,6 +112,7 @@ class FakeCuda:
         self.allocated = [0] * ndev
         self.peak = [0] * ndev
         self.peers = set((a, b) for a in range(ndev) for b in range(ndev) if a != b)
+        self.fences_done = True  # what a fence's host query answers
 
     # ---- the log ----
     def record(self, *entry):
@@ -120,6 +141,15 @@ class FakeCuda:
             return device
         device = torch.device(device)
         return self._state().device if device.index is None else device.index
+
+    def stream_of(self, device, handle):
+        """The stream a (device, handle) pair of the core's stream lists names (handle 0: the default stream)."""
+        return self.defaults[device] if handle == 0 else self.by_handle[handle]
+
+    def order(self, waiters, signals):
+        """fastdp._C.order: each waiter stream waits for its signal stream."""
+        for (wd, wh), (sd, sh) in zip(waiters, signals):
+            self.record("wait", self.stream_of(wd, wh).name, self.stream_of(sd, sh).name)
 
     def stream_on(self, device, name):
         s = FakeStream(self, device, name, next(self._handles))
@@ -224,4 +254,10 @@ class FakeCuda:
         cuda = self
         monkeypatch.setattr(torch.Tensor, "record_stream",
                             lambda t, stream: cuda.record("record_stream", t.data_ptr(), stream.name))
+        # The core's orderings across streams (fastdp._streams.order, Fence) are the driver's work: recorded too.
+        from fastdp import _C, _reducer
+
+        monkeypatch.setattr(_C, "order", self.order)
+        monkeypatch.setattr(_C, "Fence", lambda streams: FakeFence(cuda, streams))
+        monkeypatch.setattr(_reducer, "_OWN_STREAMS", {})  # the reduction's streams are this fake's
         return self

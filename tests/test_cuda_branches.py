@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import fastdp
-from fastdp import _C, _core, _devices, _fallback, _functions, _replicas, _split, comm
+from fastdp import _C, _core, _devices, _fallback, _functions, _reducer, _replicas, _split, comm
 from fastdp import sync_batchnorm as sbn
 
 pa = importlib.import_module("fastdp.parallel_apply")
@@ -334,40 +334,116 @@ def test_training_step_makes_no_tensor_from_host_data_on_a_device(monkeypatch):
         torch.testing.assert_close(p.grad, q.grad)
 
 
-# ---- kept replicas: the backward node follows the caller's streams ----------------------------------------------
+# ---- kept replicas and the reduction's own streams (NOTE [reduction streams] in fastdp/_reducer.py) ---------------
+
+
+def _cuda_replica_set(net, bucket_bytes=1 << 20):
+    """A ReplicaSet built over host tensors whose state then says CUDA devices 0 and 1 (the tensors stay on the
+    host; every torch.cuda call goes to the fake)."""
+    rs = _replicas.ReplicaSet(net, [_devices.CPU] * 2, bucket_bytes)
+    rs.state.devices = [0, 1]
+    rs.state.host = False
+    rs.state.reduction = _reducer.reduction_for(rs.state)
+    return rs
+
+
+def _step_and_backward(cuda, rs, x, forward_streams, backward_streams):
+    """One forward of the two replicas on `forward_streams`, then backward with `backward_streams` current in this
+    thread (as autograd's engine makes a node's canonical stream current on its device while it runs)."""
+    with cuda.stream(forward_streams[0]), cuda.stream(forward_streams[1]):
+        roots = rs.step()
+        out = roots[0](x[:2]).sum() + roots[1](x[2:]).sum()
+    with cuda.stream(backward_streams[0]), cuda.stream(backward_streams[1]):
+        out.backward()
+    return roots
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["torch>=2.8", "torch<2.8"])
+def test_reduction_runs_on_its_own_streams_with_exactly_the_waits_it_needs(cuda, monkeypatch, legacy):
+    """Each reduction stream waits for the stream where autograd guarantees the gradients are ready (torch 2.8 and
+    newer: the bucket node's canonical stream for every device; before: that stream for the first device, each other
+    device's default stream), the sum runs on the reduction's streams, and the delivery node's stream waits for a
+    fence behind the first device's reduction stream; the tensors it used are held until a fence behind every
+    reduction stream has passed. Nothing else orders anything, and nothing waits on the host."""
+    monkeypatch.setattr(_reducer, "_LEGACY_STREAMS", legacy)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    bare = copy.deepcopy(net)
+    rs = _cuda_replica_set(net)
+    on = []
+    real_sum = _reducer._sum
+
+    def spy_sum(bucket, grads, kept, out):
+        on.append(tuple(cuda.current_stream(d).name for d in (0, 1)))
+        return real_sum(bucket, grads, kept, out)
+
+    monkeypatch.setattr(_reducer, "_sum", spy_sum)
+    caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
+    x = torch.randn(4, 4)
+    _step_and_backward(cuda, rs, x, caller, caller)
+    own = [_reducer.own_stream(0).name, _reducer.own_stream(1).name]
+    assert on == [tuple(own)]
+    ready1 = "default@1" if legacy else "caller@0"
+    ordering = [e for e in cuda.log if e[0] in ("wait", "wait_event", "wait_fence", "fence", "record_stream")]
+    fences = [e[1] for e in ordering if e[0] == "fence"]
+    assert ordering == [("wait", own[0], "caller@0"), ("wait", own[1], ready1),
+                        ("fence", fences[0], own[0]), ("fence", fences[0], own[1]),
+                        ("fence", fences[2], own[0]),
+                        ("wait_fence", "caller@0", fences[2])]
+    assert cuda.host_syncs() == []
+    net.bias.grad, net.weight.grad = net.bias.grad.clone(), net.weight.grad.clone()
+    (bare(x[:2]).sum() + bare(x[2:]).sum()).backward()
+    torch.testing.assert_close(net.weight.grad, bare.weight.grad)
+
+
+def test_reduction_holds_what_it_used_until_its_fence_has_passed(cuda, monkeypatch):
+    """The gradients the reduction reads stay alive (the caching allocator cannot hand out their memory) until the
+    host sees the fence behind the reduction's streams pass; the next forward sweeps them away once it has."""
+    import weakref
+
+    net = nn.Linear(4, 3)
+    rs = _cuda_replica_set(net)
+    seen = []
+    real_sum = _reducer._sum
+
+    def spy_sum(bucket, grads, kept, out):
+        seen.extend(weakref.ref(g) for g in grads if g is not None)
+        return real_sum(bucket, grads, kept, out)
+
+    monkeypatch.setattr(_reducer, "_sum", spy_sum)
+    caller = [cuda.default_stream(0), cuda.default_stream(1)]
+    cuda.fences_done = False
+    _step_and_backward(cuda, rs, torch.randn(4, 4), caller, caller)
+    assert seen and all(r() is not None for r in seen)
+    with cuda.stream(caller[0]):
+        rs.step()  # the fence has not passed: still held
+    assert all(r() is not None for r in seen)
+    cuda.fences_done = True
+    with cuda.stream(caller[0]):
+        rs.step()
+    assert all(r() is None for r in seen)
 
 
 def test_kept_nodes_are_remade_for_a_forward_on_other_streams(cuda, monkeypatch):
     """Autograd orders a node's backward on the streams current when the node was made: a step on other streams
-    gets new nodes, and the reduction runs on those streams whichever thread autograd runs it on."""
+    gets new nodes, and the reduction waits for the stream autograd then makes current."""
     torch.manual_seed(0)
     net = nn.Linear(4, 3)
-    rs = _replicas.ReplicaSet(net, [_devices.CPU] * 2, 1 << 20)
-    rs.state.devices = [0, 1]  # CUDA devices 0 and 1, their tensors kept on the host
-    reduced = []
-    real_reduce = _replicas.reduce_bucket
-
-    def reduce_bucket(bucket, grads):
-        reduced.append(tuple(cuda.current_stream(d).name for d in (0, 1)))
-        return real_reduce(bucket, grads)
-
-    monkeypatch.setattr(_replicas, "reduce_bucket", reduce_bucket)
+    rs = _cuda_replica_set(net)
     first = [cuda.stream_on(0, "first@0"), cuda.stream_on(1, "first@1")]
     second = [cuda.stream_on(0, "second@0"), cuda.stream_on(1, "second@1")]
-    x = torch.randn(2, 4)
+    x = torch.randn(4, 4)
     with cuda.stream(first[0]), cuda.stream(first[1]):
         roots = rs.step()
         node = roots[1].weight.grad_fn
         again = rs.step()
     assert again[1].weight.grad_fn is node  # same streams: the kept node
-    with cuda.stream(second[0]), cuda.stream(second[1]):
-        roots = rs.step()
-        out = roots[0](x).sum() + roots[1](x).sum()
+    cuda.log.clear()
+    roots = _step_and_backward(cuda, rs, x, second, second)
     assert roots[1].weight.grad_fn is not node
-    out.backward()  # this thread's streams are the defaults, as in autograd's device threads
-    assert reduced == [("second@0", "second@1")]
+    assert ("wait", _reducer.own_stream(0).name, "second@0") in cuda.log
     assert cuda.host_syncs() == []
-    torch.testing.assert_close(net.weight.grad, 2 * x.sum(0).expand(3, 4))
+    torch.testing.assert_close(net.weight.grad, 2 * x.sum(0).expand(3, 4) / 2)
 
 
 # ---- CUDA-graph capture ------------------------------------------------------------------------------------------

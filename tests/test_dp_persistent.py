@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import fastdp
-from fastdp import _replicas
+from fastdp import _reducer, _replicas
 
 # Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
 pytestmark = pytest.mark.usefixtures("cpu_apply")
@@ -65,7 +65,7 @@ def test_replicas_are_kept_across_steps():
     # One autograd node per bucket: a tiny bucket size gives several, each reducing on its own.
     dp_small = fastdp.DataParallel(mlp(), device_ids=["cpu"] * R, bucket_cap_mb=1e-5)
     out = dp_small(x)
-    nodes = [n for n in _walk(out.grad_fn) if type(n).__name__ == "_KeptBroadcastBackward"]
+    nodes = [n for n in _walk(out.grad_fn) if type(n).__name__ == "BucketNodeBackward"]
     assert len(nodes) == len(dp_small._replica_set.layout[0]) == len(list(dp_small.parameters()))
 
 
@@ -95,13 +95,13 @@ def test_buckets_reverse_order_dtype_homogeneous_and_frozen_excluded():
 
 def test_frozen_parameters_are_not_reduced(monkeypatch):
     calls = []
-    real = _replicas.reduce_bucket
+    real = _reducer.start
 
     def spy(bucket, grads):
         calls.append([bucket.state.devices, list(bucket.members)])
         return real(bucket, grads)
 
-    monkeypatch.setattr(_replicas, "reduce_bucket", spy)
+    monkeypatch.setattr(_reducer, "start", spy)
     model = mlp()
     model[0].weight.requires_grad_(False)
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)

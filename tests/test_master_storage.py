@@ -1,16 +1,23 @@
-"""Flat buckets: the master tensors of each bucket live in one flat buffer on device_ids[0], replicate copies whole
-buffers, and replica gradients are reduced one flat buffer per bucket.
+"""The master's tensors stay the user's (NOTE [the master's tensors stay the user's] in fastdp/_replicas.py): the
+wrapper never moves a parameter or a buffer, so resizing, shared memory, pinned memory, memory formats and storage
+shared between tensors behave as on the bare model, whatever the replicas keep. Replication copies the master member
+by member; gradients are reduced one flat sum per bucket.
 
-Every check compares with the bare module on the full batch (or with the module's own tensors before wrapping)."""
+Every check compares with the bare module on the full batch, or, where a forward's effect on buffers depends on the
+chunk a replica sees, with DataParallel's own rule run by hand (replica 0 is the master on chunk 0, every other
+replica a copy of the master made before the step, on its chunk)."""
 
 import copy
+import os
+import pickle
+import signal
 
 import pytest
 import torch
 import torch.nn as nn
 
 import fastdp
-from fastdp import _C, _core, _replicas
+from fastdp import _C, _core, _reducer
 
 pytestmark = pytest.mark.usefixtures("cpu_apply")
 
@@ -33,122 +40,356 @@ def assert_same_grads(model, ref, tol=1e-10):
             torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
 
 
-def flat_buckets(dp):
-    kept = dp._replica_set
-    return [b for b in kept.layout[0] + kept.layout[1]]
+def assert_same_state(model, ref, tol=1e-10):
+    for (k, v), (k2, w) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert k == k2
+        torch.testing.assert_close(v, w, rtol=tol, atol=tol, msg=k)
 
 
-def test_master_tensors_become_pieces_of_one_flat_buffer_per_bucket():
-    model = mlp()
-    model.add_module("bn", nn.BatchNorm1d(3).double())
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    ids = {k: id(p) for k, p in model.named_parameters()}
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
-    loss_of(dp, torch.randn(9, 6, dtype=torch.float64)).backward()
-    assert {k: id(p) for k, p in model.named_parameters()} == ids  # the same Parameter objects
-    for bucket in flat_buckets(dp):
-        assert bucket.flat is not None
-        start = bucket.flat.data_ptr()
-        size = bucket.flat.element_size()
-        offsets = [(t.data_ptr() - start) // size for t in bucket.master]
-        assert offsets == _cumulative(bucket.sizes)  # member j at the sum of the sizes before it
-        # Each member on a storage of its own covering exactly its bytes (serialisers write only those).
-        assert all(t.untyped_storage().data_ptr() == t.data_ptr() for t in bucket.master)
-        assert [t.untyped_storage().nbytes() for t in bucket.master] == [n * size for n in bucket.sizes]
-    # Values are unchanged by flattening (BatchNorm's statistics moved by the training forward are skipped).
-    for k, v in model.state_dict().items():
-        if not k.startswith("bn.running") and k != "bn.num_batches_tracked":
-            torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+def storage_facts(t):
+    return (t.data_ptr(), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.stride(), t.is_shared())
 
 
-def _cumulative(sizes):
-    out, at = [], 0
-    for s in sizes:
-        out.append(at)
-        at += s
-    return out
+def by_hand(model, x, loss=loss_of, nrep=R):
+    """DataParallel's rule on the host, by hand: replica 0 is the master itself on chunk 0 (its buffers are the
+    master's), each other replica a copy of the master made before the step, on its chunk; the copies' gradients
+    are added to the master's."""
+    chunks = x.chunk(nrep)
+    copies = [copy.deepcopy(model) for _ in chunks[1:]]
+    total = loss(model, chunks[0])
+    for c, chunk in zip(copies, chunks[1:]):
+        total = total + loss(c, chunk)
+    total.backward()
+    for c in copies:
+        for p, q in zip(model.parameters(), c.parameters()):
+            if q.grad is not None:
+                p.grad = q.grad.clone() if p.grad is None else p.grad + q.grad
+    return total
 
 
-@pytest.mark.parametrize("change", ["double", "data_middle", "load_state_dict", "reassign", "to_same"])
-def test_changed_master_tensors_are_refreshed(change):
-    """After the master tensors are replaced or rewritten the replicas see the new values (gradients equal the
-    bare module's on the same values)."""
-    model = mlp(dtype=torch.float32)
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
-    x = torch.randn(9, 6)
-    loss_of(dp, x).backward()
-    model.zero_grad()
+# ---- the storage the user gave stays -------------------------------------------------------------------------------
+
+
+class Tied(nn.Module):
+    """A head tied to the embedding by sharing ``.data``: two Parameters over one storage (as older language models
+    tie them); a tiny bucket size puts them into different buckets."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 6).double()
+        self.mid = nn.Linear(6, 6).double()
+        self.head = nn.Linear(6, 11, bias=False).double()
+        self.head.weight.data = self.emb.weight.data
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.emb(ids)))).sum(1)
+
+
+def test_parameters_tied_through_data_stay_tied_and_train_as_the_bare_model():
+    bare, model = Tied(), Tied()
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R, bucket_cap_mb=1e-6)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (bare, model)]
     torch.manual_seed(1)
-    if change == "double":
-        model.double()
-        x = x.double()
-    elif change == "data_middle":
-        model[2].weight.data = torch.randn(8, 8)
-    elif change == "load_state_dict":
-        model.load_state_dict(mlp(seed=5, dtype=torch.float32).state_dict())
-    elif change == "reassign":
-        model[2].weight = nn.Parameter(torch.randn(8, 8))
-    elif change == "to_same":
-        model.to(torch.float32)
-    ref = copy.deepcopy(model)
-    loss_of(dp, x).backward()
-    loss_of(ref, x).backward()
-    assert_same_grads(model, ref, tol=1e-5)
-    if change == "load_state_dict":  # copy_ into the views: still flat, no re-flattening
-        assert all(b.reflattened == 1 for b in flat_buckets(dp))
-    if change in ("double", "data_middle"):
-        assert all(b.master_flat() is not None for b in flat_buckets(dp))
+    for _ in range(3):
+        ids = torch.randint(0, 11, (9, 4))
+        for m, opt in ((bare, opts[0]), (dp, opts[1])):
+            opt.zero_grad()
+            m(ids).pow(2).sum().backward()
+            opt.step()
+        assert len(dp._replica_set.layout[0]) > 2  # the tied pair sits in different buckets
+        assert model.head.weight.data_ptr() == model.emb.weight.data_ptr()
+        assert_same_state(model, bare)
 
 
-def test_optimizer_keeps_training_the_same_parameters():
-    model, ref = mlp(), mlp()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    torch.manual_seed(3)
-    for _ in range(4):
-        x = torch.randn(9, 6, dtype=torch.float64)
-        for m, o in ((dp, opt), (ref, opt_ref)):
-            o.zero_grad()
-            loss_of(m, x).backward()
-            o.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-9)
-    assert all(b.flat is not None for b in flat_buckets(dp))
+def test_storage_shared_between_modules_stays_shared():
+    """A buffer of one module that views a parameter of another (a mask carved out of a weight): the wrapper keeps
+    the aliasing; the replicas read the same values."""
 
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a = nn.Linear(6, 6).double()
+            self.b = nn.Linear(6, 3).double()
+            self.b.register_buffer("row", self.a.weight.data[0])
 
-def test_tensors_sharing_memory_stay_unflattened():
-    model = mlp()
-    model[4].bias.data = model[2].bias.data[:3]  # a view into another parameter's memory
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)) * self.b.row)
+
+    bare, model = Shared(), Shared()
+    model.b.row = model.a.weight.data[0]
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
     x = torch.randn(9, 6, dtype=torch.float64)
-    ref = copy.deepcopy(model)
-    loss_of(dp, x).backward()
-    loss_of(ref, x).backward()
-    assert_same_grads(model, ref)
-    assert model[4].bias.data_ptr() == model[2].bias.data_ptr()  # the user's aliasing is kept
-    shared = [b for b in flat_buckets(dp) if any(t is model[4].bias for t in b.master)]
-    assert len(shared) == 1 and shared[0].master_flat() is None  # that bucket is copied member by member
-    loss_of(dp, x).backward()  # and stays on that path (checked once, not every step)
-    assert shared[0].reflattened > _replicas._REFLATTEN and shared[0].flat is None
+    for _ in range(2):
+        for m in (bare, dp):
+            loss_of(m, x).backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+        assert model.b.row.data_ptr() == model.a.weight.data_ptr()
+    assert_same_state(model, bare)
 
 
-def test_replicate_copies_one_flat_buffer_per_bucket_and_device(monkeypatch):
-    calls = []
-    real = _replicas._C.copy
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_parameters_and_buffers_keep_their_storage_through_training(layout):
+    def model_fn():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Tanh(), nn.Conv2d(4, 2, 3)).double()
+        return m.to(memory_format=torch.channels_last) if layout == "channels_last" else m
+
+    model = model_fn()
+    before = {k: storage_facts(v) for k, v in model.state_dict(keep_vars=True).items()}
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(2):
+        opt.zero_grad()
+        dp(torch.randn(6, 2, 7, 7, dtype=torch.float64)).pow(2).sum().backward()
+        opt.step()
+    assert {k: storage_facts(v) for k, v in model.state_dict(keep_vars=True).items()} == before
+
+
+def test_share_memory_then_training_reaches_a_forked_reader():
+    """``model.share_memory()`` before training (Hogwild-style readers): a process forked before the step reads the
+    parameters the parent's step wrote, as with the bare model."""
+    model = mlp()
+    model.share_memory()
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    go_r, go_w = os.pipe()
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the reader: waits for the parent's step, then sends what it sees
+        try:
+            os.close(go_w)
+            os.close(out_r)
+            os.read(go_r, 1)
+            data = pickle.dumps([p.detach().clone() for p in model.parameters()])
+            with os.fdopen(out_w, "wb") as f:
+                f.write(data)
+        finally:
+            os._exit(0)
+    os.close(go_r)
+    os.close(out_w)
+    try:
+        opt.zero_grad()
+        loss_of(dp, torch.randn(9, 6, dtype=torch.float64)).backward()
+        opt.step()
+        assert all(p.is_shared() for p in model.parameters())
+        os.write(go_w, b"1")
+        signal.alarm(60)  # a reader that never answers fails the test instead of hanging it
+        with os.fdopen(out_r, "rb") as f:
+            seen = pickle.loads(f.read())
+    finally:
+        signal.alarm(0)
+        os.close(go_w)
+        os.waitpid(pid, 0)
+    for p, q in zip(model.parameters(), seen):
+        torch.testing.assert_close(q, p.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs a CUDA device's driver")
+def test_pinned_parameters_stay_pinned():
+    model = mlp()
+    for p in model.parameters():
+        p.data = p.data.pin_memory()
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    loss_of(dp, torch.randn(9, 6, dtype=torch.float64)).backward()
+    assert all(p.is_pinned() for p in model.parameters())
+
+
+# ---- storage changed on the master between steps --------------------------------------------------------------------
+
+
+def _set(m):
+    with torch.no_grad():
+        m[2].weight.set_(torch.randn(8, 8, dtype=torch.float64))
+
+
+def _swap(m):
+    torch.utils.swap_tensors(m[2].weight, nn.Parameter(torch.randn(8, 8, dtype=torch.float64)))
+
+
+def _rebind(m):
+    m[2].weight.data = torch.randn(8, 8, dtype=torch.float64)
+
+
+def _transpose(m):
+    m[2].weight.data = m[2].weight.data.t()  # same memory, other strides
+
+
+def _resize_as(m):
+    m[4].bias.data.resize_as_(torch.empty(3, 1, dtype=torch.float64)).fill_(0.25)
+    m[4].bias.data = m[4].bias.data.view(3)
+
+
+def _storage_resize(m):
+    s = m[0].bias.untyped_storage()
+    s.resize_(0)
+    s.resize_(8 * 8)  # the bias's bytes reallocated (zeroed), as FSDP-style offloading does
+    with torch.no_grad():
+        m[0].bias.fill_(0.5)
+
+
+def _share(m):
+    m.share_memory()
+
+
+CHANGES = {"set_": _set, "swap_tensors": _swap, "data_rebind": _rebind, "data_transposed": _transpose,
+           "resize_as_": _resize_as, "storage_resize": _storage_resize, "share_memory": _share,
+           "load_state_dict": lambda m: m.load_state_dict(mlp(seed=5).state_dict()),
+           "double": lambda m: m.float().double(), "reassign": lambda m: setattr(m[2], "weight", nn.Parameter(
+               torch.randn(8, 8, dtype=torch.float64)))}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_storage_changed_between_steps(change):
+    """Whatever replaced, moved or rewrote a master tensor between steps, the next step sees it as the bare model
+    does (the same change made to both)."""
+    model, bare = mlp(), mlp()
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    x = torch.randn(9, 6, dtype=torch.float64)
+    for m in (dp, bare):
+        loss_of(m, x).backward()
+        m.zero_grad()
+    for m in (model, bare):
+        torch.manual_seed(3)
+        CHANGES[change](m)
+    for _ in range(2):
+        for m in (dp, bare):
+            m.zero_grad()
+            loss_of(m, x).backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+        assert_same_state(model, bare)
+        assert_same_grads(model, bare)
+
+
+# ---- storage changed inside forward -----------------------------------------------------------------------------------
+
+
+class LazyStats(nn.Module):
+    """Buffers sized at the first forward and written there, as lazily sized modules and quantization observers do
+    (``resize_`` from a placeholder, then ``copy_``): several such buffers side by side."""
+
+    def __init__(self, how="resize_"):
+        super().__init__()
+        self.how = how
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6).double()
+        for name in ("lo", "hi", "mean"):
+            self.register_buffer(name, torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x):
+        h = self.lin(x)
+        stats = {"lo": h.detach().amin(0), "hi": h.detach().amax(0), "mean": h.detach().mean(0)}
+        for name, value in stats.items():
+            buf = getattr(self, name)
+            if buf.shape != value.shape:
+                if self.how == "resize_":
+                    buf.resize_(value.shape)
+                elif self.how == "resize_as_":
+                    buf.resize_as_(value)
+                else:
+                    buf.set_(torch.empty_like(value))
+            buf.copy_(value)
+        return h * (self.hi - self.lo) + self.mean
+
+
+@pytest.mark.parametrize("how", ["resize_", "resize_as_", "set_"])
+def test_buffers_sized_in_forward(how):
+    """Each replica's buffer grows on its own (the other replicas' buffers are not views of one flat buffer, which
+    growing in place would write across); the master's grows as the bare model's does."""
+    model, ref = LazyStats(how), LazyStats(how)
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(9, 6, dtype=torch.float64)
+        for m in (model, ref):
+            m.zero_grad()
+        loss_of(dp, x).backward()
+        by_hand(ref, x)
+        assert_same_grads(model, ref)
+        assert_same_state(model, ref)
+
+
+def test_quantization_aware_training_with_per_channel_observers():
+    """A model prepared for quantization-aware training with the fbgemm default: its per-channel observers resize
+    their buffers in the first forward (zero_point.resize_). It trains under the wrapper as DataParallel's rule
+    says."""
+    ao = pytest.importorskip("torch.ao.quantization")
+
+    def model_fn():
+        torch.manual_seed(0)
+        m = nn.Sequential(ao.QuantStub(), nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Conv2d(4, 3, 3), ao.DeQuantStub())
+        m.train()
+        m.qconfig = ao.get_default_qat_qconfig("fbgemm")
+        return ao.prepare_qat(m)
+
+    model, ref = model_fn(), model_fn()
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
+    torch.manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(9, 2, 8, 8)
+        for opt in opts:
+            opt.zero_grad()
+        dp(x).pow(2).sum().backward()
+        by_hand(ref, x, loss=lambda m, c: m(c).pow(2).sum())
+        for opt in opts:
+            opt.step()
+        assert_same_state(model, ref, tol=1e-5)
+
+
+class Rebinding(nn.Module):
+    """A frozen parameter rebound in forward (``self.mu.data = ...``), read after the rebinding."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6).double()
+        self.mu = nn.Parameter(torch.zeros(6, dtype=torch.float64), requires_grad=False)
+
+    def forward(self, x):
+        self.mu.data = x.detach().mean(0)
+        return self.lin(x - self.mu)
+
+
+def test_frozen_parameter_rebound_in_forward_leaves_the_master_as_upstream():
+    """Upstream's replicate gives replica 0 its own alias of every parameter in a forward with autograd, so the
+    master's ``mu`` stays as it was; under no_grad its detached replicate hands replica 0 the master's own tensor,
+    which the rebinding then changes. The outputs are each replica's own, as the bare model's on each chunk."""
+    model = Rebinding()
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    x = torch.randn(9, 6, dtype=torch.float64)
+    chunks = x.chunk(R)
+    out = dp(x)
+    torch.testing.assert_close(out, torch.cat([copy.deepcopy(Rebinding())(c) for c in chunks]))
+    assert torch.equal(model.mu, torch.zeros(6, dtype=torch.float64))
+    with torch.no_grad():
+        dp(x)
+    torch.testing.assert_close(model.mu.detach(), chunks[0].mean(0))
+
+
+# ---- replication and reduction paths ---------------------------------------------------------------------------------
+
+
+def test_replicate_copies_every_member_once_per_other_replica(monkeypatch):
+    pairs = []
+    real = _C.copy
 
     def spy(dsts, srcs, streams):
-        calls.append(len(dsts))
+        pairs.append(len(dsts))
         return real(dsts, srcs, streams)
 
     model = mlp()
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
     x = torch.randn(9, 6, dtype=torch.float64)
     loss_of(dp, x).backward()
-    monkeypatch.setattr(_replicas._C, "copy", spy)
+    monkeypatch.setattr(_C, "copy", spy)
     loss_of(dp, x).backward()
-    buckets = flat_buckets(dp)
-    assert calls == [R - 1] * len(buckets)  # one pair (flat -> replica flat) per replica, one call per bucket
+    assert sum(pairs) == (R - 1) * len(list(model.parameters()))
 
 
 @pytest.mark.parametrize("path", ["aoti", "python"])
@@ -162,7 +403,7 @@ def test_reduction_is_one_flat_sum_per_bucket(monkeypatch, zero, path):
         pytest.skip("this torch has no usable C shim")
     previous = _C.set_tensor_path(path)
     calls = []
-    real_columns, real_rows = _replicas.reduce_columns, _C.reduce_rows
+    real_columns, real_rows = _reducer.reduce_columns, _C.reduce_rows
 
     def spy_columns(columns, outs):
         calls.append(("packed", len(columns), [t.numel() for t in columns[0]], outs[0].numel()))
@@ -174,7 +415,7 @@ def test_reduction_is_one_flat_sum_per_bucket(monkeypatch, zero, path):
             calls.append(("rows", len(grads) // k, k, out.numel()))
         return done
 
-    monkeypatch.setattr(_replicas, "reduce_columns", spy_columns)
+    monkeypatch.setattr(_reducer, "reduce_columns", spy_columns)
     monkeypatch.setattr(_C, "reduce_rows", spy_rows)
     try:
         model, ref = mlp(), mlp()
@@ -202,8 +443,8 @@ def test_reduction_is_one_flat_sum_per_bucket(monkeypatch, zero, path):
 
 @pytest.mark.parametrize("first", ["inference_mode", "no_grad"])
 def test_first_forward_without_autograd_then_training(first):
-    """The flat buffers made at the first forward are ordinary tensors even when that forward runs under
-    inference_mode or no_grad: training afterwards matches the bare module."""
+    """The buffers made at the first forward are ordinary tensors even when that forward runs under inference_mode
+    or no_grad: training afterwards matches the bare module."""
     model, ref = mlp(), mlp()
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
     x = torch.randn(9, 6, dtype=torch.float64)
@@ -260,8 +501,8 @@ def test_no_sync_packed_sums_match_accumulation(bucket_cap_mb, gates):
 
 
 def test_a_replaced_replica_set_is_freed_without_the_collector():
-    """Buckets and their shared state form no reference cycle: when a structure change replaces the replica set,
-    its flat buffers (device memory on a GPU) are freed at once, not at the next garbage collection."""
+    """Buckets, their nodes and their shared state form no reference cycle: when a structure change replaces the
+    replica set, its buffers (device memory on a GPU) are freed at once, not at the next garbage collection."""
     import gc
     import weakref
 

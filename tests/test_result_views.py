@@ -11,7 +11,7 @@ import torch
 
 import fastdp
 from fastdp import _C, _core
-from fastdp._replicas import _flatten_dense, _unflatten_dense
+from fastdp._reducer import _flatten_dense, _unflatten_dense
 
 SHIM = _core.tensor_shim_usable()
 needs_shim = pytest.mark.skipif(not SHIM, reason="this torch has no usable C shim")

@@ -158,11 +158,11 @@ def _add_kept(rows, notes, model, state):
         return
     where = kept.positions if kept.positions is not None else list(range(len(kept.state.devices)))
     for bucket in kept.layout[0] + kept.layout[1]:
-        size = bucket.numel * torch.empty((), dtype=bucket.dtype).element_size()
+        size = bucket.numel * bucket.itemsize
         for r, pool in enumerate(bucket.pools, start=1):
-            rows[where[r]].replica_buffers += size * len(pool.flats)
+            rows[where[r]].replica_buffers += size * len(pool.entries)
         if bucket.src_pool is not None:
-            rows[where[0]].staging += size * len(bucket.src_pool.flats)
+            rows[where[0]].staging += size * len(bucket.src_pool.entries)
         for r, row in enumerate(bucket.pending or []):  # replica 0's row is None: its share is in .grad
             rows[where[r]].pending_grads += sum(_bytes(g) for g in row or () if g is not None)
     if kept.kept is not None:  # the kept replica tensors' buffers (NOTE [kept replica tensors])

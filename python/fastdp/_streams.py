@@ -11,9 +11,9 @@ import contextlib
 
 import torch
 
-from . import _devices
+from . import _C, _devices
 
-__all__ = ["current", "entered", "refuse_capture"]
+__all__ = ["current", "cuda_indices", "entered", "order", "Fence", "refuse_capture"]
 
 
 def current(devices):
@@ -24,6 +24,41 @@ def current(devices):
         if d != _devices.CPU and d not in seen:
             seen[d] = torch.cuda.current_stream(d)
     return tuple(seen.values())
+
+
+def cuda_indices(devices):
+    """The distinct CUDA device indices among ``devices`` (normalised), in first-seen order."""
+    return tuple(dict.fromkeys(d for d in devices if d != _devices.CPU))
+
+
+def _handle(stream):
+    return (stream.device_index, stream.cuda_stream)
+
+
+def order(pairs):
+    """For each (waiter, signal) pair of CUDA streams: the waiter waits, without blocking the host, for the work
+    enqueued so far on the signal stream (another device's too). The core does it, through the driver."""
+    pairs = [(_handle(w), _handle(s)) for w, s in pairs if w != s]
+    if pairs:
+        _C.order([w for w, _ in pairs], [s for _, s in pairs])
+
+
+class Fence:
+    """The point each of ``streams`` has reached now (CUDA streams; the core records one event per stream): other
+    streams can wait for it, and the host can ask whether the work before it has completed."""
+
+    __slots__ = ("_fence",)
+
+    def __init__(self, streams):
+        self._fence = _C.Fence([_handle(s) for s in streams])
+
+    def wait(self, stream):
+        """``stream`` waits (without blocking the host) for the work before the fence, on every fenced stream."""
+        self._fence.wait([_handle(stream)])
+
+    def done(self):
+        """Whether the work before the fence has completed on every fenced stream (the host does not wait)."""
+        return self._fence.done()
 
 
 def entered(streams):

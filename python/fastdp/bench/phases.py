@@ -16,10 +16,12 @@ How the split is approximated:
 - replica backward: the wall time of ``loss.backward()`` minus the time spent in gradient-reduction calls, so it
   also holds the backward of the wrapper's own nodes (the gather's scatter of the output gradient, autograd
   scheduling across devices);
-- reduction: time inside ``torch.nn.parallel.comm.reduce_add_coalesced`` (upstream) or
-  ``fastdp._replicas.reduce_bucket`` / ``fastdp.comm.reduce_add_coalesced`` (fastdp), outermost calls only,
-  looked up as module attributes at call time; a reduction that overlaps the replicas' backward on a GPU is
-  counted at its host (launch) cost unless ``--split`` serialises it;
+- reduction: time inside ``torch.nn.parallel.comm.reduce_add_coalesced`` (upstream) or, for fastdp, the
+  backward thread's time in each bucket's reduction (``fastdp._reducer.start``, which starts it, and
+  ``fastdp._reducer.deliver``, which waits for it; ``fastdp._replicas.reduce_bucket`` in trees from before the
+  reduction ran while backward goes on) and in ``fastdp.comm.reduce_add_coalesced``, outermost calls only, looked
+  up as module attributes at call time; a reduction that overlaps the replicas' backward (on a GPU, or on the host
+  reducer thread) is counted at its host (launch) cost and the wait for it, unless ``--split`` serialises it;
 - overhead: step time minus replica forward and backward minus loss and optimizer (the same work as the bare
   model's), all from the instrumented pass.
 On a GPU these are host-side times unless ``--split`` synchronises the devices around every timed region, which
@@ -148,12 +150,12 @@ def _reduction_targets(wrapper):
         return [(torch.nn.parallel.comm, "reduce_add_coalesced")]
     if wrapper == "fastdp":
         targets = []
-        try:
-            replicas_mod = importlib.import_module("fastdp._replicas")
-        except ImportError:
-            replicas_mod = None
-        if getattr(replicas_mod, "reduce_bucket", None) is not None:
-            targets.append((replicas_mod, "reduce_bucket"))
+        for module_name, names in (("fastdp._reducer", ("start", "deliver")), ("fastdp._replicas", ("reduce_bucket",))):
+            try:
+                mod = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            targets += [(mod, name) for name in names if getattr(mod, name, None) is not None]
         targets.append((fastdp.comm, "reduce_add_coalesced"))
         return targets
     return []

@@ -119,6 +119,8 @@ def _profiler_flag(profiler=torch.autograd.profiler):
 
 
 _profiler_enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None) or (lambda: True)
+# The innermost torch.func transform running in this thread (None outside any).
+_transform_active = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None) or (lambda: None)
 _HOST = torch.device("cpu")
 
 
@@ -350,6 +352,13 @@ class DataParallel(_UPSTREAM):
             return module(*inputs, **kwargs)
         if self.src_device_obj.type == "cuda":
             _streams.refuse_capture("fastdp.DataParallel's forward over several devices")
+        if _transform_active() is not None:
+            raise RuntimeError(
+                "fastdp.DataParallel cannot run inside a torch.func transform (grad, vjp, jacrev, vmap, ...): its "
+                "replicas run on other threads and its data moves in C, which the transform cannot follow. Apply the "
+                "transform to the wrapped module (dp.module), or take gradients with torch.autograd.grad or "
+                "backward(inputs=...), which work through the wrapper."
+            )
         step = _step.Step(self, loss)
         step.avoided_gather_bytes = avoided_gather_bytes
         return self._run_step(step, inputs, kwargs)

@@ -9,10 +9,10 @@
 #   GPU_CHECK_STEPS=copy-paths,pytest-gpu bash scripts/gpu_check.sh  # a rerun: these (env, build, helpers always)
 #
 # Budget (seconds; each is the step's hard timeout, together at most GPU_CHECK_TOTAL_S = 450, i.e. 7.5 min):
-#   env 10 · build 40 · info 10 · helpers 15 · nccl-selftest 20 · copy-paths 25 · dp-repeated 18 ·
+#   env 10 · build 40 · info 10 · helpers 15 · nccl-selftest 20 · copy-paths 25 · dp-repeated 17 ·
 #   sync-debug 14 · alloc-expandable 14 · alloc-async 14 · caller-stream 14 · cpu-batch 10 · output-cpu 8 ·
-#   syncbn-dtypes 14 · graph-capture 10 · pytest-gpu 60 · c-gpu-ops 30 · c-memcheck 50 · c-racecheck 35 ·
-#   bench-comm 15 · bench-train 20 · map-report 4
+#   syncbn-dtypes 14 · graph-capture 10 · pytest-gpu 60 · c-gpu-ops 30 · c-memcheck 45 · c-racecheck 32 ·
+#   bench-comm 12 · bench-train 20 · overlap 12 · map-report 4
 # A step never runs past the total: it gets what is left, and is "skipped: out of time" (a failure) under 5 s.
 # GPU_CHECK_TIME_SCALE (an integer, default 1) multiplies every limit, for slow shared machines (the CPU dry run).
 #
@@ -241,6 +241,12 @@ step_bench_comm() {
   cd "$WORK" && "$PY" -m fastdp.bench comm --sizes-mb 1,16 --seconds 0.1 --out "$OUT"
 }
 
+# How much of the gradient reduction backward hides, with repeated ids on one GPU (a timeline of one step, the
+# overlap fraction, and the backward time with the reductions started early against held to the end).
+step_overlap() {
+  cd "$WORK" && FASTDP_STRICT=1 "$PY" "$ROOT/scripts/gpu/overlap.py" --device cuda --replicas 4 --compare
+}
+
 step_bench_train() {
   cd "$WORK" && "$PY" -m fastdp.bench train --rounds 2 --steps 6 --out "$OUT"
 }
@@ -269,7 +275,7 @@ export_for_steps() {
   export -f step_env step_build step_info step_helpers c_env step_nccl_selftest step_copy_paths step_dp_repeated \
     step_pytest_gpu step_c_gpu_ops step_c_sanitizer step_c_memcheck step_c_racecheck step_bench_comm step_bench_train \
     cuda_branch_check step_sync_debug step_alloc_expandable step_alloc_async step_caller_stream step_cpu_batch \
-    step_output_cpu step_syncbn_dtypes step_graph_capture step_map_report
+    step_output_cpu step_syncbn_dtypes step_graph_capture step_overlap step_map_report
 }
 
 main() {
@@ -292,7 +298,7 @@ main() {
   step helpers 15 - step_helpers
   step nccl-selftest 20 gpu step_nccl_selftest
   step copy-paths 25 gpu step_copy_paths
-  step dp-repeated 18 gpu step_dp_repeated
+  step dp-repeated 17 gpu step_dp_repeated
   step sync-debug 14 gpu step_sync_debug
   step alloc-expandable 14 gpu step_alloc_expandable
   step alloc-async 14 gpu step_alloc_async
@@ -303,10 +309,11 @@ main() {
   step graph-capture 10 gpu step_graph_capture
   step pytest-gpu 60 gpu step_pytest_gpu
   step c-gpu-ops 30 gpu,gpu-ops step_c_gpu_ops
-  step c-memcheck 50 gpu,gpu-ops step_c_memcheck
-  step c-racecheck 35 gpu,gpu-ops step_c_racecheck
-  step bench-comm 15 gpu step_bench_comm
+  step c-memcheck 45 gpu,gpu-ops step_c_memcheck
+  step c-racecheck 32 gpu,gpu-ops step_c_racecheck
+  step bench-comm 12 gpu step_bench_comm
   step bench-train 20 gpu step_bench_train
+  step overlap 12 gpu step_overlap
   step map-report 4 - step_map_report
   summary
 }

@@ -21,7 +21,7 @@ HELPERS = os.path.join(ROOT, "scripts", "gpu")
 NON_GPU_STEPS = ["env", "build", "info", "helpers"]
 GPU_STEPS = ["nccl-selftest", "copy-paths", "dp-repeated", "sync-debug", "alloc-expandable", "alloc-async",
              "caller-stream", "cpu-batch", "output-cpu", "syncbn-dtypes", "graph-capture", "pytest-gpu", "c-gpu-ops",
-             "c-memcheck", "c-racecheck", "bench-comm", "bench-train"]
+             "c-memcheck", "c-racecheck", "bench-comm", "bench-train", "overlap"]
 LAST_STEPS = ["map-report"]  # runs everywhere: on a CPU it lists every entry of the map as not run
 # Where an index or any network use would go: nowhere (a closed local port), so a step that tried would fail.
 NO_NETWORK = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "http_proxy": "http://127.0.0.1:9",
@@ -255,6 +255,7 @@ step pytest-gpu 120 gpu step_pytest_gpu
 step copy-paths 60 gpu step_copy_paths
 step dp-repeated 60 gpu step_dp_repeated
 step nccl-selftest 10 gpu step_nccl_selftest
+step overlap 60 gpu step_overlap
 step map-report 60 - step_map_report
 summary
 """, CUDA_VISIBLE_DEVICES="")
@@ -265,6 +266,7 @@ summary
     assert res.stdout.count("no CUDA device") == 2
     assert rows["map-report"]["result"] == "ok" and "python entries that ran: 0 of " in res.stdout
     assert rows["nccl-selftest"]["result"] == "FAILED rc=127" and "work/bin/nccl_selftest" in res.stderr
+    assert rows["overlap"]["result"] == "FAILED rc=1" and "no GPU: nothing to measure" in res.stdout
 
 
 def test_cuda_branch_steps_commands_run_here(tmp_path):

@@ -213,6 +213,15 @@ fdp_result_t fdp_fence_query(const fdp_fence_t *fence, int *done);
 /* Releases the fence (the driver keeps its events until the work before them completes); NULL is ignored. */
 void fdp_fence_free(fdp_fence_t *fence);
 
+/* A copy checked once and run as often as wanted (the kept replicas copy the master into the same buffers every
+ * step): fdp_copy_prepare validates the pairs as fdp_op_copy does and keeps copies of the descriptors; fdp_copy_run
+ * performs them, ordered on the listed streams. The caller keeps the memory where it was described (no tensor
+ * moved or freed) while it runs the plan. On success *out is the caller's, released with fdp_copy_plan_free. */
+typedef struct fdp_copy_plan fdp_copy_plan_t;
+fdp_result_t fdp_copy_prepare(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, fdp_copy_plan_t **out);
+fdp_result_t fdp_copy_run(const fdp_copy_plan_t *plan, const fdp_streams_t *streams);
+void fdp_copy_plan_free(fdp_copy_plan_t *plan);
+
 /* ---- machine facts (python -m fastdp info) ----
  * What a backend knows of its library and its devices, asked through the backend table. Every fact reads as absent
  * (0, "") where a library cannot be loaded; nothing here touches a GPU unless asked to read free memory. */

@@ -409,6 +409,66 @@ done:
   return r;
 }
 
+struct fdp_copy_plan {
+  fdp_copy_t *copies; /* k records: the pairs that move bytes */
+  int k;
+  const fdp_tensor_t **all; /* the 2n descriptors the router looks at, pointing into dst/src below */
+  int nall;
+  fdp_tensor_t *dst, *src;
+};
+
+void fdp_copy_plan_free(fdp_copy_plan_t *plan) {
+  if (!plan) return;
+  free(plan->copies);
+  free(plan->all);
+  free(plan->dst);
+  free(plan->src);
+  free(plan);
+}
+
+fdp_result_t fdp_copy_prepare(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, fdp_copy_plan_t **out) {
+  if (!out || n < 0 || (n > 0 && (!dst || !src))) return fdp__fail(FDP_INVALID, "copy: bad tensor lists (n=%d)", n);
+  *out = NULL;
+  fdp_copy_plan_t *p = calloc(1, sizeof *p);
+  size_t m = (size_t)(n ? n : 1);
+  if (p) {
+    p->copies = malloc(m * sizeof *p->copies);
+    p->all = malloc(2 * m * sizeof *p->all);
+    p->dst = malloc(m * sizeof *p->dst);
+    p->src = malloc(m * sizeof *p->src);
+  }
+  if (!p || !p->copies || !p->all || !p->dst || !p->src) {
+    fdp_copy_plan_free(p);
+    return fdp__fail(FDP_NOMEM, "copy: cannot allocate a plan of %d copies", n);
+  }
+  if (n) {
+    memcpy(p->dst, dst, (size_t)n * sizeof *dst);
+    memcpy(p->src, src, (size_t)n * sizeof *src);
+  }
+  fdp_result_t r = FDP_OK;
+  for (int i = 0; i < n && r == FDP_OK; i++) {
+    r = check_copy(&p->dst[i], &p->src[i], i);
+    p->all[2 * i] = &p->dst[i];
+    p->all[2 * i + 1] = &p->src[i];
+    if (!same_view(&p->dst[i], &p->src[i]) && fdp_tensor_numel(&p->src[i]) > 0)
+      p->copies[p->k++] = (fdp_copy_t){p->dst[i], p->src[i]};
+  }
+  if (r == FDP_OK && n) r = check_writes(p->dst, p->src, n, "copy");
+  if (r != FDP_OK) {
+    fdp_copy_plan_free(p);
+    return r;
+  }
+  p->nall = 2 * n;
+  *out = p;
+  return FDP_OK;
+}
+
+fdp_result_t fdp_copy_run(const fdp_copy_plan_t *plan, const fdp_streams_t *streams) {
+  if (!plan) return fdp__fail(FDP_INVALID, "copy: no plan");
+  if (plan->k == 0) return FDP_OK;
+  return copy_routed(plan->copies, plan->k, plan->all, plan->nall, streams);
+}
+
 /* Broadcast destinations checked, and the collective backend that takes the broadcast, or NULL for copies. */
 static fdp_result_t broadcast_route(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst,
                                     const fdp_backend_t **out) {

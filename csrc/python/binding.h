@@ -44,8 +44,9 @@ extern PyMethodDef fdp__facts_methods[];     /* facts.c: info, usable, kernels, 
 extern PyMethodDef fdp__errors_methods[];    /* errors.c: set_oom_error */
 extern PyMethodDef fdp__allocator_methods[]; /* allocator.c: set_device_allocator */
 extern PyMethodDef fdp__fence_methods[];     /* fence.c: order */
-/* fence.c: adds the Fence type to the module; -1 with an error set. */
+/* fence.c, prepared.c: add the Fence and PreparedCopy types to the module; -1 with an error set. */
 int fdp__fence_type_add(PyObject *module);
+int fdp__prepared_type_add(PyObject *module);
 
 /* ---- errors (errors.c): the one way a core result becomes an exception ----
  * Failures of the binding's own argument checks raise TypeError / ValueError naming the argument, as the

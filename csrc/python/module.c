@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* fastdp._C, the module: its state, its life (init, traversal, shutdown) and the tables of entry points that the
  * other files of the binding define (ops.c, refresh.c, structure.c, describe.c,
- * facts.c, errors.c, allocator.c, fence.c). */
+ * facts.c, errors.c, allocator.c, fence.c, prepared.c). */
 #include "binding.h"
 
 #include <stdio.h>
@@ -61,7 +61,7 @@ static int exec_module(PyObject *m) {
                                  fdp__allocator_methods, fdp__fence_methods};
   for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
     if (PyModule_AddFunctions(m, tables[i]) < 0) return -1;
-  return fdp__fence_type_add(m);
+  return fdp__fence_type_add(m) < 0 ? -1 : fdp__prepared_type_add(m);
 }
 
 static int traverse(PyObject *m, visitproc visit, void *arg) {

@@ -1069,6 +1069,40 @@ static void test_copy(void) {
 }
 
 /* Large copies, split across the worker threads (FASTDP_HOST_PARALLEL_MIN=4096, FASTDP_HOST_THREADS=4). */
+/* A prepared copy: checked once (overlapping destinations refused as fdp_op_copy refuses them), then run as often as
+ * wanted, each run reading the sources as they are then. */
+static void test_copy_plan(void) {
+  enum { N = 5, K = 7 };
+  float src[N][K], flat[N * K];
+  fdp_tensor_t d[N], s[N];
+  for (int i = 0; i < N; i++) {
+    d[i] = make_flat(flat + i * K, FDP_DTYPE_F32, 4, K);
+    s[i] = make_flat(src[i], FDP_DTYPE_F32, 4, K);
+  }
+  fdp_copy_plan_t *plan = NULL;
+  CHECK(fdp_copy_prepare(d, s, N, &plan) == FDP_OK && plan != NULL);
+  for (int run = 0; run < 3; run++) {
+    for (int i = 0; i < N; i++)
+      for (int j = 0; j < K; j++)
+        src[i][j] = (float)(run * 100 + i * K + j);
+    CHECK(fdp_copy_run(plan, NULL) == FDP_OK);
+    int same = 1;
+    for (int i = 0; i < N; i++)
+      for (int j = 0; j < K; j++)
+        same &= flat[i * K + j] == src[i][j];
+    CHECKF(same, "run %d: the destinations do not hold the sources as they are now", run);
+  }
+  fdp_copy_plan_free(plan);
+  fdp_copy_plan_free(NULL);
+  d[3] = make_flat(flat + 2 * K + 1, FDP_DTYPE_F32, 4, K); /* overlaps destination 2 */
+  plan = (fdp_copy_plan_t *)&plan;
+  CHECK(fdp_copy_prepare(d, s, N, &plan) == FDP_OVERLAP && plan == NULL);
+  CHECK(fdp_copy_prepare(d, s, -1, &plan) == FDP_INVALID);
+  CHECK(fdp_copy_prepare(d, s, 0, &plan) == FDP_OK && fdp_copy_run(plan, NULL) == FDP_OK);
+  fdp_copy_plan_free(plan);
+  CHECK(fdp_copy_run(NULL, NULL) == FDP_INVALID);
+}
+
 static void test_copy_threaded(void) {
   char msg[1000];
   struct {
@@ -1921,6 +1955,7 @@ static const suite_t k_suites[] = {
     {"layout", test_layout},
     {"plan", test_plan},
     {"copy", test_copy},
+    {"copy_plan", test_copy_plan},
     {"copy_threaded", test_copy_threaded},
     {"scratch", test_scratch},
     {"broadcast", test_broadcast},

@@ -375,21 +375,36 @@ def test_frozen_parameter_rebound_in_forward_leaves_the_master_as_upstream():
 # ---- replication and reduction paths ---------------------------------------------------------------------------------
 
 
-def test_replicate_copies_every_member_once_per_other_replica(monkeypatch):
-    pairs = []
-    real = _C.copy
+def test_replicate_is_one_prepared_copy_per_step(monkeypatch):
+    """The master's members are described once (a prepared copy) and copied into every other replica in one call per
+    step; a master tensor that moves (.data replaced) gets the copy prepared again, and the replicas see it."""
+    made, runs = [], []
+    real = _C.PreparedCopy
 
-    def spy(dsts, srcs, streams):
-        pairs.append(len(dsts))
-        return real(dsts, srcs, streams)
+    class Spy:
+        def __init__(self, dsts, srcs):
+            self.copy, self.pairs = real(dsts, srcs), len(dsts)
+            made.append(self.pairs)
 
-    model = mlp()
+        def run(self, streams=None):
+            runs.append(self.pairs)
+            return self.copy.run(streams)
+
+    monkeypatch.setattr(_C, "PreparedCopy", Spy)
+    model, bare = mlp(), mlp()
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
     x = torch.randn(9, 6, dtype=torch.float64)
+    for _ in range(3):
+        loss_of(dp, x).backward()
+    pairs = (R - 1) * len(list(model.parameters()))
+    assert made == [pairs] and runs == [pairs] * 3
+    for m in (model, bare):
+        m[2].weight.data = torch.full((8, 8), 0.125, dtype=torch.float64)
+    model.zero_grad()
     loss_of(dp, x).backward()
-    monkeypatch.setattr(_C, "copy", spy)
-    loss_of(dp, x).backward()
-    assert sum(pairs) == (R - 1) * len(list(model.parameters()))
+    loss_of(bare, x).backward()
+    assert made == [pairs] * 2
+    assert_same_grads(model, bare)
 
 
 @pytest.mark.parametrize("path", ["aoti", "python"])

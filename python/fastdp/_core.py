@@ -63,6 +63,14 @@ def streams_for(tensors):
     return list(seen.items())
 
 
+def streams_on(indices):
+    """streams_for for a known list of CUDA device indices (distinct): the current stream of each."""
+    pairs = [(d, torch.cuda.current_stream(d).cuda_stream) for d in indices]
+    if len(pairs) > 1:
+        open_peers(indices)
+    return pairs
+
+
 # NOTE [peer access through PyTorch]
 # A cross-device copy by the core runs on the destination's stream and reads the source device's memory. Enabling
 # peer access on the driver's contexts (cuCtxEnablePeerAccess) covers memory from cuMemAlloc, but not what PyTorch

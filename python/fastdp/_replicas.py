@@ -59,7 +59,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from . import _C, _devices, _hooks, _reducer, _route, _streams, comm
-from ._core import streams_for
+from ._core import streams_on
 from .replicate import check_initialized, is_compiled, skeletons
 from .sync_batchnorm import layer_indices
 
@@ -133,10 +133,30 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 _PACK_MEAN = 4096  # values per member, on average, up to which a bucket's gradients are packed before the sum
 
 
-def _free(entry):
-    if _use_count is not None:
-        return all(_use_count(t.untyped_storage()._cdata) <= 2 for t in entry[0])
-    return all(r() is None for r in entry[1])
+class _Entry:
+    """One pooled set of a bucket's tensors on one device (one flat buffer, or one tensor per member) and the
+    prepared copy of the master into them (valid while the master's tensors stay where they were: see
+    _State.generation)."""
+
+    __slots__ = ("pooled", "members", "refs", "copy", "generation")
+
+    def __init__(self, pooled, members):
+        self.pooled = pooled  # the tensors the pool made
+        self.members = members  # the members' tensors over them (views of the flat buffer, or the pooled ones)
+        self.refs = []  # weak references of the views handed out, where the storage use count is missing
+        self.copy = self.generation = None
+
+    def free(self):
+        if _use_count is not None:
+            return all(_use_count(t.untyped_storage()._cdata) <= 2 for t in self.pooled)
+        return all(r() is None for r in self.refs)
+
+    def prepared(self, bucket):
+        """The copy of the bucket's master tensors into this entry's, described once per placement of the master."""
+        generation = bucket.state.generation
+        if self.generation != generation:
+            self.copy, self.generation = _C.PreparedCopy(self.members, bucket.master), generation
+        return self.copy
 
 
 class _Pool:
@@ -147,46 +167,45 @@ class _Pool:
 
     def __init__(self, numel, dtype, device, separate=False):
         self.numel, self.dtype, self.device, self.separate = numel, dtype, device, separate
-        self.entries = []  # [the pooled tensors, [weakrefs of the views handed out]]
+        self.entries = []
 
     def take(self, bucket, own_versions=True):
-        """Free pooled memory and fresh views of it shaped like the bucket's members; `own_versions`: each view
-        with a version counter of its own. Returns (the flat buffer, or None when separate; the views)."""
-        entry = next((e for e in self.entries if _free(e)), None)
+        """A free entry and fresh views of its tensors, shaped like the bucket's members; `own_versions`: each
+        view with a version counter of its own."""
+        entry = next((e for e in self.entries if e.free()), None)
         if entry is None:
             # Never an inference tensor: buffers made under inference_mode are reused by training forwards.
             with torch.inference_mode(False):
                 if self.separate:
-                    made = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in bucket.shapes]
+                    pooled = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in bucket.shapes]
+                    members = pooled
                 else:
-                    made = [torch.empty(self.numel, dtype=self.dtype, device=self.device)]
-            entry = [made, []]
+                    pooled = [torch.empty(self.numel, dtype=self.dtype, device=self.device)]
+                    members = _unflatten(pooled[0], bucket.like, bucket.sizes, bucket.shapes)
+            entry = _Entry(pooled, members)
             if len(self.entries) < _POOL:
                 self.entries.append(entry)
-        pooled = entry[0]
-        if self.separate:
-            views = list(pooled)
-        else:
-            views = _unflatten(pooled[0], bucket.like, bucket.sizes, bucket.shapes)
+        views = entry.members
         if own_versions or _use_count is None:
             # .data: each buffer copy gets a version counter of its own, as upstream's broadcast copies do, so an
             # in-place update of one (BatchNorm statistics) never invalidates another saved for backward.
             views = [v.data for v in views]
         if _use_count is None:  # liveness by weak references only where the storage use count is missing
-            entry[1] = [weakref.ref(v) for v in views]
-        return (None if self.separate else pooled[0]), views
+            entry.refs = [weakref.ref(v) for v in views]
+        return entry, views
 
 
 class _State:
     """What the wrapper and the bucket nodes share: devices, where reductions run, no_sync bookkeeping."""
 
-    __slots__ = ("devices", "tdevs", "host", "collective", "sync", "grad_buckets", "kept", "marking", "network",
-                 "reduction", "recorder", "__weakref__")
+    __slots__ = ("devices", "tdevs", "cuda", "host", "collective", "sync", "grad_buckets", "kept", "marking",
+                 "network", "reduction", "recorder", "generation", "started", "__weakref__")
 
     def __init__(self, devices):
         self.devices = list(devices)
         self.tdevs = [_devices.torch_device(d) for d in devices]
         self.host = all(d.type == "cpu" for d in self.tdevs)  # emulated replicas: sums need no packing
+        self.cuda = _streams.cuda_indices(self.devices)
         self.collective = comm.broadcast_is_collective(self.tdevs)
         self.sync = True
         # Weak references to every bucket with autograd nodes (set by ReplicaSet): buckets hold the state, so
@@ -196,7 +215,15 @@ class _State:
         self.marking = None  # the backward whose end notes the master's .grad (its graph task id)
         self.network = None  # a weak reference to the master module (names parameters in errors)
         self.reduction = _reducer.reduction_for(self)  # where the buckets' sums run (fastdp._reducer)
+        self.started = [None, 0]  # the backward (graph task id) whose bucket sums are being counted, and how many
         self.recorder = None  # the wrapper's step recorder, when one records
+        # Where the master's tensors are: counts each time one moved (ReplicaSet.matches); the prepared copies from
+        # the master (fastdp._C.PreparedCopy) hold its descriptors and are made again when it changes.
+        self.generation = 0
+
+    def core_streams(self):
+        """The current stream of each CUDA device, for the core (None on the host)."""
+        return None if self.host else streams_on(self.cuda)
 
 
 class _Bucket:
@@ -221,7 +248,7 @@ class _Bucket:
         self.dtype = tensors[members[0]].dtype
         self.itemsize = tensors[members[0]].element_size()
         self.pools = [_Pool(self.numel, self.dtype, d, separate) for d in state.tdevs[1:]]
-        self.src_pool = None  # staging of NCCL's packed source
+        self.src_pool = None  # staging of NCCL's packed source (pooled: a broadcast may still read the last one)
         self.master = [tensors[i] for i in members]  # the master tensors, in member order
         # Gradients packed before the sum only where members are small on average: packing costs a copy of every
         # byte, which the per-member path's Python overhead outweighs only for small members (_PACK_MEAN: from
@@ -236,31 +263,29 @@ class _Bucket:
         self.delivery = None  # a weak reference to the bucket's delivery node (fastdp._reducer)
 
     def fill(self):
-        """Copies the master tensors into fresh views on every other device (see send); returns the views."""
-        flats, views = [], []
+        """Copies the master tensors into free pooled tensors on every other device; returns their fresh views."""
+        entries, views = [], []
         for pool in self.pools:
-            f, vs = pool.take(self)
-            flats.append(f)
+            entry, vs = pool.take(self)
+            entries.append(entry)
             views.append(vs)
-        self.send(flats, views)
+        if self.state.collective and not self.pools[0].separate:
+            self.broadcast([e.pooled[0] for e in entries])
+        else:
+            streams = self.state.core_streams()
+            for entry in entries:
+                entry.prepared(self).run(streams)
         return views
 
-    def send(self, flats, views):
-        """Copies the master tensors into each other device's tensors (`views`: per device, the members' tensors;
-        `flats`: per device, the flat buffer they are views of, or None). Across distinct CUDA devices with NCCL
-        the members are packed on device_ids[0] and the packed buffer broadcast into each flat buffer; otherwise
-        every member goes straight into every replica's tensor, in one call."""
-        state = self.state
-        sources = self.master
-        if state.collective and all(f is not None for f in flats):
-            if self.src_pool is None:
-                self.src_pool = _Pool(self.numel, self.dtype, state.tdevs[0])
-            src_flat, src_views = self.src_pool.take(self, False)
-            _route.copy(src_views, sources, streams_for([src_flat]))
-            _route.broadcast(src_flat, flats, streams_for([src_flat, *flats]))
-        else:
-            dsts = [v for vs in views for v in vs]
-            _route.copy(dsts, sources * len(views), streams_for([sources[0], *(vs[0] for vs in views)]))
+    def broadcast(self, flats):
+        """Across distinct CUDA devices with NCCL: the members packed on device_ids[0] (one prepared copy into a
+        staging buffer) and the packed buffer broadcast into each other device's flat buffer (`flats`)."""
+        if self.src_pool is None:
+            self.src_pool = _Pool(self.numel, self.dtype, self.state.tdevs[0])
+        staging, _ = self.src_pool.take(self, False)
+        streams = self.state.core_streams()
+        staging.prepared(self).run(streams)
+        _route.broadcast(staging.pooled[0], flats, streams)
 
 
 def _buckets(state, tensors, indices, bucket_bytes, separate=False):
@@ -348,21 +373,23 @@ class _Skeletons:
 
 
 class _Kept:
-    """The grad buckets' kept nodes (NOTE [kept replica tensors]): per bucket the other devices' flat buffers;
-    `got` is what the kept path hands the picker (the master tensors, then every node's outputs)."""
+    """The grad buckets' kept nodes (NOTE [kept replica tensors]): per bucket the other devices' flat buffers, and the
+    prepared copies of the master into them; `got` is what the kept path hands the picker (the master tensors, then
+    every node's outputs)."""
 
-    __slots__ = ("buckets", "flats", "views", "outs", "got", "plain", "masters", "stamp", "streams", "devices")
+    __slots__ = ("buckets", "state", "flats", "views", "outs", "got", "plain", "masters", "stamp", "streams",
+                 "devices", "copy")
 
-    def __init__(self, buckets, tensors, devices):
-        self.buckets = buckets
+    def __init__(self, buckets, tensors, state):
+        self.buckets, self.state = buckets, state
         # The current stream of each CUDA device when the nodes are made: autograd orders their backward on these
         # for good, so a forward on other streams gets new nodes (see valid).
-        self.devices = devices
-        self.streams = _streams.current(devices)
+        self.devices = state.devices
+        self.streams = _streams.current(self.devices)
         self.masters = list(chain.from_iterable(b.master for b in buckets))
         # Made in whatever mode the first forward runs, used in every mode: never inference tensors, always nodes.
         with torch.inference_mode(False), torch.enable_grad():
-            self.flats = [[torch.empty(b.numel, dtype=b.dtype, device=d) for d in b.state.tdevs[1:]]
+            self.flats = [[torch.empty(b.numel, dtype=b.dtype, device=d) for d in state.tdevs[1:]]
                           for b in buckets]
             self.outs = []
             for bucket, flats in zip(buckets, self.flats):
@@ -377,6 +404,11 @@ class _Kept:
                     self.plain += vs
         self.got = list(tensors) + self.outs
         self.stamp = None  # the master's version counters summed at the last copy
+        # Every member of every bucket into every other replica's buffer, in one prepared copy (NCCL broadcasts each
+        # bucket's packed buffer instead, across distinct devices).
+        self.copy = None if state.collective else _C.PreparedCopy(
+            [v for views in self.views for vs in views for v in vs],
+            [t for b, views in zip(buckets, self.views) for _ in views for t in b.master])
 
     def valid(self):
         """Whether the kept nodes were made on this forward's streams (they are dropped when the master's memory
@@ -385,8 +417,11 @@ class _Kept:
 
     def step(self):
         """Copies the master into the kept buffers; bumps their version counters where the master's moved."""
-        for bucket, flats, views in zip(self.buckets, self.flats, self.views):
-            bucket.send(flats, views)
+        if self.copy is not None:
+            self.copy.run(self.state.core_streams())
+        else:
+            for bucket, flats in zip(self.buckets, self.flats):
+                bucket.broadcast(flats)
         stamp = _C.version_sum(self.masters)
         if stamp != self.stamp:
             if self.stamp is not None:
@@ -503,6 +538,7 @@ class ReplicaSet:
         if found == 2:
             self.modules, self.signature = walk(network)
             self.kept = self.frozen_aliases = None
+            self.state.generation += 1
         return found != 0
 
     def reduce_pending(self):
@@ -545,7 +581,7 @@ class ReplicaSet:
         and plain aliases of the kept buffers on the others.)"""
         kept = self.kept
         if kept is None or not kept.valid():
-            kept = self.kept = _Kept(grad_buckets, self.tensors, self.state.devices)
+            kept = self.kept = _Kept(grad_buckets, self.tensors, self.state)
         kept.step()
         return kept
 

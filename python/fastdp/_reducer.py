@@ -163,6 +163,10 @@ def start(bucket, grads):
                                             *(g for row in rows for g in row))
     if kept is None and all(map(operator.is_, grads, repeat(None))):
         return grads[: len(bucket.members)]  # no gradient reached the bucket
+    if state.host and _last_to_start(state):
+        # Nothing of the replicas' backward is left to overlap: handing the sum to the reducer thread would only
+        # add the hand-over to the step.
+        return _host_sum(bucket, grads, kept)
     job = state.reduction.launch(bucket, grads, kept)
     inflight = bucket.inflight
     if len(inflight) >= _INFLIGHT:  # a backward that failed before delivering: its sums are not needed
@@ -172,6 +176,15 @@ def start(bucket, grads):
 
 
 _INFLIGHT = 8  # sums started and not yet delivered, per bucket (more than one only for concurrent backwards)
+
+
+def _last_to_start(state):
+    """Whether every other gradient bucket has started its sum in this backward (counted per backward)."""
+    task = _graph_task_id()
+    if state.started[0] != task:
+        state.started = [task, 0]
+    state.started[1] += 1
+    return state.started[1] >= len(state.grad_buckets)
 
 
 def deliver(bucket, grads):
@@ -335,12 +348,7 @@ class _HostReduction:
         while True:
             job, bucket, grads, kept = tasks.get()
             try:
-                recorder = bucket.state.recorder
-                began = time.perf_counter_ns() if recorder is not None else 0
-                job.value = _sum(bucket, grads, kept, None)
-                if recorder is not None:
-                    recorder.record("reduce", None, began, time.perf_counter_ns(), bucket.numel * bucket.itemsize,
-                                    bucket=bucket.index)
+                job.value = _host_sum(bucket, grads, kept)
             except BaseException as e:  # handed to the delivery node, which raises it in backward
                 job.error = e
             del bucket, grads, kept
@@ -348,6 +356,17 @@ class _HostReduction:
 
 
 _HOST = _HostReduction()
+
+
+def _host_sum(bucket, grads, kept):
+    """_sum on the host, timed for the wrapper's recorder when one records."""
+    recorder = bucket.state.recorder
+    if recorder is None:
+        return _sum(bucket, grads, kept, None)
+    began = time.perf_counter_ns()
+    result = _sum(bucket, grads, kept, None)
+    recorder.record("reduce", None, began, time.perf_counter_ns(), bucket.numel * bucket.itemsize, bucket=bucket.index)
+    return result
 
 
 # NOTE [reduction streams]

@@ -1,12 +1,16 @@
 """Random training scripts: sequences of what a script does between and inside steps (forwards with and without
 grad, eval, checkpointed blocks, no_sync micro-batches of any size, every way of clearing .grad, parameter edits,
-optimizer steps, saves and reloads), run on the bare model and on the wrapper (4 emulated replicas), compared after
-every action: gradients, parameters, buffers and the saved state's bytes.
+optimizer steps, saves and reloads, gradients taken with torch.autograd.grad or backward(inputs=...) inside and
+outside no_sync, buffers resized in place, share_memory(), a forward that raises in one replica), run on the bare
+model and on the wrapper (4 emulated replicas), compared after every action: gradients, parameters, buffers, the
+saved state's bytes and whatever autograd.grad returned.
 
 Seeded (derandomized): the same sequences on every run. A failure prints the shortest sequence that still fails
-(Hypothesis shrinks it). FASTDP_SEQUENCES sets how many sequences run (default 250).
+(Hypothesis shrinks it). FASTDP_SEQUENCES sets how many sequences run (default 250); FASTDP_SEQUENCES_RANDOM=1 draws
+fresh ones (Hypothesis's random seed, printed on failure) instead of the seeded set.
 """
 
+import contextlib
 import copy
 import os
 import pickle
@@ -27,6 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:None of the inputs have requires
 R = 4
 TOL = 1e-10  # float64; sums over replicas and micro-batches in another order than the bare model's
 SEQUENCES = int(os.environ.get("FASTDP_SEQUENCES", "250"))
+SEEDED = os.environ.get("FASTDP_SEQUENCES_RANDOM", "") != "1"
 
 sizes = st.integers(min_value=1, max_value=9)
 kinds = st.sampled_from(["no_grad", "eval_no_grad", "inference_mode", "eval_with_grad", "training_forward"])
@@ -46,15 +51,46 @@ actions = st.one_of(
     st.tuples(st.just("replace_parameter")),
     st.tuples(st.just("mode"), st.booleans()),
     st.tuples(st.just("reload"), st.sampled_from(["pickle", "deepcopy"])),
+    st.tuples(st.just("partial"), sizes, st.sampled_from(["stem", "head"]), st.booleans()),  # (no_sync or not)
+    st.tuples(st.just("grad_only"), sizes, st.booleans()),  # torch.autograd.grad, inside no_sync or not
+    st.tuples(st.just("resize_buffer")),
+    st.tuples(st.just("share_memory")),
+    st.tuples(st.just("raising_forward"), st.integers(4, 9), st.integers(0, R - 1)),  # (batch size, replica)
 )
 steps = st.tuples(st.lists(actions, max_size=3), windows).map(lambda step: [*step[0], step[1]])
 scripts = st.lists(steps, min_size=1, max_size=4).map(lambda s: [action for step in s for action in step])
+
+
+SENTINEL = 1e9  # an input value the models refuse (a forward that raises in the replica whose chunk holds it)
 
 
 def _input(n, counter):
     counter[0] += 1
     g = torch.Generator().manual_seed(counter[0])
     return torch.randn(n, 6, dtype=torch.float64, generator=g).requires_grad_()
+
+
+def _refuse_sentinel(module, args):
+    if (args[0].detach() == SENTINEL).any():
+        raise ValueError("the sentinel input")
+
+
+class Lazy(nn.Module):
+    """Gated with a buffer sized and written in forward (``resize_`` from whatever it holds, then ``copy_``), from
+    the parameters only, so every replica and the bare model compute the same value."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = Gated()
+        self.register_buffer("scale", torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x):
+        value = self.body.a.weight.detach().abs().mean(0) + 1
+        if self.scale.shape != value.shape:
+            self.scale.resize_(value.shape)
+        if not torch.equal(self.scale, value):  # (a write would fail a pending graph that saved it, as on any model)
+            self.scale.copy_(value)
+        return self.body(x * self.scale)
 
 
 def _apply(action, model, run, opt, dp, counter):
@@ -111,6 +147,28 @@ def _apply(action, model, run, opt, dp, counter):
         state = run.state_dict()
         state = pickle.loads(pickle.dumps(state)) if action[1] == "pickle" else copy.deepcopy(state)
         run.load_state_dict(state)
+    elif name == "partial":
+        _, n, part, inside = action
+        chosen = list(getattr(model, part).parameters())
+        with dp.no_sync() if inside else contextlib.nullcontext():
+            run(_input(n, counter)).pow(2).sum().backward(inputs=chosen)
+    elif name == "grad_only":
+        with dp.no_sync() if action[2] else contextlib.nullcontext():
+            params = [p for p in run.parameters() if p.requires_grad]
+            return torch.autograd.grad(run(_input(action[1], counter)).pow(2).sum(), params, allow_unused=True)
+    elif name == "resize_buffer":
+        for b in model.buffers():
+            b.resize_(0)  # sized again by the next forward
+    elif name == "share_memory":
+        model.share_memory()
+    elif name == "raising_forward":
+        _, n, replica = action
+        x = _input(n, counter)
+        chunks = [c.shape[0] for c in x.chunk(R)]
+        with torch.no_grad():  # in that replica's chunk (or the last one's, when the batch has fewer chunks)
+            x[sum(chunks[: min(replica, len(chunks) - 1)]), 0] = SENTINEL
+        with pytest.raises(ValueError, match="sentinel"):
+            run(x)
     else:
         raise AssertionError(name)
 
@@ -127,10 +185,20 @@ def _assert_same(bare, model, action, grads=True):
     assert len(pickle.dumps(model.state_dict())) <= 1.1 * len(pickle.dumps(bare.state_dict())), action
 
 
-MODELS = {"checkpointed": Checkpointed, "checkpointed_reentrant": lambda: Checkpointed(True), "gated": Gated}
+def _refusing(make):
+    def model():
+        m = make()
+        m.register_forward_pre_hook(_refuse_sentinel)  # replicas mirror the master's hooks
+        return m
+
+    return model
 
 
-@hypothesis.settings(max_examples=SEQUENCES, deadline=None, derandomize=True, database=None,
+MODELS = {"checkpointed": _refusing(Checkpointed), "checkpointed_reentrant": _refusing(lambda: Checkpointed(True)),
+          "gated": _refusing(Gated), "lazy_buffer": _refusing(Lazy)}
+
+
+@hypothesis.settings(max_examples=SEQUENCES, deadline=None, derandomize=SEEDED, database=None,
                      suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(make=st.sampled_from(sorted(MODELS)), script=scripts)
 def test_random_training_scripts_match_the_bare_model(make, script):
@@ -144,32 +212,60 @@ def test_random_training_scripts_match_the_bare_model(make, script):
     for action in script:
         if action[0] in ("optimizer_step", "window") and accumulating and (action[0] != "window" or action[4]):
             continue  # a step inside an accumulation window uses a rank's partial .grad under DDP: not compared
-        for m, run, opt, counter in runs:
-            _apply(action, _gated_stem_of(m), run, opt, dp, counter)
-        if action[0] in ("train", "between", "window"):
-            accumulating = False
-        elif action[0] == "no_sync" or (action[0] == "clear_one" and accumulating):
+        if action == ("edit", "retype") and accumulating:
+            # A round trip through float32 rounds the bare model's accumulated .grad; the wrapper's .grad holds only
+            # replica 0's share then (the others' are kept in float64 until the synchronising backward), so the two
+            # differ in the last float32 digits: both right to float32 precision, not comparable at TOL.
+            continue
+        if make == "checkpointed_reentrant" and action[0] in ("partial", "grad_only"):
+            continue  # torch's reentrant checkpoint refuses .grad() and backward(inputs=...), on the bare model too
+        if make == "lazy_buffer" and action[0] == "share_memory":
+            continue  # torch itself crashes growing a tensor in shared memory in place (the bare model too)
+        if make == "lazy_buffer" and action[0] == "raising_forward":
+            # The replicas that do not raise run their forward, as upstream's; replica 0 runs on the master, whose
+            # buffer this model writes in forward, so only a raise there leaves it as the bare model's.
+            action = action[:2] + (0,)
+        returned = [_apply(action, _gated_stem_of(m), run, opt, dp, counter) for m, run, opt, counter in runs]
+        if returned[0] is not None:  # torch.autograd.grad's gradients: the full batch's, on both
+            for a, b in zip(*returned):
+                assert (a is None) == (b is None), action
+                if a is not None:
+                    torch.testing.assert_close(b, a, rtol=TOL, atol=TOL, msg=lambda m: f"{action}: {m}")
+        if action[0] in ("train", "between", "window") or (action[0] == "partial" and not action[3]):
+            accumulating = accumulating and action[0] == "partial"  # (members it leaves out keep what they kept)
+        elif action[0] in ("no_sync", "partial") or (action[0] == "clear_one" and accumulating):
             accumulating = True
         elif action[0] == "clear":
             accumulating = False  # every .grad cleared: nothing pending on either side
         _assert_same(bare, model, action, grads=not accumulating)
+        # The storage stays the user's: shared where the bare model's is (a parameter replaced or retyped since
+        # share_memory() is not, on either).
+        assert [p.is_shared() for p in model.parameters()] == [q.is_shared() for q in bare.parameters()], action
 
 
 def _gated_stem_of(model):
     """The model with `stem` and `head` names whatever its class (Gated calls them `a` and `c`)."""
     if isinstance(model, Gated):
         return _Named(model)
+    if isinstance(model, Lazy):
+        return _Named(model.body, model)
     return model
 
 
 class _Named:
-    """Gated under the names the actions use, forwarding everything else."""
+    """Gated under the names the actions use, forwarding everything else (to `whole`, the module trained, for what
+    is not a layer name)."""
 
-    def __init__(self, model):
+    NAMES = {"stem": "a", "head": "c"}
+
+    def __init__(self, model, whole=None):
         self.__dict__["model"] = model
+        self.__dict__["whole"] = whole if whole is not None else model
 
     def __getattr__(self, name):
-        return getattr(self.model, {"stem": "a", "head": "c"}.get(name, name))
+        if name in self.NAMES:
+            return getattr(self.model, self.NAMES[name])
+        return getattr(self.whole, name)
 
     def __setattr__(self, name, value):
-        setattr(self.model, {"stem": "a", "head": "c"}.get(name, name), value)
+        setattr(self.model if name in self.NAMES else self.whole, self.NAMES.get(name, name), value)

@@ -125,10 +125,21 @@ walk = _C.walk
 _unflatten = _reducer.unflatten
 _flatten_dense = getattr(getattr(torch._C, "_nn", None), "flatten_dense_tensors", None)
 
-# The number of tensors using a storage: a pooled buffer is free when only the pool (and the temporary wrapper the
-# query makes) uses its memory, whoever else held a view, a view of a view or a saved copy of one. Without this
-# private query, views carry their own version counter (.data, their own root) and weak references decide.
+# The number of tensors using a storage: a pooled buffer is free when only the pool (its tensor and the storage
+# object it keeps to ask) uses its memory, whoever else held a view, a view of a view or a saved copy of one. What
+# that count is for an unused storage is measured once (torch versions count a temporary storage object
+# differently; a kept one counts in all). Without this private query, views carry their own version counter
+# (.data, their own root) and weak references decide.
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _unused_count():
+    t = torch.empty(1)
+    storage = t.untyped_storage()
+    return _use_count(storage._cdata)
+
+
+_UNUSED = _unused_count() if _use_count is not None else None
 
 _PACK_MEAN = 4096  # values per member, on average, up to which a bucket's gradients are packed before the sum
 
@@ -138,17 +149,18 @@ class _Entry:
     prepared copy of the master into them (valid while the master's tensors stay where they were: see
     _State.generation)."""
 
-    __slots__ = ("pooled", "members", "refs", "copy", "generation")
+    __slots__ = ("pooled", "storages", "members", "refs", "copy", "generation")
 
     def __init__(self, pooled, members):
         self.pooled = pooled  # the tensors the pool made
+        self.storages = [t.untyped_storage() for t in pooled] if _use_count is not None else None
         self.members = members  # the members' tensors over them (views of the flat buffer, or the pooled ones)
         self.refs = []  # weak references of the views handed out, where the storage use count is missing
         self.copy = self.generation = None
 
     def free(self):
         if _use_count is not None:
-            return all(_use_count(t.untyped_storage()._cdata) <= 2 for t in self.pooled)
+            return all(_use_count(s._cdata) <= _UNUSED for s in self.storages)
         return all(r() is None for r in self.refs)
 
     def prepared(self, bucket):

@@ -55,7 +55,8 @@ class StepRecord:
     """
 
     __slots__ = ("index", "t0", "devices", "rows", "training", "records", "memory", "memory_exact", "refs",
-                 "handles", "backward_marks", "backward_done", "lap_at", "lap_device")
+                 "backward_marks", "backward_done", "backward_ends", "lap_at", "lap_device",
+                 "apply_at")
 
     def __init__(self, index, devices, training):
         self.index = index
@@ -66,10 +67,11 @@ class StepRecord:
         self.records = []
         self.memory = self.memory_exact = None
         self.refs = {}
-        self.handles = []  # hooks on replica tensors, removed when the next step starts
         self.backward_marks = {}  # position -> when backward reached its outputs
         self.backward_done = set()
+        self.backward_ends = set()  # positions whose end node is marked
         self.lap_at = self.lap_device = None  # where the last whole-step phase ended, and on which device
+        self.apply_at = 0  # the host clock when the replicas were handed out
 
 
 class Recorder:
@@ -117,10 +119,6 @@ class Recorder:
                 self.memory = _memory.PeakWindow(devices)
         memory = self.memory
         previous = self.open
-        if previous is not None:
-            for h in previous.handles:
-                h.remove()
-            previous.handles = []
         self._count += 1
         step = StepRecord(self._count, devices, training)
         if previous is not None and memory is not None:
@@ -250,30 +248,32 @@ class ReplicaSite:
 
     def _timed(self, position, module, args, kwargs, device):
         rec = self.recorder
+        end_mark = self._mark_end(position, device, module) if torch.is_grad_enabled() else None
         cpu, wall = _thread_cpu(), _now()
         start = rec.stamp(device)
-        if self.profiling:
-            with torch.autograd.profiler.record_function(f"fastdp.forward[{position}]"):
+        try:
+            if self.profiling:
+                with torch.autograd.profiler.record_function(f"fastdp.forward[{position}]"):
+                    out = module(*args, **kwargs)
+            else:
                 out = module(*args, **kwargs)
-        else:
-            out = module(*args, **kwargs)
+        finally:
+            if end_mark is not None:
+                end_mark.remove()
         end = rec.stamp(device)
         wall_ns = _now() - wall
         off_cpu = max(0, wall_ns - (_thread_cpu() - cpu))
         rec.record("forward", position, start, end, 0, off_cpu_ns=off_cpu, host_ns=wall_ns,
-                   thread=threading.get_ident())
+                   queued_ns=max(0, wall - self.step.apply_at), thread=threading.get_ident())
         if torch.is_grad_enabled():
-            self._watch_backward(position, device, out, _first_parameter(module))
+            self._mark_start(position, device, out)
         return out
 
-    def _watch_backward(self, position, device, output, first):
-        """Marks where the replica's backward starts (the gradient reaching any of its outputs: a pre-hook on
-        their nodes) and ends (the gradient of its first parameter in registration order: in a network that runs
-        its layers in that order, the last its backward computes). Records ("backward", position) once both
-        fired."""
+    def _mark_start(self, position, device, output):
+        """Backward starts for a replica when the gradient reaches any of its outputs (a pre-hook on their
+        nodes); the first replica to start samples memory (the output device holds the gathered outputs and their
+        gradient then)."""
         outs = graph_tensors(output, [])
-        if not outs:
-            return
         rec, step, samplers = self.recorder, self.step, self.samplers
         marks = step.backward_marks
 
@@ -287,17 +287,53 @@ class ReplicaSite:
 
         for t in outs:
             t.grad_fn.register_prehook(started)
-        if first is None:
-            return
 
-        def ended(grad):
-            start = marks.get(position)
+    def _mark_end(self, position, device, module):
+        """Backward ends for a replica when the node made by the first call of the module owning its first
+        trainable parameter has run: in backward that node comes last (for a network that uses its layers in
+        registration order, the first layer). A forward hook, removed once the forward returns, finds that node;
+        a post-hook on it records ("backward", position)."""
+        owner = _owner_of_first_parameter(module)
+        if owner is None:
+            return None
+        rec, step = self.recorder, self.step
+
+        def ended(grad_inputs, grad_outputs):
+            start = step.backward_marks.get(position)
             if start is not None and position not in step.backward_done:
                 step.backward_done.add(position)
                 rec.record("backward", position, start, rec.stamp(device))
             return None
 
-        step.handles.append(first.register_hook(ended))
+        def first_call(mod, inputs, output):
+            if position in step.backward_ends:
+                return None
+            outs = graph_tensors(output, [])
+            if outs:
+                step.backward_ends.add(position)
+                outs[0].grad_fn.register_hook(ended)
+            return None
+
+        return owner.register_forward_hook(first_call)
+
+
+def _owner_of_first_parameter(module):
+    """The submodule of a replica owning its first trainable parameter (in registration order; the replica's own
+    parameters skipped), None when there is none; through the callables fastdp pairs a replica with (the per-replica
+    loss's, SyncBatchNorm's)."""
+    for _ in range(4):
+        if isinstance(module, torch.nn.Module):
+            break
+        module = getattr(module, "replica", None) or getattr(module, "fn", None)
+    else:
+        return None
+    if not isinstance(module, torch.nn.Module):
+        return None
+    for name, p in module.named_parameters():
+        path = name.rpartition(".")[0]
+        if p.requires_grad and path:  # a parameter of the replica itself: its output's node is the start
+            return module.get_submodule(path)
+    return None
 
 
 def _profiling():
@@ -322,19 +358,6 @@ def graph_tensors(obj, out, depth=0):
         for x in obj.values():
             graph_tensors(x, out, depth + 1)
     return out
-
-
-def _first_parameter(module):
-    """A replica's first parameter that requires grad, or None; through the callables fastdp pairs a replica with
-    (the per-replica loss's, SyncBatchNorm's)."""
-    for _ in range(4):
-        if isinstance(module, torch.nn.Module):
-            for p in module.parameters():
-                if p.requires_grad:
-                    return p
-            return None
-        module = getattr(module, "replica", None) or getattr(module, "fn", None)
-    return None
 
 
 def nbytes(obj, depth=0):

@@ -7,14 +7,16 @@ derives the advice, each line naming the threshold it used.
 """
 
 import csv
+import html
 import json
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 import torch
 
-from . import _devices, _memory, _recorder, _split
+from . import _devices, _memory, _recorder, _report_plot, _split
 
 __all__ = ["Report", "ReplicaStats", "PhaseStats", "Advice", "build", "start_recording", "scattered", "replicated",
            "THRESHOLDS"]
@@ -88,6 +90,7 @@ def replicated(wrapper, step):
     if key is None or cached is None or cached[0] != key:
         cached = rec.module_bytes = (key, _recorder.module_bytes(wrapper.module))
     rec.lap("replicate", cached[1] * (len(step.replicated) - 1))
+    rec.open.apply_at = time.perf_counter_ns()
 
 
 # ---- the numbers ---------------------------------------------------------------------------------------------
@@ -102,9 +105,10 @@ class ReplicaStats:
     rows: Optional[float]
     forward_ms: Optional[float]
     backward_ms: Optional[float]
-    wait_others_ms: Optional[float]  # idle while the slowest replica still ran its forward or backward
+    wait_others_ms: Optional[float]  # idle while the busiest replica still runs (from the medians)
     wait_reduce_ms: Optional[float]  # the reduction left after backward ended (the step's, on every replica)
-    wait_gil_ms: Optional[float]  # off the CPU during its forward while other replicas' threads ran
+    wait_gil_ms: Optional[float]  # on threads: from the replicas' hand-out to its forward's start, plus the time
+    # off the CPU while its forward ran (the GIL, or a core, held by the other replicas' threads)
     peak_bytes: Optional[int]  # the allocator's high over a step (largest over the steps), None where n/a
 
 
@@ -154,8 +158,9 @@ class _StepNumbers:
             if replica is not None and phase in ("forward", "backward"):
                 row = self.forward if phase == "forward" else self.backward
                 row[replica] = (row[replica] or 0) + (end - start)
-                if phase == "forward":
-                    self.gil[replica] = (self.gil[replica] or 0) + extra.get("off_cpu_ns", 0)
+                if phase == "forward":  # on threads: waiting to start, then off the CPU while running
+                    self.gil[replica] = ((self.gil[replica] or 0) + extra.get("off_cpu_ns", 0)
+                                         + extra.get("queued_ns", 0))
             acc = phases.setdefault(phase, [None, None, 0, 0, 0])
             if replica is None and phase not in ("forward", "backward"):
                 acc[4] += end - start  # summed durations (buckets of a reduction)
@@ -164,15 +169,7 @@ class _StepNumbers:
             acc[2] += nbytes
             acc[3] += 1
         self.phases = phases
-        ran = [i for i in range(n) if r.rows[i] > 0 and self.forward[i] is not None]
-        self.ran = ran
-        self.wait_others = [None] * n
-        if len(ran) > 1:
-            most_f = max(self.forward[i] for i in ran)
-            have_b = all(self.backward[i] is not None for i in ran)
-            most_b = max(self.backward[i] for i in ran) if have_b else 0
-            for i in ran:
-                self.wait_others[i] = most_f - self.forward[i] + (most_b - self.backward[i] if have_b else 0)
+        self.ran = [i for i in range(n) if r.rows[i] > 0 and self.forward[i] is not None]
         if not r.threads:
             self.gil = [0 if g is not None else None for g in self.gil]
         self.exposed_reduce = self._exposed_reduce()
@@ -189,9 +186,11 @@ class _StepNumbers:
             return reduce[4]
         return max(0, reduce[1] - backward[1])
 
-    def complete(self):
-        """A training step whose backward was seen (or any evaluation step)."""
-        return not self.r.training or "backward" in self.phases
+    def complete(self, last):
+        """Whether the step is summarised: an evaluation step, a training step whose backward was seen, or one a
+        later step followed (its backward ran before it, unmeasured when no submodule holds a trainable
+        parameter)."""
+        return not self.r.training or "backward" in self.phases or not last
 
 
 def build(wrapper, steps=None):
@@ -211,7 +210,7 @@ def build(wrapper, steps=None):
         rec.open.memory, rec.open.memory_exact = rec.memory.peek(), list(rec.memory.exact)
     resolved = [_recorder.resolve(s) for s in records]
     numbers = [_StepNumbers(r) for r in resolved]
-    done = [x for x in numbers if x.complete()]
+    done = [x for i, x in enumerate(numbers) if x.complete(i == len(numbers) - 1)]
     training = [x for x in done if x.r.training]
     used = training or done
     devices = [_device_name(d) for d in wrapper.device_ids]
@@ -247,6 +246,10 @@ def _memory_note(device_ids):
 
 
 def _replica_stats(used, devices):
+    """Per position: medians over the steps. The wait for the others is taken from the medians (the busiest
+    replica's median forward plus backward, less this one's): a persistent imbalance, where a step disturbed by
+    the machine (another process, a garbage collection) would make every replica of that step look as if it
+    waited."""
     out = []
     for pos, device in enumerate(devices):
         ran = [x for x in used if pos in x.ran]
@@ -256,11 +259,17 @@ def _replica_stats(used, devices):
             rows=_median([x.r.rows[pos] for x in used]) if used else None,
             forward_ms=_median([_ms(x.forward[pos]) for x in ran]),
             backward_ms=_median([_ms(x.backward[pos]) for x in ran if x.backward[pos] is not None]),
-            wait_others_ms=_median([_ms(x.wait_others[pos]) for x in ran if x.wait_others[pos] is not None]),
+            wait_others_ms=None,
             wait_reduce_ms=_median([_ms(x.exposed_reduce) for x in ran if x.exposed_reduce is not None]),
             wait_gil_ms=_median([_ms(x.gil[pos]) for x in ran if x.gil[pos] is not None]),
             peak_bytes=max(peaks) if peaks else None,
         ))
+    busy = {r.position: (r.forward_ms or 0) + (r.backward_ms or 0) for r in out if r.forward_ms is not None}
+    if len(busy) > 1:
+        most = max(busy.values())
+        for r in out:
+            if r.position in busy:
+                r.wait_others_ms = most - busy[r.position]
     return out
 
 
@@ -397,7 +406,8 @@ class Report:
             phases.append((p.phase, _fmt_ms(p.ms), _fmt_bytes(p.bytes) if p.bytes else "-"))
         return rows, phases
 
-    def _headline(self):
+    def headline(self):
+        """The report's first line: how many steps, how long one takes."""
         kind = "training" if self.training else "evaluation"
         text = f"fastdp report: {self.steps} {kind} step(s) on {len(self.devices)} replicas"
         if self.step_ms is not None:
@@ -408,7 +418,7 @@ class Report:
 
     def __str__(self):
         rows, phases = self._tables()
-        lines = [self._headline(), ""]
+        lines = [self.headline(), ""]
         lines += _aligned(rows) + [""] + _aligned(phases) + ["", "memory (now):", str(self.memory), ""]
         if self.advice:
             lines.append("advice:")
@@ -419,8 +429,6 @@ class Report:
         return "\n".join(lines)
 
     def _repr_html_(self):
-        import html
-
         rows, phases = self._tables()
 
         def table(rs):
@@ -430,7 +438,7 @@ class Report:
 
         advice = "".join(f"<li>{html.escape(a.text)}</li>" for a in self.advice) or "<li>none</li>"
         notes = "".join(f"<p><i>{html.escape(n)}</i></p>" for n in self.notes)
-        return (f"<div><p><b>{html.escape(self._headline())}</b></p>{table(rows)}{table(phases)}"
+        return (f"<div><p><b>{html.escape(self.headline())}</b></p>{table(rows)}{table(phases)}"
                 f"<pre>{html.escape(str(self.memory))}</pre><p>advice:</p><ul>{advice}</ul>{notes}</div>")
 
     # -- numbers --
@@ -495,8 +503,6 @@ class Report:
     def plot(self, path):
         """Draws the report as a PNG: the last step's timeline per replica (a bar per phase) and each device's
         memory by what holds it. Needs matplotlib (``pip install 'fastdp[plot]'``); returns ``path``."""
-        from . import _report_plot
-
         return _report_plot.draw(self, path)
 
 

@@ -300,7 +300,8 @@ class AutoSplit:
        step's are not judged. Without a usable reader ('cpu' replicas, a GPU listed more than once) this phase
        settles at once on share 1.
     2. **Time** (``balance_time=True``). Each judged step's per-replica busy time (forward plus backward, measured
-       by the wrapper's recorder, or ``timer()`` when given) and rows give each device's speed in rows per second;
+       by the wrapper's recorder, or ``timer()`` when given) and rows give each device's speed in rows per second
+       (the best of its last three judged steps);
        the weights move halfway (geometrically) towards weights proportional to those speeds, by at most a factor
        of 2 per step, never below ``min_weight`` times the largest weight, and device 0 never above the memory
        phase's share times the median of the others when that phase found device 0 over its bound. It settles
@@ -347,6 +348,7 @@ class AutoSplit:
         self.time_reason = None if balance_time else "balance_time=False"
         self.time_history = []  # (weights, busy seconds per device) of every step the time phase judged
         self._capped = False  # the memory phase found device 0 over its bound: its share caps device 0's weight
+        self._costs = []  # seconds per row of each device, the last three judged steps
         self._lo, self._hi = 0.0, 1.0
         self._calls = 0
         self._step_share = None
@@ -363,7 +365,7 @@ class AutoSplit:
     def bind(self, devices):
         """A copy of this rule for one wrapper's device list (a rule object may be passed to several wrappers)."""
         bound = copy.copy(self)
-        bound.history, bound.time_history = [], []
+        bound.history, bound.time_history, bound._costs = [], [], []
         bound._ndev = len(devices)
         if len(devices) < 2:
             bound._settle(1.0, "one device")
@@ -456,7 +458,11 @@ class AutoSplit:
         if most - least <= self.time_tolerance * most or most - least <= self.min_gap_s:
             self._settle_time(f"replicas within {self.time_tolerance:.0%} of each other's time")
             return
-        speed = {i: rows[i] / busy[i] for i in active}
+        # Seconds per row, the least of the last three judged steps: a step disturbed by the machine (another
+        # process, a collection) only lengthens times, so one such step does not move the split.
+        recent = self._costs = (self._costs + [{i: busy[i] / rows[i] for i in active}])[-3:]
+        cost = {i: min(c[i] for c in recent if i in c) for i in active}
+        speed = {i: 1 / cost[i] for i in active}
         scale = sum(weights[i] for i in active) / sum(speed.values())
         new = list(weights)
         for i in active:

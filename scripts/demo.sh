@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job: set-up, what fastdp sees on this machine, the training demo, and the comm benchmark.
+# The main job: set-up, what fastdp sees on this machine, the training demo (ending with dp.report() of its run and
+# its picture, demo-out/report.png), and the comm benchmark (bench-out/comm.csv and its chart, comm.png).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup.sh

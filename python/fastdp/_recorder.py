@@ -12,6 +12,7 @@ when the report is read, so nothing in the step waits for a device. Records arri
 import collections
 import threading
 import time
+import weakref
 
 import torch
 
@@ -55,7 +56,7 @@ class StepRecord:
     """
 
     __slots__ = ("index", "t0", "devices", "rows", "training", "records", "memory", "memory_exact", "refs",
-                 "backward_marks", "backward_done", "backward_ends", "lap_at", "lap_device",
+                 "backward_marks", "backward_done", "lap_at", "lap_device",
                  "apply_at")
 
     def __init__(self, index, devices, training):
@@ -69,7 +70,6 @@ class StepRecord:
         self.refs = {}
         self.backward_marks = {}  # position -> when backward reached its outputs
         self.backward_done = set()
-        self.backward_ends = set()  # positions whose end node is marked
         self.lap_at = self.lap_device = None  # where the last whole-step phase ended, and on which device
         self.apply_at = 0  # the host clock when the replicas were handed out
 
@@ -86,6 +86,7 @@ class Recorder:
         self._memory_known = False
         self.inject = None  # a test's out-of-memory injection (fastdp._oom.Injection), run by the replicas' site
         self.module_bytes = None  # (key of the kept replica set, bytes of the module's tensors)
+        self.owners = weakref.WeakKeyDictionary()  # replica -> (submodule, name) of its first trainable parameter
 
     # ---- the interface the sites (and a gradient reducer) call ----
 
@@ -96,7 +97,7 @@ class Recorder:
         ``extra``: anything to keep with it (``bucket=3``); shown in the trace."""
         step = self.open
         if step is not None:
-            step.records.append((phase, replica, start, end, nbytes, extra, _now()))
+            step.records.append((phase, replica, start, end, nbytes, extra, 0 if isinstance(start, int) else _now()))
 
     def stamp(self, device):
         """A point in time on ``device``: ``perf_counter_ns()`` on the host, an event recorded on the current
@@ -178,7 +179,7 @@ class Resolved:
         self.t0 = step.t0
         self.index, self.rows, self.devices, self.training = step.index, step.rows, step.devices, step.training
         self.memory, self.memory_exact = step.memory, step.memory_exact
-        self.threads = len({r[5].get("thread") for r in step.records if r[0] == "forward"}) > 1
+        self.threads = any("thread" in r[5] for r in step.records if r[0] == "forward")
         self.ranges = ranges
 
 
@@ -227,12 +228,13 @@ class ReplicaSite:
     device's current stream) and marks its backward. ``positions``: the device_ids position of each replica.
     ``samplers``: called when backward reaches the first replica's outputs (memory is sampled then)."""
 
-    __slots__ = ("recorder", "step", "positions", "inject", "samplers", "profiling")
+    __slots__ = ("recorder", "step", "positions", "inject", "samplers", "profiling", "threads")
 
     def __init__(self, recorder, step, positions, inject=None, samplers=()):
         self.recorder, self.step, self.positions, self.inject = recorder, step, positions, inject
         self.samplers = samplers
         self.profiling = recorder is not None and _profiling()
+        self.threads = False  # set by parallel_apply: whether the replicas run on threads
 
     def __call__(self, index, module, args, kwargs, device):
         position = self.positions[index]
@@ -248,8 +250,9 @@ class ReplicaSite:
 
     def _timed(self, position, module, args, kwargs, device):
         rec = self.recorder
-        end_mark = self._mark_end(position, device, module) if torch.is_grad_enabled() else None
-        cpu, wall = _thread_cpu(), _now()
+        marked = self._mark_end(position, device, module) if torch.is_grad_enabled() else None
+        threads = self.threads
+        cpu, wall = _thread_cpu() if threads else 0, _now()
         start = rec.stamp(device)
         try:
             if self.profiling:
@@ -258,13 +261,15 @@ class ReplicaSite:
             else:
                 out = module(*args, **kwargs)
         finally:
-            if end_mark is not None:
-                end_mark.remove()
+            if marked is not None:
+                marked[0]._parameters[marked[1]] = marked[2]
         end = rec.stamp(device)
         wall_ns = _now() - wall
-        off_cpu = max(0, wall_ns - (_thread_cpu() - cpu))
-        rec.record("forward", position, start, end, 0, off_cpu_ns=off_cpu, host_ns=wall_ns,
-                   queued_ns=max(0, wall - self.step.apply_at), thread=threading.get_ident())
+        if threads:
+            rec.record("forward", position, start, end, 0, off_cpu_ns=max(0, wall_ns - (_thread_cpu() - cpu)),
+                       queued_ns=max(0, wall - self.step.apply_at), thread=threading.get_ident())
+        else:
+            rec.record("forward", position, start, end)
         if torch.is_grad_enabled():
             self._mark_start(position, device, out)
         return out
@@ -289,38 +294,47 @@ class ReplicaSite:
             t.grad_fn.register_prehook(started)
 
     def _mark_end(self, position, device, module):
-        """Backward ends for a replica when the node made by the first call of the module owning its first
-        trainable parameter has run: in backward that node comes last (for a network that uses its layers in
-        registration order, the first layer). A forward hook, removed once the forward returns, finds that node;
-        a post-hook on it records ("backward", position)."""
-        owner = _owner_of_first_parameter(module)
-        if owner is None:
+        """Backward ends for a replica when its first trainable parameter (registration order) has its
+        gradient: in a network that uses its layers in the order it registers them, the last its backward
+        computes. For this forward that parameter is replaced, in its module, by an identity node (_EndMark)
+        whose backward records ("backward", position); the forward's end puts the parameter back. Returns
+        (module, name, parameter) to put back, or None."""
+        found = _first_parameter(module, self.recorder.owners)
+        if found is None:
             return None
-        rec, step = self.recorder, self.step
-
-        def ended(grad_inputs, grad_outputs):
-            start = step.backward_marks.get(position)
-            if start is not None and position not in step.backward_done:
-                step.backward_done.add(position)
-                rec.record("backward", position, start, rec.stamp(device))
+        owner, name = found
+        param = owner._parameters.get(name)
+        if param is None or not param.requires_grad:
             return None
+        owner._parameters[name] = _EndMark.apply(param, self, position, device)
+        return owner, name, param
 
-        def first_call(mod, inputs, output):
-            if position in step.backward_ends:
-                return None
-            outs = graph_tensors(output, [])
-            if outs:
-                step.backward_ends.add(position)
-                outs[0].grad_fn.register_hook(ended)
-            return None
-
-        return owner.register_forward_hook(first_call)
+    def ended(self, position, device):
+        step = self.step
+        start = step.backward_marks.get(position)
+        if start is not None and position not in step.backward_done:
+            step.backward_done.add(position)
+            self.recorder.record("backward", position, start, self.recorder.stamp(device))
 
 
-def _owner_of_first_parameter(module):
-    """The submodule of a replica owning its first trainable parameter (in registration order; the replica's own
-    parameters skipped), None when there is none; through the callables fastdp pairs a replica with (the per-replica
-    loss's, SyncBatchNorm's)."""
+class _EndMark(torch.autograd.Function):
+    """Identity on a replica's first parameter for one forward; its backward (right after the gradient of that
+    parameter is computed) marks the end of the replica's backward. The gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, param, site, position, device):
+        ctx.site, ctx.position, ctx.device = site, position, device
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.site.ended(ctx.position, ctx.device)
+        return grad, None, None, None
+
+
+def _first_parameter(module, cache):
+    """(submodule, name) of a replica's first trainable parameter in registration order, or None; through the
+    callables fastdp pairs a replica with (the per-replica loss's, SyncBatchNorm's)."""
     for _ in range(4):
         if isinstance(module, torch.nn.Module):
             break
@@ -329,10 +343,17 @@ def _owner_of_first_parameter(module):
         return None
     if not isinstance(module, torch.nn.Module):
         return None
+    found = cache.get(module, False)  # kept replicas live across steps: looked up once
+    if found is False:
+        found = cache[module] = _find_first_parameter(module)
+    return found
+
+
+def _find_first_parameter(module):
     for name, p in module.named_parameters():
-        path = name.rpartition(".")[0]
-        if p.requires_grad and path:  # a parameter of the replica itself: its output's node is the start
-            return module.get_submodule(path)
+        if p.requires_grad:
+            path, _, leaf = name.rpartition(".")
+            return module.get_submodule(path) if path else module, leaf
     return None
 
 

@@ -318,8 +318,12 @@ def advise(report, wrapper):
             slow = max(rows, key=lambda r: (r.forward_ms or 0) + (r.backward_ms or 0))
             if auto and not split.settled:
                 fix = 'chunk_sizes="auto" is still measuring; it moves rows away from the slowest replica'
+            elif auto and split.weights and split.weights[slow.position] <= split.min_weight * max(split.weights) * 1.01:
+                fix = (f'chunk_sizes="auto" gives it the fewest rows it may (min_weight={split.min_weight:g}) and it '
+                       "is still the slowest: its time does not shrink with its rows; leave its device out of "
+                       "device_ids, or give it 0 rows with chunk_sizes=[...]")
             elif auto:
-                fix = f'chunk_sizes="auto" settled ({split.time_reason}); a fixed `chunk_sizes=` list can go further'
+                fix = f'chunk_sizes="auto" {split.time_reason}; a fixed `chunk_sizes=` list can go further'
             else:
                 fix = '`chunk_sizes="auto"` balances time (moves rows away from the slowest replica)'
             out.append(Advice("wait", f"replicas wait {share:.0%} of the step for each other (advice from "

@@ -75,7 +75,7 @@ def _memory_bars(ax, report):
     ax.set_xticklabels([f"{d.position}: {d.device}" for d in devices], fontsize=8)
     ax.set_ylabel("MiB")
     host = any(d.peak is None for d in devices)
-    ax.set_title("memory per device" + (" (host: fastdp's bytes only)" if host else ", by holder"), fontsize=10)
+    ax.set_title("memory per device" + (" (host: fastdp's)" if host else ", by holder"), fontsize=10)
     ax.legend(fontsize=7)
 
 

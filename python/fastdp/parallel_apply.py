@@ -297,10 +297,13 @@ def run(modules, inputs, kwargs_tup=None, devices=None, site=None):
     streams = [None if d == _devices.CPU else torch.cuda.current_stream(d) for d in devices]
     results = [None] * len(modules)
 
+    threads = len(modules) > 1 and (_CPU_THREADS or any(d != _devices.CPU for d in devices) or needs_threads(modules))
+    if site is not None:
+        site.threads = threads  # whether replicas share the GIL (their time off the CPU is measured then)
     if len(modules) == 1:
         # Inline in the caller's thread: its grad mode and autocast state apply as they are.
         _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], None, results, site)
-    elif not _CPU_THREADS and all(d == _devices.CPU for d in devices) and not needs_threads(modules):
+    elif not threads:
         # Emulated host replicas: one after another in the caller's thread, each under the caller's thread-local
         # state as a worker would be. Threads would buy nothing (their backward runs in the caller's thread
         # anyway, and the forwards contend for the GIL); the first failing replica ends the call.

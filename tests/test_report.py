@@ -378,6 +378,28 @@ def test_cuda_times_are_events_resolved_without_synchronising_the_step(monkeypat
     assert cuda.host_syncs()
 
 
+def test_auto_reads_the_newest_step_whose_events_are_in_and_each_step_once(monkeypatch):
+    cuda = FakeCuda(2).install(monkeypatch)
+    rec = _recorder.Recorder(4, internal=True)
+    steps = []
+    for rows in ([3, 3], [2, 4]):
+        step = rec.begin([0, 1], True)
+        step.rows = rows
+        for pos in (0, 1):
+            rec.record("forward", pos, rec.stamp(pos), rec.stamp(pos))
+        steps.append(step)
+    rec.begin([0, 1], True)  # the step now starting
+    late = [x for r in steps[1].records for x in (r[2], r[3])]
+    for event in late:
+        event.query = lambda: False  # the device still runs the newest step
+    assert rec.last_timings()[0] == [3, 3]  # the older step, read without waiting
+    assert rec.last_timings() is None  # ... and only once
+    for event in late:
+        del event.query
+    assert rec.last_timings()[0] == [2, 4]
+    assert cuda.host_syncs() == []
+
+
 # ---- chunk_sizes="auto": time ------------------------------------------------------------------------------------
 
 
@@ -626,13 +648,13 @@ def test_train_step_needs_a_scalar_loss():
 
 
 def test_no_reference_cycles_with_the_report_on():
-    dp = fastdp.DataParallel(mlp(), device_ids=["cpu"] * 2, report=True)
-    train(dp, 2)
+    dp = fastdp.DataParallel(mlp(), device_ids=["cpu"] * 2, report=2)  # steps leave the window as they go
+    train(dp, 3)
     while gc.collect():
         pass
     gc.disable()
     try:
-        train(dp, 1)
+        train(dp, 3)
         dp.report()
         assert gc.collect() == 0
     finally:

@@ -305,7 +305,7 @@ def inject_oom(dp, position, *, phase="forward", above=0, times=None):
     if times is not None and (isinstance(times, bool) or not isinstance(times, int) or times < 1):
         raise ValueError(f"inject_oom: times={times!r} must be None or a positive int")
     injection = Injection(dp, position, phase, above, times)
-    rec = dp.__dict__.get("_recorder") or _recorder.Recorder(2, internal=True)
+    rec = dp.__dict__.get("_recorder") or _recorder.Recorder(4, internal=True)
     rec.inject = injection
     dp.__dict__["_recorder"] = rec
     _report.start_recording(dp)

@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from . import _devices, _memory
+from .replicate import is_compiled
 
 __all__ = ["Recorder", "StepRecord", "ReplicaSite", "Resolved", "resolve", "parse_steps", "graph_tensors", "nbytes",
            "module_bytes", "DEFAULT_STEPS", "PHASES"]
@@ -86,6 +87,7 @@ class Recorder:
         self._memory_known = False
         self.inject = None  # a test's out-of-memory injection (fastdp._oom.Injection), run by the replicas' site
         self.module_bytes = None  # (key of the kept replica set, bytes of the module's tensors)
+        self.timed = 0  # the newest step whose times chunk_sizes="auto" was given
         self.owners = weakref.WeakKeyDictionary()  # replica -> (submodule, name) of its first trainable parameter
 
     # ---- the interface the sites (and a gradient reducer) call ----
@@ -152,21 +154,26 @@ class Recorder:
         self.steps = collections.deque(self.steps, maxlen=steps)
 
     def last_timings(self):
-        """(rows, busy seconds) per position of the last finished training step, for chunk_sizes="auto"; None when
-        there is none, or its device times are not in yet (read without waiting for a device)."""
-        steps = self.steps
-        if len(steps) < 2 or not steps[-2].training:
-            return None
-        done = resolve(steps[-2], wait=False)
-        if done is None:
-            return None
-        busy = [0.0] * len(done.rows)
-        seen = False
-        for phase, replica, start, end, _, _ in done.ranges:
-            if replica is not None and phase in ("forward", "backward"):
-                busy[replica] += (end - start) / 1e9
-                seen = True
-        return (list(done.rows), busy) if seen else None
+        """(rows, busy seconds) per position of the newest finished training step not handed out before, for
+        chunk_sizes="auto"; None when there is none. Read without waiting for a device: a step whose CUDA events
+        are not all complete yet is passed over (the GPU runs behind the host) and an older one taken."""
+        steps = list(self.steps)[:-1]  # the last one is the step now starting
+        for step in reversed(steps):
+            if step.index <= self.timed or not step.training:
+                continue
+            done = resolve(step, wait=False)
+            if done is None:
+                continue
+            busy = [0.0] * len(done.rows)
+            seen = False
+            for phase, replica, start, end, _, _ in done.ranges:
+                if replica is not None and phase in ("forward", "backward"):
+                    busy[replica] += (end - start) / 1e9
+                    seen = True
+            if seen:
+                self.timed = step.index
+                return list(done.rows), busy
+        return None
 
 
 class Resolved:
@@ -334,15 +341,16 @@ class _EndMark(torch.autograd.Function):
 
 def _first_parameter(module, cache):
     """(submodule, name) of a replica's first trainable parameter in registration order, or None; through the
-    callables fastdp pairs a replica with (the per-replica loss's, SyncBatchNorm's)."""
+    callables fastdp pairs a replica with (the per-replica loss's, SyncBatchNorm's). None for a torch.compile
+    module: its backward is then not measured."""
     for _ in range(4):
         if isinstance(module, torch.nn.Module):
             break
         module = getattr(module, "replica", None) or getattr(module, "fn", None)
     else:
         return None
-    if not isinstance(module, torch.nn.Module):
-        return None
+    if not isinstance(module, torch.nn.Module) or is_compiled(module):
+        return None  # a compiled replica's guards would see a new tensor each step and compile again
     found = cache.get(module, False)  # kept replicas live across steps: looked up once
     if found is False:
         found = cache[module] = _find_first_parameter(module)

@@ -51,7 +51,7 @@ def start_recording(wrapper):
         else:
             rec.resize(steps)
     elif isinstance(split, _split.AutoSplit) and split.needs_timings() and len(wrapper.device_ids) > 1:
-        rec = rec or _recorder.Recorder(2, internal=True)
+        rec = rec or _recorder.Recorder(4, internal=True)
     elif rec is not None and rec.internal and rec.inject is not None:
         pass  # a test's out-of-memory injection still needs the replicas' site
     else:

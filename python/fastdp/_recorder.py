@@ -303,9 +303,10 @@ class ReplicaSite:
     def _mark_end(self, position, device, module):
         """Backward ends for a replica when its first trainable parameter (registration order) has its
         gradient: in a network that uses its layers in the order it registers them, the last its backward
-        computes. For this forward that parameter is replaced, in its module, by an identity node (_EndMark)
-        whose backward records ("backward", position); the forward's end puts the parameter back. Returns
-        (module, name, parameter) to put back, or None."""
+        computes. For this forward that parameter is replaced, in its module, by a view of itself: autograd runs the
+        view's node once the parameter's gradient is complete (every use of it in this forward), and a post-hook
+        on that node records ("backward", position). The gradient passes unchanged; the forward's end puts the
+        parameter back. Returns (module, name, parameter) to put back, or None."""
         found = _first_parameter(module, self.recorder.owners)
         if found is None:
             return None
@@ -313,7 +314,13 @@ class ReplicaSite:
         param = owner._parameters.get(name)
         if param is None or not param.requires_grad:
             return None
-        owner._parameters[name] = _EndMark.apply(param, self, position, device)
+        marked = param.view_as(param)
+
+        def ended(grad_inputs, grad_outputs):
+            self.ended(position, device)
+
+        marked.grad_fn.register_hook(ended)
+        owner._parameters[name] = marked
         return owner, name, param
 
     def ended(self, position, device):
@@ -322,21 +329,6 @@ class ReplicaSite:
         if start is not None and position not in step.backward_done:
             step.backward_done.add(position)
             self.recorder.record("backward", position, start, self.recorder.stamp(device))
-
-
-class _EndMark(torch.autograd.Function):
-    """Identity on a replica's first parameter for one forward; its backward (right after the gradient of that
-    parameter is computed) marks the end of the replica's backward. The gradient passes unchanged."""
-
-    @staticmethod
-    def forward(ctx, param, site, position, device):
-        ctx.site, ctx.position, ctx.device = site, position, device
-        return param.view_as(param)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.site.ended(ctx.position, ctx.device)
-        return grad, None, None, None
 
 
 def _first_parameter(module, cache):

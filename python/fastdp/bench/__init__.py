@@ -3,7 +3,7 @@
 python -m fastdp.bench comm [--sizes-mb 1,4,16,64,256] [--replicas 4] [--out bench-out]
 python -m fastdp.bench train [--models mlp,cnn,transformer] [--replicas 4] [--rounds 5] [--threads 1] [--split]
                              [--params 10,100,1000] [--out bench-out]
-python -m fastdp.bench report [--models mlp,cnn,transformer] [--replicas 4] [--rounds 9] [--steps 20]
+python -m fastdp.bench report [--models mlp,cnn,transformer] [--replicas 4] [--rounds 30] [--steps 5]
 """
 
 import argparse
@@ -44,9 +44,9 @@ def main(argv=None):
     p = sub.add_parser("report", help="what dp.report()'s recording costs: off (per step) and on (against off)")
     p.add_argument("--models", default="mlp,cnn,transformer", help="comma-separated: mlp, cnn, transformer")
     p.add_argument("--replicas", type=int, default=4, help="emulated 'cpu' replicas")
-    p.add_argument("--steps", type=int, default=20, help="timed training steps per mode and round")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps after each switch")
-    p.add_argument("--rounds", type=int, default=9, help="interleaved rounds; medians over rounds are reported")
+    p.add_argument("--steps", type=int, default=5, help="timed training steps per mode and round (the fastest counts)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after each switch")
+    p.add_argument("--rounds", type=int, default=30, help="interleaved rounds; their 10th percentile is reported")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--out", default="bench-out", help="folder for report_cost.csv")
     args = parser.parse_args(argv)

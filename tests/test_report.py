@@ -45,7 +45,8 @@ def one_torch_thread():
 
 def mlp(seed=0, width=32):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 3)).double()
+    layers = [nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 3)]
+    return nn.Sequential(*layers).double()
 
 
 def data(n, seed=1):

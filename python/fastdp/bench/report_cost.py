@@ -128,7 +128,8 @@ def run(args):
     rows.append({"what": "off: recording sites per step", "model": "", "replicas": args.replicas,
                  "off_ms": "", "on_ms": "", "ratio": "", "ns_per_step": round(ns, 1)})
     print(f"\nreport on / off: ms per training step, the fastest of {args.steps} steps per round, 10th percentile "
-          f"over {args.rounds} interleaved rounds, {args.replicas} emulated replicas, {torch.get_num_threads()} torch thread(s); 'tiny' "
+          f"over {args.rounds} interleaved rounds, {args.replicas} emulated replicas, "
+          f"{torch.get_num_threads()} torch thread(s); 'tiny' "
           "(Linear(8, 8), ReLU, Linear(8, 4)) shows the recording's own cost (target for the models: ratio <= 1.02)")
     print(f"{'model':<13}{'off':>10}{'on':>10}{'on/off':>9}{'on-off µs':>11}")
     for name in ["tiny"] + args.models.split(","):

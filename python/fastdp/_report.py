@@ -224,6 +224,8 @@ def build(wrapper, steps=None):
         ranges=resolved,
         t0s=[s.t0 for s in records],
     )
+    if len(wrapper.device_ids) == 1:
+        report.notes.append("one device: the module runs directly, with nothing to balance; nothing is recorded")
     if len(done) < len(numbers):
         report.notes.append(f"{len(numbers) - len(done)} training step(s) without a finished backward left out "
                             "(the last forward's backward has not run yet)")
@@ -413,7 +415,8 @@ class Report:
         kind = "training" if self.training else "evaluation"
         text = f"fastdp report: {self.steps} {kind} step(s) on {len(self.devices)} replicas"
         if self.step_ms is not None:
-            text += f"; a step takes {self.step_ms:.2f} ms (median, forward start to backward end)"
+            end = "backward end" if self.training else "gather end"
+            text += f"; a step takes {self.step_ms:.2f} ms (median, forward start to {end})"
         if self.period_ms is not None:
             text += f", one starts every {self.period_ms:.2f} ms"
         return text

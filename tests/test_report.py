@@ -537,12 +537,15 @@ def test_forward_oom_moves_rows_and_counts_the_batch_once():
     assert out.shape == (18, 3)
     dp(x)  # the next steps keep the moved split, and fit
     assert dp._last_step.chunk_sizes == sizes and injection.fired == 1
+    dp.enable_report()
+    dp.disable_report()  # switching the report leaves a test's injection in place
+    assert dp._recorder is not None and dp._recorder.inject is injection
 
 
 def test_forward_oom_rescue_equals_the_bare_model():
     bare = mlp()
     model = copy.deepcopy(bare)
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, oom="rebalance", chunk_sizes="auto")
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, oom="rebalance", chunk_sizes="auto", report=True)
     fastdp.inject_oom(dp, 0, above=6, times=1)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(bare.parameters(), lr=0.1)
     with pytest.warns(RuntimeWarning):
@@ -550,6 +553,7 @@ def test_forward_oom_rescue_equals_the_bare_model():
     train(bare, 3, n=21, opt=ref_opt)
     params_close(model, bare)
     assert dp._split.settled and dp._last_step.chunk_sizes[0] < 7
+    assert dp.report().steps == 3  # the failed attempt is not a step
 
 
 def test_the_failed_attempt_leaves_nothing_alive_before_the_retry():

@@ -145,6 +145,8 @@ def _note(wrapper, position, moved):
 
 
 def _retry_step(wrapper, step):
+    if step.recorder is not None:
+        step.recorder.discard_open()  # the failed attempt is not a step of the report
     again = _step.Step(wrapper, step.loss)
     again.avoided_gather_bytes = step.avoided_gather_bytes
     again.recorder = wrapper.__dict__.get("_recorder")

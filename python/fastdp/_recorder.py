@@ -149,6 +149,12 @@ class Recorder:
         if self.memory is not None:
             self.memory.sample()
 
+    def discard_open(self):
+        """Forgets the step opened last (a forward that failed and runs again): it never ran whole."""
+        if self.open is not None and self.steps and self.steps[-1] is self.open:
+            self.steps.pop()
+        self.open = self.steps[-1] if self.steps else None
+
     def resize(self, steps):
         """Keeps the last ``steps`` steps from now on."""
         self.steps = collections.deque(self.steps, maxlen=steps)

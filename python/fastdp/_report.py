@@ -41,19 +41,20 @@ def start_recording(wrapper):
     steps = wrapper.__dict__.get("_report_steps")
     split = wrapper.__dict__.get("_split")
     rec = wrapper.__dict__.get("_recorder")
+    inject = None if rec is None else rec.inject  # a test's out-of-memory injection stays through any change
     if steps:
         if rec is None or rec.internal:
-            inject = None if rec is None else rec.inject
             rec = _recorder.Recorder(steps)
-            rec.inject = inject
         else:
             rec.resize(steps)
-    elif isinstance(split, _split.AutoSplit) and split.needs_timings() and len(wrapper.device_ids) > 1:
-        rec = rec or _recorder.Recorder(4, internal=True)
-    elif rec is not None and rec.internal and rec.inject is not None:
-        pass  # a test's out-of-memory injection still needs the replicas' site
+    elif inject is not None or (isinstance(split, _split.AutoSplit) and split.needs_timings()
+                                and len(wrapper.device_ids) > 1):
+        if rec is None or not rec.internal:
+            rec = _recorder.Recorder(4, internal=True)
     else:
         rec = None
+    if rec is not None:
+        rec.inject = inject
     wrapper.__dict__["_recorder"] = rec
     return rec
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepares .venv on a fresh machine: torch (CPU build 2.13.0 unless a torch is already importable, as on a GPU
-# box), pytest, and fastdp itself built from this checkout. Sourced by scripts/test.sh and scripts/demo.sh.
+# box), pytest, matplotlib (fastdp's "plot" extra: the report's picture and the benchmarks' charts), and fastdp
+# itself built from this checkout. Sourced by scripts/test.sh and scripts/demo.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
@@ -12,7 +13,7 @@ VPY=.venv/bin/python
 need() { ! "$VPY" -c "import $1" >/dev/null 2>&1; }
 if need torch; then "$VPY" -m pip install -q torch==2.13.0; fi
 missing=""
-for mod in setuptools wheel pytest numpy hypothesis; do if need "$mod"; then missing="$missing $mod"; fi; done
+for mod in setuptools wheel pytest numpy hypothesis matplotlib; do if need "$mod"; then missing="$missing $mod"; fi; done
 if [ -n "$missing" ]; then "$VPY" -m pip install -q $missing; fi
 # No build isolation: the build needs only setuptools and a C compiler, and some machines have no index.
 FASTDP_WERROR=${FASTDP_WERROR:-1} "$VPY" -m pip install -q --no-build-isolation --force-reinstall --no-deps .

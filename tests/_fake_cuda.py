@@ -12,6 +12,7 @@ devices the code under test is told are CUDA devices.
 import contextlib
 import itertools
 import threading
+import time
 
 import torch
 
@@ -62,9 +63,18 @@ class FakeEvent:
     def __init__(self, cuda, **kwargs):
         self.cuda = cuda
         self.name = f"e{next(self._serial)}"
+        self.timing = kwargs.get("enable_timing", False)
+        self.at = None  # the host clock when recorded: the fake device runs everything at once
 
     def record(self, stream=None):
         self.cuda.record("record", self.name, (stream or self.cuda.current_stream()).name)
+        self.at = time.perf_counter_ns()
+
+    def elapsed_time(self, end):
+        """Milliseconds from this event to ``end``, as torch's (both recorded with enable_timing=True)."""
+        if not (self.timing and end.timing) or self.at is None or end.at is None:
+            raise RuntimeError("fake elapsed_time: both events must be recorded with enable_timing=True")
+        return (end.at - self.at) / 1e6
 
     def wait(self, stream=None):
         self.cuda.record("wait_event", (stream or self.cuda.current_stream()).name, self.name)
@@ -231,6 +241,16 @@ class FakeCuda:
     def max_memory_allocated(self, device=None):
         return self.peak[self._index(device)]
 
+    def memory_stats_as_nested_dict(self, device=None):
+        d = self._index(device)
+        self.record("memory_stats", d)
+        return {"allocated_bytes": {"all": {"current": self.allocated[d], "peak": self.peak[d]}}}
+
+    def allocate(self, device, nbytes):
+        """What the caching allocator's counters do for an allocation (negative: a free) on ``device``."""
+        self.allocated[device] += nbytes
+        self.peak[device] = max(self.peak[device], self.allocated[device])
+
     def reset_peak_memory_stats(self, device=None):
         d = self._index(device)
         self.record("reset_peak", d)
@@ -245,6 +265,7 @@ class FakeCuda:
     _API = ("current_stream", "default_stream", "set_stream", "stream", "device", "current_device", "set_device",
             "Stream", "ExternalStream", "Event", "synchronize", "is_current_stream_capturing",
             "can_device_access_peer", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats",
+            "memory_stats_as_nested_dict",
             "is_available", "device_count")
 
     def install(self, monkeypatch):

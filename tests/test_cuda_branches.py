@@ -477,14 +477,15 @@ def test_auto_split_reads_peaks_without_resetting_them(cuda):
     and never resets the process-wide peak counters, which the user may be reading too."""
     rule = _split.AutoSplit(warmup=0, probes=2).bind([0, 1])
     reader = rule.reader
-    assert isinstance(reader, _split._CudaPeaks)
-    cuda.peak = [10**9, 10**9]  # the user's own high-water marks
+    assert isinstance(reader.__self__, fastdp._memory.PeakWindow)
+    cuda.peak = [10**9, 10**9]  # the user's own high-water marks: never moved here, so the samples tell
     cuda.allocated = [50, 40]
-    reader.sample()
+    reader.__self__.sample()
     cuda.allocated = [20, 45]
     assert reader() == [50, 45]  # the highest of the samples and the reading
     cuda.allocated = [5, 5]
-    assert reader() == [5, 5]  # a new interval starts at each reading
+    assert reader() == [20, 45]  # a new interval starts at each reading, with what was allocated then
+    assert reader() == [5, 5]
     for a0, a1 in [(50, 40), (80, 40), (70, 60), (30, 30)]:
         rule.observe()
         rule.split(8, 0, 2)

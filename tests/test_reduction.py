@@ -85,19 +85,7 @@ def test_each_buckets_reduction_starts_as_soon_as_its_gradients_exist(monkeypatc
         torch.testing.assert_close(p.grad, q.grad)
 
 
-class _Times:
-    """A recorder that keeps every record (the interface of the wrapper's step recorder)."""
-
-    def __init__(self):
-        self.rows = []
-        self.lock = threading.Lock()
-
-    def record(self, phase, replica, start, end, nbytes=0, **extra):
-        with self.lock:
-            self.rows.append((phase, replica, start, end, nbytes, extra))
-
-
-def test_host_reductions_run_while_backward_goes_on():
+def test_host_reductions_run_while_backward_goes_on(monkeypatch):
     """On host replicas the reducer thread sums the buckets while the thread running backward is still busy: with
     the first layer's backward slowed down (a sleep, as a long kernel would), every other bucket's sum has completed
     before that layer's backward ends."""
@@ -106,14 +94,20 @@ def test_host_reductions_run_while_backward_goes_on():
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R, bucket_cap_mb=LAYER_MB)
     x = torch.randn(8, WIDTH, dtype=torch.float64)
     dp(x).sum().backward()  # builds the replicas
-    times = _Times()
-    dp._replica_set.state.recorder = times
+    done = []
+    real = _reducer._sum
+
+    def timed(bucket, grads, kept, out):
+        result = real(bucket, grads, kept, out)
+        done.append((bucket.index, time.perf_counter_ns(), threading.current_thread() is threading.main_thread()))
+        return result
+
+    monkeypatch.setattr(_reducer, "_sum", timed)
     log.clear()
     dp(x).sum().backward()
     slow_end = max(t for n, t in log if n == "L0-end")
-    reduces = sorted((extra["bucket"], end) for phase, _, _, end, _, extra in times.rows if phase == "reduce")
-    assert [b for b, _ in reduces] == list(range(6))
-    assert all(end < slow_end for b, end in reduces if b < 5), (reduces, slow_end)
+    assert sorted(b for b, _, _ in done) == list(range(6))
+    assert all(end < slow_end and not main for b, end, main in done if b < 5), (done, slow_end)
 
 
 # ---- autograd's ways of taking gradients, against the bare model --------------------------------------------------

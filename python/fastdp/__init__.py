@@ -63,6 +63,12 @@ from ._split import AutoSplit  # noqa: E402
 
 __all__ += ["balance", "AutoSplit", "MemoryReport", "memory_report"]
 
+# ---- Seeing each replica: the report, its advice, and the out-of-memory rescue's test hook ------------------------
+from ._oom import inject_oom  # noqa: E402
+from ._report import Advice, Report  # noqa: E402
+
+__all__ += ["Report", "Advice", "inject_oom"]
+
 # ---- Code that calls torch.nn.DataParallel itself: fastdp's wrapper without editing it ----------------------------
 from .patch import is_patched, patch, patched, unpatch  # noqa: E402
 

@@ -9,7 +9,61 @@ import torch
 
 from . import _devices
 
-__all__ = ["DeviceMemory", "MemoryReport", "memory_report"]
+__all__ = ["DeviceMemory", "MemoryReport", "memory_report", "allocated_and_peak", "PeakWindow", "format_bytes"]
+
+
+def allocated_and_peak(device):
+    """(current, peak) allocated bytes of a CUDA device from one allocator query: host-side counters, no device
+    synchronisation. The peak is the process-wide counter, which only ``torch.cuda.reset_peak_memory_stats``
+    (the user's) lowers."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]
+    return stats["current"], stats["peak"]
+
+
+class PeakWindow:
+    """Each device's highest allocated bytes between two reads, without resetting the user's peak counters.
+
+    NOTE [peak between reads]: the allocator's peak counter is process-wide and only grows (until the user resets
+    it), and the current figure is a moment. At each query (``sample``, and ``read``) both are taken. When the
+    peak counter differs from the last query's, a new high was set inside the window (or the user reset the
+    counter inside it, and the counter holds the high since then): that high is known exactly and belongs to this
+    window. When it did not move, the window's high lies between the highest current figure sampled and the
+    counter, and the highest sample is what is known. The wrapper samples where a step's memory is highest: at the
+    end of each training forward (every activation alive) and when backward reaches the replicas' outputs (on
+    the output device, the gathered outputs and their gradient are alive together then). ``exact`` says, per
+    device, whether the last read's figure came from the counter.
+    """
+
+    def __init__(self, devices):
+        self.devices = list(devices)
+        self.high = [0] * len(self.devices)
+        self.current = [0] * len(self.devices)
+        self.last_peak = [None] * len(self.devices)
+        self.moved = [False] * len(self.devices)
+        self.exact = [False] * len(self.devices)
+
+    def sample(self):
+        for i, d in enumerate(self.devices):
+            current, peak = allocated_and_peak(d)
+            if self.last_peak[i] is not None and peak != self.last_peak[i]:
+                self.moved[i] = True
+                self.high[i] = max(self.high[i], peak)
+            self.last_peak[i] = peak
+            self.current[i] = current
+            self.high[i] = max(self.high[i], current)
+
+    def peek(self):
+        """Each device's high since the previous read, without starting a new window."""
+        self.sample()
+        return list(self.high)
+
+    def read(self):
+        """Each device's high since the previous read; the next window starts at the current figure."""
+        self.sample()
+        highs, self.exact = self.high, self.moved
+        self.high = list(self.current)
+        self.moved = [False] * len(self.devices)
+        return highs
 
 
 @dataclass
@@ -31,7 +85,7 @@ class DeviceMemory:
         return self.replica_buffers + self.staging + self.pending_grads
 
 
-def _fmt(n):
+def format_bytes(n):
     """Bytes in the largest binary unit that keeps the number at 1 or more ("n/a" for None)."""
     if n is None:
         return "n/a"
@@ -67,9 +121,9 @@ class MemoryReport:
                 "fastdp total")
         rows = [head]
         for d in self.devices:
-            rows.append((str(d.position), d.device, "-" if d.chunk is None else str(d.chunk), _fmt(d.allocated),
-                         _fmt(d.peak), _fmt(d.master), _fmt(d.replica_buffers), _fmt(d.staging),
-                         _fmt(d.pending_grads), _fmt(d.fastdp_bytes)))
+            rows.append((str(d.position), d.device, "-" if d.chunk is None else str(d.chunk), format_bytes(d.allocated),
+                         format_bytes(d.peak), format_bytes(d.master), format_bytes(d.replica_buffers), format_bytes(d.staging),
+                         format_bytes(d.pending_grads), format_bytes(d.fastdp_bytes)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
         ratio = self.peak_ratio()
@@ -77,7 +131,7 @@ class MemoryReport:
             lines.append(f"peak of device 0 / median of the others: {ratio:.2f}")
         if self.avoided_gather_bytes is not None:
             lines.append(
-                f"per-replica loss: {_fmt(self.avoided_gather_bytes)} of outputs not gathered on the output "
+                f"per-replica loss: {format_bytes(self.avoided_gather_bytes)} of outputs not gathered on the output "
                 "device in the last forward (their gradient would have been as large again in backward)"
             )
         if self.split is not None:

@@ -468,19 +468,13 @@ class _CudaReduction:
         out = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.state.tdevs[0])  # the consumer's memory
         recorder = bucket.state.recorder
         with _streams.entered(tuple(own)):
-            began = _timing_event(own[0]) if recorder is not None else None
+            began = recorder.stamp(first) if recorder is not None else None  # on the first reduction stream
             result = _sum(bucket, grads, kept, out)
             if began is not None:  # device timings, read when the report is (no synchronisation here)
-                recorder.record("reduce", None, began, _timing_event(own[0]), bucket.numel * bucket.itemsize,
+                recorder.record("reduce", None, began, recorder.stamp(first), bucket.numel * bucket.itemsize,
                                 bucket=bucket.index)
         _LEDGER.hold(_streams.Fence(own), (grads, kept, out, result))
         return _CudaJob(result, _streams.Fence([own[0]]), first)
-
-
-def _timing_event(stream):
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(stream)
-    return event
 
 
 class _CudaJob:

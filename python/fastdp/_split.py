@@ -13,7 +13,7 @@ from fractions import Fraction
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from . import _devices
+from . import _devices, _memory
 
 __all__ = ["AutoSplit", "largest_remainder", "parse_chunk_sizes", "begin_forward", "split_for", "check_target",
            "parse_broadcast"]
@@ -266,13 +266,14 @@ def check_target(inputs, kwargs, target, dim):
             )
 
 
-def begin_forward(rule, inputs, kwargs, dim, ndev, *, with_target, training, sizes):
+def begin_forward(rule, inputs, kwargs, dim, ndev, *, with_target, training, sizes, recorder=None):
     """One forward's split work, in order: "auto" judges the training step that just ended (``training``), the
     target (the last of ``inputs`` when ``with_target``) is checked against the other inputs, then this batch's
     chunk sizes are returned when ``sizes`` is true (None: torch.chunk's rule, or ``sizes`` false for a wrapper
-    whose own ``scatter`` asks ``split_for``)."""
+    whose own ``scatter`` asks ``split_for``). ``recorder``: the wrapper's fastdp._recorder.Recorder, whose last
+    step's times drive "auto"'s time phase (None: not measured)."""
     if training and isinstance(rule, AutoSplit):
-        rule.observe()
+        rule.observe(None if recorder is None else recorder.last_timings())
     if with_target:
         check_target(inputs[:-1], kwargs, inputs[-1], dim)
     if rule is None or not sizes:
@@ -283,44 +284,37 @@ def begin_forward(rule, inputs, kwargs, dim, ndev, *, with_target, training, siz
 # ---- Settling device 0's share from measured peaks ("auto") ------------------------------------------------------
 
 
-class _CudaPeaks:
-    """Each device's highest allocated bytes seen since the previous call. The allocator's current figure
-    (``torch.cuda.memory_allocated``, a host-side counter: no device synchronisation) is sampled when the wrapper
-    asks (``sample``: at the end of each training forward, when that step's activations are all alive) and at every
-    call; the process-wide peak counters (``torch.cuda.max_memory_allocated``) are never reset, so the user's own
-    readings of them stay whole."""
-
-    def __init__(self, devices):
-        self.devices = list(devices)
-        self.high = [0] * len(self.devices)
-
-    def sample(self):
-        self.high = [max(h, torch.cuda.memory_allocated(d)) for h, d in zip(self.high, self.devices)]
-
-    def __call__(self):
-        self.sample()
-        peaks, self.high = self.high, [0] * len(self.devices)
-        return peaks
-
-
 class AutoSplit:
-    """``chunk_sizes="auto"``: device 0's share (relative to each other device) found from measured peak memory.
+    """``chunk_sizes="auto"``: a split found from measured memory, then from measured time.
 
-    Training forwards (grad enabled, module in training mode) drive it: at the start of each one, ``reader()``
-    returns every device's peak allocated bytes since the previous call (the default reader samples
-    ``torch.cuda.memory_allocated`` at the end of each training forward and at that call, see _CudaPeaks; the
-    process-wide peak counters are left alone). The first ``warmup`` steps are not judged
-    (optimizers allocate their state in the first step). Then the share starts at 1 (equal split); while device
-    0's peak exceeds ``(1 + tolerance)`` times the median of the others', the share is bisected in [0, 1] for
-    ``probes`` steps, and settles on the largest share measured within the bound (0 if none was). Steps whose
-    batch size differs from the first judged step's are not judged. Once settled the share never changes, so the
-    split is deterministic from then on. Without a usable reader (CPU replicas, a GPU listed more than once) it
-    settles at once on share 1.
+    Training forwards (grad enabled, module in training mode) drive it; evaluations never do. Two phases, each
+    settling for good (NOTE [auto split]):
+
+    1. **Memory.** At the start of each training forward, ``reader()`` returns every device's peak allocated bytes
+       since the previous call (the default reader is a fastdp._memory.PeakWindow: exact where the allocator's
+       peak counter moved, the highest sample otherwise; the process-wide counters are never reset). The first
+       ``warmup`` steps are not judged (optimizers allocate their state in the first step). Then device 0's share
+       (relative to each other device) starts at 1; while device 0's peak exceeds ``(1 + tolerance)`` times the
+       median of the others', the share is bisected in [0, 1] for ``probes`` steps and settles on the largest
+       share measured within the bound (0 if none was). Steps whose batch size differs from the first judged
+       step's are not judged. Without a usable reader ('cpu' replicas, a GPU listed more than once) this phase
+       settles at once on share 1.
+    2. **Time** (``balance_time=True``). Each judged step's per-replica busy time (forward plus backward, measured
+       by the wrapper's recorder, or ``timer()`` when given) and rows give each device's speed in rows per second
+       (the best of its last three judged steps);
+       the weights move halfway (geometrically) towards weights proportional to those speeds, by at most a factor
+       of 2 per step, never below ``min_weight`` times the largest weight, and device 0 never above the memory
+       phase's share times the median of the others when that phase found device 0 over its bound. It settles
+       when the busiest replica is within ``time_tolerance`` of the least busy (or within ``min_gap_s`` seconds),
+       when no weight moves by 5% any more (the bounds hold it), or after ``time_steps`` judged steps.
+
+    Once both phases settled the split never changes, so it is deterministic from then on.
     """
 
     kind = "auto"
 
-    def __init__(self, *, warmup=2, probes=5, tolerance=0.05, reader=None):
+    def __init__(self, *, warmup=2, probes=5, tolerance=0.05, reader=None, balance_time=True, time_tolerance=0.1,
+                 min_gap_s=0.0005, time_steps=8, min_weight=0.1, timer=None):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
         if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
@@ -329,11 +323,32 @@ class AutoSplit:
             raise ValueError(f"tolerance must be a finite non-negative number, got {tolerance!r}")
         if reader is not None and not callable(reader):
             raise TypeError(f"reader must be callable (returning one peak per device), got {type(reader).__name__}")
+        if not isinstance(balance_time, bool):
+            raise TypeError(f"balance_time must be True or False, got {type(balance_time).__name__}")
+        for name, value in (("time_tolerance", time_tolerance), ("min_gap_s", min_gap_s)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
+        if isinstance(time_steps, bool) or not isinstance(time_steps, int) or time_steps < 1:
+            raise ValueError(f"time_steps must be a positive int, got {time_steps!r}")
+        if isinstance(min_weight, bool) or not isinstance(min_weight, numbers.Real) or not 0 < min_weight <= 1:
+            raise ValueError(f"min_weight must be a number in (0, 1] (the least weight relative to the largest), "
+                             f"got {min_weight!r}")
+        if timer is not None and not callable(timer):
+            raise TypeError(f"timer must be callable (returning (rows, busy seconds) per device, or None), got "
+                            f"{type(timer).__name__}")
         self.warmup, self.probes, self.tolerance, self.reader = warmup, probes, float(tolerance), reader
+        self.balance_time, self.time_tolerance, self.min_gap_s = balance_time, float(time_tolerance), float(min_gap_s)
+        self.time_steps, self.min_weight, self.timer = time_steps, float(min_weight), timer
         self.share = 1.0
-        self.settled = False
+        self.memory_settled = False
         self.reason = None
         self.history = []  # (share, device-0 peak / median of the others) of every judged step
+        self.weights = None  # per device, from the time phase (None: [share, 1, 1, ...])
+        self.time_settled = not balance_time
+        self.time_reason = None if balance_time else "balance_time=False"
+        self.time_history = []  # (weights, busy seconds per device) of every step the time phase judged
+        self._capped = False  # the memory phase found device 0 over its bound: its share caps device 0's weight
+        self._costs = []  # seconds per row of each device, the last three judged steps
         self._lo, self._hi = 0.0, 1.0
         self._calls = 0
         self._step_share = None
@@ -342,34 +357,63 @@ class AutoSplit:
         self._ref_batch = None
         self._ndev = None
 
+    @property
+    def settled(self):
+        """Both phases settled: the split is fixed from now on."""
+        return self.memory_settled and self.time_settled
+
     def bind(self, devices):
         """A copy of this rule for one wrapper's device list (a rule object may be passed to several wrappers)."""
         bound = copy.copy(self)
-        bound.history = []
+        bound.history, bound.time_history, bound._costs = [], [], []
         bound._ndev = len(devices)
         if len(devices) < 2:
             bound._settle(1.0, "one device")
+            bound._settle_time("one device")
         elif bound.reader is None:
             if any(d == _devices.CPU for d in devices):
                 bound._settle(1.0, "no allocator to measure on 'cpu' devices: equal split")
             elif len(set(devices)) != len(devices):
                 bound._settle(1.0, "a GPU listed more than once cannot be measured per replica: equal split")
             else:
-                bound.reader = _CudaPeaks(devices)
+                bound.reader = _memory.PeakWindow(devices).read
         return bound
 
     def _settle(self, share, reason):
-        self.share, self.settled, self.reason = share, True, reason
+        self.share, self.memory_settled, self.reason = share, True, reason
+        if self._ndev is not None and self.weights is None:
+            self.weights = [float(share)] + [1.0] * (self._ndev - 1)
+
+    def _settle_time(self, reason):
+        self.time_settled, self.time_reason = True, reason
 
     def split(self, batch, dim, ndev):
         if self._armed:  # the training forward that observe() just opened (not an evaluation in between)
             self._last_batch, self._armed = batch, False
-        return largest_remainder([self.share] + [1.0] * (ndev - 1), batch)
+        weights = self.weights if self.weights is not None else [self.share] + [1.0] * (ndev - 1)
+        return largest_remainder(weights, batch)
 
-    def observe(self):
-        """Called at the start of every training forward: judges the step that just ended, picks the next share."""
+    def needs_timings(self):
+        """Whether the wrapper should measure replica times for this rule (its time phase is still running)."""
+        return not self.time_settled and self.timer is None
+
+    def observe(self, timings=None):
+        """Called at the start of every training forward: judges the step that just ended, picks the next split.
+        ``timings``: (rows, busy seconds) per device of that step, from the wrapper's recorder, or None."""
         if self.settled:
             return
+        if not self.memory_settled:
+            self._observe_memory()
+            return
+        self._calls += 1
+        if self._calls <= 1 + self.warmup:
+            return
+        if self.timer is not None:
+            timings = self.timer()
+        if timings is not None:
+            self._observe_time(*timings)
+
+    def _observe_memory(self):
         peaks = list(self.reader())
         if len(peaks) != self._ndev:
             raise ValueError(f"chunk_sizes='auto': the reader returned {len(peaks)} peaks for {self._ndev} devices")
@@ -392,6 +436,7 @@ class AutoSplit:
                 self._settle(1.0, "device 0 within the bound at the equal split")
                 return
             self._hi = 1.0
+            self._capped = True
         elif over:
             self._hi = judged
         else:
@@ -402,14 +447,64 @@ class AutoSplit:
             self.share = (self._lo + self._hi) / 2
         self._step_share = self.share
 
+    def _observe_time(self, rows, busy):
+        """NOTE [auto split]: one judged step of the time phase (see the class docstring for the rule)."""
+        active = [i for i in range(self._ndev) if rows[i] > 0 and busy[i] > 0]
+        if len(active) < 2:
+            return
+        weights = list(self.weights)
+        self.time_history.append((list(weights), list(busy)))
+        most, least = max(busy[i] for i in active), min(busy[i] for i in active)
+        if most - least <= self.time_tolerance * most or most - least <= self.min_gap_s:
+            self._settle_time(f"replicas within {self.time_tolerance:.0%} of each other's time")
+            return
+        # Seconds per row, the least of the last three judged steps: a step disturbed by the machine (another
+        # process, a collection) only lengthens times, so one such step does not move the split.
+        recent = self._costs = (self._costs + [{i: busy[i] / rows[i] for i in active}])[-3:]
+        cost = {i: min(c[i] for c in recent if i in c) for i in active}
+        speed = {i: 1 / cost[i] for i in active}
+        scale = sum(weights[i] for i in active) / sum(speed.values())
+        new = list(weights)
+        for i in active:
+            target = speed[i] * scale
+            new[i] = min(2 * weights[i], max(weights[i] / 2, math.sqrt(weights[i] * target)))
+        floor = self.min_weight * max(new)
+        new = [max(w, floor) for w in new]
+        if self._capped and self._ndev > 1:
+            new[0] = min(new[0], self.share * statistics.median(new[1:]))
+        self.weights = new
+        if all(abs(n / w - 1) < 0.05 for n, w in zip(new, weights) if w > 0):
+            self._settle_time("settled: the weights stopped moving (held by their bounds)")
+        elif len(self.time_history) >= self.time_steps:
+            self._settle_time(f"settled after {len(self.time_history)} timed steps")
+
+    def avoid(self, position):
+        """Halves ``position``'s weight for good (an out-of-memory rescue moved rows away from it) and settles."""
+        if self.weights is None:
+            self.weights = [self.share] + [1.0] * (self._ndev - 1)
+        self.weights[position] /= 2
+        if not self.memory_settled:
+            self._settle(self.share, "an out-of-memory rescue fixed the split")
+        self._settle_time("an out-of-memory rescue fixed the split")
+
     def sample(self):
-        """Called at the end of every training forward: the default reader notes each device's allocated bytes."""
-        if not self.settled and isinstance(self.reader, _CudaPeaks):
-            self.reader.sample()
+        """Called where a step's memory is highest (the end of each training forward, backward reaching the
+        outputs): the default reader notes each device's allocated bytes."""
+        window = getattr(self.reader, "__self__", None)
+        if not self.memory_settled and isinstance(window, _memory.PeakWindow):
+            window.sample()
 
     def describe(self):
-        state = f"settled ({self.reason})" if self.settled else f"measuring, {len(self.history)} steps judged"
-        return f"auto: device 0 share {self.share:g}, {state}"
+        state = (f"settled ({self.reason})" if self.memory_settled
+                 else f"measuring, {len(self.history)} steps judged")
+        text = f"auto: device 0 share {self.share:g}, {state}"
+        if self.balance_time and self.weights is not None and self._ndev and self._ndev > 1:
+            top = max(self.weights)
+            shown = ", ".join(f"{w / top:.2f}" for w in self.weights)
+            state = (self.time_reason if self.time_settled
+                     else f"measuring, {len(self.time_history)} timed steps judged")
+            text += f"; time weights [{shown}], {state}"
+        return text
 
 
 def parse_broadcast(broadcast):

@@ -27,11 +27,12 @@ class Step:
     chunk, because replication starts from the master there), ``replicated`` (their devices), ``skip`` (1 when
     that replica is built but not run) and ``devices`` (the devices of the replicas that run). At the end:
     ``avoided_gather_bytes``, the outputs a per-replica loss did not gather (0 for a criterion computed on the
-    gathered output, None without one).
+    gathered output, None without one). ``recorder``: the wrapper's fastdp._recorder.Recorder while the report
+    records (None otherwise), and ``site``, what runs each replica then.
     """
 
     __slots__ = ("wrapper", "fresh", "loss", "chunk_sizes", "run", "positions", "replicated", "skip", "devices",
-                 "avoided_gather_bytes", "_outer")
+                 "avoided_gather_bytes", "recorder", "site", "_outer")
 
     def __init__(self, wrapper, loss):
         self.wrapper = wrapper
@@ -41,6 +42,7 @@ class Step:
         self.run = self.positions = self.replicated = self.devices = None
         self.skip = 0
         self.avoided_gather_bytes = None
+        self.recorder = self.site = None
         self._outer = None
 
     def __enter__(self):

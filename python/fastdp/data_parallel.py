@@ -15,8 +15,9 @@ from itertools import chain
 import torch
 from torch.nn.modules import Module
 
-from . import (_checkpoint, _devices, _idle_master, _launch, _replica_loss, _replicas, _split, _step, _streams,
-               sync_batchnorm)
+from . import (_checkpoint, _devices, _idle_master, _launch, _oom, _recorder, _replica_loss, _replicas, _report,
+               _split, _step, _streams, sync_batchnorm)
+from . import parallel_apply as _parallel_apply
 from .parallel_apply import parallel_apply
 from .replicate import replicate
 from .scatter_gather import gather, scatter_kwargs, unaligned_outputs
@@ -258,12 +259,14 @@ class DataParallel(_UPSTREAM):
             DataParallel._launch_class = cls
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="auto", bucket_cap_mb=25,
-                 chunk_sizes=None, criterion=None, criterion_reduction=None, broadcast=None):
+                 chunk_sizes=None, criterion=None, criterion_reduction=None, broadcast=None, report=False, oom=None):
         # mode: see __new__. bucket_cap_mb: size of the gradient buckets, each reduced as soon as it is ready.
         # chunk_sizes: how the batch is split (docs/balance.md); None is upstream's torch.chunk rule.
         # criterion: with it, dp(x, target=y) returns the loss, computed on each replica where that is exact
         # (docs/balance.md); criterion_reduction declares another criterion decomposable ("mean" or "sum").
         # broadcast: names of keyword arguments every replica gets whole instead of split (docs/data_parallel.md).
+        # report: record the last N steps for dp.report() (True: 20; docs/report.md). oom="rebalance": an
+        # out-of-memory error in a replica moves rows away from its device and runs the step again (docs/balance.md).
         Module.__init__(self)  # not torch.nn.DataParallel's (see NOTE [nn.DataParallel subclass])
         _require_module(module, "DataParallel")
         if criterion is not None and not callable(criterion):
@@ -278,6 +281,9 @@ class DataParallel(_UPSTREAM):
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
         self._bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
+        self._report_steps = _recorder.parse_steps(report)
+        self.__dict__["_recorder"] = None  # fastdp._recorder.Recorder while steps are recorded
+        self.__dict__["_oom"] = _oom.parse(oom)
         self._replica_set = None  # persistent replicas (fastdp._replicas), built on first use
         self.__dict__["_forward_lock"] = threading.Lock()  # one forward at a time uses the kept replicas
         self._sync_enabled = True
@@ -295,6 +301,7 @@ class DataParallel(_UPSTREAM):
         self.src_device_obj = _devices.torch_device(ids[0])
         rule = _split.parse_chunk_sizes(chunk_sizes, len(ids))
         self._split = rule.bind(ids) if isinstance(rule, _split.AutoSplit) else rule
+        _report.start_recording(self)
         if isinstance(criterion, Module):
             criterion.to(self.src_device_obj)  # its tensors (class weights…) are replicated from device_ids[0]
         if mode == "cuda":
@@ -361,6 +368,9 @@ class DataParallel(_UPSTREAM):
             )
         step = _step.Step(self, loss)
         step.avoided_gather_bytes = avoided_gather_bytes
+        step.recorder = self.__dict__.get("_recorder")
+        if self.__dict__.get("_oom") is not None:
+            return _oom.run_rescued(self, step, inputs, kwargs)
         return self._run_step(step, inputs, kwargs)
 
     def _run_step(self, step, inputs, kwargs):
@@ -378,20 +388,34 @@ class DataParallel(_UPSTREAM):
             return self._four_steps(step, inputs, kwargs)
 
     def _four_steps(self, step, inputs, kwargs):
-        """scatter -> replicate -> parallel_apply -> gather (or combine the replicas' losses), as upstream."""
+        """scatter -> replicate -> parallel_apply -> gather (or combine the replicas' losses), as upstream. While
+        the report records (``step.recorder``), each phase is timed: one test per phase when it does not."""
+        rec = step.recorder
+        if rec is not None:
+            rec.begin(self.device_ids, torch.is_grad_enabled() and self.module.training)
         inputs, module_kwargs = self._scatter_step(step, inputs, kwargs)
         if len(self.device_ids) == 1:
             return _run_single(self.module, inputs[0], module_kwargs[0], step.loss)
         step.plan(len(inputs), self.device_ids)
         inputs, module_kwargs = step.keep(inputs), step.keep(module_kwargs)
+        if rec is not None:
+            _report.scattered(self, step, inputs, module_kwargs)
         replicas, watch, synced = self._replicate_step(step)
+        if rec is not None:
+            _report.replicated(self, step)
         outputs = self._apply_step(replicas, inputs, module_kwargs, synced)
         split = self.__dict__.get("_split")
         if isinstance(split, _split.AutoSplit) and torch.is_grad_enabled() and self.module.training:
             split.sample()  # the step's activations are alive now: "auto" notes the memory they take
+        if rec is not None:
+            rec.lap("apply")
+            rec.sample_memory()
         if watch is not None:
             watch.copy_back()
-        return self._gather_step(step, outputs, inputs, module_kwargs)
+        result = self._gather_step(step, outputs, inputs, module_kwargs)
+        if rec is not None:
+            rec.lap("gather", _recorder.nbytes(result) if step.loss is None else 0)
+        return result
 
     def _scatter_step(self, step, inputs, kwargs):
         """The split's per-forward work (one call into fastdp._split), then ``self.scatter``; a forward without
@@ -409,7 +433,8 @@ class DataParallel(_UPSTREAM):
         # the sizes itself.
         own = type(self).scatter is DataParallel.scatter and "scatter" not in self.__dict__
         sizes = _split.begin_forward(rule, inputs, kwargs, self.dim, len(self.device_ids), with_target=with_loss,
-                                     training=torch.is_grad_enabled() and self.module.training, sizes=own)
+                                     training=torch.is_grad_enabled() and self.module.training, sizes=own,
+                                     recorder=step.recorder)
         if own:
             step.chunk_sizes = sizes
             inputs, module_kwargs = self._scatter_sized(inputs, kwargs, self.device_ids, rule, sizes)
@@ -528,6 +553,7 @@ class DataParallel(_UPSTREAM):
             _replicas.check_replicatable(module)
             kept = self._replica_set = _replicas.ReplicaSet(module, wanted, self._bucket_bytes, cover)
         kept.state.sync = self._sync_enabled
+        kept.state.recorder = None if step is None else step.recorder  # the reducer records its buckets too
         roots = kept.step()
         if cover is None or cover == positions:
             return roots
@@ -549,15 +575,46 @@ class DataParallel(_UPSTREAM):
             if self._replica_set is not None:
                 self._replica_set.state.sync = previous
 
+    # The report (docs/report.md): what the last steps measured, per replica and per phase, with advice.
+
+    def enable_report(self, steps=_recorder.DEFAULT_STEPS):
+        """Records the next steps for :meth:`report`, keeping the last ``steps`` of them (``report=`` at
+        construction does the same)."""
+        self._report_steps = _recorder.parse_steps(steps, "steps")
+        if self._report_steps is None:
+            raise ValueError(f"enable_report(steps={steps!r}): expected a positive int; disable_report() turns it off")
+        _report.start_recording(self)
+
+    def disable_report(self):
+        """Stops recording: the steps cost nothing to measure again. What was recorded is dropped."""
+        self._report_steps = None
+        _report.start_recording(self)
+
+    def report(self, steps=None):
+        """What the last recorded steps measured (``steps``: how many of them; default all kept), as a
+        ``fastdp.Report``: ``print()`` it, or ``.to_dict()``, ``.to_csv(path)``, ``.trace(path)``, ``.plot(path)``."""
+        return _report.build(self, steps)
+
+    def train_step(self, *inputs, loss_fn=None, **kwargs):
+        """Forward, loss and backward in one call; returns the loss, detached. The loss is the forward's result
+        (``criterion=`` with ``target=``) or ``loss_fn(output)``. Gradients accumulate into ``.grad`` as
+        ``loss.backward()`` does. With ``oom="rebalance"``, an out-of-memory error in forward or backward moves
+        rows away from that device and runs the whole step again once, ``.grad`` and buffers untouched by the
+        failed attempt (docs/balance.md)."""
+        return _oom.train_step(self, inputs, kwargs, loss_fn)
+
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_replica_set"] = None  # kept replicas are a cache: never pickled or deep-copied
+        state["_recorder"] = None  # recorded steps hold hooks and events; a copy records afresh
         state.pop("_forward_lock", None)
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__["_forward_lock"] = threading.Lock()
+        if self.__dict__.get("device_ids"):
+            _report.start_recording(self)
 
     def scatter(self, inputs, kwargs, device_ids):
         rule = self.__dict__.get("_split")
@@ -578,7 +635,8 @@ class DataParallel(_UPSTREAM):
         devices = None if step is None else step.devices  # replicas may skip devices with no chunk
         if devices is None or len(devices) != len(replicas):
             devices = self.device_ids[: len(replicas)]
-        return parallel_apply(replicas, inputs, kwargs, devices)
+            return parallel_apply(replicas, inputs, kwargs, devices)
+        return _parallel_apply.run(replicas, inputs, kwargs, devices, step.site)
 
     def gather(self, outputs, output_device):
         return gather(outputs, output_device, dim=self.dim)

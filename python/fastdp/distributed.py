@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.modules import Module
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from . import _checkpoint, _devices, _replica_loss, _split
+from . import _checkpoint, _devices, _oom, _recorder, _replica_loss, _split
 from .data_parallel import DataParallel
 from ._launch import (  # noqa: F401  (LaunchEnv, launch_env, is_distributed and MODES stay public here)
     LAUNCH_HINT, LAUNCH_VARS, MODES, LaunchEnv, check_mode, group_initialized, int_var, is_distributed, launch_env,
@@ -167,7 +167,7 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="distributed", chunk_sizes=None,
-                 criterion=None, criterion_reduction=None, broadcast=None, **ddp_options):
+                 criterion=None, criterion_reduction=None, broadcast=None, report=False, oom=None, **ddp_options):
         check_mode(mode)
         if mode == "single":
             raise ValueError(
@@ -181,6 +181,10 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
         # ignored.
         _replica_loss.check_declared(criterion_reduction, criterion)
         _split.parse_broadcast(broadcast)
+        # report= and oom= see the replicas of one process; with one device per process, torch's profiler and
+        # DDP's own tools measure a rank: checked, then ignored.
+        _recorder.parse_steps(report)
+        _oom.parse(oom)
         # DataParallel.__init__ resolves single-process devices; this wrapper needs only Module's set-up plus the
         # conveniences DataParallel defines as methods and one load hook, which it inherits or reuses below.
         Module.__init__(self)
@@ -210,6 +214,16 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
             target = kwargs.pop("target")
             return criterion(self.ddp(*inputs, **kwargs), target)
         return self.ddp(*inputs, **kwargs)
+
+    def report(self, steps=None):
+        """DataParallel's report measures the replicas of one process; here each process runs one device."""
+        raise RuntimeError(
+            "dp.report() measures the replicas of a single-process fastdp.DataParallel; under torch.distributed "
+            "each process runs one device: use torch.profiler on a rank, or mode=\"single\" to compare replicas"
+        )
+
+    def enable_report(self, steps=20):
+        self.report()
 
     def no_sync(self):
         """DDP's context manager: backward inside it accumulates gradients locally, without communication."""

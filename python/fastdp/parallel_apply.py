@@ -24,7 +24,7 @@ from torch._utils import ExceptionWrapper
 from . import _devices, _step
 from .sync_batchnorm import first_cause, needs_threads
 
-__all__ = ["parallel_apply"]
+__all__ = ["parallel_apply", "run"]
 
 
 def _autocast_state(device_types):
@@ -57,18 +57,26 @@ class _ReplicaError(ExceptionWrapper):
     message (exception groups, whose ``message`` attribute makes upstream call ``type(message=...)``) becomes
     ``RuntimeError(msg)``, the fallback upstream documents, instead of a TypeError about the constructor."""
 
+    def __init__(self, index, **kwargs):
+        super().__init__(**kwargs)
+        self.index = index
+
     def reraise(self):
         try:
             super().reraise()
         except BaseException as e:
+            e._fastdp_replica = self.index  # which replica failed (an out-of-memory rescue moves rows away from it)
             if isinstance(e, self.exc_type) or (type(e) is RuntimeError and str(e).startswith("Caught ")):
                 raise
             msg = f"Caught {self.exc_type.__name__} {self.where}.\nOriginal {self.exc_msg}"
-            raise RuntimeError(msg) from None
+            error = RuntimeError(msg)
+            error._fastdp_replica = self.index
+            raise error from None
 
 
-def _run(index, module, args, kwargs, device, stream, context, results):
-    """Runs one replica; stores its output or an ExceptionWrapper in results[index].
+def _run(index, module, args, kwargs, device, stream, context, results, site=None):
+    """Runs one replica; stores its output or an ExceptionWrapper in results[index]. ``site``: what runs the
+    replica instead of calling it while the step records (fastdp._recorder.ReplicaSite), None otherwise.
 
     Any exception is caught, BaseException included (KeyboardInterrupt, SystemExit, GeneratorExit raised by the
     replica's code): it comes back to the caller as upstream's "Caught X in replica i on device d." and never
@@ -93,9 +101,12 @@ def _run(index, module, args, kwargs, device, stream, context, results):
                     )
             if not isinstance(args, (list, tuple)):
                 args = (args,)
-            results[index] = module(*args, **kwargs)
+            if site is None:
+                results[index] = module(*args, **kwargs)
+            else:
+                results[index] = site(index, module, args, kwargs, device)
     except BaseException:
-        results[index] = _ReplicaError(where=f"in replica {index} on device {device}")
+        results[index] = _ReplicaError(index, where=f"in replica {index} on device {device}")
     finally:
         running.steps = outer
 
@@ -277,20 +288,28 @@ def _checked(modules, inputs, kwargs_tup, devices):
 
 def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     """Applies each module to its inputs (a tuple of args or a single object) and returns the outputs in order."""
+    return run(modules, inputs, kwargs_tup, devices)
+
+
+def run(modules, inputs, kwargs_tup=None, devices=None, site=None):
+    """``parallel_apply`` with a ``site`` that runs each replica (DataParallel's recording; see ``_run``)."""
     kwargs_tup, devices = _checked(modules, inputs, kwargs_tup, devices)
     streams = [None if d == _devices.CPU else torch.cuda.current_stream(d) for d in devices]
     results = [None] * len(modules)
 
+    threads = len(modules) > 1 and (_CPU_THREADS or any(d != _devices.CPU for d in devices) or needs_threads(modules))
+    if site is not None:
+        site.threads = threads  # whether replicas share the GIL (their time off the CPU is measured then)
     if len(modules) == 1:
         # Inline in the caller's thread: its grad mode and autocast state apply as they are.
-        _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], None, results)
-    elif not _CPU_THREADS and all(d == _devices.CPU for d in devices) and not needs_threads(modules):
+        _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], None, results, site)
+    elif not threads:
         # Emulated host replicas: one after another in the caller's thread, each under the caller's thread-local
         # state as a worker would be. Threads would buy nothing (their backward runs in the caller's thread
         # anyway, and the forwards contend for the GIL); the first failing replica ends the call.
         context = _Context(devices)
         for i in range(len(modules)):
-            _run(i, modules[i], inputs[i], kwargs_tup[i], devices[i], None, context, results)
+            _run(i, modules[i], inputs[i], kwargs_tup[i], devices[i], None, context, results, site)
             if isinstance(results[i], ExceptionWrapper):
                 break
     else:
@@ -306,11 +325,11 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
                 for i in range(1, len(modules)):
                     workers[i] = _acquire()
                 for i, w in workers.items():
-                    w.submit((i, modules[i], inputs[i], kwargs_tup[i], devices[i], streams[i], context, results),
-                             done, finished)
+                    w.submit((i, modules[i], inputs[i], kwargs_tup[i], devices[i], streams[i], context, results,
+                              site), done, finished)
             # Replica 0 runs here while the workers run the others; its thread-local state is re-entered like
             # theirs. An interrupt that reaches this thread while it runs replica 0 is stored like any exception.
-            _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], context, results)
+            _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], context, results, site)
         finally:
             _wait(done, workers, finished)
 

@@ -3,18 +3,17 @@ training step of ``fastdp.DataParallel`` with one bucket per layer, when each bu
 against the backward of the replicas, and the fraction of the reduction's time that runs while backward still
 computes.
 
-``--device cuda`` runs ``device_ids=[0] * replicas`` on one GPU (the reduction on its own stream, timed with CUDA
-events on that stream and on the caller's); ``--device cpu`` runs emulated replicas (the host reducer thread, timed
-with the host clock). The backward's compute ends when the last replica's gradient for its input is made (a marker
-at the model's input records it). Prints the timeline (ms from the start of backward) and the overlap fraction;
-``--compare`` also runs the same steps with every reduction held until the end of backward (the order autograd gave
-the reduction before it started early), interleaved, and prints both step times.
+``--device cuda`` runs ``device_ids=[0] * replicas`` on one GPU (the reduction on its own stream; the wrapper's
+report times everything with CUDA events); ``--device cpu`` runs emulated replicas (the host reducer thread, the
+host clock). The ranges come from ``dp.report()``: each replica's backward, each bucket's reduction. Prints the
+timeline (ms from the step's start), the overlap fraction, the report itself, and with ``--compare`` the backward's
+time with every reduction started early (as shipped) against held until the end of backward (the order autograd gave
+the reduction before it started early), interleaved.
 """
 
 import argparse
 import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -24,79 +23,29 @@ import fastdp
 from fastdp import _reducer
 
 
-class _Clock:
-    """Host times (ns) or CUDA events, read back as ms after the step."""
-
-    def __init__(self, cuda):
-        self.cuda = cuda
-
-    def now(self, stream=None):
-        if not self.cuda:
-            return time.perf_counter_ns()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream or torch.cuda.current_stream())
-        return event
-
-    def ms(self, origin, t):
-        if not self.cuda:
-            return (t - origin) / 1e6
-        return origin.elapsed_time(t)
+def model(width, layers):
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())])
 
 
-class _Recorder:
-    """The interface of the wrapper's step recorder: keeps the reductions' spans."""
-
-    def __init__(self):
-        self.spans, self.lock = [], threading.Lock()
-
-    def record(self, phase, replica, start, end, nbytes=0, **extra):
-        if phase == "reduce":
-            with self.lock:
-                self.spans.append((extra.get("bucket"), start, end, nbytes))
-
-
-class _InputMarker(torch.autograd.Function):
-    """Identity on the model's input; its backward (the last of each replica's) notes when the compute ends."""
-
-    @staticmethod
-    def forward(ctx, x, note):
-        ctx.note = note
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.note()
-        return g, None
+def spans(report):
+    """Per recorded step: (when the last replica's backward ended, [(bucket, start, end, bytes)]) in ms."""
+    steps = {}
+    for r in report.to_dict()["ranges"]:
+        step = steps.setdefault(r["step"], [0.0, []])
+        if r["phase"] == "backward":
+            step[0] = max(step[0], r["end_ms"])
+        elif r["phase"] == "reduce":
+            step[1].append((r.get("bucket"), r["start_ms"], r["end_ms"], r["bytes"]))
+    return [(end, sorted(buckets, key=lambda b: b[1])) for _, (end, buckets) in sorted(steps.items())]
 
 
-class Model(nn.Module):
-    def __init__(self, width, layers, note):
-        super().__init__()
-        self.layers = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())])
-        self.__dict__["note"] = note
-
-    def forward(self, x):
-        return self.layers(_InputMarker.apply(x.requires_grad_(), self.note))
+def hidden(compute_end, start, end):
+    return max(0.0, min(end, compute_end) - start)
 
 
-def one_step(dp, x, clock, ends, recorder):
-    ends.clear()
-    recorder.spans.clear()
-    loss = dp(x).pow(2).mean()
-    origin = clock.now()
-    loss.backward()
-    done = clock.now()
-    if clock.cuda:
-        torch.cuda.synchronize()
-    compute_end = max(clock.ms(origin, t) for t in ends)
-    spans = sorted((b, clock.ms(origin, s), clock.ms(origin, e), n) for b, s, e, n in recorder.spans)
-    return compute_end, clock.ms(origin, done), spans
-
-
-def overlap_fraction(compute_end, spans):
-    busy = sum(e - s for _, s, e, _ in spans)
-    hidden = sum(max(0.0, min(e, compute_end) - s) for _, s, e, _ in spans)
-    return hidden / busy if busy > 0 else 0.0
+def overlap_fraction(compute_end, buckets):
+    busy = sum(e - s for _, s, e, _ in buckets)
+    return sum(hidden(compute_end, s, e) for _, s, e, _ in buckets) / busy if busy > 0 else 0.0
 
 
 def main(argv=None):
@@ -114,59 +63,61 @@ def main(argv=None):
         print("no GPU: nothing to measure")
         return 1
     torch.manual_seed(0)
-    clock = _Clock(cuda)
-    ends = []
-    note = lambda: ends.append(clock.now())  # noqa: E731 (autograd's thread for the device runs it)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    model = Model(args.width, args.layers, note).to(device)
     layer_mb = (args.width * args.width + args.width) * 4 / 2**20
-    dp = fastdp.DataParallel(model, device_ids=[0] * args.replicas if cuda else ["cpu"] * args.replicas,
-                             bucket_cap_mb=layer_mb)
+    dp = fastdp.DataParallel(model(args.width, args.layers).to(device), bucket_cap_mb=layer_mb, report=args.steps,
+                             device_ids=[0] * args.replicas if cuda else ["cpu"] * args.replicas)
     x = torch.randn(args.batch, args.width, device=device)
-    recorder = _Recorder()
-    for _ in range(2):  # builds the kept replicas; warms up
+    for _ in range(2 + args.steps):  # builds the kept replicas, warms up, then the steps the report keeps
         dp(x).pow(2).mean().backward()
-    dp._replica_set.state.recorder = recorder
+    report = dp.report()
     where = (f"one {torch.cuda.get_device_name(0)}, device_ids=[0] * {args.replicas}" if cuda
              else f"{args.replicas} emulated replicas, {torch.get_num_threads()} torch threads")
     print(f"overlap of the gradient reduction with backward: {where}; {args.layers} x Linear({args.width}, "
           f"{args.width}), one bucket per layer, batch {args.batch}; torch {torch.__version__}")
-    fractions, steps = [], []
-    for _ in range(args.steps):
-        compute_end, step_ms, spans = one_step(dp, x, clock, ends, recorder)
-        fractions.append(overlap_fraction(compute_end, spans))
-        steps.append(step_ms)
-    print(f"\none step (ms from the start of backward; the replicas' compute ends at {compute_end:.3f}, backward "
-          f"returns at {step_ms:.3f}):")
+    per_step = spans(report)
+    fractions = [overlap_fraction(end, buckets) for end, buckets in per_step if buckets]
+    compute_end, buckets = per_step[-1]
+    print(f"\none step (ms from the step's start; the replicas' backward ends at {compute_end:.3f}):")
     print(f"{'bucket':>7}{'MB':>8}{'starts':>10}{'ends':>10}{'hidden':>9}")
-    for b, s, e, n in spans:
-        hidden = max(0.0, min(e, compute_end) - s) / (e - s) if e > s else 0.0
-        print(f"{b:>7}{n / 2**20:>8.2f}{s:>10.3f}{e:>10.3f}{hidden:>8.0%}")
-    print(f"\noverlap fraction (reduction time hidden behind backward's compute): median {statistics.median(fractions):.0%}"
-          f" over {args.steps} steps ({', '.join(f'{f:.0%}' for f in fractions)})")
+    for b, s, e, n in buckets:
+        print(f"{b:>7}{n / 2**20:>8.2f}{s:>10.3f}{e:>10.3f}{hidden(compute_end, s, e) / (e - s) if e > s else 0:>8.0%}")
+    if fractions:
+        print(f"\noverlap fraction (reduction time hidden behind the replicas' backward): median "
+              f"{statistics.median(fractions):.0%} over {len(fractions)} steps ({', '.join(f'{f:.0%}' for f in fractions)})")
+    print()
+    print(report)
     if args.compare:
-        compare(dp, x, clock, ends, recorder, args.steps)
+        dp.disable_report()
+        compare(dp, x, args.steps, cuda)
     return 0
 
 
-def compare(dp, x, clock, ends, recorder, steps):
-    """Step times with each bucket's reduction started early (as shipped) and held until the end of backward (its
-    node given the sequence number of a node made at the first step, as before it started early), interleaved."""
+def compare(dp, x, steps, cuda):
+    """Backward's time with each bucket's reduction started early (as shipped) and held until the end of backward
+    (its node given the sequence number of a node made at the first step, as before it started early),
+    interleaved."""
     times = {"early": [], "held": []}
     for _ in range(steps):
         for mode in ("early", "held"):
             _hold_until_the_end(dp, mode == "held")
-            times[mode].append(one_step(dp, x, clock, ends, recorder)[1])
+            loss = dp(x).pow(2).mean()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss.backward()
+            if cuda:
+                torch.cuda.synchronize()
+            times[mode].append((time.perf_counter() - t0) * 1e3)
     _hold_until_the_end(dp, False)
     early, held = statistics.median(times["early"]), statistics.median(times["held"])
-    print(f"\nbackward time, interleaved, median of {steps}: reductions started early {early:.3f} ms, held until "
+    print(f"backward time, interleaved, median of {steps}: reductions started early {early:.3f} ms, held until "
           f"the end {held:.3f} ms (ratio {early / held:.2f})")
 
 
 def _hold_until_the_end(dp, hold):
     """Gives each bucket node the lowest sequence number (held) or the highest (as shipped)."""
-    kept = dp._replica_set.kept
-    for out in kept.outs:
+    for out in dp._replica_set.kept.outs:
         if out.grad_fn is not None:
             out.grad_fn._set_sequence_nr(_reducer._LAST if hold else _reducer._FIRST)
 

@@ -3,6 +3,7 @@
 python -m fastdp.bench comm [--sizes-mb 1,4,16,64,256] [--replicas 4] [--out bench-out]
 python -m fastdp.bench train [--models mlp,cnn,transformer] [--replicas 4] [--rounds 5] [--threads 1] [--split]
                              [--params 10,100,1000] [--out bench-out]
+python -m fastdp.bench report [--models mlp,cnn,transformer] [--replicas 4] [--rounds 30] [--steps 5]
 """
 
 import argparse
@@ -11,7 +12,7 @@ import sys
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fastdp.bench")
-    sub = parser.add_subparsers(dest="which", metavar="{comm,train}")
+    sub = parser.add_subparsers(dest="which", metavar="{comm,train,report}")
     p = sub.add_parser("comm", help="GB/s per operation and backend next to the copy limit of the same run")
     p.add_argument("--sizes-mb", default="1,4,16,64,256", help="buffer sizes in MB (comma-separated)")
     p.add_argument("--replicas", type=int, default=4, help="device entries per operation")
@@ -40,6 +41,14 @@ def main(argv=None):
                    help="synchronise the GPUs around each timed region of the instrumented pass")
     p.add_argument("--per-device-batch", action="store_true",
                    help="several GPUs: the DataParallel runs get --batch per GPU (weak scaling)")
+    p = sub.add_parser("report", help="what dp.report()'s recording costs: off (per step) and on (against off)")
+    p.add_argument("--models", default="mlp,cnn,transformer", help="comma-separated: mlp, cnn, transformer")
+    p.add_argument("--replicas", type=int, default=4, help="emulated 'cpu' replicas")
+    p.add_argument("--steps", type=int, default=5, help="timed training steps per mode and round (the fastest counts)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after each switch")
+    p.add_argument("--rounds", type=int, default=30, help="interleaved rounds; their 10th percentile is reported")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--out", default="bench-out", help="folder for report_cost.csv")
     args = parser.parse_args(argv)
     if args.which is None:  # argparse alone would say "arguments are required: which"
         parser.error("choose a benchmark: 'comm' (GB/s per operation) or 'train' (training steps/s), e.g. "
@@ -50,6 +59,10 @@ def main(argv=None):
         return run(args)
     if args.which == "train":
         from .train import run
+
+        return run(args)
+    if args.which == "report":
+        from .report_cost import run
 
         return run(args)
     return 2

@@ -113,4 +113,36 @@ def run(args):
         w.writeheader()
         w.writerows(rows)
     print(f"wrote {path}")
+    png = write_png(rows, os.path.join(args.out, "comm.png"))
+    if png:
+        print(f"wrote {png}")
     return 0
+
+
+def write_png(rows, path):
+    """GB/s per operation against the buffer size, one panel per backend, the copy limit dashed (matplotlib)."""
+    from .report import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return None
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    fig, axes = plt.subplots(1, len(backends), figsize=(6.5 * len(backends), 4.2), squeeze=False)
+    for ax, backend in zip(axes[0], backends):
+        mine = [r for r in rows if r["backend"] == backend]
+        sizes = sorted({r["size_mb"] for r in mine})
+        for op in dict.fromkeys(r["operation"] for r in mine):
+            by = {r["size_mb"]: r["gb_s"] for r in mine if r["operation"] == op}
+            ax.plot(sizes, [by.get(s) for s in sizes], marker="o", label=op)
+        limit = {r["size_mb"]: r["copy_limit_gb_s"] for r in mine}
+        ax.plot(sizes, [limit[s] for s in sizes], "k--", label="copy limit")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([f"{s} MB" for s in sizes])
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"fastdp.comm, {backend} backend", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,517 @@
+"""``dp.report()``: what the last steps of a ``fastdp.DataParallel`` measured, per replica and per phase, with advice
+derived from those numbers (docs/report.md).
+
+The wrapper's recorder (fastdp._recorder) keeps the raw records; this module turns them into numbers (medians over
+the steps kept), reads them out (a text table, HTML for notebooks, a dict, CSV, a Chrome/Perfetto trace, a PNG) and
+derives the advice, each line naming the threshold it used.
+"""
+
+import csv
+import html
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+from . import _devices, _memory, _recorder, _report_plot, _split
+
+__all__ = ["Report", "ReplicaStats", "PhaseStats", "Advice", "build", "start_recording", "scattered", "replicated",
+           "THRESHOLDS"]
+
+# The advice's thresholds (docs/report.md): each line of advice names the one it used.
+THRESHOLDS = {
+    "memory": 1.25,  # device 0's peak over the median of the other devices' peaks
+    "wait": 0.15,  # the replicas' mean wait for each other, as a share of the step
+    "gil": 0.30,  # the replicas' mean time off the CPU during their forward, as a share of the forward
+    "reduce": 0.10,  # the reduction left after backward ended, as a share of the step
+}
+
+# The phases of the per-phase table, in the order a step runs them ("forward"/"backward": first start to last
+# end over the replicas; "apply": the host's whole parallel_apply).
+_PHASE_ORDER = ("scatter", "replicate", "forward", "apply", "gather", "backward", "reduce", "wait-reduce")
+
+
+# ---- recording glue: what DataParallel calls while its recorder is on ------------------------------------------
+
+
+def start_recording(wrapper):
+    """Sets the wrapper's recorder from its settings: the report's (``report=``), or a small internal one while
+    ``chunk_sizes="auto"`` needs replica times; None (nothing recorded, nothing paid) otherwise."""
+    steps = wrapper.__dict__.get("_report_steps")
+    split = wrapper.__dict__.get("_split")
+    rec = wrapper.__dict__.get("_recorder")
+    inject = None if rec is None else rec.inject  # a test's out-of-memory injection stays through any change
+    if steps:
+        if rec is None or rec.internal:
+            rec = _recorder.Recorder(steps)
+        else:
+            rec.resize(steps)
+    elif inject is not None or (isinstance(split, _split.AutoSplit) and split.needs_timings()
+                                and len(wrapper.device_ids) > 1):
+        if rec is None or not rec.internal:
+            rec = _recorder.Recorder(4, internal=True)
+    else:
+        rec = None
+    if rec is not None:
+        rec.inject = inject
+    wrapper.__dict__["_recorder"] = rec
+    return rec
+
+
+def scattered(wrapper, step, inputs, module_kwargs):
+    """After the scatter: the rows each position got, the scatter's range, and the site that runs the replicas."""
+    rec = step.recorder
+    record = rec.open
+    sizes = step.chunk_sizes
+    for i, pos in enumerate(step.run):
+        record.rows[pos] = sizes[pos] if sizes is not None else (
+            _split.batch_size(inputs[i], module_kwargs[i], wrapper.dim) or 0)
+    rec.lap("scatter", _recorder.nbytes(inputs) + _recorder.nbytes(module_kwargs))
+    split = wrapper.__dict__.get("_split")
+    samplers = []
+    if record.training:
+        if rec.memory is not None:
+            samplers.append(rec.memory.sample)
+        if isinstance(split, _split.AutoSplit) and not split.memory_settled:
+            samplers.append(split.sample)
+    step.site = _recorder.ReplicaSite(rec, record, step.run, rec.inject, samplers)
+    if rec.internal and rec.inject is None and not (isinstance(split, _split.AutoSplit) and split.needs_timings()):
+        wrapper.__dict__["_recorder"] = None  # "auto" has settled: the next steps record nothing
+
+
+def replicated(wrapper, step):
+    """After replicate: its range, and the bytes it copied (the module's tensors to every other device)."""
+    rec = step.recorder
+    kept = wrapper.__dict__.get("_replica_set")
+    key = (id(kept), id(wrapper.module)) if kept is not None else None
+    cached = rec.module_bytes
+    if key is None or cached is None or cached[0] != key:
+        cached = rec.module_bytes = (key, _recorder.module_bytes(wrapper.module))
+    rec.lap("replicate", cached[1] * (len(step.replicated) - 1))
+    rec.open.apply_at = time.perf_counter_ns()
+
+
+# ---- the numbers ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplicaStats:
+    """One device_ids position over the steps summarised (medians per step; times in ms, memory in bytes)."""
+
+    position: int
+    device: str
+    rows: Optional[float]
+    forward_ms: Optional[float]
+    backward_ms: Optional[float]
+    wait_others_ms: Optional[float]  # idle while the busiest replica still runs (from the medians)
+    wait_reduce_ms: Optional[float]  # the reduction left after backward ended (the step's, on every replica)
+    wait_gil_ms: Optional[float]  # on threads: from the replicas' hand-out to its forward's start, plus the time
+    # off the CPU while its forward ran (the GIL, or a core, held by the other replicas' threads)
+    peak_bytes: Optional[int]  # the allocator's high over a step (largest over the steps), None where n/a
+
+
+@dataclass
+class PhaseStats:
+    """One phase: median time per step (ms) and bytes moved per step."""
+
+    phase: str
+    ms: Optional[float]
+    bytes: Optional[int]
+
+
+@dataclass
+class Advice:
+    """One line of advice: the rule that fired, its text, the measured value and the threshold it was held to."""
+
+    rule: str
+    text: str
+    value: float
+    threshold: float
+
+    def __str__(self):
+        return self.text
+
+
+def _ms(ns):
+    return ns / 1e6
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+class _StepNumbers:
+    """One resolved step's per-position and per-phase numbers."""
+
+    def __init__(self, r):
+        self.r = r
+        n = len(r.rows)
+        self.forward = [None] * n
+        self.backward = [None] * n
+        self.gil = [None] * n
+        self.span = max((end for _, _, _, end, _, _ in r.ranges), default=0)
+        phases = {}
+        for phase, replica, start, end, nbytes, extra in r.ranges:
+            if replica is not None and phase in ("forward", "backward"):
+                row = self.forward if phase == "forward" else self.backward
+                row[replica] = (row[replica] or 0) + (end - start)
+                if phase == "forward":  # on threads: waiting to start, then off the CPU while running
+                    self.gil[replica] = ((self.gil[replica] or 0) + extra.get("off_cpu_ns", 0)
+                                         + extra.get("queued_ns", 0))
+            acc = phases.setdefault(phase, [None, None, 0, 0, 0])
+            if replica is None and phase not in ("forward", "backward"):
+                acc[4] += end - start  # summed durations (buckets of a reduction)
+            acc[0] = start if acc[0] is None else min(acc[0], start)
+            acc[1] = end if acc[1] is None else max(acc[1], end)
+            acc[2] += nbytes
+            acc[3] += 1
+        self.phases = phases
+        self.ran = [i for i in range(n) if r.rows[i] > 0 and self.forward[i] is not None]
+        if not r.threads:
+            self.gil = [0 if g is not None else None for g in self.gil]
+        self.exposed_reduce = self._exposed_reduce()
+
+    def _exposed_reduce(self):
+        waits = self.phases.get("wait-reduce")
+        if waits is not None:
+            return waits[4]
+        reduce = self.phases.get("reduce")
+        backward = self.phases.get("backward")
+        if reduce is None:
+            return None
+        if backward is None:
+            return reduce[4]
+        return max(0, reduce[1] - backward[1])
+
+    def complete(self, last):
+        """Whether the step is summarised: an evaluation step, a training step whose backward was seen, or one a
+        later step followed (its backward ran before it, unmeasured when no submodule holds a trainable
+        parameter)."""
+        return not self.r.training or "backward" in self.phases or not last
+
+
+def build(wrapper, steps=None):
+    """The Report of the wrapper's recorded steps (the last ``steps`` of them, default all kept)."""
+    rec = wrapper.__dict__.get("_recorder")
+    if rec is None or rec.internal:
+        raise RuntimeError(
+            "dp.report(): nothing was recorded; pass report=True to fastdp.DataParallel (or call "
+            "dp.enable_report()) before the steps you want measured"
+        )
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"dp.report(steps={steps!r}): expected a positive int (how many of the last steps)")
+    records = list(rec.steps)
+    if steps is not None:
+        records = records[-steps:]
+    if records and rec.memory is not None and records[-1] is rec.open and rec.open.memory is None:
+        rec.open.memory, rec.open.memory_exact = rec.memory.peek(), list(rec.memory.exact)
+    resolved = [_recorder.resolve(s) for s in records]
+    numbers = [_StepNumbers(r) for r in resolved]
+    done = [x for i, x in enumerate(numbers) if x.complete(i == len(numbers) - 1)]
+    training = [x for x in done if x.r.training]
+    used = training or done
+    devices = [_device_name(d) for d in wrapper.device_ids]
+    memory = _memory.memory_report(wrapper)
+    report = Report(
+        steps=len(used), training=bool(training), devices=devices,
+        step_ms=_median([_ms(x.span) for x in used]),
+        period_ms=_median([_ms(b.t0 - a.t0) for a, b in zip(records, records[1:])
+                           if any(x.r.index == a.index for x in used)]),
+        replicas=_replica_stats(used, devices),
+        phases=_phase_stats(used),
+        memory=memory,
+        ranges=resolved,
+        t0s=[s.t0 for s in records],
+    )
+    if len(wrapper.device_ids) == 1:
+        report.notes.append("one device: the module runs directly, with nothing to balance; nothing is recorded")
+    if len(done) < len(numbers):
+        report.notes.append(f"{len(numbers) - len(done)} training step(s) without a finished backward left out "
+                            "(the last forward's backward has not run yet)")
+    if not any(x.r.memory for x in used):
+        report.notes.append(_memory_note(wrapper.device_ids))
+    report.advice = advise(report, wrapper)
+    return report
+
+
+def _device_name(d):
+    return "cpu" if d == _devices.CPU else f"cuda:{d}"
+
+
+def _memory_note(device_ids):
+    if _devices.CPU in device_ids:
+        return "memory per replica: n/a on 'cpu' replicas (they share the host's memory); fastdp's own bytes below"
+    return "memory per replica: n/a (a GPU listed more than once has one allocator for all its replicas)"
+
+
+def _replica_stats(used, devices):
+    """Per position: medians over the steps. The wait for the others is taken from the medians (the busiest
+    replica's median forward plus backward, less this one's): a persistent imbalance, where a step disturbed by
+    the machine (another process, a garbage collection) would make every replica of that step look as if it
+    waited."""
+    out = []
+    for pos, device in enumerate(devices):
+        ran = [x for x in used if pos in x.ran]
+        peaks = [x.r.memory[pos] for x in used if x.r.memory]
+        out.append(ReplicaStats(
+            position=pos, device=device,
+            rows=_median([x.r.rows[pos] for x in used]) if used else None,
+            forward_ms=_median([_ms(x.forward[pos]) for x in ran]),
+            backward_ms=_median([_ms(x.backward[pos]) for x in ran if x.backward[pos] is not None]),
+            wait_others_ms=None,
+            wait_reduce_ms=_median([_ms(x.exposed_reduce) for x in ran if x.exposed_reduce is not None]),
+            wait_gil_ms=_median([_ms(x.gil[pos]) for x in ran if x.gil[pos] is not None]),
+            peak_bytes=max(peaks) if peaks else None,
+        ))
+    busy = {r.position: (r.forward_ms or 0) + (r.backward_ms or 0) for r in out if r.forward_ms is not None}
+    if len(busy) > 1:
+        most = max(busy.values())
+        for r in out:
+            if r.position in busy:
+                r.wait_others_ms = most - busy[r.position]
+    return out
+
+
+def _phase_stats(used):
+    out = []
+    for phase in _PHASE_ORDER:
+        have = [x.phases[phase] for x in used if phase in x.phases]
+        if not have:
+            continue
+        summed = phase in ("reduce", "wait-reduce")
+        times = [_ms(a[4] if summed else a[1] - a[0]) for a in have]
+        out.append(PhaseStats(phase, _median(times), int(_median([a[2] for a in have]))))
+    return out
+
+
+# ---- advice ----------------------------------------------------------------------------------------------------
+
+
+def advise(report, wrapper):
+    """The lines of advice the report's numbers support, each naming its threshold; empty when nothing stands out."""
+    out = []
+    split = wrapper.__dict__.get("_split")
+    auto = isinstance(split, _split.AutoSplit)
+    criterion = wrapper.__dict__.get("_criterion") is not None
+    step = report.step_ms
+    rows = [r for r in report.replicas if r.forward_ms is not None]
+    peaks = _distinct_peaks(report)
+    if len(peaks) > 1:
+        others = statistics.median(peaks[1:])
+        ratio = peaks[0] / others if others else None
+        limit = THRESHOLDS["memory"]
+        if ratio is not None and ratio >= limit:
+            fixes = []
+            if not criterion:
+                fixes.append("`criterion=` (the loss on each replica: outputs never gathered on GPU 0)")
+            if not auto:
+                fixes.append('`chunk_sizes="auto"` (fewer rows on GPU 0 until it fits)')
+            fix = " or ".join(fixes) if fixes else "a smaller share for device 0 (`chunk_sizes=` with a float)"
+            out.append(Advice("memory", f"GPU 0 holds {ratio:.1f}x the median memory of the others (advice from "
+                                        f"{limit}x): use {fix}", ratio, limit))
+    if step and len(rows) > 1:
+        waits = [r.wait_others_ms for r in rows if r.wait_others_ms is not None]
+        share = statistics.mean(waits) / step if waits else 0
+        limit = THRESHOLDS["wait"]
+        if share >= limit:
+            slow = max(rows, key=lambda r: (r.forward_ms or 0) + (r.backward_ms or 0))
+            if auto and not split.settled:
+                fix = 'chunk_sizes="auto" is still measuring; it moves rows away from the slowest replica'
+            elif auto and split.weights and split.weights[slow.position] <= 1.01 * split.min_weight * max(split.weights):
+                fix = (f'chunk_sizes="auto" gives it the fewest rows it may (min_weight={split.min_weight:g}) and it '
+                       "is still the slowest: its time does not shrink with its rows; leave its device out of "
+                       "device_ids, or give it 0 rows with chunk_sizes=[...]")
+            elif auto:
+                fix = f'chunk_sizes="auto" {split.time_reason}; a fixed `chunk_sizes=` list can go further'
+            else:
+                fix = '`chunk_sizes="auto"` balances time (moves rows away from the slowest replica)'
+            out.append(Advice("wait", f"replicas wait {share:.0%} of the step for each other (advice from "
+                                      f"{limit:.0%}; the slowest: {slow.device} at position {slow.position}): {fix}",
+                              share, limit))
+        gil = [r.wait_gil_ms / r.forward_ms for r in rows if r.wait_gil_ms and r.forward_ms]
+        share = statistics.mean(gil) if gil else 0
+        limit = THRESHOLDS["gil"]
+        if share >= limit:
+            n = len(wrapper.device_ids)
+            out.append(Advice("gil", f"the forward is bound by Python (the GIL): replicas spend {share:.0%} of it "
+                                     f"off the CPU waiting for each other's threads (advice from {limit:.0%}); "
+                                     f"`torchrun --nproc_per_node {n} your_script.py` runs this same script on DDP, "
+                                     "one process per GPU", share, limit))
+    reduce_wait = _median([r.wait_reduce_ms for r in rows])
+    if step and reduce_wait:
+        share = reduce_wait / step
+        limit = THRESHOLDS["reduce"]
+        if share >= limit:
+            mb = wrapper.__dict__.get("_bucket_bytes", 25 * 2**20) / 2**20
+            out.append(Advice("reduce", f"the reduction is not hidden by backward: {reduce_wait:.2f} ms, {share:.0%} "
+                                        f"of the step, after backward ended (advice from {limit:.0%}): try "
+                                        f"`bucket_cap_mb={max(1, round(mb / 2))}` (now {mb:g}), so it starts earlier",
+                              share, limit))
+    return out
+
+
+def _distinct_peaks(report):
+    seen, peaks = set(), []
+    for r in report.replicas:
+        if r.peak_bytes is not None and r.device not in seen:
+            seen.add(r.device)
+            peaks.append(r.peak_bytes)
+    return peaks
+
+
+# ---- the report and its readings -------------------------------------------------------------------------------
+
+
+def _fmt_ms(v):
+    return "-" if v is None else f"{v:.2f} ms"
+
+
+_fmt_bytes = _memory.format_bytes
+
+
+@dataclass
+class Report:
+    """What ``dp.report()`` returns: per replica, per phase, memory and advice over the last steps recorded.
+
+    ``steps``: how many steps the medians cover (training steps when there were any). ``step_ms``: median time
+    from a forward's start to the last thing recorded for it (its backward, its reduction). ``period_ms``: median
+    time from one forward's start to the next (includes the loss, the optimizer and data loading). ``replicas``:
+    one :class:`ReplicaStats` per device_ids position. ``phases``: :class:`PhaseStats`. ``memory``: the
+    ``fastdp.memory_report`` at the time of the report (what holds each device's memory). ``advice``: the lines
+    of :class:`Advice` that fired.
+    """
+
+    steps: int
+    training: bool
+    devices: List[str]
+    step_ms: Optional[float]
+    period_ms: Optional[float]
+    replicas: List[ReplicaStats]
+    phases: List[PhaseStats]
+    memory: object
+    ranges: list = field(repr=False, default_factory=list)
+    t0s: list = field(repr=False, default_factory=list)
+    advice: List[Advice] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    # -- plain text and notebooks --
+
+    def _tables(self):
+        head = ("#", "device", "rows", "forward", "backward", "wait: others", "wait: reduce", "wait: GIL",
+                "peak memory")
+        rows = [head]
+        for r in self.replicas:
+            rows.append((str(r.position), r.device, "-" if r.rows is None else f"{r.rows:g}", _fmt_ms(r.forward_ms),
+                         _fmt_ms(r.backward_ms), _fmt_ms(r.wait_others_ms), _fmt_ms(r.wait_reduce_ms),
+                         _fmt_ms(r.wait_gil_ms), "n/a" if r.peak_bytes is None else _fmt_bytes(r.peak_bytes)))
+        phases = [("phase", "time / step", "bytes / step")]
+        for p in self.phases:
+            phases.append((p.phase, _fmt_ms(p.ms), _fmt_bytes(p.bytes) if p.bytes else "-"))
+        return rows, phases
+
+    def headline(self):
+        """The report's first line: how many steps, how long one takes."""
+        kind = "training" if self.training else "evaluation"
+        text = f"fastdp report: {self.steps} {kind} step(s) on {len(self.devices)} replicas"
+        if self.step_ms is not None:
+            end = "backward end" if self.training else "gather end"
+            text += f"; a step takes {self.step_ms:.2f} ms (median, forward start to {end})"
+        if self.period_ms is not None:
+            text += f", one starts every {self.period_ms:.2f} ms"
+        return text
+
+    def __str__(self):
+        rows, phases = self._tables()
+        lines = [self.headline(), ""]
+        lines += _aligned(rows) + [""] + _aligned(phases) + ["", "memory (now):", str(self.memory), ""]
+        if self.advice:
+            lines.append("advice:")
+            lines += [f"  - {a.text}" for a in self.advice]
+        else:
+            lines.append("advice: none (no rule's threshold was reached; docs/report.md lists them)")
+        lines += self.notes
+        return "\n".join(lines)
+
+    def _repr_html_(self):
+        rows, phases = self._tables()
+
+        def table(rs):
+            head = "".join(f"<th>{html.escape(c)}</th>" for c in rs[0])
+            body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rs[1:])
+            return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+        advice = "".join(f"<li>{html.escape(a.text)}</li>" for a in self.advice) or "<li>none</li>"
+        notes = "".join(f"<p><i>{html.escape(n)}</i></p>" for n in self.notes)
+        return (f"<div><p><b>{html.escape(self.headline())}</b></p>{table(rows)}{table(phases)}"
+                f"<pre>{html.escape(str(self.memory))}</pre><p>advice:</p><ul>{advice}</ul>{notes}</div>")
+
+    # -- numbers --
+
+    def to_dict(self):
+        """Every number of the report as plain Python values (and each recorded range, per step)."""
+        return {
+            "steps": self.steps, "training": self.training, "devices": list(self.devices),
+            "step_ms": self.step_ms, "period_ms": self.period_ms,
+            "replicas": [asdict(r) for r in self.replicas],
+            "phases": [asdict(p) for p in self.phases],
+            "memory": [asdict(d) for d in self.memory.devices],
+            "advice": [asdict(a) for a in self.advice],
+            "notes": list(self.notes),
+            "ranges": [{"step": r.index, "training": r.training, "phase": phase, "replica": replica,
+                        "start_ms": _ms(start), "end_ms": _ms(end), "bytes": nbytes,
+                        **{k: v for k, v in extra.items() if isinstance(v, (int, float, str))}}
+                       for r in self.ranges for phase, replica, start, end, nbytes, extra in r.ranges],
+        }
+
+    def to_csv(self, path):
+        """Writes every recorded range, one per line (step, training, phase, replica, device, rows, start_ms,
+        end_ms, ms, bytes), times from each step's start; returns ``path``."""
+        columns = ("step", "training", "phase", "replica", "device", "rows", "start_ms", "end_ms", "ms", "bytes")
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(columns)
+            for r in self.ranges:
+                for phase, replica, start, end, nbytes, _ in r.ranges:
+                    device = "" if replica is None else self.devices[replica]
+                    rows = "" if replica is None else r.rows[replica]
+                    writer.writerow((r.index, int(r.training), phase, "" if replica is None else replica, device,
+                                     rows, round(_ms(start), 4), round(_ms(end), 4), round(_ms(end - start), 4),
+                                     nbytes))
+        return path
+
+    # -- pictures --
+
+    def trace(self, path):
+        """Writes a Chrome/Perfetto trace (JSON: open it in ui.perfetto.dev or chrome://tracing): one track per
+        replica and one for the whole step, a range per phase; returns ``path``."""
+        events = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "fastdp.DataParallel"}},
+                  {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "step"}}]
+        for pos, device in enumerate(self.devices):
+            events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": pos + 1,
+                           "args": {"name": f"replica {pos} ({device})"}})
+        origin = self.t0s[0] if self.t0s else 0
+        for r, t0 in zip(self.ranges, self.t0s):
+            base = (t0 - origin) / 1e3
+            for phase, replica, start, end, nbytes, extra in r.ranges:
+                args = {"step": r.index, "bytes": nbytes}
+                if replica is not None:
+                    args["rows"] = r.rows[replica]
+                args.update({k: v for k, v in extra.items() if isinstance(v, (int, float, str)) and k != "thread"})
+                events.append({"name": phase, "cat": "fastdp", "ph": "X", "pid": 1,
+                               "tid": 0 if replica is None else replica + 1, "ts": base + start / 1e3,
+                               "dur": max(0.0, (end - start) / 1e3), "args": args})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        return path
+
+    def plot(self, path):
+        """Draws the report as a PNG: the last step's timeline per replica (a bar per phase) and each device's
+        memory by what holds it. Needs matplotlib (``pip install 'fastdp[plot]'``); returns ``path``."""
+        return _report_plot.draw(self, path)
+
+
+def _aligned(rows):
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]

@@ -396,6 +396,29 @@ def test_reduction_runs_on_its_own_streams_with_exactly_the_waits_it_needs(cuda,
     torch.testing.assert_close(net.weight.grad, bare.weight.grad)
 
 
+def test_no_sync_shares_handed_over_at_once_are_ordered_before_the_nodes_stream(cuda):
+    """Where the bucket node hands its result to autograd at once (no_sync keeps the other replicas' shares and
+    returns replica 0's; create_graph's differentiable sum takes the same path), the work still runs on the
+    reduction's streams after the ready streams, and the node's stream waits for it before autograd takes it."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    bare = copy.deepcopy(net)
+    rs = _cuda_replica_set(net)
+    rs.state.sync = False
+    caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
+    x = torch.randn(4, 4)
+    own = [_reducer.own_stream(0).name, _reducer.own_stream(1).name]
+    _step_and_backward(cuda, rs, x, caller, caller)
+    ordering = [e for e in cuda.log if e[0] in ("wait", "wait_event", "wait_fence", "fence")]
+    fences = [e[1] for e in ordering if e[0] == "fence"]
+    assert ordering == [("wait", own[0], "caller@0"), ("wait", own[1], "caller@0"),
+                        ("fence", fences[0], own[0]), ("fence", fences[0], own[1]), ("fence", fences[2], own[0]),
+                        ("wait_fence", "caller@0", fences[2])]
+    bare(x[:2]).sum().backward()
+    torch.testing.assert_close(net.weight.grad, bare.weight.grad)  # replica 0's share, as a DDP rank's .grad
+    assert cuda.host_syncs() == []
+
+
 def test_reduction_holds_what_it_used_until_its_fence_has_passed(cuda, monkeypatch):
     """The gradients the reduction reads stay alive (the caching allocator cannot hand out their memory) until the
     host sees the fence behind the reduction's streams pass; the next forward sweeps them away once it has."""

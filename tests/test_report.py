@@ -651,6 +651,69 @@ def test_train_step_backward_oom_injected_in_a_replica():
     assert injection.fired == 1 and dp._last_step.chunk_sizes[2] <= 4
 
 
+class _OOMOnce(torch.autograd.Function):
+    """Identity whose backward runs out of memory once, when `armed` says so (after some bucket's sum started)."""
+
+    @staticmethod
+    def forward(ctx, x, armed):
+        ctx.armed = armed
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.armed():
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's, in the first layer's backward)")
+        return g, None
+
+
+def test_train_step_drops_the_sums_a_failed_backward_started(monkeypatch):
+    """A backward that runs out of memory after some buckets' sums started never delivers them: the rescue drops them
+    before the step runs again, so they hold no memory through the retry, and the step equals the bare model's."""
+    started, fired = [], []
+
+    def armed():
+        if started and not fired:
+            fired.append(True)
+            return True
+        return False
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = mlp(width=64)
+            self.__dict__["armed"] = armed
+
+        def forward(self, x):
+            return self.body[1:](_OOMOnce.apply(self.body[0](x), self.armed))
+
+    bare = Net()
+    model = copy.deepcopy(bare)
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, oom="rebalance", bucket_cap_mb=1e-6)
+    x, y = data(15)
+    real_start, real_abandon = fastdp._reducer.start, fastdp._reducer.abandon
+    held = []
+
+    def start(bucket, grads):
+        started.append(bucket.index)
+        return real_start(bucket, grads)
+
+    def abandon(state):
+        held.append(sum(len(b.inflight) for b in dp._replica_set.layout[0]))
+        real_abandon(state)
+        held.append(sum(len(b.inflight) for b in dp._replica_set.layout[0]))
+
+    monkeypatch.setattr(fastdp._reducer, "start", start)
+    monkeypatch.setattr(fastdp._reducer, "abandon", abandon)
+    with pytest.warns(RuntimeWarning):
+        dp.train_step(x, loss_fn=lambda out: F.cross_entropy(out, y))
+    assert fired and held[:2] == [held[0], 0] and held[0] > 0  # sums were in flight at the failure; none after
+    assert all(not b.inflight for b in dp._replica_set.layout[0])
+    started.append(-1)  # the bare model: no failure (fired already)
+    F.cross_entropy(bare(x), y).backward()
+    for p, q in zip(model.parameters(), bare.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=TOL)
+
+
 def test_train_step_failing_twice_leaves_grads_and_buffers_as_they_were():
     model = bn_model()
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, oom="rebalance")

@@ -47,7 +47,7 @@ from . import _C, _streams, comm
 from ._core import reduce_columns, to_core_dtype
 from ._functions import ReduceAddCoalesced
 
-__all__ = ["BucketNode", "Delivery", "start", "deliver", "flush", "sweep", "reduce_now"]
+__all__ = ["BucketNode", "Delivery", "start", "deliver", "abandon", "flush", "sweep", "reduce_now"]
 
 _unflatten_dense = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
 _flatten_dense = getattr(getattr(torch._C, "_nn", None), "flatten_dense_tensors", None)
@@ -185,6 +185,15 @@ def _last_to_start(state):
         state.started = [task, 0]
     state.started[1] += 1
     return state.started[1] >= len(state.grad_buckets)
+
+
+def abandon(state):
+    """Drops the sums started in backwards that will not deliver them (a backward that failed: the out-of-memory
+    rescue frees what the failed attempt held before it runs the step again)."""
+    for ref in state.grad_buckets:
+        bucket = ref()
+        if bucket is not None:
+            bucket.inflight.clear()
 
 
 def deliver(bucket, grads):

@@ -280,6 +280,73 @@ def test_failing_replica_releases_the_others(where, bad):
     _no_hang(lambda: dp(x))
 
 
+class RaisesOnFlag(nn.Module):
+    """Two BatchNorm layers and a check before, between or after them that raises when a sample is flagged: the bare
+    model raises there on the full batch, the wrapper in the replica whose chunk holds the sample."""
+
+    def __init__(self, where, momentum):
+        super().__init__()
+        self.pre = nn.Linear(3, 4)
+        self.bn = nn.BatchNorm1d(4, momentum=momentum)
+        self.bn2 = nn.BatchNorm1d(4, momentum=momentum)
+        self.head = nn.Linear(4, 2)
+        self.where = where
+
+    def check(self, where, flags):
+        if where == self.where and bool(flags.any()):
+            raise KeyError("a flagged sample")
+
+    def forward(self, x, flags):
+        self.check("before", flags)
+        h = self.bn(self.pre(x))
+        self.check("between", flags)
+        h = self.bn2(torch.tanh(h))
+        self.check("after", flags)
+        return self.head(h)
+
+
+def _buffers_equal(synced, bare, what):
+    for (name, bb), bd in zip(bare.named_buffers(), synced.buffers()):
+        if bb.is_floating_point():
+            _close(bd, bb, 1e-10, f"{what}: {name}")
+        else:
+            assert torch.equal(bd, bb), f"{what}: {name} is {bd.item()}, the bare model's {bb.item()}"
+
+
+@pytest.mark.parametrize("chunk_sizes", [[2, 4, 3], [0, 5, 4]], ids=["device0-runs", "device0-idle"])
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "momentum-None"])
+@pytest.mark.parametrize("flagged", ["first-chunk", "last-chunk"])
+@pytest.mark.parametrize("where", ["before", "between", "after"])
+def test_failed_step_leaves_buffers_as_the_bare_models_failed_forward(where, flagged, momentum, chunk_sizes):
+    # A layer counts the batch once every replica reached it, and updates its statistics only from a completed
+    # exchange: the buffers after a failed step, and every step after it, are the bare model's.
+    torch.manual_seed(0)
+    bare = RaisesOnFlag(where, momentum).double()
+    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
+    dp = fastdp.DataParallel(synced, device_ids=["cpu"] * 3, chunk_sizes=chunk_sizes)
+    gen = torch.Generator().manual_seed(1)
+    clear = torch.zeros(9, dtype=torch.bool)
+    flags = clear.clone()
+    flags[0 if flagged == "first-chunk" else 8] = True
+    for step, marks in enumerate([clear, flags, clear, clear]):
+        x = torch.randn(9, 3, dtype=torch.float64, generator=gen)
+        if marks.any():
+            with pytest.raises(KeyError):
+                bare(x, marks)
+            with pytest.raises(KeyError):
+                _no_hang(lambda: dp(x, marks))
+            _buffers_equal(synced, bare, f"step {step}, failed")
+            continue
+        yb, yd = bare(x, marks), dp(x, marks)
+        _close(yd, yb, 1e-10, f"step {step} output")
+        yb.square().mean().backward()
+        yd.square().mean().backward()
+        for (name, pb), pd in zip(bare.named_parameters(), synced.parameters()):
+            _close(pd.grad, pb.grad, 1e-10, f"step {step} grad of {name}")
+            pb.grad = pd.grad = None
+        _buffers_equal(synced, bare, f"step {step}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_statistics_of_offset_data(dtype):
     # Channels far from zero (100 standard deviations): variances from plain sums of squares would lose about

@@ -31,9 +31,12 @@ __all__ = ["convert_sync_batchnorm"]
 # would otherwise use its own streams. The last arriver then waits until the others hold their outputs: otherwise it
 # would keep the GIL and each woken replica would wait up to sys.getswitchinterval() (5 ms) per layer. Replicas must
 # run at the same time: emulated "cpu" replicas then run on worker threads (parallel_apply asks needs_threads). A
-# replica that raises, or ends without reaching a layer the others wait in, releases them with an error. Running
-# statistics are updated on every replica's buffers with the full-batch values (replica 0's are the master's; the
-# copy-back used when device 0 runs no chunk sees the same values).
+# replica that raises, or ends without reaching a layer the others wait in, releases them with an error; a layer
+# counts the batch (num_batches_tracked) once every replica has reached it, as the bare model's layer counts it on
+# entry, and updates its running statistics only from an exchange's result, so a failed forward leaves the buffers
+# as the bare model's failed forward does. Running statistics are updated on every replica's buffers with the
+# full-batch values (replica 0's are the master's; the copy-back used when device 0 runs no chunk, which runs after a
+# failed forward too, sees the same values).
 
 
 def convert_sync_batchnorm(module):
@@ -178,9 +181,9 @@ class _Session:
             self.left[r] = "" if error is None else f"{type(error).__name__}: {error}"
             self.cond.notify_all()
 
-    def meet(self, j, r, x, eps):
-        """Replica r's normalised input at layer j (this call): (x_hat, (mean, invstd, unbiased var) on its
-        device), once every replica has brought its input."""
+    def meet(self, j, r, x, layer):
+        """Replica r's normalised input at synced layer j (this call; ``layer``, its replica layer): (x_hat, (mean,
+        invstd, unbiased var) on its device), once every replica has brought its input."""
         key = (j, self.calls[r][j])
         self.calls[r][j] += 1
         with self.cond:
@@ -192,8 +195,11 @@ class _Session:
             last = slot.arrived == self.n
             if not last:
                 self._await(slot, j, key[1])
+        # Every replica reached this call: the bare model's layer ran, and counted the batch, even where the
+        # exchange then fails (torch counts it before normalising).
+        _count(layer)
         if last:
-            self._exchange(slot, r, eps)
+            self._exchange(slot, r, layer.eps)
         elif slot.error is not None:
             raise ReplicaReleased(f"fastdp: the exchange of {self.names[j]} layer {j} failed in another replica: "
                                   f"{slot.error}")
@@ -268,20 +274,24 @@ def _stat_dtype(x):
     return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
 
 
+def _count(layer):
+    """Counts a batch in num_batches_tracked, as torch's BatchNorm does on entering a training forward."""
+    if layer.training and layer.track_running_stats and layer.num_batches_tracked is not None:
+        layer.num_batches_tracked.add_(1)
+
+
 def _synced_forward(session, j, r, layer, input):
     """SyncBatchNorm.forward for replica r of synced layer j (torch's steps, the statistics exchanged)."""
     layer._check_input_dim(input)
     layer._check_non_zero_input_channels(input)
-    factor = 0.0 if layer.momentum is None else layer.momentum
-    if layer.training and layer.track_running_stats:
-        layer.num_batches_tracked.add_(1)
-        factor = 1.0 / layer.num_batches_tracked.item() if layer.momentum is None else layer.momentum
     bn_training = layer.training or (layer.running_mean is None and layer.running_var is None)
     if not bn_training:  # eval with running statistics: nothing to exchange
+        factor = 0.0 if layer.momentum is None else layer.momentum
         return F.batch_norm(input, layer.running_mean, layer.running_var, layer.weight, layer.bias, False, factor,
                             layer.eps)
-    x_hat, stats = session.meet(j, r, input, layer.eps)
+    x_hat, stats = session.meet(j, r, input, layer)  # counts the batch once every replica has reached the layer
     if layer.training and layer.track_running_stats and layer.running_mean is not None:
+        factor = 1.0 / layer.num_batches_tracked.item() if layer.momentum is None else layer.momentum
         with torch.no_grad():
             mean, unbiased = stats[0], stats[2]
             layer.running_mean.mul_(1 - factor).add_(mean.to(layer.running_mean.dtype), alpha=factor)

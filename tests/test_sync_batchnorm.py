@@ -50,7 +50,7 @@ def _input(dims, batch, dtype, seq=False, gen=None):
 
 def _close(a, b, tol, what):
     assert (a is None) == (b is None), what
-    if a is None:
+    if a is None or a.numel() == b.numel() == 0:
         return
     err = (a - b).abs().max().item()
     assert err <= tol * max(1.0, b.abs().max().item()), f"{what}: max error {err}"
@@ -536,6 +536,45 @@ def test_recomputation_that_differs_from_its_forward_raises():
     assert str(info.value).startswith("fastdp: SyncBatchNorm layer 0 of a replica runs again in backward (a "
                                       "checkpointed block's recomputation) on an input whose statistics differ"), \
         str(info.value)
+
+
+class _EveryDeviceAChunk(fastdp.DataParallel):
+    """A scatter override that hands every device its chunk, an empty one included."""
+
+    def scatter(self, inputs, kwargs, device_ids):
+        return fastdp.scatter_kwargs(inputs, kwargs, device_ids, chunk_sizes=[4, 0, 3])
+
+
+@pytest.mark.parametrize("case", ["empty-chunk", "no-spatial-extent"])
+def test_chunks_with_no_value_per_channel(case):
+    # A replica whose chunk has no value per channel weighs nothing in the statistics, and a batch with no value at
+    # all leaves the running statistics as they are (torch's BatchNorm on an empty input) and counts the batch.
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+            self.bn = nn.BatchNorm1d(3, momentum=None).double()
+
+        def forward(self, x):
+            return self.bn(x * self.scale)
+
+    torch.manual_seed(0)
+    bare = Scaled()
+    with torch.no_grad():
+        bare.bn.running_mean.uniform_()
+        bare.bn.running_var.uniform_(1, 2)
+    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
+    if case == "empty-chunk":
+        dp, x = _EveryDeviceAChunk(synced, device_ids=["cpu"] * 3), torch.randn(7, 3, 5, dtype=torch.float64)
+    else:
+        dp, x = fastdp.DataParallel(synced, device_ids=["cpu"] * 2), torch.randn(6, 3, 0, dtype=torch.float64)
+    for step in range(2):
+        yb, yd = bare(x), dp(x)
+        assert yd.shape == yb.shape
+        _close(yd, yb, 1e-10, f"step {step} output")
+        (yb.square().sum() + yb.sum()).backward()
+        (yd.square().sum() + yd.sum()).backward()
+        _grads_and_buffers_equal(synced, bare, f"step {step}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -44,27 +44,29 @@ __all__ = ["convert_sync_batchnorm"]
 #
 # Recomputation. A checkpointed block runs its forward again inside backward, one replica at a time, long after the
 # rendezvous: the replicas cannot meet there. The bare model's recomputed BatchNorm sees the same full batch as its
-# forward did, so it normalises with the same statistics, and it counts the batch and updates its running
-# statistics a second time (torch's BatchNorm does that in every forward it runs, a recomputation included). So
-# every synced call keeps, for as long as its graph lives (anchored on the _SyncNorm node and on the replica's
-# outputs), its chunk's own statistics and the whole batch's (_Recording). A replica layer called in backward outside
-# a forward finds its call among them by the chunk's statistics (the recomputation sees the input the forward saw),
-# normalises with the whole batch's statistics, saves what the forward saved, and, for the replica whose buffers are
-# the master's, counts and updates the master's running statistics once more, as the bare model's recomputation
-# does. An input that matches no kept call of the layer (a block whose recomputation differs from its forward)
-# raises rather than normalising with another call's statistics; a layer with no kept call at all (a forward that
-# ran it alone: one replica) runs as torch's. The non-reentrant checkpoint keeps the forward's graph, so the
-# backward is the forward's _SyncNorm node: the gradients are the synced ones. The reentrant checkpoint (use_reentrant=True) instead runs its forward under
+# forward did, so it normalises with the same statistics, and it counts the batch and updates its running statistics a
+# second time (torch's BatchNorm does that in every forward it runs, a recomputation included). So every synced call
+# keeps, for as long as its graph lives (anchored on the _SyncNorm node and on the replica's outputs), its chunk's own
+# statistics and the whole batch's (_Recording). A replica layer called in backward outside a forward finds its call
+# among them by the chunk's statistics (the recomputation sees the input the forward saw), normalises with the whole
+# batch's statistics, saves what the forward saved, and, for the replica whose buffers are the master's, counts and
+# updates the master's running statistics once more, as the bare model's recomputation does. An input that matches no
+# kept call of the layer (a block whose recomputation differs from its forward) raises rather than normalising with
+# another call's statistics; a layer with no kept call at all (a forward that ran it alone: one replica) runs as
+# torch's. The non-reentrant checkpoint keeps the forward's graph, so the backward is the forward's _SyncNorm node:
+# the gradients are the synced ones. The reentrant checkpoint (use_reentrant=True) instead runs its forward under
 # no_grad and builds a new graph per replica inside backward: a replica's gradient through the whole batch's
 # statistics needs every replica's gradient at that layer, which the others' backward has not computed yet, so a
 # synced layer recomputed that way raises, naming use_reentrant=False.
 #
-# Failures. A replica that raises, or ends without reaching a layer the others wait in, releases them with an error.
-# A layer counts the batch (num_batches_tracked) once every replica has reached it, as the bare model's layer counts
-# it on entry, and updates its running statistics only with an exchange's result: a failed forward leaves the
-# buffers as the bare model's failed forward does. Running statistics are updated on every replica's buffers with
-# the full-batch values (replica 0's are the master's; the copy-back used when device 0 runs no chunk, which also
-# runs after a failed forward, sees the same values).
+# Failures and empty chunks. A replica that raises, or ends without reaching a layer the others wait in, releases them
+# with an error. A layer counts the batch (num_batches_tracked) once every replica has reached it, as the bare model's
+# layer counts it on entry, and updates its running statistics only with an exchange's result: a failed forward leaves
+# the buffers as the bare model's failed forward does. A chunk with no value per channel (a replica with no sample at
+# that layer) weighs nothing in the exchange; a batch with none at all leaves the running statistics as they are, as
+# torch's BatchNorm does with an empty input. Running statistics are updated on every replica's buffers with the
+# full-batch values (replica 0's are the master's; the copy-back used when device 0 runs no chunk, which also runs
+# after a failed forward, sees the same values).
 
 
 def convert_sync_batchnorm(module):
@@ -331,13 +333,15 @@ class _Session:
                 self.cond.notify_all()
             raise
         n = self.n
+        # The whole batch's statistics, or None where it had no value to count: the running statistics then stay.
+        packs = [p.detach() for p in outs[n:]] if any(x.numel() for x in xs) else [None] * n
         calls = self.recording.calls
         grad_mode, grad = torch.is_grad_enabled(), outs[0].requires_grad
         for q in range(n):
-            calls.setdefault((q, j), []).append(
-                _Call(stats[q].detach(), outs[n + q].detach(), tuple(xs[q].shape), grad_mode, grad))
+            call = _Call(stats[q].detach(), packs[q], tuple(xs[q].shape), grad_mode, grad)
+            calls.setdefault((q, j), []).append(call)
         with self.cond:
-            slot.outputs = outs
+            slot.outputs = outs[:n] + tuple(packs)
             slot.inputs = None  # the node holds what backward needs
             slot.taken[r] = True
             self.cond.notify_all()
@@ -400,8 +404,9 @@ def _count(layer, owner):
 
 
 def _update_running(layer, owner, pack):
-    """``owner``'s running statistics moved towards the whole batch's mean and unbiased variance in ``pack``."""
-    if not (layer.training and layer.track_running_stats) or owner.running_mean is None:
+    """``owner``'s running statistics moved towards the whole batch's mean and unbiased variance in ``pack`` (None:
+    the batch had no value, and they stay)."""
+    if pack is None or not (layer.training and layer.track_running_stats) or owner.running_mean is None:
         return
     factor = 1.0 / owner.num_batches_tracked.item() if layer.momentum is None else layer.momentum
     with torch.no_grad():
@@ -497,7 +502,7 @@ def _recomputed_forward(layer, input, rec, r, j, call):
         _update_running(layer, master, call.pack)
     _Local.apply(input, _stat_dtype(input))  # saves the input as the forward did; its value is the forward's
     with torch.no_grad():
-        x_hat = _normalise(input, call.pack[0], call.pack[1], layer.eps)
+        x_hat = input.clone() if call.pack is None else _normalise(input, call.pack[0], call.pack[1], layer.eps)
     if call.grad:
         x_hat.requires_grad_()  # the forward's output took part in autograd: the affine step saves alike
     return _affine(layer, x_hat)
@@ -518,12 +523,15 @@ def _local_stats(x, dtype):
     """This replica's per-channel mean and biased variance: sums of (x - k) and (x - k)^2 with k one sample of each
     channel, so no cancellation unless that sample lies many standard deviations from the mean. Measured 5 times
     faster on the CPU than torch.var_mean or the batch-norm statistics kernel (16 x 16 x 16 x 16 float32)."""
+    count = x.numel() // x.size(1)
+    if count == 0:  # no value in this chunk (no sample, or an empty spatial extent): it weighs nothing
+        zeros = x.new_zeros(x.size(1), dtype=dtype)
+        return zeros, zeros.clone()
     dims = [d for d in range(x.dim()) if d != 1]
     x = x.to(dtype)
     shape = _shape(x)
     k = x.select(0, 0).reshape(x.size(1), -1)[:, 0].reshape(shape)
     shifted = x - k
-    count = x.numel() // x.size(1)
     s1 = shifted.sum(dims)
     s2 = shifted.square_().sum(dims)
     mean = s1 / count
@@ -561,18 +569,22 @@ class _SyncNorm(Function):
         dtype = stats[0].dtype
         counts = [x.numel() // x.size(1) for x in xs]
         total = sum(counts)
-        if total <= 1:
+        if total == 1:  # torch's check: none for a batch with no value at all
             size = list(xs[0].shape)
             size[0] = sum(x.size(0) for x in xs)
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
-        # (N, 2, C): each replica's mean and variance
-        both = comm.gather([s.detach().unsqueeze(0) for s in stats], 0, dest).to(torch.float64)
-        # Chan et al.: exact for any split. The counts stay Python numbers: a tensor made from them on the device
-        # would be a host-to-device copy that waits for the device in every layer of every step.
-        mean = sum(both[i, 0] * (c / total) for i, c in enumerate(counts))
-        m2 = sum((both[i, 1] + (both[i, 0] - mean).square()) * c for i, c in enumerate(counts))
-        # mean, biased variance (normalisation), unbiased variance (running_var), as BatchNorm uses them.
-        pack = torch.stack([mean, m2 / total, m2 / (total - 1)]).to(dtype)
+        if total == 0:  # nothing to normalise; the caller leaves the running statistics as they are, as torch does
+            ones = torch.ones(xs[0].size(1), dtype=dtype, device=dest)
+            pack = torch.stack([torch.zeros_like(ones), ones, ones])
+        else:
+            # (N, 2, C): each replica's mean and variance
+            both = comm.gather([s.detach().unsqueeze(0) for s in stats], 0, dest).to(torch.float64)
+            # Chan et al.: exact for any split. The counts stay Python numbers: a tensor made from them on the
+            # device would be a host-to-device copy that waits for the device in every layer of every step.
+            mean = sum(both[i, 0] * (c / total) for i, c in enumerate(counts))
+            m2 = sum((both[i, 1] + (both[i, 0] - mean).square()) * c for i, c in enumerate(counts))
+            # mean, biased variance (normalisation), unbiased variance (running_var), as BatchNorm uses them.
+            pack = torch.stack([mean, m2 / total, m2 / (total - 1)]).to(dtype)
         packs = comm.broadcast(pack, devices)
         outs = [_normalise(x, p[0], p[1], eps) for x, p in zip(xs, packs)]
         # Saved detached: a saved output would hold this node through the hooks' packed value, a cycle that
@@ -597,6 +609,9 @@ def _grad_sums(g, x, mean, var, eps):
     given the statistics the way training saved them (save_mean, save_invstd; float32 for float16 and bfloat16
     inputs, as torch's CUDA batch norm keeps them): the CUDA kernel asserts on the eval-mode form, running
     statistics with no saved ones."""
+    if x.numel() == 0:  # a chunk with no value adds nothing (the kernel would divide by its size)
+        zeros = mean.new_zeros(mean.shape)
+        return zeros, zeros.clone()
     invstd = (var + eps).rsqrt()
     _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
         g, x, None, None, None, mean, invstd, True, eps, [False, True, True])

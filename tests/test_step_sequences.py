@@ -1,7 +1,8 @@
 """Random training scripts: sequences of what a script does between and inside steps (forwards with and without
 grad, eval, checkpointed blocks, no_sync micro-batches of any size, every way of clearing .grad, parameter edits,
 optimizer steps, saves and reloads), run on the bare model and on the wrapper (4 emulated replicas), compared after
-every action: gradients, parameters, buffers and the saved state's bytes.
+every action: gradients, parameters, buffers and the saved state's bytes. One model has a BatchNorm inside its
+checkpointed block, synced across the replicas on the wrapper's side.
 
 Seeded (derandomized): the same sequences on every run. A failure prints the shortest sequence that still fails
 (Hypothesis shrinks it). FASTDP_SEQUENCES sets how many sequences run (default 250).
@@ -14,6 +15,7 @@ import pickle
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 import fastdp
 
@@ -127,7 +129,29 @@ def _assert_same(bare, model, action, grads=True):
     assert len(pickle.dumps(model.state_dict())) <= 1.1 * len(pickle.dumps(bare.state_dict())), action
 
 
-MODELS = {"checkpointed": Checkpointed, "checkpointed_reentrant": lambda: Checkpointed(True), "gated": Gated}
+class SyncedCheckpointed(nn.Module):
+    """A BatchNorm (momentum=None: every counted batch weighs in its running statistics) inside a block recomputed
+    in backward; the wrapper's copy has it converted to SyncBatchNorm. Its input is (N, 2, 4), so any batch size
+    has values enough per channel."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.stem = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(2, momentum=None)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+        self.double()
+
+    def block(self, h):
+        return self.mix(torch.tanh(self.bn(h.view(-1, 2, 4)).flatten(1)))
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, torch.tanh(self.stem(x)), use_reentrant=False))
+
+
+MODELS = {"checkpointed": Checkpointed, "checkpointed_reentrant": lambda: Checkpointed(True), "gated": Gated,
+          "synced_checkpointed": SyncedCheckpointed}
 
 
 @hypothesis.settings(max_examples=SEQUENCES, deadline=None, derandomize=True, database=None,
@@ -136,6 +160,8 @@ MODELS = {"checkpointed": Checkpointed, "checkpointed_reentrant": lambda: Checkp
 def test_random_training_scripts_match_the_bare_model(make, script):
     bare = MODELS[make]()
     model = copy.deepcopy(bare)
+    if make.startswith("synced"):
+        model = fastdp.convert_sync_batchnorm(model)
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
     runs = []
     for m, run in ((bare, bare), (model, dp)):

@@ -545,7 +545,7 @@ class _EveryDeviceAChunk(fastdp.DataParallel):
         return fastdp.scatter_kwargs(inputs, kwargs, device_ids, chunk_sizes=[4, 0, 3])
 
 
-@pytest.mark.parametrize("case", ["empty-chunk", "no-spatial-extent"])
+@pytest.mark.parametrize("case", ["empty-chunk", "no-spatial-extent", "empty-batch"])
 def test_chunks_with_no_value_per_channel(case):
     # A replica whose chunk has no value per channel weighs nothing in the statistics, and a batch with no value at
     # all leaves the running statistics as they are (torch's BatchNorm on an empty input) and counts the batch.
@@ -566,8 +566,9 @@ def test_chunks_with_no_value_per_channel(case):
     synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
     if case == "empty-chunk":
         dp, x = _EveryDeviceAChunk(synced, device_ids=["cpu"] * 3), torch.randn(7, 3, 5, dtype=torch.float64)
-    else:
-        dp, x = fastdp.DataParallel(synced, device_ids=["cpu"] * 2), torch.randn(6, 3, 0, dtype=torch.float64)
+    else:  # (torch.chunk gives an empty batch one empty chunk per device)
+        shape = (6, 3, 0) if case == "no-spatial-extent" else (0, 3, 5)
+        dp, x = fastdp.DataParallel(synced, device_ids=["cpu"] * 3), torch.randn(shape, dtype=torch.float64)
     for step in range(2):
         yb, yd = bare(x), dp(x)
         assert yd.shape == yb.shape

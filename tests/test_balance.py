@@ -260,6 +260,35 @@ def test_batchnorm_running_stats_come_from_the_first_nonempty_chunk(spec, first)
     torch.testing.assert_close(dp(x), bare.eval()(x), rtol=0, atol=TOL)
 
 
+@pytest.mark.parametrize("spec, first", [([0, 4, 6], slice(0, 4)), ([3, 3, 4], slice(0, 3))])
+def test_batchnorm_running_stats_after_a_replica_failed(spec, first):
+    # The replica that plays chunk 0 updated its statistics before another replica raised: the master keeps that
+    # update, as upstream's replica 0 (the master's own buffers) keeps it, also when device 0 runs no chunk.
+    class FailsLast(nn.Module):
+        """Raises after its BatchNorm in the replica of the last chunk (the largest)."""
+
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = nn.Linear(6, 5), nn.BatchNorm1d(5)
+
+        def forward(self, x):
+            h = self.bn(self.lin(x))
+            if x.size(0) == max(spec):
+                raise KeyError("the last chunk fails")
+            return h
+
+    torch.manual_seed(0)
+    model = FailsLast().double()
+    bare = copy.deepcopy(model)
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R, chunk_sizes=spec)
+    x = batch_of(10)
+    with pytest.raises(KeyError):
+        dp(x)
+    bare.bn(bare.lin(x[first]))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(model.bn, name), getattr(bare.bn, name), rtol=0, atol=TOL)
+
+
 def test_empty_batch_and_inputs_without_tensors_follow_upstream():
     dp = fastdp.DataParallel(net(), device_ids=["cpu"] * R, chunk_sizes=[0.0, 1.0, 1.0])
     out = dp(batch_of(0))

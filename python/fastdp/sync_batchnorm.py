@@ -37,10 +37,11 @@ __all__ = ["convert_sync_batchnorm"]
 # worker threads (parallel_apply asks needs_threads).
 #
 # Saved tensors. Saved-tensor hooks are per thread, and activation checkpointing (torch.utils.checkpoint with
-# use_reentrant=False) is such hooks: what a replica's block saves must be saved in that replica's thread, so that
-# its own checkpoint drops it and recomputes it. So each replica's input is saved by its own _Local node, and
-# _SyncNorm, which runs in whichever thread arrived last, saves only those nodes' outputs and the statistics, under
-# hooks of its own that keep them as they are; its backward reads each input back through the replica's _Local.
+# use_reentrant=False) is such hooks: what a replica's block saves must be saved in that replica's thread, so that its
+# own checkpoint drops it and recomputes it. So where a replica's thread saves through hooks, its chunk is saved by a
+# _Local node of its own, made in that thread; _SyncNorm, which runs in whichever thread arrived last, saves only
+# those nodes' outputs (or, where no thread has hooks, the chunks themselves) and the statistics, under hooks of its
+# own that keep them as they are, and its backward reads each chunk back through the replica's _Local.
 #
 # Recomputation. A checkpointed block runs its forward again inside backward, one replica at a time, long after the
 # rendezvous: the replicas cannot meet there. The bare model's recomputed BatchNorm sees the same full batch as its
@@ -430,7 +431,7 @@ def _synced_forward(session, j, r, layer, input):
         factor = 0.0 if layer.momentum is None else layer.momentum
         return F.batch_norm(input, layer.running_mean, layer.running_var, layer.weight, layer.bias, False, factor,
                             layer.eps)
-    stats = _Local.apply(input, _stat_dtype(input))
+    stats = _chunk_stats(input)
     x_hat, pack = session.meet(j, r, input, stats, layer)
     _update_running(layer, layer, pack)
     return _affine(layer, x_hat)
@@ -500,7 +501,7 @@ def _recomputed_forward(layer, input, rec, r, j, call):
         master = rec.masters[j]
         _count(layer, master)
         _update_running(layer, master, call.pack)
-    _Local.apply(input, _stat_dtype(input))  # saves the input as the forward did; its value is the forward's
+    _chunk_stats(input)  # saves the input as the forward did; its value is the forward's
     with torch.no_grad():
         x_hat = input.clone() if call.pack is None else _normalise(input, call.pack[0], call.pack[1], layer.eps)
     if call.grad:
@@ -553,10 +554,28 @@ class _Local(Function):
         return None, None
 
 
-def _saved_input(kept):
-    """A replica's input as _SyncNorm kept it: its _Local statistics, whose node saved the input, or the input itself
-    when no node was made (the input needs no gradient)."""
-    return kept.grad_fn.saved_tensors[0] if kept.grad_fn is not None else kept
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # this thread's innermost
+
+
+def _chunk_stats(x):
+    """This replica's per-channel (mean, biased variance) of its chunk ``x``: through a _Local node, which saves the
+    chunk, where this thread saves tensors through hooks (activation checkpointing, offloading) and the chunk takes
+    part in autograd; computed plainly otherwise (the exchange then keeps the chunk itself, at no node's cost)."""
+    dtype = _stat_dtype(x)
+    if x.requires_grad and torch.is_grad_enabled() and _saves_through_hooks():
+        return _Local.apply(x, dtype)
+    with torch.no_grad():
+        return torch.stack(_local_stats(x, dtype))
+
+
+def _saves_through_hooks():
+    """Whether this thread's saved tensors go through saved-tensor hooks; True where torch cannot tell."""
+    if _top_hooks is None:
+        return True
+    try:
+        return _top_hooks(False) is not None
+    except (TypeError, RuntimeError):
+        return True
 
 
 class _SyncNorm(Function):
@@ -589,7 +608,8 @@ class _SyncNorm(Function):
         outs = [_normalise(x, p[0], p[1], eps) for x, p in zip(xs, packs)]
         # Saved detached: a saved output would hold this node through the hooks' packed value, a cycle that
         # outlives a graph dropped without backward.
-        ctx.save_for_backward(*(s if s.grad_fn is not None else x for s, x in zip(stats, xs)),
+        ctx.local = [s.grad_fn is not None for s in stats]  # per replica: its _Local node saved its chunk
+        ctx.save_for_backward(*(s if local else x for s, x, local in zip(stats, xs, ctx.local)),
                               *(p.detach() for p in packs))
         ctx.devices, ctx.streams, ctx.total, ctx.eps = devices, streams, total, eps
         ctx.recording = recording  # kept while this graph lives: a recomputation may look for it
@@ -622,7 +642,9 @@ def _sync_backward(ctx, grads):
     """The replicas' input gradients: the per-channel sums of every replica reduced, averaged and broadcast back."""
     saved = ctx.saved_tensors
     n = len(saved) // 2
-    xs, packs = [_saved_input(k) for k in saved[:n]], saved[n:]
+    # Each chunk as the forward kept it: read back through its replica's _Local node, or kept itself.
+    xs = [k.grad_fn.saved_tensors[0] if local else k for k, local in zip(saved[:n], ctx.local)]
+    packs = saved[n:]
     eps = ctx.eps
     sums, hats = [], []
     for x, g, p in zip(xs, grads[:n], packs):

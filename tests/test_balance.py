@@ -6,6 +6,7 @@ upstream's rule makes responsible for BatchNorm statistics.
 """
 
 import copy
+import functools
 import gc
 import math
 
@@ -259,6 +260,35 @@ def test_batchnorm_running_stats_come_from_the_first_nonempty_chunk(spec, first)
     torch.testing.assert_close(dp(x), bare.eval()(x), rtol=0, atol=TOL)
 
 
+@pytest.mark.parametrize("spec, first", [([0, 4, 6], slice(0, 4)), ([3, 3, 4], slice(0, 3))])
+def test_batchnorm_running_stats_after_a_replica_failed(spec, first):
+    # The replica that plays chunk 0 updated its statistics before another replica raised: the master keeps that
+    # update, as upstream's replica 0 (the master's own buffers) keeps it, also when device 0 runs no chunk.
+    class FailsLast(nn.Module):
+        """Raises after its BatchNorm in the replica of the last chunk (the largest)."""
+
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = nn.Linear(6, 5), nn.BatchNorm1d(5)
+
+        def forward(self, x):
+            h = self.bn(self.lin(x))
+            if x.size(0) == max(spec):
+                raise KeyError("the last chunk fails")
+            return h
+
+    torch.manual_seed(0)
+    model = FailsLast().double()
+    bare = copy.deepcopy(model)
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R, chunk_sizes=spec)
+    x = batch_of(10)
+    with pytest.raises(KeyError):
+        dp(x)
+    bare.bn(bare.lin(x[first]))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(model.bn, name), getattr(bare.bn, name), rtol=0, atol=TOL)
+
+
 def test_empty_batch_and_inputs_without_tensors_follow_upstream():
     dp = fastdp.DataParallel(net(), device_ids=["cpu"] * R, chunk_sizes=[0.0, 1.0, 1.0])
     out = dp(batch_of(0))
@@ -340,6 +370,157 @@ def test_per_replica_loss_with_all_targets_ignored_in_one_chunk():
     ref.backward()
     for p, q in zip(dp.module.parameters(), bare.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=TOL)
+
+
+class _Shaped(nn.Module):
+    """``net()``'s output in the form a loss class takes (probabilities, log-probabilities, positive rates)."""
+
+    def __init__(self, post):
+        super().__init__()
+        self.net, self.post = net(), post
+
+    def forward(self, x):
+        out = self.net(x)
+        return out if self.post is None else self.post(out)
+
+
+def _class_index(n, g):
+    return torch.randint(0, 3, (n,), generator=g)
+
+
+def _multilabel(n, g):
+    return torch.randint(-1, 3, (n, 3), generator=g)  # class indices, each row ended by its first -1
+
+
+def _binary(n, g):
+    return torch.randint(0, 2, (n, 3), generator=g).double()
+
+
+def _signs(n, g):
+    return _binary(n, g) * 2 - 1
+
+
+def _probabilities(n, g):
+    return F.softmax(torch.randn(n, 3, generator=g, dtype=torch.float64), 1)
+
+
+def _reals(n, g):
+    return torch.randn(n, 3, generator=g, dtype=torch.float64)
+
+
+_ZEROS = torch.zeros(3, dtype=torch.float64)
+_LOG_PROBABILITIES = functools.partial(F.log_softmax, dim=1)
+
+# Every loss class criterion= computes per replica: (class, its output form, its target, its class weight argument
+# or None). test_every_decomposed_loss_class_has_its_edge_cases keeps it complete.
+LOSS_CLASSES = [
+    (nn.CrossEntropyLoss, None, _class_index, "weight"),
+    (nn.NLLLoss, _LOG_PROBABILITIES, _class_index, "weight"),
+    (nn.MSELoss, None, _reals, None),
+    (nn.L1Loss, None, _reals, None),
+    (nn.SmoothL1Loss, None, _reals, None),
+    (nn.HuberLoss, None, _reals, None),
+    (nn.BCELoss, torch.sigmoid, _binary, "weight"),
+    (nn.BCEWithLogitsLoss, None, _binary, "pos_weight"),
+    (nn.KLDivLoss, _LOG_PROBABILITIES, _probabilities, None),
+    (nn.PoissonNLLLoss, None, _reals, None),
+    (nn.SoftMarginLoss, None, _signs, None),
+    (nn.MultiLabelSoftMarginLoss, None, _binary, "weight"),
+    (nn.MultiLabelMarginLoss, None, _multilabel, None),
+    (nn.MultiMarginLoss, None, _class_index, "weight"),
+    (nn.HingeEmbeddingLoss, None, _signs, None),
+]
+
+
+class _ChunkSizes(fastdp.DataParallel):
+    """A scatter override that gives every device a chunk, empty ones included (upstream's rule never makes one)."""
+
+    def __init__(self, module, sizes, **kwargs):
+        super().__init__(module, **kwargs)
+        self.sizes = sizes
+
+    def scatter(self, inputs, kwargs, device_ids):
+        return fastdp.scatter_kwargs(inputs, kwargs, device_ids, chunk_sizes=self.sizes)
+
+
+def _edge_cases():
+    """(id, loss class row, reduction, edge): every reduction of every class against each edge of the split."""
+    cases = []
+    for row in LOSS_CLASSES:
+        cls, _, target, weight = row
+        reductions = ["mean", "sum", "none"] + (["batchmean"] if cls is nn.KLDivLoss else [])
+        edges = ["empty-batch", "empty-batch-weights", "empty-chunk"]
+        edges += ["zero-weights"] if weight else []
+        edges += ["ignored-chunk", "all-ignored"] if cls in (nn.CrossEntropyLoss, nn.NLLLoss) else []
+        for reduction in reductions:
+            for edge in edges:
+                cases.append(pytest.param(row, reduction, edge, id=f"{cls.__name__}-{reduction}-{edge}"))
+    return cases
+
+
+def _edge_case_loss(row, reduction, edge):
+    """(criterion, batch size, target, wrapper options) for one edge case."""
+    cls, _, make_target, weight = row
+    options = {"reduction": reduction}
+    if edge == "zero-weights":
+        options[weight] = _ZEROS
+    if edge in ("ignored-chunk", "all-ignored"):
+        options["ignore_index"] = 1
+    g = torch.Generator().manual_seed(3)
+    n = 0 if edge.startswith("empty-batch") else 7
+    target = make_target(n, g)
+    if edge == "ignored-chunk":
+        target[4:] = 1 + target[4:] * 0  # the last chunk counts no target
+    elif edge == "all-ignored":
+        target.fill_(1)
+    split = {"empty-batch-weights": {"chunk_sizes": [1.0, 2.0, 1.0]}}.get(edge, {})
+    return cls(**options), n, target, split
+
+
+@pytest.mark.filterwarnings("ignore:reduction.*'mean' divides the total loss:UserWarning")  # KLDivLoss's own
+@pytest.mark.parametrize("row, reduction, edge", _edge_cases())
+def test_per_replica_loss_edge_cases_equal_the_bare_model(row, reduction, edge):
+    # An empty batch, an empty chunk, class weights that are all zero, chunks whose targets are all ignored: the
+    # loss and every gradient equal the bare model's loss on the full batch, nan where it gives nan.
+    criterion, n, target, split = _edge_case_loss(row, reduction, edge)
+    bare = _Shaped(row[1])
+    x = batch(n)[0]
+    if edge == "empty-chunk":
+        dp = _ChunkSizes(copy.deepcopy(bare), [4, 0, 3], device_ids=["cpu"] * R, criterion=criterion)
+    else:
+        dp = fastdp.DataParallel(copy.deepcopy(bare), device_ids=["cpu"] * R, criterion=criterion, **split)
+    ref = criterion(bare(x), target)
+    loss = dp(x, target=target)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=TOL, equal_nan=True)
+    ref.sum().backward()
+    loss.sum().backward()
+    for (name, p), q in zip(bare.named_parameters(), dp.module.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=TOL, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("edge", ["empty-batch", "empty-chunk"])
+def test_declared_mean_criterion_on_an_empty_batch_or_chunk(edge):
+    def criterion(out, target):
+        return F.mse_loss(out, target)
+
+    bare = _Shaped(None)
+    n = 0 if edge == "empty-batch" else 7
+    x, target = batch(n)[0], _reals(n, torch.Generator().manual_seed(3))
+    options = {"device_ids": ["cpu"] * R, "criterion": criterion, "criterion_reduction": "mean"}
+    dp = (_ChunkSizes(copy.deepcopy(bare), [4, 0, 3], **options) if edge == "empty-chunk" else
+          fastdp.DataParallel(copy.deepcopy(bare), **options))
+    ref, loss = criterion(bare(x), target), dp(x, target=target)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=TOL, equal_nan=True)
+    ref.backward()
+    loss.backward()
+    for (name, p), q in zip(bare.named_parameters(), dp.module.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=TOL, equal_nan=True, msg=name)
+
+
+def test_every_decomposed_loss_class_has_its_edge_cases():
+    from fastdp import _replica_loss
+
+    assert {row[0] for row in LOSS_CLASSES} == _replica_loss._ELEMENTWISE | _replica_loss._CLASS_INDEX
 
 
 def test_per_replica_loss_never_gathers_outputs():

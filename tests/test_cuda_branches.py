@@ -241,7 +241,8 @@ def test_syncbn_exchange_runs_on_the_callers_streams(cuda, monkeypatch):
 
     def replica(r):  # a worker: its own device's caller stream only, as parallel_apply enters it
         with cuda.device(r), cuda.stream(caller[r]):
-            outs[r] = session.meet(0, r, xs[r], 1e-5)[0]
+            stats = sbn._chunk_stats(xs[r])  # the chunk's statistics, in the replica's own thread
+            outs[r] = session.meet(0, r, xs[r], stats, replicas[r][0])[0]
 
     threads = [threading.Thread(target=replica, args=(r,)) for r in (0, 1)]
     for t in threads:

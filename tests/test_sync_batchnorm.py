@@ -1,11 +1,14 @@
 """SyncBatchNorm across emulated replicas: training equals the bare model's BatchNorm on the full batch."""
 
 import copy
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import fastdp
 
@@ -47,7 +50,7 @@ def _input(dims, batch, dtype, seq=False, gen=None):
 
 def _close(a, b, tol, what):
     assert (a is None) == (b is None), what
-    if a is None:
+    if a is None or a.numel() == b.numel() == 0:
         return
     err = (a - b).abs().max().item()
     assert err <= tol * max(1.0, b.abs().max().item()), f"{what}: max error {err}"
@@ -278,6 +281,301 @@ def test_failing_replica_releases_the_others(where, bad):
     # The wrapper still works afterwards.
     dp.module.bad = -1
     _no_hang(lambda: dp(x))
+
+
+class RaisesOnFlag(nn.Module):
+    """Two BatchNorm layers and a check before, between or after them that raises when a sample is flagged: the bare
+    model raises there on the full batch, the wrapper in the replica whose chunk holds the sample."""
+
+    def __init__(self, where, momentum):
+        super().__init__()
+        self.pre = nn.Linear(3, 4)
+        self.bn = nn.BatchNorm1d(4, momentum=momentum)
+        self.bn2 = nn.BatchNorm1d(4, momentum=momentum)
+        self.head = nn.Linear(4, 2)
+        self.where = where
+
+    def check(self, where, flags):
+        if where == self.where and bool(flags.any()):
+            raise KeyError("a flagged sample")
+
+    def forward(self, x, flags):
+        self.check("before", flags)
+        h = self.bn(self.pre(x))
+        self.check("between", flags)
+        h = self.bn2(torch.tanh(h))
+        self.check("after", flags)
+        return self.head(h)
+
+
+def _buffers_equal(synced, bare, what):
+    for (name, bb), bd in zip(bare.named_buffers(), synced.buffers()):
+        if bb.is_floating_point():
+            _close(bd, bb, 1e-10, f"{what}: {name}")
+        else:
+            assert torch.equal(bd, bb), f"{what}: {name} is {bd.item()}, the bare model's {bb.item()}"
+
+
+@pytest.mark.parametrize("chunk_sizes", [[2, 4, 3], [0, 5, 4]], ids=["device0-runs", "device0-idle"])
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "momentum-None"])
+@pytest.mark.parametrize("flagged", ["first-chunk", "last-chunk"])
+@pytest.mark.parametrize("where", ["before", "between", "after"])
+def test_failed_step_leaves_buffers_as_the_bare_models_failed_forward(where, flagged, momentum, chunk_sizes):
+    # A layer counts the batch once every replica reached it, and updates its statistics only from a completed
+    # exchange: the buffers after a failed step, and every step after it, are the bare model's.
+    torch.manual_seed(0)
+    bare = RaisesOnFlag(where, momentum).double()
+    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
+    dp = fastdp.DataParallel(synced, device_ids=["cpu"] * 3, chunk_sizes=chunk_sizes)
+    gen = torch.Generator().manual_seed(1)
+    clear = torch.zeros(9, dtype=torch.bool)
+    flags = clear.clone()
+    flags[0 if flagged == "first-chunk" else 8] = True
+    for step, marks in enumerate([clear, flags, clear, clear]):
+        x = torch.randn(9, 3, dtype=torch.float64, generator=gen)
+        if marks.any():
+            with pytest.raises(KeyError):
+                bare(x, marks)
+            with pytest.raises(KeyError):
+                _no_hang(lambda: dp(x, marks))
+            _buffers_equal(synced, bare, f"step {step}, failed")
+            continue
+        yb, yd = bare(x, marks), dp(x, marks)
+        _close(yd, yb, 1e-10, f"step {step} output")
+        yb.square().mean().backward()
+        yd.square().mean().backward()
+        for (name, pb), pd in zip(bare.named_parameters(), synced.parameters()):
+            _close(pd.grad, pb.grad, 1e-10, f"step {step} grad of {name}")
+            pb.grad = pd.grad = None
+        _buffers_equal(synced, bare, f"step {step}")
+
+
+class Checkpointed(nn.Module):
+    """BatchNorm layers inside blocks that activation checkpointing recomputes in backward. ``how``: "checkpoint" (two
+    blocks, one a BatchNorm without affine), "sequential" (checkpoint_sequential over them), "shared" (one block,
+    hence the same layers, checkpointed twice: their recomputations run in the reverse order of their calls),
+    "input" (the block's input needs no gradient: BatchNorm on the raw images first)."""
+
+    def __init__(self, how, momentum=0.1, reentrant=False):
+        super().__init__()
+        self.how, self.reentrant = how, reentrant
+        self.raw = nn.Sequential(nn.BatchNorm2d(3, momentum=momentum), nn.Conv2d(3, 3, 1))
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.block1 = nn.Sequential(nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
+                                    nn.BatchNorm2d(4, momentum=momentum), nn.Tanh())
+        self.block2 = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, momentum=momentum, affine=False),
+                                    nn.Tanh())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        r = self.reentrant
+        if self.how == "input":
+            x = checkpoint(self.raw, x.detach(), use_reentrant=r)
+        h = self.stem(x)
+        if self.how == "sequential":
+            h = checkpoint_sequential(nn.Sequential(*self.block1, *self.block2), 2, h, use_reentrant=r)
+        elif self.how == "shared":
+            h = checkpoint(self.block1, h, use_reentrant=r)
+            h = checkpoint(self.block1, h, use_reentrant=r)
+        else:
+            h = checkpoint(self.block1, h, use_reentrant=r)
+            h = checkpoint(self.block2, h, use_reentrant=r)
+        return self.head(h.flatten(2).mean(2))
+
+
+@pytest.mark.parametrize("chunk_sizes", [None, [2, 4, 3], [0, 5, 4]], ids=["chunk", "uneven", "device0-idle"])
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "momentum-None"])
+@pytest.mark.parametrize("how", ["checkpoint", "sequential", "shared", "input"])
+def test_checkpointed_synced_layers_equal_the_bare_model(how, momentum, chunk_sizes):
+    # A recomputed synced layer normalises with its forward's whole-batch statistics, and counts and updates the
+    # running statistics once more, as the bare model's recomputed BatchNorm does: outputs, gradients and buffers
+    # equal the bare model's under the same checkpointing.
+    torch.manual_seed(0)
+    _train_and_compare(Checkpointed(how, momentum), 3, torch.float64, 2, chunk_sizes=chunk_sizes, steps=3, batch=9)
+
+
+def _checkpointed_pair(how="checkpoint", reentrant=False, chunk_sizes=None):
+    torch.manual_seed(0)
+    bare = Checkpointed(how, reentrant=reentrant).double()
+    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
+    return bare, synced, fastdp.DataParallel(synced, device_ids=["cpu"] * 3, chunk_sizes=chunk_sizes)
+
+
+def _grads_and_buffers_equal(synced, bare, what):
+    for (name, pb), pd in zip(bare.named_parameters(), synced.parameters()):
+        _close(pd.grad, pb.grad, 1e-10, f"{what}: grad of {name}")
+    _buffers_equal(synced, bare, what)
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "sequential"])
+def test_reentrant_checkpoint_raises_naming_the_fix(how):
+    # use_reentrant=True recomputes each replica's block alone inside backward, where a synced layer's gradient
+    # cannot be computed: an error naming the fix, never a silently wrong gradient.
+    bare, synced, dp = _checkpointed_pair(how, reentrant=True)
+    x = torch.randn(9, 3, 6, 6, dtype=torch.float64, requires_grad=True)
+    bare(x).square().mean().backward()
+    loss = dp(x).square().mean()
+    with pytest.raises(RuntimeError) as info:
+        loss.backward()
+    assert str(info.value).startswith("fastdp: SyncBatchNorm layer ") and "sits in a block checkpointed in " \
+        "reentrant mode" in str(info.value) and str(info.value).endswith(
+            "Pass use_reentrant=False: its gradients equal the bare model's"), str(info.value)
+
+
+def test_pending_checkpointed_graphs_and_a_graph_backwarded_twice():
+    # Two forwards before their backwards, in the other order, then a graph retained and backwarded twice: each
+    # recomputation finds its own forward's statistics, and updates the running statistics as the bare model's.
+    bare, synced, dp = _checkpointed_pair()
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(9, 3, 6, 6, dtype=torch.float64, generator=gen) for _ in range(3)]
+    first, second = [(bare(x).square().mean(), dp(x).square().mean()) for x in xs[:2]]
+    for lb, ld in (second, first):
+        lb.backward()
+        ld.backward()
+        _grads_and_buffers_equal(synced, bare, "pending graphs")
+    lb, ld = bare(xs[2]).square().mean(), dp(xs[2]).square().mean()
+    for _ in range(2):
+        lb.backward(retain_graph=True)
+        ld.backward(retain_graph=True)
+        _grads_and_buffers_equal(synced, bare, "graph backwarded twice")
+
+
+def test_one_chunk_between_synced_checkpointed_steps():
+    # A batch of one chunk runs the replica's layers alone (torch's SyncBatchNorm, as plain BatchNorm), recomputation
+    # included; the synced steps around it are unaffected.
+    bare, synced, dp = _checkpointed_pair()
+    gen = torch.Generator().manual_seed(3)
+    for n in (9, 1, 9):
+        x = torch.randn(n, 3, 6, 6, dtype=torch.float64, generator=gen)
+        yb, yd = bare(x), dp(x)
+        _close(yd, yb, 1e-10, f"batch {n} output")
+        yb.square().mean().backward()
+        yd.square().mean().backward()
+        _grads_and_buffers_equal(synced, bare, f"batch {n}")
+
+
+def test_checkpointing_still_frees_the_synced_layers_inputs():
+    # Each replica saves its synced layers' inputs in its own thread, through its own checkpoint: they are freed
+    # after the forward and recomputed in backward, as the bare model's are.
+    seen = []
+
+    class Watched(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+            self.bn = nn.BatchNorm2d(4)
+
+        def forward(self, h):
+            h = self.conv(h)
+            seen.append(weakref.ref(h))
+            return torch.tanh(self.bn(h))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.block, self.head = nn.Conv2d(3, 4, 1), Watched(), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.block, self.stem(x), use_reentrant=False).mean((2, 3)))
+
+    torch.manual_seed(0)
+    bare = Model().double()
+    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
+    dp = fastdp.DataParallel(synced, device_ids=["cpu"] * 3)
+    x = torch.randn(9, 3, 6, 6, dtype=torch.float64)
+    for model in (bare, dp):
+        seen.clear()
+        loss = model(x).square().mean()
+        gc.collect()
+        assert seen and all(ref() is None for ref in seen), f"{type(model).__name__} keeps a synced layer's input"
+        loss.backward()
+    _grads_and_buffers_equal(synced, bare, "after backward")
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "plain"])
+def test_statistics_kept_for_recomputation_live_as_long_as_their_graph(how):
+    # What a recomputation would need is kept per forward while its graph lives, never longer: after a backward,
+    # a graph dropped without one, and a forward without autograd, nothing stays.
+    kept = fastdp.sync_batchnorm._RECORDINGS
+    torch.manual_seed(0)
+    model = Checkpointed("checkpoint") if how == "checkpoint" else Net(2, {})
+    dp = fastdp.DataParallel(fastdp.convert_sync_batchnorm(model.double()), device_ids=["cpu"] * 3)
+    x = torch.randn(9, 3, 6, 6, dtype=torch.float64)
+    for _ in range(3):
+        y = dp(x)
+        assert len(kept) == 1
+        y.square().mean().backward()
+        del y
+        assert len(kept) == 0
+    y = dp(x)
+    del y
+    assert len(kept) == 0
+    with torch.no_grad():
+        dp(x)
+    assert len(kept) == 0
+
+
+def test_recomputation_that_differs_from_its_forward_raises():
+    # A block that draws other random numbers when recomputed (checkpoint's preserve_rng_state=False) gives its
+    # synced layer an input its forward never saw: an error, never another forward's statistics.
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.bn, self.head = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)
+
+        def block(self, h):
+            return torch.tanh(self.bn(nn.functional.dropout(h, 0.5)))
+
+        def forward(self, x):
+            return self.head(checkpoint(self.block, self.stem(x), use_reentrant=False, preserve_rng_state=False))
+
+    dp = fastdp.DataParallel(fastdp.convert_sync_batchnorm(Noisy().double()), device_ids=["cpu"] * 2)
+    loss = dp(torch.randn(8, 4, dtype=torch.float64)).sum()
+    with pytest.raises(RuntimeError) as info:
+        loss.backward()
+    assert str(info.value).startswith("fastdp: SyncBatchNorm layer 0 of a replica runs again in backward (a "
+                                      "checkpointed block's recomputation) on an input whose statistics differ"), \
+        str(info.value)
+
+
+class _EveryDeviceAChunk(fastdp.DataParallel):
+    """A scatter override that hands every device its chunk, an empty one included."""
+
+    def scatter(self, inputs, kwargs, device_ids):
+        return fastdp.scatter_kwargs(inputs, kwargs, device_ids, chunk_sizes=[4, 0, 3])
+
+
+@pytest.mark.parametrize("case", ["empty-chunk", "no-spatial-extent", "empty-batch"])
+def test_chunks_with_no_value_per_channel(case):
+    # A replica whose chunk has no value per channel weighs nothing in the statistics, and a batch with no value at
+    # all leaves the running statistics as they are (torch's BatchNorm on an empty input) and counts the batch.
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+            self.bn = nn.BatchNorm1d(3, momentum=None).double()
+
+        def forward(self, x):
+            return self.bn(x * self.scale)
+
+    torch.manual_seed(0)
+    bare = Scaled()
+    with torch.no_grad():
+        bare.bn.running_mean.uniform_()
+        bare.bn.running_var.uniform_(1, 2)
+    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
+    if case == "empty-chunk":
+        dp, x = _EveryDeviceAChunk(synced, device_ids=["cpu"] * 3), torch.randn(7, 3, 5, dtype=torch.float64)
+    else:  # (torch.chunk gives an empty batch one empty chunk per device)
+        shape = (6, 3, 0) if case == "no-spatial-extent" else (0, 3, 5)
+        dp, x = fastdp.DataParallel(synced, device_ids=["cpu"] * 3), torch.randn(shape, dtype=torch.float64)
+    for step in range(2):
+        yb, yd = bare(x), dp(x)
+        assert yd.shape == yb.shape
+        _close(yd, yb, 1e-10, f"step {step} output")
+        (yb.square().sum() + yb.sum()).backward()
+        (yd.square().sum() + yd.sum()).backward()
+        _grads_and_buffers_equal(synced, bare, f"step {step}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

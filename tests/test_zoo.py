@@ -4,7 +4,10 @@ step through ``fastdp.DataParallel`` on 2 emulated replicas (an uneven split) an
 full batch: the loss, every gradient and every parameter after the step. Models with BatchNorm run converted to
 SyncBatchNorm (timm's converter for timm models, whose SyncBatchNormAct keeps its activation), against plain
 BatchNorm in the bare model. Classifiers train through ``criterion=`` (torch's CrossEntropyLoss, computed per
-replica); language models through a shifted causal-LM loss (a function, computed on the gathered output).
+replica); language models through a shifted causal-LM loss (a function, computed on the gathered output). The
+"-checkpointed" rows turn on the library's own activation checkpointing in both models (transformers'
+``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``): their synced layers are recomputed in
+backward.
 
 The libraries are in the ``zoo`` extra (scripts/setup.sh installs them pinned); without one, its rows skip.
 """
@@ -58,6 +61,17 @@ class Case:
         self.tol, self.sync_bn, self.dtype = tol, sync_bn, dtype
 
 
+def _checkpointed(build, enable):
+    """``build`` with the library's activation checkpointing turned on by ``enable(model)``."""
+
+    def checkpointed():
+        model = build()
+        enable(model)
+        return model
+
+    return checkpointed
+
+
 # ---- transformers --------------------------------------------------------------------------------------------------
 
 V = 61  # vocabulary size of the tiny language models
@@ -67,6 +81,15 @@ def _hf(config_name, model_name, **config):
     t = _lib("transformers")
     cfg = getattr(t, config_name)(**config)
     return getattr(t, model_name)(cfg)
+
+
+def _hf_checkpointing(model):
+    """transformers' activation checkpointing with its defaults (``gradient_checkpointing_enable()``, named
+    ``activation_checkpointing_enable()`` from transformers 5)."""
+    inner = model.model
+    enable = getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable
+    enable()
+    assert any(getattr(m, "gradient_checkpointing", False) is True for m in inner.modules())
 
 
 def _lm_data(length=9):
@@ -148,6 +171,13 @@ HF = {
     "clip-vision": Case(lambda: _hf("CLIPVisionConfig", "CLIPVisionModelWithProjection", image_size=32,
                                     patch_size=8, projection_dim=8, **TINY), _image_data,
                         loss=lambda out, _: out["image_embeds"].square().sum()),
+    "mobilevit-vision-checkpointed": Case(
+        _checkpointed(lambda: Logits(_hf("MobileViTConfig", "MobileViTForImageClassification", image_size=32,
+                                         hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32],
+                                         num_attention_heads=2, hidden_dropout_prob=0.0,
+                                         classifier_dropout_prob=0.0, num_labels=4)),
+                      _hf_checkpointing),
+        _image_data, criterion=nn.CrossEntropyLoss(), sync_bn=lambda m: fastdp.convert_sync_batchnorm(m)),
     "convnext-vision": Case(lambda: Logits(_hf("ConvNextConfig", "ConvNextForImageClassification",
                                                num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=4,
                                                image_size=32)),
@@ -170,6 +200,8 @@ TIMM = {
     "timm-regnety": Case(lambda: _timm("regnety_002"), _image_data, criterion=nn.CrossEntropyLoss(),
                          sync_bn=_timm_sync),
     "timm-resnet": Case(lambda: _timm("resnet10t"), _image_data, criterion=nn.CrossEntropyLoss(), sync_bn=_timm_sync),
+    "timm-resnet-checkpointed": Case(_checkpointed(lambda: _timm("resnet10t"), lambda m: m.set_grad_checkpointing()),
+                                     _image_data, criterion=nn.CrossEntropyLoss(), sync_bn=_timm_sync),
     "timm-mobilenetv3": Case(lambda: _timm("mobilenetv3_small_050"), _image_data, criterion=nn.CrossEntropyLoss(),
                              sync_bn=_timm_sync),
     "timm-vit": Case(lambda: _timm("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, embed_dim=32,

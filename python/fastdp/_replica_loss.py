@@ -177,9 +177,17 @@ def combine(results, targets, rule, dim, device, gather):
         first = _first_tensor(t)
         counts.append(first.shape[dim] if first is not None and first.dim() > 0 else 1)
     total = sum(counts)
-    # Each loss weighted on its own device by a Python number: a weight tensor made from a list on a CUDA device
-    # would be a host-to-device copy that waits for the device in every step.
-    return _scalars_to([loss * (c / total) for loss, c in zip(losses, counts)], device).sum()
+    if total == 0:
+        # The whole batch is empty, so each chunk's loss is the criterion's value on an empty batch, as the bare
+        # model's is (nan for torch's means): their mean, each replica's gradient a share of it.
+        weighted = [loss * (1 / len(losses)) for loss in losses]
+    else:
+        # Each loss weighted on its own device by a Python number: a weight tensor made from a list on a CUDA
+        # device would be a host-to-device copy that waits for the device in every step. An empty chunk (a
+        # scatter override's) holds no element of the full-batch mean: its loss, the mean of nothing (nan), is
+        # left out rather than weighted by 0, which would give nan.
+        weighted = [loss * (c / total) for loss, c in zip(losses, counts) if c]
+    return _scalars_to(weighted, device).sum()
 
 
 def pair(replicas, loss, devices):

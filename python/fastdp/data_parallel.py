@@ -403,15 +403,13 @@ class DataParallel(_UPSTREAM):
         replicas, watch, synced = self._replicate_step(step)
         if rec is not None:
             _report.replicated(self, step)
-        outputs = self._apply_step(replicas, inputs, module_kwargs, synced)
+        outputs = self._apply_step(replicas, inputs, module_kwargs, watch, synced)
         split = self.__dict__.get("_split")
         if isinstance(split, _split.AutoSplit) and torch.is_grad_enabled() and self.module.training:
             split.sample()  # the step's activations are alive now: "auto" notes the memory they take
         if rec is not None:
             rec.lap("apply")
             rec.sample_memory()
-        if watch is not None:
-            watch.copy_back()
         result = self._gather_step(step, outputs, inputs, module_kwargs)
         if rec is not None:
             rec.lap("gather", _recorder.nbytes(result) if step.loss is None else 0)
@@ -463,17 +461,24 @@ class DataParallel(_UPSTREAM):
             replicas = synced.track(replicas)
         return replicas, watch, synced
 
-    def _apply_step(self, replicas, inputs, module_kwargs, synced):
+    def _apply_step(self, replicas, inputs, module_kwargs, watch, synced):
+        """``self.parallel_apply``, then the replicas' buffers that the master takes (``watch``, when device 0 runs
+        no chunk) copied back, after a replica failed too: a failed step leaves the buffers as the bare model's
+        failed forward does (the layers that ran counted and updated, the others untouched)."""
+        abandoned = False
         try:
             return self.parallel_apply(replicas, inputs, module_kwargs)
         except BaseException as e:
-            if getattr(e, "_fastdp_abandoned", False):
+            abandoned = getattr(e, "_fastdp_abandoned", False)
+            if abandoned:
                 # Interrupted twice: workers may still run the kept replicas, so they are not reused.
                 self._replica_set = None
             raise
         finally:
             if synced is not None:
                 synced.end()
+            if watch is not None and not abandoned:
+                watch.copy_back()
 
     def _gather_step(self, step, outputs, inputs, module_kwargs):
         """The forward's one result: the gathered outputs, or the replicas' losses combined by the loss's rule."""

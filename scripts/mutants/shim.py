@@ -61,10 +61,10 @@ MUTANTS = [
                  "        for d in self.devices:\n            torch.cuda.reset_peak_memory_stats(d)\n",
          what="chunk_sizes='auto' resets the process-wide peak memory counters the user reads"),
     dict(name="loss-weights-host-sync", file="python/fastdp/_replica_loss.py",
-         find="    return _scalars_to([loss * (c / total) for loss, c in zip(losses, counts)], device).sum()",
-         replace="    vec = _scalars_to(losses, device)\n"
-                 "    weights = torch.tensor([c / total for c in counts], dtype=vec.dtype, device=vec.device)\n"
-                 "    return (vec * weights).sum()",
+         find="        weighted = [loss * (c / total) for loss, c in zip(losses, counts) if c]",
+         replace="        vec = _scalars_to(losses, device)\n"
+                 "        weights = torch.tensor([c / total for c in counts], dtype=vec.dtype, device=vec.device)\n"
+                 "        return (vec * weights).sum()",
          what="the per-replica mean loss builds its weights from a list on the device (a host sync per step)"),
     dict(name="h2d-blocking", file="python/fastdp/_functions.py",
          find="    return tuple(c.to(_devices.torch_device(d), non_blocking=True) for c, d in zip(chunks, target_devices))",
@@ -116,8 +116,8 @@ MUTANTS = [
          replace="        g, x, None, mean, var, None, None, False, eps, [False, True, True])",
          what="SyncBatchNorm's backward passes no saved statistics (torch's CUDA kernel asserts)"),
     dict(name="syncbn-counts-host-sync", file="python/fastdp/sync_batchnorm.py",
-         find="        mean = sum(both[i, 0] * (c / total) for i, c in enumerate(counts))",
-         replace="        weights = torch.tensor(counts, dtype=torch.float64, device=dest)\n"
-                 "        mean = sum(both[i, 0] * (weights[i] / total) for i in range(n))",
+         find="            mean = sum(both[i, 0] * (c / total) for i, c in enumerate(counts))",
+         replace="            weights = torch.tensor(counts, dtype=torch.float64, device=dest)\n"
+                 "            mean = sum(both[i, 0] * (weights[i] / total) for i in range(len(counts)))",
          what="SyncBatchNorm builds its count weights from a list on the device (a host sync per layer)"),
 ]

@@ -1,6 +1,7 @@
 """The structure signature built in C (``fastdp._C.walk``, csrc/python/structure.c) against the same walk written in
-Python over the modules' own dicts, on module trees with every kind of slot; and that a change of any kind the
-kept replicas depend on changes the signature."""
+Python over the modules' own dicts, on module trees with every kind of slot; that a change of any kind the kept
+replicas depend on changes the signature (``matches`` 0); and that a tensor whose memory moved while the structure
+stayed is told apart (``matches`` 2: what aliases it is remade, nothing rebuilt)."""
 
 from collections import OrderedDict
 
@@ -22,6 +23,13 @@ def path(request):
     _C.set_tensor_path(previous)
 
 
+def _memory(t, what):
+    try:
+        return getattr(t, what)()
+    except Exception:  # sparse tensors have neither
+        return None
+
+
 def reference_walk(root):
     """Breadth first over every distinct module, root first: a header per module, then an entry per parameter,
     buffer and child slot."""
@@ -32,7 +40,8 @@ def reference_walk(root):
         for d in (params, buffers):
             for k, t in d.items():
                 sig.append((k, None) if t is None else
-                           (k, id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout))
+                           (k, id(t), t.dtype, t.shape, t.device, t.requires_grad, t.layout, _memory(t, "data_ptr"),
+                            _memory(t, "stride")))
         for k, c in children.items():
             sig.append((k, id(c)))
             if c is not None and id(c) not in seen:
@@ -75,10 +84,10 @@ def test_c_walk_equals_the_python_walk(model, path):
     assert [id(m) for m in modules] == [id(m) for m in ref_modules]
     assert sig == ref_sig
     assert len(sig) == len(ref_sig) and all(type(a) is type(b) for a, b in zip(sig, ref_sig))
-    assert _C.matches(modules, sig) is True
-    assert _C.matches(ref_modules, ref_sig) is True  # a device object per entry, as the Python walk makes them
-    assert _C.matches(modules, sig[:-1]) is False and _C.matches(modules, sig + [sig[-1]]) is False
-    assert _C.matches(modules[:-1], sig) is False
+    assert _C.matches(modules, sig) == 1
+    assert _C.matches(ref_modules, ref_sig) == 1  # a device object per entry, as the Python walk makes them
+    assert _C.matches(modules, sig[:-1]) == 0 and _C.matches(modules, sig + [sig[-1]]) == 0
+    assert _C.matches(modules[:-1], sig) == 0
 
 
 CHANGES = {
@@ -101,33 +110,55 @@ CHANGES = {
 def test_every_change_moves_the_signature(change, path):
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.BatchNorm1d(3))
     modules, before = _C.walk(model)
-    assert _C.walk(model)[1] == before and _C.matches(modules, before)
+    assert _C.walk(model)[1] == before and _C.matches(modules, before) == 1
     CHANGES[change](model)
     after = _C.walk(model)[1]
     assert after != before
     assert after == reference_walk(model)[1]
-    assert not _C.matches(modules, before)
+    assert _C.matches(modules, before) == 0
 
 
-@pytest.mark.parametrize("field, value", [(2, torch.float64), (3, torch.Size([3, 4])), (3, (3, "3")),
-                                          (4, torch.device("cpu", 0)), (4, "cpu"), (5, True), (6, torch.sparse_coo)],
-                         ids=["dtype", "shape", "shape_not_ints", "device_index", "device_string", "requires_grad",
-                              "layout"])
-def test_matches_compares_every_field(field, value, path):
+MOVES = {
+    "data replaced": lambda m: setattr(m[0].weight, "data", m[0].weight.data.clone()),
+    "data transposed (square)": lambda m: setattr(m[0].weight, "data", m[0].weight.data.t()),
+    "moved to shared memory": lambda m: m[2].running_var.share_memory_(),
+    "set_ to other memory": lambda m: m[2].running_mean.set_(torch.zeros(3)),
+    "swap_tensors": lambda m: torch.utils.swap_tensors(m[0].bias, nn.Parameter(torch.zeros(3))),
+}
+
+
+@pytest.mark.parametrize("move", MOVES)
+def test_memory_moved_under_the_same_structure(move, path):
+    """A tensor whose data pointer or strides changed while everything else stayed: matches says 2, and a walk made
+    now matches again."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.BatchNorm1d(3))
+    modules, before = _C.walk(model)
+    MOVES[move](model)
+    assert _C.matches(modules, before) == 2
+    modules, after = _C.walk(model)
+    assert after == reference_walk(model)[1] and _C.matches(modules, after) == 1
+
+
+@pytest.mark.parametrize("field, value, found", [
+    (2, torch.float64, 0), (3, torch.Size([3, 4]), 0), (3, (3, "3"), 0), (4, torch.device("cpu", 0), 0),
+    (4, "cpu", 0), (5, True, 0), (6, torch.sparse_coo, 0), (7, 8, 2), (7, None, 2), (8, (2,), 2), (8, (1, 1), 2)],
+    ids=["dtype", "shape", "shape_not_ints", "device_index", "device_string", "requires_grad", "layout", "data_ptr",
+         "data_ptr_none", "strides", "strides_other_rank"])
+def test_matches_compares_every_field(field, value, found, path):
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     modules, sig = _C.walk(model)
     model[1].running_mean.requires_grad_(False)
-    at = next(i for i, e in enumerate(sig) if len(e) == 7 and e[0] == "running_mean")
+    at = next(i for i, e in enumerate(sig) if len(e) == 9 and e[0] == "running_mean")
     changed = list(sig[at])
     changed[field] = value
-    assert _C.matches(modules, sig) is True
-    assert _C.matches(modules, sig[:at] + [tuple(changed)] + sig[at + 1:]) is False
+    assert _C.matches(modules, sig) == 1
+    assert _C.matches(modules, sig[:at] + [tuple(changed)] + sig[at + 1:]) == found
 
 
 def test_walk_shares_equal_device_objects():
     """Entries of tensors on one device hold one device object, so that matches() reads what it is once."""
     modules, sig = _C.walk(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2, device="meta")))
-    devices = [e[4] for e in sig if len(e) == 7]
+    devices = [e[4] for e in sig if len(e) == 9]
     assert len(devices) == 9 and len({id(d) for d in devices}) == 2
     assert [str(d) for d in devices] == ["cpu"] * 7 + ["meta"] * 2
 

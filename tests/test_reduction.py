@@ -6,6 +6,7 @@ gives. Each case compares with the bare model on the full batch."""
 import copy
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -321,14 +322,20 @@ def test_a_replica_failing_in_backward_after_buckets_started(monkeypatch, error)
     before = [p.grad.clone() for p in model.parameters()]
     real = _reducer.start
 
+    sums = []  # weak references to the sums the failing backward started
+
     def start(bucket, grads):
         started.append(bucket.index)
-        return real(bucket, grads)
+        handed = real(bucket, grads)
+        if getattr(handed[0], "_fastdp_sum", None) is not None:
+            sums.append(handed[0]._fastdp_sum)  # a weak reference to the started sum
+        return handed
 
     monkeypatch.setattr(_reducer, "start", start)
     with pytest.raises(type(error)):
         dp(x).pow(2).sum().backward()
-    assert started  # some buckets (the last layers') were started before the failure
+    assert started and sums  # some buckets (the last layers') were started before the failure
+    assert [r() for r in sums] == [None] * len(sums)  # and their sums died with the backward
     monkeypatch.setattr(_reducer, "start", real)
     started.clear()
     for p, b in zip(model.parameters(), before):
@@ -337,6 +344,60 @@ def test_a_replica_failing_in_backward_after_buckets_started(monkeypatch, error)
         dp(x).pow(2).sum().backward()
         bare(x).pow(2).sum().backward()
     for p, q in zip(model.parameters(), bare.parameters()):
+        _close(p.grad, q.grad)
+
+
+def test_a_failing_synchronising_backward_keeps_what_no_sync_kept(monkeypatch):
+    """Two backwards inside no_sync, then a synchronising backward that fails after some buckets took no_sync's kept
+    shares into their sums: those shares are kept again, so the retried backward gives the bare model's .grad
+    (which accumulated all three successful backwards)."""
+    started, never = [], []
+    armed = []
+    model, bare = Failing(RuntimeError("boom"), armed), Failing(RuntimeError("boom"), never)
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, bucket_cap_mb=1e-6)
+    xs = [torch.randn(9, 6, dtype=torch.float64) for _ in range(3)]
+    with dp.no_sync():
+        for x in xs[:2]:
+            dp(x).pow(2).sum().backward()
+    for x in xs[:2]:
+        bare(x).pow(2).sum().backward()
+    real = _reducer.start
+
+    def start(bucket, grads):
+        started.append(bucket.index)
+        armed.append(True)  # the first layer's backward fails once a bucket started
+        return real(bucket, grads)
+
+    monkeypatch.setattr(_reducer, "start", start)
+    with pytest.raises(RuntimeError, match="boom"):
+        dp(xs[2]).pow(2).sum().backward()
+    assert started
+    monkeypatch.setattr(_reducer, "start", real)
+    armed.clear()
+    dp(xs[2]).pow(2).sum().backward()
+    bare(xs[2]).pow(2).sum().backward()
+    for p, q in zip(model.parameters(), bare.parameters()):
+        _close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("cap, storages", [(25, 1), (1e-6, 6)], ids=["one-bucket", "bucket-per-tensor"])
+def test_the_sum_becomes_grad_without_a_copy(cap, storages):
+    """Nothing but autograd holds a delivered sum, so AccumulateGrad takes it as .grad instead of copying it: the
+    members of a bucket get views of its one sum (as upstream's do of its coalesced sum), each changed in place on
+    its own (an optimizer's, clipping's) without touching the others."""
+    bare, dp = mlp(), fastdp.DataParallel(mlp(), device_ids=["cpu"] * 3, bucket_cap_mb=cap)
+    dp(X).pow(2).sum().backward()
+    bare(X).pow(2).sum().backward()
+    grads = [p.grad for p in dp.module.parameters()]
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == storages
+    grads[0].mul_(0)
+    for p, q in list(zip(dp.module.parameters(), bare.parameters()))[1:]:
+        _close(p.grad, q.grad)
+    dp(X).pow(2).sum().backward()  # accumulates in place, view by view
+    bare(X).pow(2).sum().backward()
+    bare_first = next(bare.parameters())
+    _close(grads[0], bare_first.grad - (bare_first.grad / 2))
+    for p, q in list(zip(dp.module.parameters(), bare.parameters()))[1:]:
         _close(p.grad, q.grad)
 
 

@@ -10,7 +10,7 @@
 typedef struct {
   PyObject_HEAD
   fdp_copy_plan_t *plan; /* the copies, checked once (fdp_copy_prepare) */
-  PyObject *keep;        /* the tensors described: their memory stays alive with the object */
+  PyObject *keep;        /* the tensors described: alive with the object (their memory too, while none moves) */
 } prepared_object;
 
 static module_state *type_state(PyTypeObject *type) {

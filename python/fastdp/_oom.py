@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from . import _devices, _recorder, _reducer, _report, _split, _step
+from . import _devices, _recorder, _report, _split, _step
 
 __all__ = ["parse", "run_rescued", "train_step", "Injection", "inject_oom", "OOM"]
 
@@ -59,14 +59,11 @@ class _Buffers:
                 b.copy_(copy)
 
 
-def _free(error, wrapper=None):
-    """Lets go of what a failed attempt's frames held (partial outputs, activations) while keeping the error, and
-    of the gradient sums its backward started but never delivered."""
+def _free(error):
+    """Lets go of what a failed attempt's frames held (partial outputs, activations; the gradient sums its backward
+    started go with its graph) while keeping the error."""
     if error.__traceback__ is not None:
         traceback.clear_frames(error.__traceback__)
-    kept = wrapper.__dict__.get("_replica_set") if wrapper is not None else None
-    if kept is not None:
-        _reducer.abandon(kept.state)
 
 
 def failed_position(wrapper, step, error):
@@ -165,7 +162,7 @@ def run_rescued(wrapper, step, inputs, kwargs):
     except OOM as error:
         if getattr(error, "_fastdp_rescued", False):
             raise
-        _free(error, wrapper)
+        _free(error)
         buffers.restore()
         position = failed_position(wrapper, step, error)
         moved = move_rows(wrapper, step, position, inputs, kwargs)
@@ -176,7 +173,7 @@ def run_rescued(wrapper, step, inputs, kwargs):
         try:
             return wrapper._run_step(_retry_step(wrapper, step), inputs, kwargs)
         except OOM as again:
-            _free(again, wrapper)
+            _free(again)
             buffers.restore()
             _advise(error, wrapper, position, moved, again)
         raise error
@@ -225,7 +222,7 @@ def train_step(wrapper, inputs, kwargs, loss_fn):
     except OOM as error:
         if getattr(error, "_fastdp_rescued", False):
             raise  # the forward's own rescue already ran the step twice
-        _free(error, wrapper)
+        _free(error)
         buffers.restore()
         position = failed_position(wrapper, None, error)
         moved = move_rows(wrapper, None, position, inputs, kwargs)
@@ -236,7 +233,7 @@ def train_step(wrapper, inputs, kwargs, loss_fn):
         try:
             return _forward_backward(wrapper, inputs, kwargs, loss_fn, params)
         except OOM as again:
-            _free(again, wrapper)
+            _free(again)
             buffers.restore()
             _advise(error, wrapper, position, moved, again)
         raise error

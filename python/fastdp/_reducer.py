@@ -15,12 +15,16 @@ steps after it: left so, it would run only once nothing else was ready, after th
 gets the highest sequence number (the one autograd gives AccumulateGrad nodes, which DDP's reducer hooks for the same
 reason): it runs as soon as it is ready, and starts the bucket's reduction there, on the host backend's reducer
 thread for emulated replicas or on streams of the reduction's own on CUDA devices, while autograd goes on with the
-rest of backward. It hands autograd nothing. The delivery node, whose only input comes from the bucket node, gets
-the lowest sequence number, so autograd runs it once nothing else is ready; it waits for the reduction (host) or
-orders the consumer's stream after it (CUDA) and hands the sum to the master parameters' AccumulateGrad nodes. So
-hooks on master parameters, ``torch.autograd.grad``, ``backward(inputs=...)``, post-accumulate-grad hooks and double
-backward see one summed gradient per backward, as on the bare model, and a backward that fails part way has
-written no ``.grad``. Where the result must be differentiable (``create_graph=True``) or nothing is summed
+rest of backward. It hands the delivery node a token of the started sum (a zero of the first member's shape on
+device_ids[0]; the sum lives exactly as long as the backward: one that fails drops it with its memory). The
+delivery node, whose only input comes from the bucket node, gets the lowest sequence number, so autograd runs it
+when nothing else is ready in device_ids[0]'s queue; it waits for the reduction (host) or orders its stream after
+it (CUDA) and hands the sum to the master parameters' AccumulateGrad nodes. So hooks on master parameters,
+``torch.autograd.grad``, ``backward(inputs=...)``, post-accumulate-grad hooks and double backward see one summed
+gradient per backward, as on the bare model. On the host, where every node runs in one queue, the delivery nodes run
+last, so a backward that fails part way has written no ``.grad``; on CUDA devices, where each device's nodes run on
+their own thread, a sum delivered before another device's backward failed stays in ``.grad``, as the bare model's
+accumulated gradients do. Where the result must be differentiable (``create_graph=True``) or nothing is summed
 (``no_sync()``), the bucket node computes its result at once and the delivery node passes it on.
 
 On CUDA (NOTE [reduction streams]) every piece of the reduction's work runs on one stream of its own per device,
@@ -47,7 +51,7 @@ from . import _C, _streams, comm
 from ._core import reduce_columns, to_core_dtype
 from ._functions import ReduceAddCoalesced
 
-__all__ = ["BucketNode", "Delivery", "start", "deliver", "abandon", "flush", "sweep", "reduce_now"]
+__all__ = ["BucketNode", "Delivery", "start", "deliver", "flush", "sweep"]
 
 _unflatten_dense = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
 _flatten_dense = getattr(getattr(torch._C, "_nn", None), "flatten_dense_tensors", None)
@@ -137,88 +141,142 @@ def _set_sequence_nr(node, nr):
 
 def start(bucket, grads):
     """Every replica's gradients of `bucket` are complete (replica-major: replica 0's k members, then replica 1's...,
-    None where a replica did not use a member). Starts the sum and returns nothing to autograd, or, where the result
-    is needed at once (no_sync, create_graph), returns it: one gradient or None per member."""
+    None where a replica did not use a member). Starts the sum and hands autograd a token of it for the delivery
+    node, or, where the result is needed at once (no_sync, create_graph), hands the result itself: one gradient or
+    None per member."""
     state = bucket.state
     if not state.host:
         _streams.refuse_capture("fastdp.DataParallel's gradient reduction")
-    if bucket.pending is not None:
-        keeps_pending(bucket)  # drops the sums of members whose .grad the user cleared since
-    # Which members this backward accumulates into .grad: asked only where no_sync's sums are involved.
-    accumulating = _accumulating(bucket) if not state.sync or bucket.pending is not None or state.kept else None
-    if not state.sync and any(accumulating):
-        with _ordered(state, grads, handed=True):
-            return _accumulate(bucket, grads, accumulating)
-    if state.sync and state.kept and any(accumulating):
-        # The first backward after no_sync that writes gradients: what no_sync kept for buckets it never reaches
-        # (or for members it leaves out) reaches .grad at its end.
-        state.kept = False
-        _queue_callback(partial(flush, state))
-    kept = _take_pending(bucket, accumulating) if state.sync else None
+    # no_sync's bookkeeping, one node at a time (a reentrant checkpoint runs a bucket's node in nested backwards,
+    # which can run on several of autograd's threads at once).
+    with state.lock:
+        if bucket.returned:
+            _take_back(bucket)
+        if bucket.pending is not None:
+            keeps_pending(bucket)  # drops the sums of members whose .grad the user cleared since
+        # Which members this backward accumulates into .grad: asked only where no_sync's sums are involved.
+        accumulating = _accumulating(bucket) if not state.sync or bucket.pending is not None or state.kept else None
+        if not state.sync and any(accumulating):
+            with _ordered(state, grads) as hand:
+                return hand(_accumulate(bucket, grads, accumulating))
+        if state.sync and state.kept and any(accumulating):
+            _queue_flush(state)
+        kept = _take_pending(bucket, accumulating) if state.sync else None
     if torch.is_grad_enabled():
         # create_graph=True: the differentiable sum, whose backward broadcasts again (double backward), at once.
-        with _ordered(state, (grads, kept), handed=True):
+        with _ordered(state, (grads, kept)) as hand:
             rows = _member_rows(bucket, grads, kept)
-            return ReduceAddCoalesced.apply(state.devices[0], state.devices, len(bucket.members),
-                                            *(g for row in rows for g in row))
+            return hand(ReduceAddCoalesced.apply(state.devices[0], state.devices, len(bucket.members),
+                                                 *(g for row in rows for g in row)))
     if kept is None and all(map(operator.is_, grads, repeat(None))):
         return grads[: len(bucket.members)]  # no gradient reached the bucket
-    if state.host and _last_to_start(state):
-        # Nothing of the replicas' backward is left to overlap: handing the sum to the reducer thread would only
-        # add the hand-over to the step.
-        return _host_sum(bucket, grads, kept)
-    job = state.reduction.launch(bucket, grads, kept)
-    inflight = bucket.inflight
-    if len(inflight) >= _INFLIGHT:  # a backward that failed before delivering: its sums are not needed
-        inflight.pop(next(iter(inflight)))
-    inflight[_graph_task_id()] = job
-    return (None,) * len(bucket.members)
+    backward = _this_backward(state)
+    try:
+        if state.host and backward.last_to_start(len(state.grad_buckets)):
+            # Nothing of the replicas' backward is left to overlap: handing the sum to the reducer thread would only
+            # add the hand-over to the step.
+            job = _Done(_host_sum(bucket, grads, kept))
+        else:
+            job = state.reduction.launch(bucket, grads, kept)
+    except BaseException:
+        if kept is not None:
+            _put_back(weakref.ref(bucket), kept)
+        raise
+    if kept is not None:
+        job.restore = weakref.finalize(job, _put_back, weakref.ref(bucket), kept)
+    backward.jobs.append(job)
+    return (_token(bucket, job),) + (None,) * (len(bucket.members) - 1)
 
 
-_INFLIGHT = 8  # sums started and not yet delivered, per bucket (more than one only for concurrent backwards)
+def _token(bucket, job):
+    """What the bucket node hands the delivery node for its first member: a zero of that member's shape that refers
+    to the started sum (weakly: the sum belongs to its backward, see _Backward)."""
+    token = torch.zeros((), dtype=bucket.dtype, device=bucket.state.tdevs[0]).expand(bucket.shapes[0])
+    token._fastdp_sum = weakref.ref(job)
+    return token
 
 
-def _last_to_start(state):
-    """Whether every other gradient bucket has started its sum in this backward (counted per backward)."""
+class _Backward:
+    """The sums one backward started, held by the callback autograd runs at that backward's end, so that they live
+    exactly as long as the backward. One that fails is dropped at once with its callbacks, and the sums' memory with
+    it (the tokens cannot hold them: autograd leaves the failed backward's pending nodes and their inputs in the
+    calling thread's ready queue until its next backward), and what no_sync kept for them is kept again before the
+    error reaches the caller. Also counts the buckets that started a sum in this backward."""
+
+    __slots__ = ("task", "jobs", "count", "__weakref__")
+
+    def __init__(self, task):
+        self.task, self.jobs, self.count = task, [], 0
+
+    def last_to_start(self, buckets):
+        """Whether every other of the `buckets` gradient buckets has started its sum in this backward."""
+        self.count += 1
+        return self.count >= buckets
+
+    def __call__(self):  # the backward completed: every sum was delivered
+        self.jobs.clear()
+
+
+def _this_backward(state):
+    """The running backward's _Backward, made (and queued as its final callback) by its first bucket to start."""
     task = _graph_task_id()
-    if state.started[0] != task:
-        state.started = [task, 0]
-    state.started[1] += 1
-    return state.started[1] >= len(state.grad_buckets)
+    with state.lock:
+        backward = state.started() if state.started is not None else None
+        if backward is None or backward.task != task:
+            backward = _Backward(task)
+            _queue_callback(backward)
+            state.started = weakref.ref(backward)
+        return backward
 
 
-def abandon(state):
-    """Drops the sums started in backwards that will not deliver them (a backward that failed: the out-of-memory
-    rescue frees what the failed attempt held before it runs the step again)."""
-    for ref in state.grad_buckets:
-        bucket = ref()
-        if bucket is not None:
-            bucket.inflight.clear()
+def _queue_flush(state):
+    """The first backward after no_sync that writes gradients: what no_sync kept for the buckets it never reaches
+    (or for members it leaves out) reaches .grad at its end (once per backward; a backward that fails never flushes,
+    and its kept sums stay kept)."""
+    task = _graph_task_id()
+    if state.flushing != task:
+        state.flushing = task
+        _queue_callback(partial(flush, state))
 
 
 def deliver(bucket, grads):
     """The delivery node's backward: the sum the bucket node computed at once (passed on), or the one it started
     (waited for on the host, ordered before the consumer's stream on CUDA)."""
-    if not all(map(operator.is_, grads, repeat(None))):
+    ref = getattr(grads[0], "_fastdp_sum", None) if grads and grads[0] is not None else None
+    if ref is None:
         return grads
-    job = bucket.inflight.pop(_graph_task_id(), None)
-    if job is None:
-        return grads
+    job = ref()  # alive: its backward (this one) holds it until its end
+    _LEDGER.sweep()
     recorder = bucket.state.recorder
-    if recorder is None or not bucket.state.host:
-        return job.result()
+    if recorder is None or type(job) is not _Job:  # only a host thread's sum can keep backward waiting here
+        return job.take()
     began = time.perf_counter_ns()
     try:
-        return job.result()
+        return job.take()
     finally:
         recorder.record("wait-reduce", None, began, time.perf_counter_ns(), bucket=bucket.index)
 
 
-def reduce_now(bucket, grads):
-    """The sum of one bucket's replica gradients, with what no_sync kept, computed in the calling thread."""
-    kept = _take_pending(bucket)
-    with _ordered(bucket.state, (grads, kept), handed=True):
-        return _sum(bucket, grads, kept, None)
+def _put_back(ref, kept):
+    """What no_sync kept, taken for a sum that was never delivered (its backward failed): returned to the bucket, to
+    be kept again (by _take_back, under the lock, before the bucket's next use: this runs whenever the failed
+    backward's graph is freed, possibly in the middle of other work)."""
+    bucket = ref()
+    if bucket is not None:
+        bucket.returned.append(kept)
+
+
+def _take_back(bucket):
+    """Keeps again what failed backwards returned (see _put_back). The state's lock is held."""
+    while bucket.returned:
+        kept = bucket.returned.pop()
+        now = _pending_rows(bucket)
+        for row, back in zip(now[1:], _kept_rows(bucket, kept)[1:]):
+            for j, acc in enumerate(back):
+                if acc is not None:
+                    row[j] = acc if row[j] is None else row[j] + acc
+        bucket.pending = now
+        bucket.state.kept = True
 
 
 # ---- the sum -------------------------------------------------------------------------------------------------------
@@ -313,20 +371,37 @@ def reduction_for(state):
     return _HOST if state.host else _CudaReduction(state)
 
 
-class _Job:
-    """A sum started on the reducer thread; ``result()`` waits for it and raises what it raised."""
+class _Done:
+    """A sum computed already (the last bucket of a host backward). ``take()`` hands it over once; ``restore``: the
+    finalizer that keeps what no_sync kept again if it never is."""
 
-    __slots__ = ("done", "value", "error")
+    __slots__ = ("value", "restore", "__weakref__")
+
+    def __init__(self, value):
+        self.value, self.restore = value, None
+
+    def take(self):
+        if self.restore is not None:
+            self.restore.detach()
+        value, self.value = self.value, None  # (autograd takes the sum as .grad only if nothing else holds it)
+        return value
+
+
+class _Job(_Done):
+    """A sum started on the reducer thread; ``take()`` waits for it and raises what it raised."""
+
+    __slots__ = ("done", "error")
 
     def __init__(self):
+        super().__init__(None)
         self.done = threading.Event()
-        self.value = self.error = None
+        self.error = None
 
-    def result(self):
+    def take(self):
         self.done.wait()
         if self.error is not None:
             raise self.error
-        return self.value
+        return super().take()
 
 
 class _HostReduction:
@@ -341,7 +416,7 @@ class _HostReduction:
 
     def launch(self, bucket, grads, kept):
         job = _Job()
-        self._tasks().put((job, bucket, grads, kept))
+        self._tasks().put((weakref.ref(job), bucket, grads, kept))  # the job is its backward's (_Backward)
         return job
 
     def _tasks(self):
@@ -355,13 +430,20 @@ class _HostReduction:
     @staticmethod
     def _run(tasks):
         while True:
-            job, bucket, grads, kept = tasks.get()
+            ref, bucket, grads, kept = tasks.get()
+            value = error = None
             try:
-                job.value = _host_sum(bucket, grads, kept)
+                value = _host_sum(bucket, grads, kept)
             except BaseException as e:  # handed to the delivery node, which raises it in backward
-                job.error = e
+                error = e
             del bucket, grads, kept
-            job.done.set()
+            job = ref()
+            if job is not None:  # else its backward failed: nobody waits, and the sum is dropped here
+                job.value, job.error = value, error
+                done = job.done
+                del job
+                done.set()
+            del value, error
 
 
 _HOST = _HostReduction()
@@ -387,10 +469,12 @@ def _host_sum(bucket, grads, kept):
 # - before 2.8: gradients on the node's first device are ready on its canonical stream; a gradient on another
 #   device is ready on that device's default stream, where autograd also added several contributions to it. So the
 #   first device's reduction stream waits for the canonical stream, each other device's for its default stream.
-# The sum is written into a buffer allocated on the consumer's stream (its memory is the consumer's to reuse once
-# the sum is used); the consumer's stream waits for the first device's reduction stream before autograd uses it.
-# Every tensor the reduction reads or writes is held until a fence behind its work on every device has passed
-# (swept at each reduction and forward), so the caching allocator reuses no memory the reduction still reads.
+# A started sum is written into a buffer allocated on the consumer's stream (its memory is the consumer's to reuse
+# once the sum is used); a sum handed over at once (no_sync, create_graph) is allocated by the reduction's streams
+# and recorded as used by the consumer's stream. The consumer's stream waits for the first device's reduction stream
+# before autograd uses a sum. Every tensor the reduction reads or writes is held until a fence behind its work on
+# every device has passed (swept at each reduction, delivery and forward; a failure part way included), so the caching
+# allocator reuses no memory the reduction still reads.
 _LEGACY_STREAMS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8)
 
 
@@ -422,7 +506,7 @@ class _Ledger:
     """Tensors the reduction's streams still use, each group released once its fence has passed."""
 
     def __init__(self):
-        self._held = collections.deque()
+        self._held = []
         self._lock = threading.Lock()
 
     def hold(self, fence, tensors):
@@ -431,35 +515,53 @@ class _Ledger:
 
     def sweep(self):
         with self._lock:
-            while self._held and self._held[0][0].done():
-                self._held.popleft()
+            if self._held:
+                self._held = [entry for entry in self._held if not entry[0].done()]
 
 
 _LEDGER = _Ledger()
 
 
 def sweep():
-    """Releases the tensors of reductions that have completed (called at each forward)."""
+    """Releases the tensors of reductions that have completed (called at each forward and delivery)."""
     if _LEDGER._held:
         _LEDGER.sweep()
 
 
+def _no_handover(result):
+    return result
+
+
 @contextlib.contextmanager
-def _ordered(state, held, handed):
-    """The reduction's work of one node (CUDA: on its own streams, after the gradients are ready there, with `held`,
-    what it reads, kept alive until it completes; NOTE [reduction streams]). `handed`: the node hands its result to
-    autograd now, so its stream waits for the work."""
+def _ordered(state, held):
+    """The reduction's work of one node whose result autograd takes at once (CUDA: on the reduction's own streams,
+    after the gradients are ready there, `held` (what it reads) kept alive until it completes; NOTE [reduction
+    streams]). Yields ``hand(result)``: the node's stream waits for the work, and the result's memory, which the
+    reduction's streams allocated, counts as used by that stream too."""
     if state.host:
-        yield
+        yield _no_handover
         return
     own = {d: own_stream(d) for d in _streams.cuda_indices(state.devices)}
+    first = next(iter(own))
     ready = ready_streams(list(own))
     _streams.order([(own[d], ready[d]) for d in own])
-    with _streams.entered(tuple(own.values())):
-        yield
-    _LEDGER.hold(_streams.Fence(list(own.values())), held)
-    if handed:
-        _streams.Fence([own[next(iter(own))]]).wait(torch.cuda.current_stream(next(iter(own))))
+    handed = []
+
+    def hand(result):
+        handed.append(result)
+        return result
+
+    try:
+        with _streams.entered(tuple(own.values())):
+            yield hand
+    finally:
+        _LEDGER.hold(_streams.Fence(list(own.values())), held)  # a failure part way included
+    consumer = torch.cuda.current_stream(first)
+    _streams.Fence([own[first]]).wait(consumer)
+    for result in handed:
+        for t in result if isinstance(result, (tuple, list)) else (result,):
+            if t is not None:
+                t.record_stream(consumer)
 
 
 class _CudaReduction:
@@ -472,29 +574,35 @@ class _CudaReduction:
         _LEDGER.sweep()
         first = self.devices[0]
         own = [own_stream(d) for d in self.devices]
+        # The consumer's memory, taken before the reduction's streams are ordered after the consumer's.
+        out = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.state.tdevs[0])
         ready = ready_streams(self.devices)
         _streams.order([(s, ready[d]) for d, s in zip(self.devices, own)])
-        out = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.state.tdevs[0])  # the consumer's memory
         recorder = bucket.state.recorder
-        with _streams.entered(tuple(own)):
-            began = recorder.stamp(first) if recorder is not None else None  # on the first reduction stream
-            result = _sum(bucket, grads, kept, out)
-            if began is not None:  # device timings, read when the report is (no synchronisation here)
-                recorder.record("reduce", None, began, recorder.stamp(first), bucket.numel * bucket.itemsize,
-                                bucket=bucket.index)
-        _LEDGER.hold(_streams.Fence(own), (grads, kept, out, result))
+        try:
+            with _streams.entered(tuple(own)):
+                began = recorder.stamp(first) if recorder is not None else None  # on the first reduction stream
+                result = _sum(bucket, grads, kept, out)
+                if began is not None:  # device timings, read when the report is (no synchronisation here)
+                    recorder.record("reduce", None, began, recorder.stamp(first), bucket.numel * bucket.itemsize,
+                                    bucket=bucket.index)
+        finally:
+            # Held until the reduction's work on every device has passed (a failure part way included). Not the
+            # results: autograd takes a sum nothing else holds as .grad without copying it.
+            _LEDGER.hold(_streams.Fence(own), (grads, kept, out))
         return _CudaJob(result, _streams.Fence([own[0]]), first)
 
 
-class _CudaJob:
-    __slots__ = ("value", "fence", "device")
+class _CudaJob(_Done):
+    __slots__ = ("fence", "device")
 
     def __init__(self, value, fence, device):
-        self.value, self.fence, self.device = value, fence, device
+        super().__init__(value)
+        self.fence, self.device = fence, device
 
-    def result(self):
+    def take(self):
         self.fence.wait(torch.cuda.current_stream(self.device))  # the delivery node's stream: the consumer's
-        return self.value
+        return super().take()
 
 
 # ---- no_sync -------------------------------------------------------------------------------------------------------
@@ -683,27 +791,31 @@ def _cleared(state, p, mark, stale=False):
 def _mark_grads(state):
     """At the end of a no_sync backward: notes each master member's .grad (object and version) of the buckets that
     keep sums, so that a later clear is seen (NOTE [no_sync sums])."""
-    state.marking = None
-    for ref in state.grad_buckets:
-        bucket = ref()
-        if bucket is not None and bucket.pending is not None:
-            bucket.marks = [_grad_mark(p.grad) for p in bucket.master]
+    with state.lock:
+        state.marking = None
+        for ref in state.grad_buckets:
+            bucket = ref()
+            if bucket is not None and bucket.pending is not None:
+                bucket.marks = [_grad_mark(p.grad) for p in bucket.master]
 
 
 def flush(state):
     """Reduces the sums no_sync still keeps and adds them to the master's ``.grad``: at the end of the first
-    synchronising backward after no_sync for buckets whose node it never ran (none of their members was used),
-    or for every bucket when the set is replaced."""
-    with torch.no_grad():
+    backward after no_sync that writes gradients, for buckets whose node it never ran (none of their members was
+    used) or members it left out, or for every bucket when the set is replaced."""
+    with state.lock, torch.no_grad():
+        state.kept = False
         for ref in state.grad_buckets:
             bucket = ref()
+            if bucket is not None and bucket.returned:
+                _take_back(bucket)
             if bucket is None or not keeps_pending(bucket):
                 continue
             nones = (None,) * (len(bucket.members) * len(state.tdevs))
             kept = _take_pending(bucket)
-            with _ordered(state, kept, handed=True):
-                result = _reduce_members(bucket, _member_rows(bucket, nones, kept),
-                                         torch.empty(bucket.numel, dtype=bucket.dtype, device=state.tdevs[0]))
+            with _ordered(state, kept) as hand:
+                result = hand(_reduce_members(bucket, _member_rows(bucket, nones, kept),
+                                              torch.empty(bucket.numel, dtype=bucket.dtype, device=state.tdevs[0])))
             for p, g in zip(bucket.master, result):
                 if g is not None:
                     if p.grad is None:

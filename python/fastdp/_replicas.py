@@ -51,6 +51,7 @@ double backward). Two things keep it honest:
 """
 
 import operator
+import threading
 import weakref
 from array import array
 from itertools import chain
@@ -211,7 +212,7 @@ class _State:
     """What the wrapper and the bucket nodes share: devices, where reductions run, no_sync bookkeeping."""
 
     __slots__ = ("devices", "tdevs", "cuda", "host", "collective", "sync", "grad_buckets", "kept", "marking",
-                 "network", "reduction", "recorder", "generation", "started", "__weakref__")
+                 "flushing", "network", "reduction", "recorder", "generation", "started", "lock", "__weakref__")
 
     def __init__(self, devices):
         self.devices = list(devices)
@@ -225,9 +226,11 @@ class _State:
         self.grad_buckets = []
         self.kept = False  # whether no_sync kept sums that the next synchronising backward must reduce
         self.marking = None  # the backward whose end notes the master's .grad (its graph task id)
+        self.flushing = None  # the backward whose end reduces what no_sync kept (its graph task id)
+        self.lock = threading.Lock()  # no_sync's bookkeeping: bucket nodes of nested backwards may run at once
         self.network = None  # a weak reference to the master module (names parameters in errors)
         self.reduction = _reducer.reduction_for(self)  # where the buckets' sums run (fastdp._reducer)
-        self.started = [None, 0]  # the backward (graph task id) whose bucket sums are being counted, and how many
+        self.started = None  # a weak reference to the sums the running backward started (_reducer._Backward)
         self.recorder = None  # the wrapper's step recorder, when one records
         # Where the master's tensors are: counts each time one moved (ReplicaSet.matches); the prepared copies from
         # the master (fastdp._C.PreparedCopy) hold its descriptors and are made again when it changes.
@@ -244,7 +247,7 @@ class _Bucket:
     fastdp._reducer's."""
 
     __slots__ = ("state", "index", "members", "shapes", "sizes", "numel", "dtype", "itemsize", "pools", "src_pool",
-                 "like", "spec", "master", "pack", "pending", "pending_flat", "marks", "inflight", "delivery",
+                 "like", "spec", "master", "pack", "pending", "pending_flat", "marks", "returned", "delivery",
                  "__weakref__")
 
     def __init__(self, state, index, members, tensors, separate=False):
@@ -271,7 +274,7 @@ class _Bucket:
         self.pending = None
         self.pending_flat = False  # whether pending holds one packed sum per replica instead (pending[r][0])
         self.marks = None  # per member, the master's .grad as the last no_sync backward left it
-        self.inflight = {}  # graph task id -> the sum started by this bucket's node in that backward
+        self.returned = []  # no_sync sums taken by backwards that failed before delivering, to be kept again
         self.delivery = None  # a weak reference to the bucket's delivery node (fastdp._reducer)
 
     def fill(self):
@@ -336,18 +339,6 @@ def _slots(modules, replicas, tensors):
                     keys.append(key)
                     refs.append((r, tindex[id(b)]))
     return containers, keys, refs
-
-
-def _layout(state, params, buffers, bucket_bytes):
-    """(grad buckets, detached buckets) over params + buffers: the parameters and buffers that require grad,
-    then the rest."""
-    tensors = params + buffers
-    n = len(params)
-    diff = [i for i in range(n) if params[i].requires_grad]
-    diff += [n + i for i, b in enumerate(buffers) if b.requires_grad]
-    taken = set(diff)
-    rest = [i for i in range(len(tensors)) if i not in taken]
-    return _buckets(state, tensors, diff, bucket_bytes), _buckets(state, tensors, rest, bucket_bytes)
 
 
 def _layout(state, params, buffers, bucket_bytes):

@@ -31,6 +31,10 @@ CXXFLAGS = ["-std=c++17", "-g", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror", "
 CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-O1", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
           "-ffp-contract=off", "-fno-fast-math"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
+# The kernel sources: every typed access checked for alignment, trapping where it is misaligned, as a GPU faults
+# (sim_kernels.cc reports the trap as the launch's failure); AddressSanitizer too in the sanitized build.
+KERNEL_CHECKS = ["-fsanitize=alignment", "-fsanitize-undefined-trap-on-error"]
+KERNEL_SANITIZE = ["-fsanitize=address", "-fno-omit-frame-pointer"]
 
 
 def compiler():
@@ -57,7 +61,7 @@ def build(sanitize=False):
     if cc is None or cxx is None:
         raise RuntimeError("no C and C++ compiler found (set CC and CXX, or install gcc/g++ or clang/clang++)")
     flags = CFLAGS + (SANITIZE if sanitize else [])
-    h = hashlib.sha256(" ".join([cc, cxx] + flags + CXXFLAGS).encode())
+    h = hashlib.sha256(" ".join([cc, cxx] + flags + CXXFLAGS + KERNEL_CHECKS).encode())
     for f in [os.path.join(HERE, s) for s in SOURCES] + KERNELS + CXX_SOURCES + HEADERS:
         with open(f, "rb") as fh:
             h.update(fh.read())
@@ -69,12 +73,15 @@ def build(sanitize=False):
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(out))
     includes = ["-I" + os.path.join(ROOT, "csrc"), "-I" + os.path.join(ROOT, "csrc", "backend", "cuda"), "-I" + HERE]
-    cxxflags = CXXFLAGS + (SANITIZE if sanitize else [])
     objects, cmds = [], []
     for src in KERNELS + CXX_SOURCES:
         obj = os.path.join(tmp, os.path.basename(src) + ".o")
-        # The kernels' own warnings are nvcc's business (a build there has no -Werror either).
-        lang = ["-x", "c++", "-DFDP_HOST_EMULATION", "-Wno-error"] if src.endswith(".cu") else []
+        if src.endswith(".cu"):
+            # The kernels' own warnings are nvcc's business (a build there has no -Werror either).
+            cxxflags = CXXFLAGS + KERNEL_CHECKS + (KERNEL_SANITIZE if sanitize else [])
+            lang = ["-x", "c++", "-DFDP_HOST_EMULATION", "-Wno-error"]
+        else:
+            cxxflags, lang = CXXFLAGS + (SANITIZE if sanitize else []), []
         cmds.append([cxx, *cxxflags, *includes, "-include", os.path.join(HERE, "kernel_host.h"), *lang, "-c", src,
                      "-o", obj])
         objects.append(obj)

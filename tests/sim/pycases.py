@@ -338,6 +338,23 @@ def case_selfcheck(sim):
     expect(1, "a kernel reading another device's memory without peer access", kernel(False))
     expect(0, "the same with peer access enabled", kernel(True))
 
+    def misaligned(offset):
+        def run():
+            mod, fn = vp(), vp()
+            sim.on(0, lib.cuModuleLoadData, ctypes.byref(mod), b"any image")
+            sim.on(0, lib.cuModuleGetFunction, ctypes.byref(fn), mod, b"fdp_copy_8")
+            args = (ctypes.c_longlong * (2 + 3 * 17))(4, 1, 4)
+            args[2 + 17], args[2 + 34] = 1, 1
+            src, dst = u64(buf + offset), u64(buf + 128)
+            params = (vp * 3)(ctypes.addressof(src), ctypes.addressof(dst), ctypes.addressof(args))
+            r = sim.on(0, lib.cuLaunchKernel, fn, 1, 1, 1, 32, 1, 1, 0, s1, params, None)
+            assert (r == 0) == (offset % 8 == 0), r
+            sim.on(0, lib.cuModuleUnload, mod)
+            sim.synchronize()
+        return run
+    expect(1, "a kernel reading 8-byte elements at an address 4 bytes off", misaligned(4))
+    expect(0, "the same at an aligned address", misaligned(8))
+
     def comm_outlives_context():
         comms = (vp * 2)()
         devs = (ctypes.c_int * 2)(2, 3)

@@ -126,7 +126,7 @@ void sim_host_retire(const uint32_t *host_vc);
 /* Drops the pending host copies of the stream with this agent (its work failed). */
 void sim_host_abandon(int agent);
 /* The real kernels (sim_kernels.cc): runs kernel `name` over the grid, its pointers already host addresses;
- * 0, or -1 when it faulted (*fault: the address). */
+ * 0, -1 when it faulted (*fault: the address), or -2 when it made a misaligned access (*fault: the instruction). */
 int sim_kernel_run(const char *name, const unsigned int grid[3], const unsigned int block[3], fdp_sum_args_t *sum,
                    const void *src, void *dst, const fdp_copy_args_t *copy, void **fault);
 /* The PTX conversions on the host, for the kernels. */

@@ -97,12 +97,19 @@ static const int k_dtype_size[FDP_DTYPE_COUNT] = {
 };
 
 /* One launch of a real kernel (sim_kernels.cc) over its grid, with host addresses for its pointers. A fault outside
- * every allocation, or a write past the end of `written` (its canary), is the launch's failure. */
+ * every allocation, a misaligned access, or a write past the end of `written` (its canary), is the launch's
+ * failure. */
 static CUresult run_real(sim_op_t *op, const sim_func_t *f, const unsigned int grid[3], const unsigned int block[3],
                          fdp_sum_args_t *sum, const void *src, void *dst, const fdp_copy_args_t *copy,
                          CUdeviceptr written) {
   void *fault = NULL;
-  if (sim_kernel_run(f->name, grid, block, sum, src, dst, copy, &fault) != 0) {
+  int ran = sim_kernel_run(f->name, grid, block, sum, src, dst, copy, &fault);
+  if (ran == -2) {
+    sim_misuse("%s: the kernel accessed an element at an address that is not a multiple of its size (instruction %p)",
+               op->name, fault);
+    return CUDA_ERROR_MISALIGNED_ADDRESS;
+  }
+  if (ran != 0) {
     sim_misuse("%s: the kernel accessed %p, outside its memory (an index past the end, or one that overflowed)",
                op->name, fault);
     return CUDA_ERROR_ILLEGAL_ADDRESS;
@@ -116,6 +123,16 @@ static CUresult run_real(sim_op_t *op, const sim_func_t *f, const unsigned int g
     return CUDA_ERROR_ILLEGAL_ADDRESS;
   }
   return CUDA_SUCCESS;
+}
+
+/* A GPU faults on an element of `es` bytes at an address that is not a multiple of es. Each kernel indexes the
+ * pointers it is given in whole elements, so checking them at the launch covers every access it makes (the
+ * kernels' own accesses are checked too: see sim_kernels.cc). */
+static int aligned(sim_op_t *op, const char *what, CUdeviceptr p, int es) {
+  if (p % (CUdeviceptr)es == 0) return 1;
+  sim_misuse("%s: %s (0x%llx) is not aligned to its %d-byte elements (misaligned address)", op->name, what,
+             (unsigned long long)p, es);
+  return 0;
 }
 
 /* fdp_sum_<dtype>: its inputs and output checked and recorded as accessed in full, then the kernel itself runs. */
@@ -132,8 +149,12 @@ static CUresult run_sum(sim_op_t *op, const sim_func_t *f, void **params, const 
   if (a.n == 0) return CUDA_SUCCESS;
   size_t bytes = (size_t)a.n * (size_t)es;
   CUdeviceptr out = (CUdeviceptr)(uintptr_t)a.out;
+  if (!aligned(op, "the output", out, es)) return CUDA_ERROR_MISALIGNED_ADDRESS;
   for (int j = 0; j < a.k; j++) {
     CUdeviceptr in = (CUdeviceptr)(uintptr_t)a.in[j];
+    char what[32];
+    snprintf(what, sizeof what, "input %d", j);
+    if (!aligned(op, what, in, es)) return CUDA_ERROR_MISALIGNED_ADDRESS;
     if (!sim_check_range(op, in, bytes)) return CUDA_ERROR_ILLEGAL_ADDRESS;
     if (in != out && in < out + bytes && out < in + bytes) {
       sim_misuse("%s: the output partially overlaps input %d", op->name, j);
@@ -183,10 +204,8 @@ static CUresult run_copy(sim_op_t *op, const sim_func_t *f, void **params, const
     return CUDA_ERROR_INVALID_VALUE;
   }
   if (numel == 0) return CUDA_SUCCESS;
-  if (src % (CUdeviceptr)es || dst % (CUdeviceptr)es) {
-    sim_misuse("%s: pointer not aligned to %d bytes (misaligned address)", op->name, es);
-    return CUDA_ERROR_ILLEGAL_ADDRESS;
-  }
+  if (!aligned(op, "the source", src, es) || !aligned(op, "the destination", dst, es))
+    return CUDA_ERROR_MISALIGNED_ADDRESS;
   size_t shi, dhi;
   extent(&a, a.src_strides, es, &shi);
   extent(&a, a.dst_strides, es, &dhi);

@@ -168,7 +168,8 @@ void fdp_plan_free(fdp_plan_t *plan);
 fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst, const fdp_streams_t *streams);
 
 /* out = inputs[0] + inputs[1] + ... in that order, per element. Inputs and out must be contiguous, of one
- * shape and dtype; out may alias no input except by being one of them exactly. */
+ * shape and dtype, and aligned to their element size (FDP_INVALID otherwise); out may alias no input except by
+ * being one of them exactly. */
 fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out, const fdp_streams_t *streams);
 
 /* Sums of many members over host replicas without packing them: inputs[q * k + j] is replica q's member j (k

@@ -9,6 +9,7 @@
  * prints "N passed, M failed" and exits nonzero on a failure. */
 #include "fastdp.h"
 #include "dl/cuda_api.h"
+#include "backend/cuda/kernels.h" /* FDP_SUM_MAX_INPUTS: where the passes of a long sum begin */
 
 #include <dlfcn.h>
 #include <math.h>
@@ -723,6 +724,33 @@ static void test_reduce(void) {
     reduce_case(dt, es, 1, devs, devs[0], -1, 10, g_stream, FDP_OK);
   }
   sim_clean("reduce");
+}
+
+/* Sums longer than one launch run in passes, each carrying the running sum as its first input: an output that is
+ * one of the inputs must come out right wherever it sits (in the first pass, first of a later pass's own inputs,
+ * last of a pass, the very last) and however many inputs there are. float16, so that any change of the order of
+ * the adds shows in the rounding. */
+static void test_reduce_passes(void) {
+  static const int counts[] = {2, 31, 32, 33, 63, 64, 94, 95, 256};
+  int devs[256];
+  for (int i = 0; i < 256; i++)
+    devs[i] = g_ndev - 1;
+  for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
+    int n = counts[c];
+    int aliases[64], na = 0;
+    aliases[na++] = -1;
+    aliases[na++] = 0;
+    aliases[na++] = 1;
+    for (int start = FDP_SUM_MAX_INPUTS; start < n; start += FDP_SUM_MAX_INPUTS - 1) {
+      aliases[na++] = start - 1;
+      aliases[na++] = start;
+      if (start + 1 < n) aliases[na++] = start + 1;
+    }
+    aliases[na++] = n - 1;
+    for (int a = 0; a < na; a++)
+      if (aliases[a] < n) reduce_case(FDP_DTYPE_F16, 2, n, devs, devs[0], aliases[a], 37, a % 2 ? g_stream : NULL, FDP_OK);
+  }
+  sim_clean("sums in passes");
 }
 
 /* ---- coalesced: pack into flat buckets, broadcast them, unpack elsewhere; reduce buckets ---- */
@@ -1509,6 +1537,7 @@ int main(int argc, char **argv) {
     test_broadcast();
     test_scatter_gather();
     test_reduce();
+    test_reduce_passes();
     test_coalesced();
     test_threads();
     test_shutdown_reuse();

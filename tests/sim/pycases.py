@@ -368,7 +368,8 @@ def case_selfcheck(sim):
     for st in (s1, s2):
         sim.destroy_stream(0, st)
     sim.free(buf)
-    expect(4, "communicators outliving their contexts (2 at release, 2 at destroy)", comm_outlives_context)
+    expect(6, "communicators made on contexts only the client holds, outliving them (2 at init, 2 at release, 2 at "
+              "destroy)", comm_outlives_context)
 
     def injected():
         sim.fail_at("cuMemAlloc_v2", 2, 2)

@@ -95,6 +95,9 @@ void sim_misuse(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int sim_ndev(void);
 /* The live primary context of `dev`, or NULL. */
 sim_ctx_t *sim_primary(int dev);
+/* Whether someone besides the test harness (simgpu_client) holds a reference to `dev`'s primary context: the
+ * library under test, once a harness has declared its own references; anyone, before. */
+int sim_library_holds(int dev);
 /* Resolves a stream handle for work on device `dev` (NULL: its legacy stream); NULL after a misuse. */
 sim_stream_t *sim_stream_for_dev(void *h, int dev, const char *what);
 /* Starts an operation on a stream: joins the host clock and the legacy-stream rules, advances the clock. */

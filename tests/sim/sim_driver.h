@@ -65,7 +65,8 @@ typedef struct sim_alloc {
 typedef struct device {
   CUdeviceptr lo, hi, next; /* reserved range and bump pointer (addresses are never reused) */
   size_t used;
-  int refs; /* primary context retains */
+  int refs;        /* primary context retains */
+  int client_refs; /* those of them the test harness made as PyTorch would (simgpu_client) */
   sim_ctx_t *ctx; /* the current primary context (possibly dead) */
   sim_alloc_t **allocs; /* sorted by base */
   size_t nallocs, cap;

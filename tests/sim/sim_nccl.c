@@ -170,6 +170,14 @@ ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
       RETURN(ncclInvalidArgument);
     }
   }
+  /* The communicators live in the devices' primary contexts: the library must hold each itself (the client, as
+   * PyTorch, may let go of its own), or a context dies under its communicators. */
+  for (int i = 0; i < ndev; i++) {
+    int d = devlist ? devlist[i] : i;
+    if (!sim_library_holds(d))
+      sim_misuse("ncclCommInitAll: device %d's primary context is not held by the library making the communicator "
+                 "(only the client's references, or none): it can be destroyed under the communicator", d);
+  }
   clique_t *cl = calloc(1, sizeof *cl);
   cl->n = ndev;
   for (int i = 0; i < ndev; i++) {

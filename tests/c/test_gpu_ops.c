@@ -107,6 +107,8 @@ static struct {
   int (*touch)(void *, int, unsigned long long, size_t, int);
   void (*host_touch)(const void *, size_t, int);
   int (*nccl_break)(int, int);
+  /* Tells the simulator which primary-context references are the client's (as PyTorch's), not fastdp's. */
+  void (*client)(int);
 } S;
 
 static int g_ndev;
@@ -152,8 +154,10 @@ static int driver_open(void) {
   sym(h, "simgpu_touch", &S.touch, 0);
   sym(h, "simgpu_host_touch", &S.host_touch, 0);
   sym(h, "simgpu_nccl_break", &S.nccl_break, 0);
+  sym(h, "simgpu_client", &S.client, 0);
   if (!ok || D.Init(0) != CUDA_SUCCESS || D.DeviceGetCount(&g_ndev) != CUDA_SUCCESS) return 0;
   if (g_ndev > 8) g_ndev = 8;
+  if (S.client) S.client(1);
   for (int d = 0; d < g_ndev; d++) {
     if (D.PrimaryCtxRetain(&g_ctx[d], d) != CUDA_SUCCESS || D.CtxPush(g_ctx[d]) != CUDA_SUCCESS) return 0;
     CUcontext c;
@@ -161,12 +165,14 @@ static int driver_open(void) {
     D.CtxPop(&c);
     if (r != CUDA_SUCCESS) return 0;
   }
+  if (S.client) S.client(0);
   /* PyTorch's thread has its current device's context current (the runtime sets it): so does this one. */
   return D.CtxSetCurrent(g_ctx[0]) == CUDA_SUCCESS;
 }
 
 static void driver_close(void) {
   CHECK(D.CtxSetCurrent(NULL) == CUDA_SUCCESS);
+  if (S.client) S.client(1);
   for (int d = 0; d < g_ndev; d++) {
     CUcontext c;
     CHECK(D.CtxPush(g_ctx[d]) == CUDA_SUCCESS);
@@ -174,6 +180,7 @@ static void driver_close(void) {
     CHECK(D.CtxPop(&c) == CUDA_SUCCESS);
     CHECK(D.PrimaryCtxRelease(d) == CUDA_SUCCESS);
   }
+  if (S.client) S.client(0);
 }
 
 static int sim(void) {
@@ -728,12 +735,12 @@ static void test_reduce(void) {
 
 /* Sums longer than one launch run in passes, each carrying the running sum as its first input: an output that is
  * one of the inputs must come out right wherever it sits (in the first pass, first of a later pass's own inputs,
- * last of a pass, the very last) and however many inputs there are. float16, so that any change of the order of
- * the adds shows in the rounding. */
+ * last of a pass, the very last) and however many inputs there are (up to 200: seven passes). float16, so that
+ * any change of the order of the adds shows in the rounding. */
 static void test_reduce_passes(void) {
-  static const int counts[] = {2, 31, 32, 33, 63, 64, 94, 95, 256};
-  int devs[256];
-  for (int i = 0; i < 256; i++)
+  static const int counts[] = {2, 31, 32, 33, 63, 64, 94, 95, 200};
+  int devs[200];
+  for (int i = 0; i < 200; i++)
     devs[i] = g_ndev - 1;
   for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
     int n = counts[c];
@@ -742,13 +749,15 @@ static void test_reduce_passes(void) {
     aliases[na++] = 0;
     aliases[na++] = 1;
     for (int start = FDP_SUM_MAX_INPUTS; start < n; start += FDP_SUM_MAX_INPUTS - 1) {
+      if (start > 2 * FDP_SUM_MAX_INPUTS && start + 2 * FDP_SUM_MAX_INPUTS < n) continue; /* the middle passes */
       aliases[na++] = start - 1;
       aliases[na++] = start;
       if (start + 1 < n) aliases[na++] = start + 1;
     }
     aliases[na++] = n - 1;
     for (int a = 0; a < na; a++)
-      if (aliases[a] < n) reduce_case(FDP_DTYPE_F16, 2, n, devs, devs[0], aliases[a], 37, a % 2 ? g_stream : NULL, FDP_OK);
+      if (aliases[a] < n)
+        reduce_case(FDP_DTYPE_F16, 2, n, devs, devs[0], aliases[a], 37, a % 2 ? g_stream : NULL, FDP_OK);
   }
   sim_clean("sums in passes");
 }
@@ -825,6 +834,8 @@ static void test_coalesced(void) {
 
 /* ---- threads ---- */
 
+static void bcast_order(int root, const int *dsts, int n, const CUstream *streams);
+
 static void *thread_body(void *arg) {
   int id = (int)(intptr_t)arg;
   t_rng = 0x1234567ull * (uint64_t)(id + 1);
@@ -845,6 +856,12 @@ static void *thread_body(void *arg) {
       for (int d = 0; d < g_ndev; d++)
         all[d] = d;
       reduce_case(FDP_DTYPE_F16, 2, g_ndev, all, 0, -1, 500, mine, FDP_OK);
+      /* Broadcasts over device lists that overlap other threads' (other roots, other lengths): the grouped
+       * launches of two threads must never interleave on a device they share. */
+      int dsts[FDP_MAX_DEVICES], k = 1 + id % (g_ndev - 1);
+      for (int j = 0; j < k; j++)
+        dsts[j] = (a + 1 + j) % g_ndev;
+      bcast_order(a, dsts, k, mine);
     }
   }
   for (int d = 0; d < g_ndev; d++) {
@@ -1031,7 +1048,8 @@ static void test_misaligned(void) {
       for (int dof = 0; dof < 4; dof++) {
         buf_t sb = buf_new(0, span(es, 2, rows, sst) + 4 * (size_t)es);
         buf_t db = buf_new(0, span(es, 2, rows, dst_st) + 4 * (size_t)es);
-        view_t s = view(&sb, FDP_DTYPE_OTHER, es, 2, rows, sst, so), d = view(&db, FDP_DTYPE_OTHER, es, 2, rows, dst_st, dof);
+        view_t s = view(&sb, FDP_DTYPE_OTHER, es, 2, rows, sst, so);
+        view_t d = view(&db, FDP_DTYPE_OTHER, es, 2, rows, dst_st, dof);
         fdp_streams_t st = all_streams(g_stream);
         CHECKF(fdp_op_copy(&d.t, &s.t, 1, &st) == FDP_OK, "rows of %d-byte elements at offsets %d, %d: %s", es, so, dof,
                fdp_last_error());
@@ -1134,6 +1152,48 @@ static void test_order(void) {
   reduce_case(FDP_DTYPE_I32, 4, g_ndev, devs, g_ndev - 1, -1, 999, g_stream, FDP_OK);
   reduce_case(FDP_DTYPE_I64, 8, g_ndev, devs, devs[2], 2, 500, NULL, FDP_OK);
   sim_clean("rank order");
+}
+
+/* Types NCCL has no name for (bool, int16, complex) are broadcast as their bytes: a count of bytes, not of
+ * elements, or only the first part of each buffer would arrive. */
+static void test_nccl_bytes(void) {
+  if (g_ndev < 2 || !fdp_backend_usable(FDP_BACKEND_NCCL, NULL) || getenv("FASTDP_DISABLE_NCCL")) return;
+  static const struct {
+    int dtype, es;
+    const char *what;
+  } types[] = {{FDP_DTYPE_BOOL, 1, "bool"},
+               {FDP_DTYPE_I16, 2, "int16"},
+               {FDP_DTYPE_OTHER, 8, "complex64"},
+               {FDP_DTYPE_OTHER, 16, "complex128"}};
+  for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+    int64_t sz[2] = {7, 33}, st[2] = {33, 1};
+    int es = types[t].es, n = g_ndev - 1;
+    buf_t sb = buf_new(0, 7 * 33 * (size_t)es), db[FDP_MAX_DEVICES];
+    view_t sv = view(&sb, types[t].dtype, es, 2, sz, st, 0);
+    fdp_tensor_t dt[FDP_MAX_DEVICES];
+    buf_t *all[FDP_MAX_DEVICES + 1] = {&sb};
+    for (int i = 0; i < n; i++) {
+      db[i] = buf_new(1 + i, sb.bytes);
+      memcpy(db[i].ref, sb.ref, sb.bytes);
+      dt[i] = view(&db[i], types[t].dtype, es, 2, sz, st, 0).t;
+      all[1 + i] = &db[i];
+    }
+    long long before = sim() ? S.calls("ncclBroadcast") : 0;
+    fdp_streams_t fs = all_streams(g_stream);
+    caller_before(all, n + 1, g_stream);
+    OK(fdp_op_broadcast(&sv.t, dt, n, &fs));
+    caller_after(all, n + 1, g_stream, "broadcast as bytes");
+    if (sim())
+      CHECKF(S.calls("ncclBroadcast") - before == g_ndev, "a %s broadcast did not go through NCCL", types[t].what);
+    for (int i = 0; i < n; i++) {
+      char what[64];
+      snprintf(what, sizeof what, "%s broadcast through NCCL as bytes", types[t].what);
+      buf_matches(&db[i], what);
+      buf_free(&db[i]);
+    }
+    buf_free(&sb);
+  }
+  sim_clean("NCCL broadcasts of types it has no name for");
 }
 
 /* A communicator that reports an asynchronous error (its peer died, a network failed) is never used again: the
@@ -1542,6 +1602,7 @@ int main(int argc, char **argv) {
     test_threads();
     test_shutdown_reuse();
     test_order();
+    test_nccl_bytes();
     test_kernel_many_elements();
     test_misaligned();
     test_kernel_wide_offsets();

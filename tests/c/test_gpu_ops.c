@@ -1197,7 +1197,8 @@ static void test_nccl_bytes(void) {
 }
 
 /* A communicator that reports an asynchronous error (its peer died, a network failed) is never used again: the
- * next collective on those devices runs on new communicators. */
+ * next collective on those devices runs on new communicators. It stays broken until it is aborted, so shutting
+ * down aborts it too (destroying it waits for work that never finishes). */
 static void test_nccl_async_error(void) {
   if (!sim() || g_ndev < 2 || !fdp_backend_usable(FDP_BACKEND_NCCL, NULL) || getenv("FASTDP_DISABLE_NCCL")) return;
   int dsts[FDP_MAX_DEVICES];
@@ -1211,6 +1212,12 @@ static void test_nccl_async_error(void) {
   CHECKF(S.calls("ncclCommAbort") - aborts == g_ndev, "the broken communicators were not aborted");
   CHECKF(S.stat("comms") == comms, "communicators: %lld before, %lld after a rebuild", comms, S.stat("comms"));
   sim_clean("after the asynchronous error");
+  CHECK(S.nccl_break(2 % g_ndev, 3 /* ncclInternalError */) >= 1);
+  aborts = S.calls("ncclCommAbort");
+  fdp_shutdown();
+  CHECKF(S.calls("ncclCommAbort") - aborts >= g_ndev, "shutdown did not abort the broken communicators");
+  CHECKF(S.stat("comms") == 0, "%lld communicators live after shutdown", S.stat("comms"));
+  sim_clean("shutdown with a broken communicator set");
 }
 
 /* ---- fault injection (simulator only) ---- */

@@ -82,6 +82,9 @@ extern size_t g_nobjs;
 extern long long g_calls[SIM_E_COUNT];
 extern long long g_fail_at[SIM_E_COUNT]; /* call number that fails (0: none) */
 extern int g_fail_code[SIM_E_COUNT];
+/* When entry e's planned failure fires, entry g_then[e] (-1: none) fails at its next call with g_then_code[e]. */
+extern int g_then[SIM_E_COUNT];
+extern int g_then_code[SIM_E_COUNT];
 extern long long g_nerrors, g_nraces;
 extern char g_errors[MAX_ERRORS_KEPT][512];
 extern long long g_cache_reuses; /* blocks the simulated caching allocator handed out again */
@@ -124,6 +127,8 @@ sim_stream_t *sim_stream_new(sim_ctx_t *ctx, int legacy, int blocking);
 void sim_stream_kill(sim_stream_t *s);
 /* The host learns that everything `vc` covers has completed: copies to host memory among it land now. */
 void sim_host_sync(const uint32_t *vc);
+/* Whether the host knows that the access with shadow epoch `epoch` ((agent << 22) | clock; 0: none) completed. */
+int sim_host_has_seen(uint32_t epoch);
 /* A stream handle for work with context `c` current (NULL: its legacy stream); NULL after a misuse (*err). */
 sim_stream_t *sim_resolve_stream(CUstream h, sim_ctx_t *c, const char *op, CUresult *err);
 

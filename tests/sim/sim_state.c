@@ -32,6 +32,8 @@ static size_t g_capobjs;
 long long g_calls[SIM_E_COUNT];
 long long g_fail_at[SIM_E_COUNT]; /* call number that fails (0: none) */
 int g_fail_code[SIM_E_COUNT];
+int g_then[SIM_E_COUNT] = {[0 ... SIM_E_COUNT - 1] = -1};
+int g_then_code[SIM_E_COUNT];
 long long g_nerrors, g_nraces;
 char g_errors[MAX_ERRORS_KEPT][512];
 long long g_cache_reuses; /* blocks the simulated caching allocator handed out again */
@@ -140,6 +142,11 @@ int sim_enter(sim_entry_t e) {
     g_fail_at[e] = 0;
     if (g_verbose)
       fprintf(stderr, "simgpu: injected failure %d in %s (call %lld)\n", g_fail_code[e], k_entry_names[e], n);
+    if (g_then[e] >= 0) { /* the second failure of a pair: the other entry's next call */
+      g_fail_at[g_then[e]] = g_calls[g_then[e]] + 1;
+      g_fail_code[g_then[e]] = g_then_code[e];
+      g_then[e] = -1;
+    }
     return g_fail_code[e];
   }
   return 0;

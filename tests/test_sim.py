@@ -1,7 +1,7 @@
 """The C programs on the simulated GPU (tests/sim): tests/c/test_gpu_ops.c runs every core operation through the
 cuda and nccl backends under ASan/UBSan, bit-exact against its host reference, with the simulator's misuse and
 race checks; then its fault-injection sweep makes every driver/NCCL call fail in turn, one entry point per test
-item. Each runs in a subprocess with a timeout, so a hang or crash fails one item."""
+item, and once more with each failure followed by a failure of the recovery. Each runs in a subprocess with a timeout, so a hang or crash fails one item."""
 
 import functools
 import importlib.util
@@ -106,6 +106,17 @@ def test_fault_injection_sweep(entry, route):
     _need_cc()
     out = _run(["--sweep", "--only", entry], timeout=240, extra_env=ROUTES[route])
     assert re.search(r"^sweep: ", out, re.MULTILINE), out
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_fault_injection_pairs(route):
+    """Two failures in a row: each call of every operation failing, then the next call of each recovery's fallback
+    (the host wait, the context push it needs, a plain free, a communicator's abort) failing too. Nothing may be
+    freed under work that may still use it (a race in the simulator), only what work may still use may leak, and the
+    next call succeeds."""
+    _need_cc()
+    out = _run(["--pairs"], timeout=240, extra_env=ROUTES[route])
+    assert re.search(r"^sweep: .*each followed by another", out, re.MULTILINE), out
 
 
 def test_simulator_exports_every_symbol_the_loaders_resolve():

@@ -131,7 +131,7 @@ def main(argv):
         return rc or 1
     if "--build-only" in argv:
         return 0
-    args = [a for a in argv if a in ("--sweep",)]
+    args = [a for a in argv if a in ("--sweep", "--pairs")]
     if "--only" in argv and argv.index("--only") + 1 < len(argv):
         args += ["--only", argv[argv.index("--only") + 1]]
     if not gpu_ops:

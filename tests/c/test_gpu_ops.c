@@ -96,6 +96,7 @@ static struct {
   void (*reset)(void);
   long long (*errors)(char *, size_t);
   int (*fail_at)(const char *, long long, int);
+  int (*fail_then)(const char *, long long, int, const char *, int);
   long long (*calls)(const char *);
   const char *(*entry)(int);
   long long (*stat)(const char *);
@@ -145,6 +146,7 @@ static int driver_open(void) {
   sym(h, "simgpu_reset", &S.reset, 0);
   sym(h, "simgpu_errors", &S.errors, 0);
   sym(h, "simgpu_fail_at", &S.fail_at, 0);
+  sym(h, "simgpu_fail_then", &S.fail_then, 0);
   sym(h, "simgpu_calls", &S.calls, 0);
   sym(h, "simgpu_entry", &S.entry, 0);
   sym(h, "simgpu_stat", &S.stat, 0);
@@ -1441,11 +1443,87 @@ static const char *const k_counted[] = {"allocations", "streams", "events", "pus
 static const char *const k_cached[] = {"modules", "comms"};
 #define NCACHED (sizeof k_cached / sizeof k_cached[0])
 
-/* Every operation, with every driver/NCCL call it makes failing in turn (from a cold start: fdp_shutdown
- * first, so context retains, module loads and communicator set-up are part of it): a CUDA/NCCL error with a
- * detail (or success where the failed call is one fastdp may shrug off), no misuse, nothing leaked, and the
- * next call succeeds with the right result. `only` (may be NULL) limits it to one entry point. */
-static void sweep(const char *only) {
+/* One run of `op` with call `k` of `entry` failing (and, when `then` is not NULL, the next call of `then` after that
+ * too), from a cold start: a CUDA/NCCL error with a detail (or success where the failed call is one fastdp may shrug
+ * off), no misuse, nothing leaked, and the next call succeeds with the right result. After two failures in a row a
+ * buffer that work may still use must leak rather than be freed under it (the simulator sees such a free as a race):
+ * with a failed host wait, context push (the wait needs it) or free as the second, live allocations may grow, never
+ * otherwise. */
+static void sweep_trial(const sweep_op_t *op, const char *entry, long long k, const char *then) {
+  char what[160];
+  if (then)
+    snprintf(what, sizeof what, "%s, call %lld of %s failing, then %s", op->name, k, entry, then);
+  else
+    snprintf(what, sizeof what, "%s, call %lld of %s failing", op->name, k, entry);
+  fdp_shutdown();
+  if (op->prepare) op->prepare();
+  long long base[NCOUNTED], cbase[NCACHED];
+  for (size_t c = 0; c < NCOUNTED; c++)
+    base[c] = S.stat(k_counted[c]);
+  for (size_t c = 0; c < NCACHED; c++)
+    cbase[c] = S.stat(k_cached[c]);
+  S.reset();
+  if (then)
+    S.fail_then(entry, k, fault_code(entry), then, fault_code(then));
+  else
+    S.fail_at(entry, k, fault_code(entry));
+  fdp_result_t r = op->run();
+  int fired = S.calls(entry) >= k;
+  S.fail_at(entry, 0, 0); /* nothing left armed for the harness's own calls */
+  if (then) S.fail_at(then, 0, 0);
+  CHECKF(r == FDP_OK || r == FDP_CUDA || r == FDP_NCCL, "%s: %s (%s), want FDP_CUDA/FDP_NCCL", what,
+         fdp_result_name(r), fdp_last_error());
+  if ((r == FDP_CUDA || r == FDP_NCCL) && !then) {
+    /* The detail names what failed: the injected CUresult's name, or NCCL's string for its code. */
+    const char *want = strncmp(entry, "nccl", 4) == 0                    ? "internal error"
+                       : fault_code(entry) == CUDA_ERROR_OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY"
+                       : fault_code(entry) == CUDA_ERROR_LAUNCH_FAILED ? "CUDA_ERROR_LAUNCH_FAILED"
+                                                                       : "CUDA_ERROR_UNKNOWN";
+    CHECKF(strstr(fdp_last_error(), want) != NULL, "%s: the detail \"%s\" does not say %s", what, fdp_last_error(),
+           want);
+  }
+  char buf[4096];
+  long long nerr = S.errors(buf, sizeof buf);
+  CHECKF(nerr == 0, "%s: %lld misuse(s):\n%s", what, nerr, buf);
+  int may_leak = then && (strcmp(then, "cuStreamSynchronize") == 0 || strcmp(then, "cuCtxPushCurrent_v2") == 0 ||
+                          strncmp(then, "cuMemFree", 9) == 0);
+  for (size_t c = 0; c < NCOUNTED; c++) {
+    long long now = S.stat(k_counted[c]);
+    /* a failed destroy may leave that very object behind */
+    if (destroys(entry, k_counted[c]) && now == base[c] + 1) now = base[c];
+    if (then && destroys(then, k_counted[c]) && now == base[c] + 1) now = base[c];
+    if (may_leak && strcmp(k_counted[c], "allocations") == 0 && now > base[c]) now = base[c];
+    CHECKF(now == base[c], "%s (%s): %lld %s live before, %lld after", what, fired ? "fired" : "never reached",
+           base[c], k_counted[c], now);
+  }
+  if (op->prepare) op->prepare();
+  S.reset();
+  fdp_result_t r2 = op->run();
+  CHECKF(r2 == FDP_OK, "%s: the next call fails too: %s (%s)", what, fdp_result_name(r2), fdp_last_error());
+  if (r2 == FDP_OK) op->verify();
+  nerr = S.errors(buf, sizeof buf);
+  CHECKF(nerr == 0, "%s: the next call: %lld misuse(s):\n%s", what, nerr, buf);
+  /* What fastdp caches (kernel modules, communicators) goes at shutdown. */
+  fdp_shutdown();
+  for (size_t c = 0; c < NCACHED; c++) {
+    long long now = S.stat(k_cached[c]);
+    if (destroys(entry, k_cached[c]) && now == cbase[c] + 1) now = cbase[c];
+    if (then && destroys(then, k_cached[c]) && now == cbase[c] + 1) now = cbase[c];
+    CHECKF(now == cbase[c], "%s: %lld %s live after shutdown before, %lld after", what, cbase[c], k_cached[c], now);
+  }
+  S.reset();
+}
+
+/* Recoveries and what they fall back on when they fail too: a fence replaced by a host wait, a stream-ordered free
+ * by a wait and a plain free, a context pushed for the wait, a broken communicator set aborted. */
+static const char *const k_then[] = {"cuStreamSynchronize", "cuCtxPushCurrent_v2", "cuMemFree_v2", "ncclCommAbort"};
+#define NTHEN (sizeof k_then / sizeof k_then[0])
+
+/* Every operation, with every driver/NCCL call it makes failing in turn (from a cold start: fdp_shutdown first, so
+ * context retains, module loads and communicator set-up are part of it), checked by sweep_trial. `only` (may be
+ * NULL) limits it to one entry point; `pairs` makes each of those failures followed by a failure of the next call
+ * of each entry of k_then. */
+static void sweep(const char *only, int pairs) {
   for (size_t o = 0; o < sizeof k_sweep / sizeof k_sweep[0]; o++) {
     const sweep_op_t *op = &k_sweep[o];
     op->setup();
@@ -1460,67 +1538,17 @@ static void sweep(const char *only) {
     op->verify();
     sim_clean(op->name);
     int trials = 0, failed_before = n_fail;
-    for (int e = 0; e < nentries; e++) {
+    for (int e = 0; e < nentries && n_fail - failed_before <= 20; e++) {
       const char *name = S.entry(e);
       if (only && strcmp(only, name) != 0) continue;
-      for (long long k = 1; k <= calls[e]; k++) {
-        fdp_shutdown();
-        if (op->prepare) op->prepare();
-        long long base[NCOUNTED], cbase[NCACHED];
-        for (size_t c = 0; c < NCOUNTED; c++)
-          base[c] = S.stat(k_counted[c]);
-        for (size_t c = 0; c < NCACHED; c++)
-          cbase[c] = S.stat(k_cached[c]);
-        S.reset();
-        S.fail_at(name, k, fault_code(name));
-        fdp_result_t r = op->run();
-        trials++;
-        int fired = S.calls(name) >= k;
-        CHECKF(r == FDP_OK || r == FDP_CUDA || r == FDP_NCCL,
-               "%s, call %lld of %s failing: %s (%s), want FDP_CUDA/FDP_NCCL", op->name, k, name, fdp_result_name(r),
-               fdp_last_error());
-        if (r == FDP_CUDA || r == FDP_NCCL) {
-          /* The detail names what failed: the injected CUresult's name, or NCCL's string for its code. */
-          const char *want = strncmp(name, "nccl", 4) == 0 ? "internal error"
-                             : fault_code(name) == CUDA_ERROR_OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY"
-                             : fault_code(name) == CUDA_ERROR_LAUNCH_FAILED ? "CUDA_ERROR_LAUNCH_FAILED"
-                                                                            : "CUDA_ERROR_UNKNOWN";
-          CHECKF(strstr(fdp_last_error(), want) != NULL,
-                 "%s, call %lld of %s failing: the detail \"%s\" does not say %s", op->name, k, name,
-                 fdp_last_error(), want);
+      for (long long k = 1; k <= calls[e] && n_fail - failed_before <= 20; k++) {
+        for (size_t t = 0; t < (pairs ? NTHEN : 1); t++) {
+          sweep_trial(op, name, k, pairs ? k_then[t] : NULL);
+          trials++;
         }
-        char buf[4096];
-        long long nerr = S.errors(buf, sizeof buf);
-        CHECKF(nerr == 0, "%s, call %lld of %s failing: %lld misuse(s):\n%s", op->name, k, name, nerr, buf);
-        for (size_t c = 0; c < NCOUNTED; c++) {
-          long long now = S.stat(k_counted[c]);
-          /* a failed destroy may leave that very object behind */
-          if (destroys(name, k_counted[c]) && now == base[c] + 1) now = base[c];
-          CHECKF(now == base[c], "%s, call %lld of %s failing (%s): %lld %s live before, %lld after", op->name, k,
-                 name, fired ? "fired" : "never reached", base[c], k_counted[c], now);
-        }
-        if (op->prepare) op->prepare();
-        S.reset();
-        fdp_result_t r2 = op->run();
-        CHECKF(r2 == FDP_OK, "%s: the call after call %lld of %s failed also fails: %s (%s)", op->name, k, name,
-               fdp_result_name(r2), fdp_last_error());
-        if (r2 == FDP_OK) op->verify();
-        nerr = S.errors(buf, sizeof buf);
-        CHECKF(nerr == 0, "%s: the call after call %lld of %s failed: %lld misuse(s):\n%s", op->name, k, name, nerr,
-               buf);
-        /* What fastdp caches (kernel modules, communicators) goes at shutdown. */
-        fdp_shutdown();
-        for (size_t c = 0; c < NCACHED; c++) {
-          long long now = S.stat(k_cached[c]);
-          if (destroys(name, k_cached[c]) && now == cbase[c] + 1) now = cbase[c];
-          CHECKF(now == cbase[c], "%s, call %lld of %s failing: %lld %s live after shutdown before, %lld after",
-                 op->name, k, name, cbase[c], k_cached[c], now);
-        }
-        S.reset();
-        if (n_fail - failed_before > 20) break; /* enough said about this operation */
       }
     }
-    printf("sweep: %s: %d injected failures\n", op->name, trials);
+    printf("sweep: %s: %d injected failures%s\n", op->name, trials, pairs ? " (each followed by another)" : "");
     fflush(stdout);
     op->teardown();
     sim_clean(op->name);
@@ -1529,11 +1557,14 @@ static void sweep(const char *only) {
 
 /* ---- main ---- */
 
-static void leak_check(void) {
+/* Nothing fastdp made is left. After pairs of failures, a communicator whose abort failed stays behind by
+ * necessity (pairs = 1 skips communicators). */
+static void leak_check(int pairs) {
   if (!sim()) return;
   static const char *const names[] = {"allocations", "streams", "events",  "modules",
                                       "pushes",      "retains", "comms",   "groups"};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+    if (pairs && strcmp(names[i], "comms") == 0) continue;
     long long v = S.stat(names[i]);
     CHECKF(v == 0, "after shutdown and release, %lld %s are still live", v, names[i]);
   }
@@ -1565,10 +1596,11 @@ static void test_route(void) {
 }
 
 int main(int argc, char **argv) {
-  int do_sweep = 0;
+  int do_sweep = 0, pairs = 0;
   const char *only = NULL;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--sweep") == 0) do_sweep = 1;
+    if (strcmp(argv[i], "--pairs") == 0) do_sweep = pairs = 1;
     if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
   }
   setvbuf(stdout, NULL, _IOLBF, 0);
@@ -1598,7 +1630,7 @@ int main(int argc, char **argv) {
     if (!sim())
       printf("skipped: the fault-injection sweep needs the simulated GPU\n");
     else
-      sweep(only);
+      sweep(only, pairs);
   } else {
     test_copies();
     test_broadcast();
@@ -1645,7 +1677,7 @@ int main(int argc, char **argv) {
     driver_close();
     sim_clean("shutdown");
   }
-  leak_check();
+  leak_check(pairs);
   printf("%d passed, %d failed\n", n_pass, n_fail);
   return n_fail ? 1 : 0;
 }

@@ -54,18 +54,19 @@ def cxx_compiler():
     return None
 
 
-def build(sanitize=False):
+def build(sanitize=False, for_tsan=False):
     """Returns {"cuda": path of libcuda.so.1, "nccl": path of libnccl.so.2, "dir": folder}; builds when the
-    sources or flags changed. Raises RuntimeError with the compiler output when the build fails."""
+    sources or flags changed. Raises RuntimeError with the compiler output when the build fails. `for_tsan`: for a
+    program under ThreadSanitizer, uninstrumented, with a lock the sanitizer cannot see (sim_state.c)."""
     cc, cxx = compiler(), cxx_compiler()
     if cc is None or cxx is None:
         raise RuntimeError("no C and C++ compiler found (set CC and CXX, or install gcc/g++ or clang/clang++)")
-    flags = CFLAGS + (SANITIZE if sanitize else [])
+    flags = CFLAGS + (SANITIZE if sanitize else []) + (["-DSIM_OPAQUE_LOCK"] if for_tsan else [])
     h = hashlib.sha256(" ".join([cc, cxx] + flags + CXXFLAGS + KERNEL_CHECKS).encode())
     for f in [os.path.join(HERE, s) for s in SOURCES] + KERNELS + CXX_SOURCES + HEADERS:
         with open(f, "rb") as fh:
             h.update(fh.read())
-    out = os.path.join(HERE, "build", ("asan-" if sanitize else "") + h.hexdigest()[:16])
+    out = os.path.join(HERE, "build", ("asan-" if sanitize else "tsan-" if for_tsan else "") + h.hexdigest()[:16])
     lib = os.path.join(out, "libsimgpu.so")
     paths = {"cuda": os.path.join(out, "libcuda.so.1"), "nccl": os.path.join(out, "libnccl.so.2"), "dir": out}
     if os.path.exists(paths["nccl"]):
@@ -104,9 +105,9 @@ def build(sanitize=False):
     return paths
 
 
-def env(sanitize=False, **extra):
+def env(sanitize=False, for_tsan=False, **extra):
     """Environment variables that make fastdp load the simulated libraries."""
-    p = build(sanitize)
+    p = build(sanitize, for_tsan)
     e = {"FASTDP_CUDA_DRIVER_LIBRARY": p["cuda"], "FASTDP_NCCL_LIBRARY": p["nccl"]}
     e.update({k: str(v) for k, v in extra.items()})
     return e

@@ -73,6 +73,9 @@ void sim_lock(void);
 void sim_unlock(void);
 /* Counts a call; returns the injected result (nonzero) when this call is chosen to fail. Lock held. */
 int sim_enter(sim_entry_t e);
+/* Where a call of `e` was asked to pause (simgpu_pause): sleeps with the lock released, so that other threads run
+ * meanwhile (a wide window for a race between threads). Lock held (once) on entry and on return. */
+void sim_pause_point(sim_entry_t e);
 /* The start and end of an entry point returning `rtype` (CUresult or ncclResult_t): the lock is taken, and an
  * injected failure returns its code before the call does anything; SIM_RETURN releases the lock. */
 #define SIM_ENTER(rtype, name)                                                                                         \
@@ -83,6 +86,7 @@ int sim_enter(sim_entry_t e);
       sim_unlock();                                                                                                    \
       return (rtype)inj_;                                                                                              \
     }                                                                                                                  \
+    sim_pause_point(SIM_E_##name);                                                                                     \
   } while (0)
 #define SIM_RETURN(rtype, v)                                                                                           \
   do {                                                                                                                 \

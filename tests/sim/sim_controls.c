@@ -17,6 +17,7 @@ void simgpu_reset(void) {
   memset(g_fail_at, 0, sizeof g_fail_at);
   for (int e = 0; e < SIM_E_COUNT; e++)
     g_then[e] = -1;
+  memset(g_pause_calls, 0, sizeof g_pause_calls);
   sim_unlock();
 }
 
@@ -68,6 +69,22 @@ int simgpu_fail_then(const char *first, long long k, int code, const char *then,
         g_then[e] = t;
         g_then_code[e] = then_code;
       }
+  sim_unlock();
+  return found;
+}
+
+/* The next `calls` calls of `entry` pause `usec` microseconds after they are counted, with the simulator's lock
+ * released: threads racing on a first use then overlap inside it, as they may on a real machine. -1: unknown entry. */
+int simgpu_pause(const char *entry, long long usec, int calls) {
+  int found = -1;
+  sim_lock();
+  sim_setup();
+  for (int e = 0; e < SIM_E_COUNT; e++)
+    if (strcmp(k_entry_names[e], entry) == 0) {
+      g_pause_us[e] = usec;
+      g_pause_calls[e] = calls;
+      found = 0;
+    }
   sim_unlock();
   return found;
 }

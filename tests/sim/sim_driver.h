@@ -85,6 +85,9 @@ extern int g_fail_code[SIM_E_COUNT];
 /* When entry e's planned failure fires, entry g_then[e] (-1: none) fails at its next call with g_then_code[e]. */
 extern int g_then[SIM_E_COUNT];
 extern int g_then_code[SIM_E_COUNT];
+/* The next g_pause_calls[e] calls of entry e pause g_pause_us[e] microseconds (simgpu_pause). */
+extern long long g_pause_us[SIM_E_COUNT];
+extern int g_pause_calls[SIM_E_COUNT];
 extern long long g_nerrors, g_nraces;
 extern char g_errors[MAX_ERRORS_KEPT][512];
 extern long long g_cache_reuses; /* blocks the simulated caching allocator handed out again */
@@ -138,6 +141,8 @@ typedef struct sim_module {
   uint32_t magic;
   sim_ctx_t *ctx;
   int alive;
+  size_t image_bytes;  /* what cuModuleLoadData read of its image */
+  uint64_t image_hash; /* and a hash of those bytes */
 } sim_module_t;
 
 /* ---- memory (sim_memory.c) ---- */

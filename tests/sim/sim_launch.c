@@ -23,13 +23,46 @@ typedef struct sim_func {
   char name[32];
 } sim_func_t;
 
+/* The bytes of a module image, as the driver reads them: an ELF cubin up to its section headers, a fatbin up to the
+ * size its header gives, PTX (or any other text) up to its NUL. */
+static size_t image_size(const unsigned char *p) {
+  uint64_t u64;
+  uint16_t u16a, u16b;
+  uint32_t magic;
+  if (memcmp(p, "\x7f" "ELF", 4) == 0 && p[4] == 2) { /* 64-bit ELF: e_shoff, e_shentsize, e_shnum */
+    memcpy(&u64, p + 0x28, 8);
+    memcpy(&u16a, p + 0x3a, 2);
+    memcpy(&u16b, p + 0x3c, 2);
+    return (size_t)u64 + (size_t)u16a * u16b;
+  }
+  memcpy(&magic, p, 4);
+  if (magic == 0xba55ed50u) { /* fatbin: magic, version, header size (16 bits), then the size of what follows */
+    memcpy(&u16a, p + 6, 2);
+    memcpy(&u64, p + 8, 8);
+    return (size_t)u16a + (size_t)u64;
+  }
+  return strlen((const char *)p) + 1;
+}
+
 CUresult cuModuleLoadData(CUmodule *out, const void *image) {
   ENTER(cuModuleLoadData);
   CUresult err = CUDA_SUCCESS;
   sim_ctx_t *c = sim_need_ctx("cuModuleLoadData", &err);
   if (!c) RETURN(err);
   if (!out || !image) RETURN(CUDA_ERROR_INVALID_VALUE);
+  /* The driver reads the whole image during the call (and never after): so does the simulator, so that an image
+   * freed under a load is caught (by AddressSanitizer or ThreadSanitizer) rather than silently loaded. */
+  size_t n = image_size(image);
+  unsigned char *copy = malloc(n);
+  if (!copy) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+  memcpy(copy, image, n);
+  uint64_t hash = 1469598103934665603ull;
+  for (size_t i = 0; i < n; i++)
+    hash = (hash ^ copy[i]) * 1099511628211ull;
+  free(copy);
   sim_module_t *m = calloc(1, sizeof *m);
+  m->image_bytes = n;
+  m->image_hash = hash;
   m->magic = MAGIC_MODULE;
   m->ctx = c;
   m->alive = 1;

@@ -279,8 +279,8 @@ void fdp_kernels_facts(fdp_kernels_facts_t *out);
 fdp_result_t fdp_nvrtc_search_dirs(const char *dirs);
 
 /* The NVRTC image for architecture `cc` (major * 10 + minor) as the cuda backend would get it: memory, disk
- * cache or compilation. `forget` first drops the images this process keeps in memory (tests only: not while
- * another thread loads kernels). Needs no GPU. Errors: FDP_INVALID (cc), FDP_UNAVAILABLE (no NVRTC, or it
+ * cache or compilation. `forget` first drops the images this process keeps in memory (tests: an image another
+ * thread is loading stays alive until that load is done). Thread-safe; needs no GPU. Errors: FDP_INVALID (cc), FDP_UNAVAILABLE (no NVRTC, or it
  * cannot target cc), FDP_NOMEM, FDP_INTERNAL (compilation failed; the detail holds NVRTC's log). */
 typedef struct fdp_kernels_image_info {
   size_t bytes;

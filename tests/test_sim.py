@@ -119,6 +119,28 @@ def test_fault_injection_pairs(route):
     assert re.search(r"^sweep: .*each followed by another", out, re.MULTILINE), out
 
 
+def _race_env():
+    """Kernels from NVRTC images during the race, where NVRTC is found (one thread then drops the images kept in
+    memory while another loads one); the fatbin otherwise."""
+    try:
+        from fastdp import _C
+
+        nvrtc = _C.kernels_info()["nvrtc_library"]
+    except Exception:  # noqa: BLE001 -- no fastdp or no NVRTC: the race runs on the fatbin
+        nvrtc = ""
+    return {"FASTDP_DISABLE_FATBIN": "1", "FASTDP_NVRTC_LIBRARY": nvrtc} if nvrtc else {}
+
+
+def test_first_use_races():
+    """Threads racing on the first use of everything fastdp makes lazily per device (contexts, peer access, kernel
+    modules and images, communicator sets, facts), with the simulator pausing inside each making call: right
+    results, no misuse, NCCL launches of threads never interleaved without PyTorch's free mutex, nothing made
+    twice, and no image freed under a load (AddressSanitizer)."""
+    _need_cc()
+    out = _run(["--race"], timeout=180, detect_leaks=True, extra_env=_race_env())
+    assert re.search(r"^race: \d+ rounds", out, re.MULTILINE), out
+
+
 def test_simulator_exports_every_symbol_the_loaders_resolve():
     """Every driver entry point of FDP_CU_ENTRY_POINTS (csrc/dl/cuda_api.h) and every name in nccl_loader.c's k_syms
     table (optional ones included) is an entry point of the simulator: a loader that learns a new symbol needs it

@@ -5,11 +5,12 @@ runs it, and exits with its status.
         tests/c/test_core.c: the core and the host backend (no CUDA toolkit needed; an empty kernel blob). Runs
         every suite, or the SUITEs named; --list prints the suite names, one a line (tests/test_c_core.py makes
         one pytest item of each); --no-build reuses the program built before.
-    python tests/c/build.py --gpu-ops [--sim] [--sweep] [--build-only] [--no-sanitize]
+    python tests/c/build.py --gpu-ops [--sim] [--sweep | --pairs | --race] [--build-only] [--no-sanitize]
         tests/c/test_gpu_ops.c: every operation through the cuda and nccl backends. Against the driver and NCCL
         that FASTDP_CUDA_DRIVER_LIBRARY / FASTDP_NCCL_LIBRARY name, or the system's libcuda.so.1/libnccl.so.2
         when unset (then the kernels are the nvcc fatbin when a toolkit is found). --sim sets both variables to
-        the simulated GPU of tests/sim (built here, sanitized); --sweep runs its fault-injection sweep instead.
+        the simulated GPU of tests/sim (built here, sanitized); --sweep runs its fault-injection sweep instead,
+        --pairs the sweep with each failure followed by another, --race threads racing on first use.
         --no-sanitize builds without ASan/UBSan (e.g. to run tests/c/build/test_gpu_ops under compute-sanitizer).
         Exit status 77: no usable driver or device (skipped)."""
 
@@ -131,7 +132,7 @@ def main(argv):
         return rc or 1
     if "--build-only" in argv:
         return 0
-    args = [a for a in argv if a in ("--sweep", "--pairs")]
+    args = [a for a in argv if a in ("--sweep", "--pairs", "--race")]
     if "--only" in argv and argv.index("--only") + 1 < len(argv):
         args += ["--only", argv[argv.index("--only") + 1]]
     if not gpu_ops:

@@ -15,22 +15,28 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ---- harness ---- */
 
-static int n_pass, n_fail;
+/* Relaxed counts: a check that passes must not order one thread's work after another's (ThreadSanitizer would take
+ * a shared lock here for synchronisation that fastdp lacks). */
+static atomic_int n_pass, n_fail;
 static pthread_mutex_t g_report = PTHREAD_MUTEX_INITIALIZER;
 
 static void check_at(int ok, const char *file, int line, const char *expr, const char *fmt, ...) {
-  pthread_mutex_lock(&g_report);
   if (ok) {
-    n_pass++;
-  } else {
-    n_fail++;
+    atomic_fetch_add_explicit(&n_pass, 1, memory_order_relaxed);
+    return;
+  }
+  pthread_mutex_lock(&g_report);
+  {
+    atomic_fetch_add_explicit(&n_fail, 1, memory_order_relaxed);
     printf("FAIL %s:%d: %s", file, line, expr);
     if (fmt) {
       va_list ap;
@@ -108,6 +114,7 @@ static struct {
   int (*touch)(void *, int, unsigned long long, size_t, int);
   void (*host_touch)(const void *, size_t, int);
   int (*nccl_break)(int, int);
+  int (*pause)(const char *, long long, int);
   /* Tells the simulator which primary-context references are the client's (as PyTorch's), not fastdp's. */
   void (*client)(int);
 } S;
@@ -123,12 +130,14 @@ static int sym(void *h, const char *name, void *slot, int required) {
   return p != NULL || !required;
 }
 
-static int driver_open(void) {
+/* `free_mutex` 0: as a program without PyTorch, where fastdp finds no free mutex and its own lock alone must keep
+ * two threads' grouped NCCL launches apart. */
+static int driver_open(int free_mutex) {
   const char *path = getenv("FASTDP_CUDA_DRIVER_LIBRARY");
   /* Global, as PyTorch's libc10_cuda.so is: the simulated library also stands in for its getFreeMutex, which the
    * NCCL loader looks up by name (and then the simulator checks that it is held around multi-device groups). */
-  if (path && *path) setenv("SIMGPU_REQUIRE_FREE_MUTEX", "1", 0);
-  void *h = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  if (path && *path && free_mutex) setenv("SIMGPU_REQUIRE_FREE_MUTEX", "1", 0);
+  void *h = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | (free_mutex ? RTLD_GLOBAL : RTLD_LOCAL));
   if (!h) {
     printf("no CUDA driver: %s\n", dlerror());
     return 0;
@@ -156,6 +165,7 @@ static int driver_open(void) {
   sym(h, "simgpu_touch", &S.touch, 0);
   sym(h, "simgpu_host_touch", &S.host_touch, 0);
   sym(h, "simgpu_nccl_break", &S.nccl_break, 0);
+  sym(h, "simgpu_pause", &S.pause, 0);
   sym(h, "simgpu_client", &S.client, 0);
   if (!ok || D.Init(0) != CUDA_SUCCESS || D.DeviceGetCount(&g_ndev) != CUDA_SUCCESS) return 0;
   if (g_ndev > 8) g_ndev = 8;
@@ -1222,6 +1232,136 @@ static void test_nccl_async_error(void) {
   sim_clean("shutdown with a broken communicator set");
 }
 
+/* ---- threads racing on first use (--race) ----
+ * What fastdp makes lazily, once per device or device list (retained contexts, peer access, kernel modules and the
+ * images they load, communicator sets, the facts read from them), must be made once and be visible to another
+ * thread only when complete. Each round starts from nothing (fdp_shutdown), and RACERS threads released together
+ * use all of it for the first time at once, while the simulator pauses inside each making call (module loads,
+ * context retains, peer enables, communicator set-up) so that the threads overlap there. Results are checked, and
+ * after each round's shutdown nothing may be left (a second copy of anything made twice would be). Built with
+ * ThreadSanitizer too (tests/c/build.py --tsan), where an object read before it was published is a data race. */
+
+#define RACERS 6
+#define RACE_ROUNDS 3
+static pthread_barrier_t g_race_start;
+
+/* Where device `dev`'s kernels came from: "" until they are loaded. */
+static size_t race_facts(int dev) {
+  fdp_device_facts_t f;
+  memset(&f, 0, sizeof f);
+  CHECKF(fdp_device_facts(dev, FDP_FREE_IF_ACTIVE, &f) == FDP_OK, "device facts %d: %s", dev, fdp_last_error());
+  size_t n = 0;
+  while (f.kernels_source != NULL && n < 1024 && f.kernels_source[n] != '\0') /* byte by byte: each read is seen */
+    n++;
+  CHECK(f.kernels_source != NULL && n < 1024);
+  return n;
+}
+
+/* Reads every device's facts while the other threads load their kernels, taking no lock of fastdp's in between:
+ * only how the facts are published may order the reads after the writes. */
+static void race_watch_facts(void) {
+  for (int round = 0; round < 400; round++) {
+    int loaded = 0;
+    for (int d = 0; d < g_ndev; d++)
+      loaded += race_facts(d) > 0;
+    if (loaded == g_ndev) return;
+    usleep(250);
+  }
+}
+
+/* With FASTDP_DISABLE_FATBIN set, kernels come from NVRTC images: one thread drops the images kept in memory while
+ * another thread's first module load (paused by the simulator) still reads one. */
+static void race_forget_images(void) {
+  if (!getenv("FASTDP_DISABLE_FATBIN")) return;
+  for (int spin = 0; spin < 2000 && S.calls("cuModuleLoadData") < 2; spin++) /* device 0's, then another's */
+    usleep(500);
+  fdp_kernels_image_info_t info;
+  CHECKF(fdp_kernels_image(90, 1, &info) == FDP_OK, "kernel image: %s", fdp_last_error());
+}
+
+static void *race_body(void *arg) {
+  int id = (int)(intptr_t)arg;
+  t_rng = 0x9e3779b97f4a7c15ull * (uint64_t)(id + 7);
+  CUstream mine[FDP_MAX_DEVICES];
+  for (int d = 0; d < g_ndev; d++) {
+    push(d);
+    dev_call(d, D.StreamCreate(&mine[d], 1), "cuStreamCreate");
+    pop(d);
+  }
+  int a = id % g_ndev, b = (id + 1) % g_ndev;
+  int64_t sz[3] = {2, 9, 70};
+  int devs[3] = {a, a, a}, first[3] = {0, 0, 0};
+  pthread_barrier_wait(&g_race_start);
+  /* First, thread 0 loads device 0's kernels, and threads 1 and 2 use them right after they are published, without
+   * taking the lock the loading thread held: only the publication itself may order their reads after the load's
+   * writes. (They wait on the simulator's count of functions looked up, which orders nothing in fastdp.) */
+  if (id < 3 && sim()) {
+    if (id > 0) {
+      for (int spin = 0; spin < 4000 && S.calls("cuModuleGetFunction") < 14; spin++)
+        usleep(250);
+      usleep(3000);
+    }
+    reduce_case(FDP_DTYPE_F32, 4, 3, first, 0, -1, 333, mine, FDP_OK);
+  }
+  pthread_barrier_wait(&g_race_start);
+  if (id == RACERS - 1) race_forget_images();
+  if (id == RACERS - 2) race_watch_facts();
+  /* Each thread its own order, so that every kind of first use meets every other. */
+  for (int step = 0; step < 4; step++) {
+    switch ((step + id) % 4) {
+    case 0: reduce_case(FDP_DTYPE_F32, 4, 3, devs, a, -1, 777, mine, FDP_OK); break; /* kernels on a */
+    case 1: copy_case(a, b, 4, sz, L_TRANSPOSED, L_STEP2, mine); break;              /* contexts, peers, kernels */
+    case 2: race_facts(a); break;
+    default:
+      if (g_ndev > 1 && fdp_backend_usable(FDP_BACKEND_NCCL, NULL) && !getenv("FASTDP_DISABLE_NCCL")) {
+        int dsts[FDP_MAX_DEVICES], k = 1 + id % (g_ndev - 1); /* device lists that overlap other threads' */
+        for (int j = 0; j < k; j++)
+          dsts[j] = (a + 1 + j) % g_ndev;
+        bcast_order(a, dsts, k, mine);
+      }
+      break;
+    }
+  }
+  for (int d = 0; d < g_ndev; d++) {
+    push(d);
+    dev_call(d, D.CtxSynchronize(), "cuCtxSynchronize");
+    dev_call(d, D.StreamDestroy(mine[d]), "cuStreamDestroy");
+    pop(d);
+  }
+  return NULL;
+}
+
+static void race(void) {
+  for (int round = 0; round < RACE_ROUNDS; round++) {
+    fdp_shutdown();
+    if (sim()) {
+      sim_clean("before a race");
+      S.pause("cuModuleLoadData", 20000, RACERS);
+      S.pause("cuDevicePrimaryCtxRetain", 2000, 4 * RACERS);
+      S.pause("cuCtxEnablePeerAccess", 2000, 4 * RACERS);
+      S.pause("ncclCommInitAll", 5000, RACERS);
+    }
+    CHECK(pthread_barrier_init(&g_race_start, NULL, RACERS) == 0);
+    pthread_t th[RACERS];
+    for (int i = 0; i < RACERS; i++)
+      CHECK(pthread_create(&th[i], NULL, race_body, (void *)(intptr_t)i) == 0);
+    for (int i = 0; i < RACERS; i++)
+      pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&g_race_start);
+    sim_clean("threads racing on first use");
+    fdp_shutdown();
+    if (sim()) {
+      /* Only the client's own references are left; anything made twice and kept once would be too. */
+      CHECKF(S.stat("retains") == g_ndev, "after a race and shutdown: %lld context references, the client holds %d",
+             S.stat("retains"), g_ndev);
+      CHECKF(S.stat("modules") == 0 && S.stat("comms") == 0, "after a race and shutdown: %lld modules, %lld comms",
+             S.stat("modules"), S.stat("comms"));
+    }
+  }
+  printf("race: %d rounds of %d threads on first use%s\n", RACE_ROUNDS, RACERS,
+         getenv("FASTDP_DISABLE_FATBIN") ? " (NVRTC images, one dropped during a load)" : "");
+}
+
 /* ---- fault injection (simulator only) ---- */
 
 /* One operation of the sweep over prepared buffers; `verify` compares the results with the reference. */
@@ -1596,15 +1736,16 @@ static void test_route(void) {
 }
 
 int main(int argc, char **argv) {
-  int do_sweep = 0, pairs = 0;
+  int do_sweep = 0, pairs = 0, do_race = 0;
   const char *only = NULL;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--sweep") == 0) do_sweep = 1;
     if (strcmp(argv[i], "--pairs") == 0) do_sweep = pairs = 1;
+    if (strcmp(argv[i], "--race") == 0) do_race = 1;
     if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
   }
   setvbuf(stdout, NULL, _IOLBF, 0);
-  if (!driver_open() || g_ndev < 1) {
+  if (!driver_open(!do_race) || g_ndev < 1) {
     printf("skipped: no usable CUDA driver or device\n");
     return 77;
   }
@@ -1626,7 +1767,9 @@ int main(int argc, char **argv) {
   const char *why = NULL;
   CHECKF(fdp_backend_usable(FDP_BACKEND_CUDA, &why), "the cuda backend is not usable: %s", why ? why : "");
   if (sim()) S.reset();
-  if (do_sweep) {
+  if (do_race) {
+    race();
+  } else if (do_sweep) {
     if (!sim())
       printf("skipped: the fault-injection sweep needs the simulated GPU\n");
     else

@@ -141,6 +141,35 @@ def test_first_use_races():
     assert re.search(r"^race: \d+ rounds", out, re.MULTILINE), out
 
 
+@functools.lru_cache(maxsize=None)
+def _tsan_exe():
+    """tests/c/test_gpu_ops.c under ThreadSanitizer, against the simulator built for it; None when the compiler
+    cannot build with ThreadSanitizer."""
+    env = dict(os.environ, **_simbuild.env(for_tsan=True))
+    proc = subprocess.run([sys.executable, BUILD_SCRIPT, "--gpu-ops", "--tsan", "--build-only"], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    if proc.returncode != 0 and ("tsan" in proc.stdout or "sanitize=thread" in proc.stdout):
+        return None, proc.stdout
+    assert proc.returncode == 0, f"building tests/c/test_gpu_ops.c under ThreadSanitizer failed:\n{proc.stdout}"
+    env["TSAN_OPTIONS"] = _cbuild.TSAN_OPTIONS
+    return _cbuild.TSAN_EXE, env
+
+
+def test_first_use_races_under_thread_sanitizer():
+    """The same race under ThreadSanitizer: lazily made state read by another thread before it was published (a
+    load or store with too weak an order, a pointer published before what it points to is written) is a data
+    race. The simulator's lock is invisible to the sanitizer, so only fastdp's own synchronisation orders fastdp's
+    accesses."""
+    _need_cc()
+    exe, env = _tsan_exe()
+    if exe is None:
+        pytest.skip(f"the C compiler cannot build with ThreadSanitizer:\n{env[-2000:]}")
+    proc = subprocess.run([exe, "--race"], env=dict(env, **_race_env()), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=180)
+    assert proc.returncode == 0 and "ThreadSanitizer" not in proc.stdout, proc.stdout[-20000:]
+    assert re.search(r"^race: \d+ rounds", proc.stdout, re.MULTILINE), proc.stdout[-20000:]
+
+
 def test_simulator_exports_every_symbol_the_loaders_resolve():
     """Every driver entry point of FDP_CU_ENTRY_POINTS (csrc/dl/cuda_api.h) and every name in nccl_loader.c's k_syms
     table (optional ones included) is an entry point of the simulator: a loader that learns a new symbol needs it

@@ -1314,10 +1314,13 @@ static void *race_body(void *arg) {
     case 2: race_facts(a); break;
     default:
       if (g_ndev > 1 && fdp_backend_usable(FDP_BACKEND_NCCL, NULL) && !getenv("FASTDP_DISABLE_NCCL")) {
-        int dsts[FDP_MAX_DEVICES], k = 1 + id % (g_ndev - 1); /* device lists that overlap other threads' */
+        /* Device lists that overlap other threads' (other roots, other lengths), several times, so that grouped
+         * launches of threads meet on the devices they share. */
+        int dsts[FDP_MAX_DEVICES], k = 1 + id % (g_ndev - 1);
         for (int j = 0; j < k; j++)
           dsts[j] = (a + 1 + j) % g_ndev;
-        bcast_order(a, dsts, k, mine);
+        for (int rep = 0; rep < 4; rep++)
+          bcast_order(a, dsts, k, mine);
       }
       break;
     }

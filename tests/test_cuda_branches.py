@@ -585,6 +585,17 @@ def test_imbalance_warning_names_the_weaker_gpu(cuda, ids, warned):
         assert texts == [dp_module._IMBALANCE_WARNING.format(*warned)]
 
 
+@pytest.mark.parametrize("local_rank, device_ids, want", [("1", None, 1), ("1", [0, 1], 1), ("0", [1], 1)])
+def test_distributed_rank_makes_its_gpu_current(cuda, monkeypatch, local_rank, device_ids, want):
+    """Each process of fastdp.DistributedDataParallel makes its own GPU current before the process group (and the
+    user's own .cuda() calls) use it: LOCAL_RANK's, or the one device_ids names for it."""
+    from fastdp import distributed
+
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert distributed._bind_device(device_ids) == torch.device("cuda", want)
+    assert cuda.entries("set_device") == [("set_device", want)] and cuda.current_device() == want
+
+
 # ---- CUDA-graph capture ------------------------------------------------------------------------------------------
 
 

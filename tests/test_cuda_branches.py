@@ -596,6 +596,31 @@ def test_distributed_rank_makes_its_gpu_current(cuda, monkeypatch, local_rank, d
     assert cuda.entries("set_device") == [("set_device", want)] and cuda.current_device() == want
 
 
+# ---- the benchmarks: timings wait for every GPU they use, peaks per device ----------------------------------------
+
+
+def test_benchmarks_wait_for_and_measure_every_device(cuda):
+    """A timing of work over several GPUs ends when the last of them is done (torch.cuda.synchronize() waits for the
+    current device only), and peak memory is reset and read on each device a configuration uses."""
+    from fastdp.bench import comm as bench_comm, phases, syncbn
+
+    def synced(fn):
+        cuda.log.clear()
+        fn()
+        return sorted(e[1] for e in cuda.entries("device_sync"))
+
+    assert synced(phases.synchronize_all([1, 0, 1])) == [0, 1]
+    config = types.SimpleNamespace(device_ids=[1, 1])
+    assert synced(phases.device_sync("cuda", [config, types.SimpleNamespace(device_ids=None)])) == [0, 1]
+    assert synced(syncbn._step_sync("cuda", [0, 1])) == [0, 1]
+    targets = {name: sync for name, _, sync, _ in bench_comm._targets(2)}
+    assert synced(targets["cuda"]) == [0] and synced(targets["nccl"]) == [0, 1]
+    cuda.peak = [7 << 20, 9 << 20]
+    assert phases.peak_read("cuda", config) == {"cuda:1": 9.0}
+    phases.peak_reset("cuda", config)
+    assert cuda.entries("reset_peak") == [("reset_peak", 1)]
+
+
 # ---- CUDA-graph capture ------------------------------------------------------------------------------------------
 
 

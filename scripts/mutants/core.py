@@ -1,6 +1,7 @@
-"""GPU-path mutants of the C core: the cuda backend (streams, contexts, peer copies, host copies, scratch memory), the
-NCCL backend and loader, the driver loader, and the kernels in cuda/. Each is one realistic bug; scripts/mutants.py
-plants them one at a time."""
+"""GPU-path mutants of the C core: the cuda backend (streams, contexts, peer copies, host copies, scratch memory,
+alignment, sums in passes, recoveries that fail too), the NCCL backend and loader (counts, contexts, concurrency,
+sticky errors), lazily made per-device state and its publication between threads, the driver loader, and the
+kernels in cuda/. Each is one realistic bug; scripts/mutants.py plants them one at a time."""
 
 CUDA = "csrc/backend/cuda/cuda.c"
 NCCL = "csrc/backend/cuda/nccl.c"

@@ -339,7 +339,7 @@ def _on_device(cuda, t, d):
 def test_comm_orders_core_work_on_each_devices_current_stream(cuda, monkeypatch, case, route):
     """Every call fastdp.comm makes into the core (packing, NCCL broadcasts of packed buckets, copies, sums, the
     copies back) lists the caller's current stream of every device it touches, a non-default one here on both
-    devices; results equal torch's on the host."""
+    devices; results equal torch's on the host. A sum's and a gather's default destination is the current device."""
     cuda.install_memory(monkeypatch)
     core = _HostCore(cuda, monkeypatch, route)
     g = torch.Generator().manual_seed(0)
@@ -357,7 +357,8 @@ def test_comm_orders_core_work_on_each_devices_current_stream(cuda, monkeypatch,
             out = [t for row in comm.broadcast_coalesced(srcs, [0, 1], buffer_size=64) for t in row]
             want = [a, b[:, 1], ints, c] * 2
         elif case == "reduce_add":
-            out = [comm.reduce_add([_on_device(cuda, a, 0), _on_device(cuda, b, 1)], destination=1)]
+            with cuda.device(1):  # the default destination: the current device
+                out = [comm.reduce_add([_on_device(cuda, a, 0), _on_device(cuda, b, 1)])]
             want = [a + b]
         elif case == "reduce_add_coalesced":
             rows = [[_on_device(cuda, a, d), _on_device(cuda, ints, d)] for d in (0, 1)]
@@ -378,7 +379,7 @@ def test_comm_orders_core_work_on_each_devices_current_stream(cuda, monkeypatch,
     assert len(out) == len(want)
     for o, w in zip(out, want):
         assert o.is_cuda and torch.equal(o, w)
-    if case == "gather":
+    if case in ("gather", "reduce_add"):
         assert out[0].get_device() == 1
 
 

@@ -168,7 +168,8 @@ void fdp_plan_free(fdp_plan_t *plan);
 fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, int ndst, const fdp_streams_t *streams);
 
 /* out = inputs[0] + inputs[1] + ... in that order, per element. Inputs and out must be contiguous, of one
- * shape and dtype; out may alias no input except by being one of them exactly. */
+ * shape and dtype, and aligned to their element size (FDP_INVALID otherwise); out may alias no input except by
+ * being one of them exactly. */
 fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out, const fdp_streams_t *streams);
 
 /* Sums of many members over host replicas without packing them: inputs[q * k + j] is replica q's member j (k
@@ -309,8 +310,8 @@ void fdp_kernels_facts(fdp_kernels_facts_t *out);
 fdp_result_t fdp_nvrtc_search_dirs(const char *dirs);
 
 /* The NVRTC image for architecture `cc` (major * 10 + minor) as the cuda backend would get it: memory, disk
- * cache or compilation. `forget` first drops the images this process keeps in memory (tests only: not while
- * another thread loads kernels). Needs no GPU. Errors: FDP_INVALID (cc), FDP_UNAVAILABLE (no NVRTC, or it
+ * cache or compilation. `forget` first drops the images this process keeps in memory (tests: an image another
+ * thread is loading stays alive until that load is done). Thread-safe; needs no GPU. Errors: FDP_INVALID (cc), FDP_UNAVAILABLE (no NVRTC, or it
  * cannot target cc), FDP_NOMEM, FDP_INTERNAL (compilation failed; the detail holds NVRTC's log). */
 typedef struct fdp_kernels_image_info {
   size_t bytes;

@@ -6,13 +6,19 @@ device are per thread, as in PyTorch: a new thread starts on device 0 with every
 Everything that orders work (a stream waiting for another, an event recorded or waited on, a tensor's block
 recorded as used on a stream) or stalls the host (any synchronize) is appended to ``log`` as a tuple, in the order
 it happened, from every thread. Tensors stay on the host: the tests pair the fake API with host tensors whose
-devices the code under test is told are CUDA devices.
+devices the code under test is told are CUDA devices, or (``install_memory``) with host tensors it sees as CUDA
+tensors, allocated where it asks torch for CUDA memory.
+
+The fake is strict where torch would silently do the wrong thing: a device index that does not exist, or an
+``ExternalStream`` told another device than the one its stream belongs to (torch would make it current on the wrong
+device), is recorded in ``misuse``; tests check it stays empty.
 """
 
 import contextlib
 import itertools
 import threading
 import time
+import types
 
 import torch
 
@@ -108,11 +114,17 @@ class FakeFence:
 
 class FakeCuda:
     """``ndev`` fake CUDA devices. ``stream_on(d, name)`` makes a named non-default stream; ``capturing`` is what
-    ``is_current_stream_capturing`` answers; ``allocated[d]`` what ``memory_allocated(d)`` answers."""
+    ``is_current_stream_capturing`` answers; ``allocated[d]`` what ``memory_allocated(d)`` answers; ``props[d]`` what
+    ``get_device_properties(d)`` answers."""
 
     def __init__(self, ndev=2):
         self.ndev = ndev
         self.log = []
+        self.misuse = []
+        self.memory = {}  # storage address -> the fake device holding it (install_memory)
+        self._kept = []  # those storages, alive, so that no address is reused during the test
+        self.props = [types.SimpleNamespace(name=f"Fake GPU {d}", total_memory=80 << 30, multi_processor_count=132)
+                      for d in range(ndev)]
         self._lock = threading.Lock()
         self._tls = threading.local()
         self._handles = itertools.count(0x1000, 0x10)
@@ -148,9 +160,16 @@ class FakeCuda:
         if isinstance(device, FakeStream):
             return device.device_index
         if isinstance(device, int):
-            return device
-        device = torch.device(device)
-        return self._state().device if device.index is None else device.index
+            index = device
+        else:
+            device = torch.device(device)
+            if device.type != "cuda":
+                self.misuse.append(f"a {device} device where a CUDA device was expected")
+            index = self._state().device if device.index is None else device.index
+        if not 0 <= index < self.ndev:
+            self.misuse.append(f"CUDA device {index} does not exist ({self.ndev} fake devices)")
+            index = 0
+        return index
 
     def stream_of(self, device, handle):
         """The stream a (device, handle) pair of the core's stream lists names (handle 0: the default stream)."""
@@ -212,15 +231,22 @@ class FakeCuda:
 
     def set_device(self, device):
         self._state().device = self._index(device)
+        self.record("set_device", self._state().device)
 
     def Stream(self, device=None, priority=0, **kwargs):
         return self.stream_on(self._index(device), f"new{len(self.by_handle)}@{self._index(device)}")
 
     def ExternalStream(self, stream_ptr, device=None):
-        s = self.by_handle.get(stream_ptr)
+        """The stream with that handle. 0 is the legacy default stream, PyTorch's default stream of the device. A
+        stream told another device than its own is what torch would make of it: a stream of the wrong device."""
+        d = self._index(device)
+        s = self.defaults[d] if stream_ptr == 0 else self.by_handle.get(stream_ptr)
         if s is None:
-            s = FakeStream(self, self._index(device), f"external{stream_ptr:#x}", stream_ptr)
+            s = FakeStream(self, d, f"external{stream_ptr:#x}", stream_ptr)
             self.by_handle[stream_ptr] = s
+        if s.device_index != d:
+            self.misuse.append(f"ExternalStream({s.name}, device={d}): that stream belongs to device {s.device_index}")
+            s = FakeStream(self, d, f"{s.name}-as-device-{d}", stream_ptr)
         return s
 
     def Event(self, **kwargs):
@@ -228,6 +254,12 @@ class FakeCuda:
 
     def synchronize(self, device=None):
         self.record("device_sync", self._index(device))
+
+    def get_device_properties(self, device=None):
+        return self.props[self._index(device)]
+
+    def get_device_name(self, device=None):
+        return self.props[self._index(device)].name
 
     def is_current_stream_capturing(self):
         return self.capturing
@@ -266,7 +298,7 @@ class FakeCuda:
             "Stream", "ExternalStream", "Event", "synchronize", "is_current_stream_capturing",
             "can_device_access_peer", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats",
             "memory_stats_as_nested_dict",
-            "is_available", "device_count")
+            "is_available", "device_count", "get_device_properties", "get_device_name")
 
     def install(self, monkeypatch):
         """Puts this fake in place of torch.cuda's API for one test, and records ``Tensor.record_stream``."""
@@ -281,4 +313,55 @@ class FakeCuda:
         monkeypatch.setattr(_C, "order", self.order)
         monkeypatch.setattr(_C, "Fence", lambda streams: FakeFence(cuda, streams))
         monkeypatch.setattr(_reducer, "_OWN_STREAMS", {})  # the reduction's streams are this fake's
+        return self
+
+    # ---- tensors in fake device memory ----
+    def device_of(self, t):
+        """The fake CUDA device whose memory holds t's storage, or None."""
+        if t.numel() == 0 and t.untyped_storage().nbytes() == 0:
+            return None
+        return self.memory.get(t.untyped_storage().data_ptr())
+
+    def tensor(self, t, device):
+        """Host tensor t, seen by the code under test as a tensor of CUDA device ``device`` (with install_memory)."""
+        assert t.untyped_storage().nbytes() > 0, "an empty storage has no address to tell it by"
+        self.memory[t.untyped_storage().data_ptr()] = device
+        self._kept.append(t)
+        return t
+
+    def install_memory(self, monkeypatch):
+        """Makes the tensors of ``tensor`` look like CUDA tensors (``is_cuda``, ``device``, ``get_device``), and
+        torch.empty / torch.empty_like with a CUDA device allocate such tensors on the host."""
+        cuda, base = self, torch._C.TensorBase
+        real_device, real_is_cuda, real_is_cpu = base.device.__get__, base.is_cuda.__get__, base.is_cpu.__get__
+        real_get_device, real_empty, real_empty_like = base.get_device, torch.empty, torch.empty_like
+
+        def device(t):
+            d = cuda.device_of(t)
+            return real_device(t) if d is None else torch.device("cuda", d)
+
+        monkeypatch.setattr(torch.Tensor, "device", property(device))
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: cuda.device_of(t) is not None or real_is_cuda(t)))
+        monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda t: cuda.device_of(t) is None and real_is_cpu(t)))
+        monkeypatch.setattr(torch.Tensor, "get_device",
+                            lambda t: real_get_device(t) if cuda.device_of(t) is None else cuda.device_of(t))
+
+        def where(device):
+            if device is None or isinstance(device, int):
+                return device
+            device = torch.device(device)
+            return None if device.type == "cpu" else cuda._index(device)
+
+        def empty(*size, device=None, **kw):
+            d = where(device)
+            t = real_empty(*size, **kw)
+            return t if d is None else cuda.tensor(t, d)
+
+        def empty_like(t, *, device=None, **kw):
+            d = where(device) if device is not None else cuda.device_of(t)
+            out = real_empty_like(t, **kw)
+            return out if d is None else cuda.tensor(out, d)
+
+        monkeypatch.setattr(torch, "empty", empty)
+        monkeypatch.setattr(torch, "empty_like", empty_like)
         return self

@@ -7,6 +7,7 @@ import copy
 import importlib
 import threading
 import types
+import warnings
 
 import pytest
 import torch
@@ -23,15 +24,30 @@ from _fake_cuda import FakeCuda
 
 pytestmark = pytest.mark.sim
 
+_GRANT_PEER = _core._grant_peer  # the fixture stands in for it; one test checks the real one
 
-@pytest.fixture
-def cuda(monkeypatch):
-    fake = FakeCuda(2).install(monkeypatch)
+
+def _fake(monkeypatch, ndev):
+    fake = FakeCuda(ndev).install(monkeypatch)
     # CUDA device entries pass the normaliser although this torch has no CUDA
     monkeypatch.setattr(_devices, "_require_cuda", lambda d, what: d)
     monkeypatch.setattr(_core, "_PEERS_OPEN", set())
     monkeypatch.setattr(_core, "_grant_peer", lambda device, peer: fake.record("grant_peer", device, peer))
     return fake
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    fake = _fake(monkeypatch, 2)
+    yield fake
+    assert fake.misuse == [], fake.misuse  # a device that does not exist, a stream told the wrong device
+
+
+@pytest.fixture
+def cuda3(monkeypatch):
+    fake = _fake(monkeypatch, 3)
+    yield fake
+    assert fake.misuse == [], fake.misuse
 
 
 def _on(device):
@@ -67,7 +83,8 @@ def test_peer_access_is_opened_through_pytorch_once_per_device_set(cuda, monkeyp
 
 def test_scratch_memory_is_allocated_on_the_cores_stream(cuda, monkeypatch):
     """The core's scratch block belongs to the stream the core uses it on (PyTorch's allocator ties blocks to the
-    stream current at allocation)."""
+    stream current at allocation), on the device it asks for, whatever this thread's current device and streams
+    are; the core's legacy default stream is the device's default stream."""
     work = cuda.stream_on(1, "core@1")
     seen = []
     real_empty = torch.empty
@@ -77,8 +94,10 @@ def test_scratch_memory_is_allocated_on_the_cores_stream(cuda, monkeypatch):
         return real_empty(*size, dtype=dtype)
 
     monkeypatch.setattr(torch, "empty", empty)
-    _core._scratch(1, 64, work.cuda_stream)
-    _core._scratch(1, 64, 0)  # the legacy default stream: the device's default stream
+    with cuda.stream(cuda.stream_on(1, "caller@1")), cuda.stream(cuda.stream_on(0, "caller@0")):
+        assert cuda.current_device() == 0
+        _core._scratch(1, 64, work.cuda_stream)
+        _core._scratch(1, 64, 0)  # the legacy default stream: the device's default stream
     assert seen == [(1, "core@1"), (1, "default@1")]
 
 
@@ -100,6 +119,29 @@ def test_torch_fallback_copies_run_on_the_listed_streams(cuda):
     _fallback.copy([Dst(), Dst()], [None, None], [(1, work.cuda_stream)])
     _fallback.copy([Dst()], [None], None)
     assert seen == ["core@1", "core@1", "default@1"]
+    # the core's legacy default stream of device 1 is its default stream, while this thread has other streams
+    # current there and a device whose current stream has the same handle (0) is the current device
+    seen.clear()
+    with cuda.stream(cuda.stream_on(1, "caller@1")), cuda.device(0):
+        _fallback.copy([Dst()], [None], [(0, 0), (1, 0)])
+    assert seen == ["default@1"]
+
+
+def test_peer_access_is_granted_from_the_accessing_device(cuda, monkeypatch):
+    """torch asks its allocator for peer access on the source device of a copy, towards the destination: to let
+    `device` read `peer`'s memory, the copy's source is on `device` and its destination on `peer`."""
+    made = []
+
+    class Probe:
+        def __init__(self, device):
+            self.device = device
+
+        def copy_(self, src):
+            made.append(("copy", src.device, self.device))
+
+    monkeypatch.setattr(torch, "empty", lambda *size, device=None, **kw: Probe(device))
+    _GRANT_PEER(1, 0)
+    assert made == [("copy", torch.device("cuda", 1), torch.device("cuda", 0))]
 
 
 # ---- parallel_apply: every worker enters the caller's device, stream and autocast ------------------------------
@@ -197,6 +239,148 @@ def test_scatter_hands_each_chunk_to_its_given_stream(cuda, monkeypatch):
         ("wait", "c@1", "a@1"),
         ("record_stream", out[2].data_ptr(), "c@1"),
     ]
+
+
+def test_scatter_of_a_cuda_source_with_streams(cuda3, monkeypatch):
+    """With explicit streams: the source's device keeps the stream that produced the source (its current one, not
+    the one given for its entry), a None entry means that device's current stream, and every chunk is allocated
+    with the stream that writes it current, so that PyTorch's allocator ties its block to that stream."""
+    cuda = cuda3
+    cuda.install_memory(monkeypatch)
+    a1, c1, g2 = cuda.stream_on(1, "a@1"), cuda.stream_on(1, "c@1"), cuda.stream_on(2, "g@2")
+    made = []
+
+    def empty_like(t, device):
+        made.append((device.index, cuda.current_stream(device).name))
+        return torch.empty_like(t, device=device)
+
+    monkeypatch.setattr(comm, "_empty_like", empty_like)
+    monkeypatch.setattr(_C, "scatter", lambda src, outs, dim, sizes, streams: cuda.record(
+        "core_scatter", sorted(streams)))
+    x = cuda.tensor(torch.arange(16.0).view(8, 2), 2)
+    with cuda.stream(cuda.stream_on(0, "caller@0")), cuda.stream(cuda.stream_on(2, "producer@2")), cuda.device(1):
+        out = comm.scatter(x, [1, 0, 1, 2], dim=0, streams=[a1, None, c1, g2])
+    assert [o.get_device() for o in out] == [1, 0, 1, 2] and out[3].data_ptr() == x[6:].data_ptr()
+    assert made == [(1, "a@1"), (0, "caller@0"), (1, "a@1")]
+    handles = {"producer@2": None, "caller@0": None}
+    for s in cuda.by_handle.values():
+        handles[s.name] = s.cuda_stream
+    assert [e for e in cuda.log if e[0] != "grant_peer"] == [
+        ("core_scatter", [(0, handles["caller@0"]), (1, a1.cuda_stream), (2, handles["producer@2"])]),
+        ("wait", "c@1", "a@1"), ("record_stream", out[2].data_ptr(), "c@1"),
+        ("wait", "g@2", "producer@2"), ("record_stream", out[3].data_ptr(), "g@2"),
+    ]
+
+
+class _HostCore:
+    """fastdp._C's data moves, each checked, then run on the host: every CUDA device among a call's tensors must be
+    listed with this thread's current stream there (where the caller's work on them is ordered)."""
+
+    def __init__(self, cuda, monkeypatch, route):
+        self.cuda, self.calls, self.problems = cuda, [], []
+        for name in ("copy", "broadcast", "scatter", "gather", "reduce_many"):
+            monkeypatch.setattr(_C, name, self._checked(name, getattr(self, "_" + name)))
+        monkeypatch.setattr(_C, "route", lambda op, key: route)
+        monkeypatch.setattr(comm, "_ROUTES", {})
+
+    def _checked(self, name, run):
+        def call(*args):
+            *rest, streams = args
+            devices = sorted({t.get_device() for t in _tensors(rest) if t.is_cuda})
+            listed = dict(streams or [])
+            want = {d: self.cuda.current_stream(d).cuda_stream for d in devices}
+            if {d: listed.get(d) for d in devices} != want:
+                self.problems.append(f"{name}: streams {streams}, want the current ones {sorted(want.items())}")
+            self.calls.append(name)
+            return run(*rest)
+
+        return call
+
+    @staticmethod
+    def _copy(dsts, srcs):
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+
+    def _broadcast(self, src, dsts):
+        self._copy(dsts, [src] * len(dsts))
+
+    @staticmethod
+    def _scatter(src, outs, dim, sizes):
+        for o, piece in zip(outs, src.split(list(sizes), dim)):
+            if o.data_ptr() != piece.data_ptr():
+                o.copy_(piece)
+
+    @staticmethod
+    def _gather(inputs, out, dim):
+        out.copy_(torch.cat(inputs, dim))
+
+    @staticmethod
+    def _reduce_many(columns, outs):
+        for column, out in zip(columns, outs):
+            out.copy_(sum(column[1:], column[0].clone()))
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+
+
+def _on_device(cuda, t, d):
+    """A copy of t in fake memory of device d."""
+    return cuda.tensor(t.clone(), d)
+
+
+@pytest.mark.parametrize("route", ["nccl", "cuda"])
+@pytest.mark.parametrize("case", ["broadcast", "broadcast_out", "broadcast_coalesced", "reduce_add",
+                                  "reduce_add_coalesced", "scatter", "scatter_out", "gather"])
+def test_comm_orders_core_work_on_each_devices_current_stream(cuda, monkeypatch, case, route):
+    """Every call fastdp.comm makes into the core (packing, NCCL broadcasts of packed buckets, copies, sums, the
+    copies back) lists the caller's current stream of every device it touches, a non-default one here on both
+    devices; results equal torch's on the host. A sum's and a gather's default destination is the current device."""
+    cuda.install_memory(monkeypatch)
+    core = _HostCore(cuda, monkeypatch, route)
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(6, 4, generator=g) for _ in range(3))
+    ints = torch.randint(0, 9, (5,), generator=g)
+    with cuda.stream(cuda.stream_on(0, "caller@0")), cuda.stream(cuda.stream_on(1, "caller@1")):
+        if case == "broadcast":
+            out = comm.broadcast(_on_device(cuda, a, 0), [0, 1])
+            want = [a, a]
+        elif case == "broadcast_out":
+            out = comm.broadcast(_on_device(cuda, a, 1), out=[_on_device(cuda, b, 0), _on_device(cuda, c, 1)])
+            want = [a, a]
+        elif case == "broadcast_coalesced":
+            srcs = [_on_device(cuda, t, 0) for t in (a, b[:, 1], ints, c)]  # a strided member: packed first
+            out = [t for row in comm.broadcast_coalesced(srcs, [0, 1], buffer_size=64) for t in row]
+            want = [a, b[:, 1], ints, c] * 2
+        elif case == "reduce_add":
+            with cuda.device(1):  # the default destination: the current device
+                out = [comm.reduce_add([_on_device(cuda, a, 0), _on_device(cuda, b, 1)])]
+            want = [a + b]
+        elif case == "reduce_add_coalesced":
+            rows = [[_on_device(cuda, a, d), _on_device(cuda, ints, d)] for d in (0, 1)]
+            out = list(comm.reduce_add_coalesced(rows, destination=0, buffer_size=64))
+            want = [a + a, ints + ints]
+        elif case == "scatter":
+            out = comm.scatter(_on_device(cuda, a, 0), [0, 1], dim=1)
+            want = list(a.chunk(2, 1))
+        elif case == "scatter_out":
+            outs = [_on_device(cuda, b[:2], 1), _on_device(cuda, b[2:], 0)]
+            out = comm.scatter(_on_device(cuda, a, 1), out=outs)
+            want = [a[:2], a[2:]]
+        else:
+            with cuda.device(1):  # the default destination: the current device
+                out = [comm.gather([_on_device(cuda, a, 0), _on_device(cuda, b, 1)])]
+            want = [torch.cat([a, b])]
+    assert core.calls and core.problems == [], core.problems
+    assert len(out) == len(want)
+    for o, w in zip(out, want):
+        assert o.is_cuda and torch.equal(o, w)
+    if case in ("gather", "reduce_add"):
+        assert out[0].get_device() == 1
 
 
 # ---- SyncBatchNorm on CUDA -----------------------------------------------------------------------------------------
@@ -468,6 +652,74 @@ def test_kept_nodes_are_remade_for_a_forward_on_other_streams(cuda, monkeypatch)
     assert ("wait", _reducer.own_stream(0).name, "second@0") in cuda.log
     assert cuda.host_syncs() == []
     torch.testing.assert_close(net.weight.grad, 2 * x.sum(0).expand(3, 4) / 2)
+
+
+# ---- what each device reports: memory, properties ----------------------------------------------------------------
+
+
+def test_memory_report_reads_and_resets_each_device(cuda):
+    """memory_report's figures are each listed device's own, and reset_peak resets the peaks of those devices."""
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+            self.device_ids = [1, 0]
+
+    cuda.allocated, cuda.peak = [10, 20], [100, 200]
+    report = fastdp.memory_report(Wrapper(), reset_peak=True)
+    assert [(d.device, d.allocated, d.peak) for d in report.devices] == [("cuda:1", 20, 200), ("cuda:0", 10, 100)]
+    assert sorted(cuda.entries("reset_peak")) == [("reset_peak", 0), ("reset_peak", 1)]
+
+
+@pytest.mark.parametrize("ids, warned", [([0, 1], (1, 0)), ([1, 0], (1, 0)), ([0, 0], None)])
+def test_imbalance_warning_names_the_weaker_gpu(cuda, ids, warned):
+    """Upstream's warning compares each listed GPU's own properties and names the one with less memory."""
+    cuda.props[1].total_memory = 40 << 30
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dp_module._check_balance(ids)
+    texts = [str(w.message) for w in caught]
+    if warned is None:
+        assert texts == []
+    else:
+        assert texts == [dp_module._IMBALANCE_WARNING.format(*warned)]
+
+
+@pytest.mark.parametrize("local_rank, device_ids, want", [("1", None, 1), ("1", [0, 1], 1), ("0", [1], 1)])
+def test_distributed_rank_makes_its_gpu_current(cuda, monkeypatch, local_rank, device_ids, want):
+    """Each process of fastdp.DistributedDataParallel makes its own GPU current before the process group (and the
+    user's own .cuda() calls) use it: LOCAL_RANK's, or the one device_ids names for it."""
+    from fastdp import distributed
+
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert distributed._bind_device(device_ids) == torch.device("cuda", want)
+    assert cuda.entries("set_device") == [("set_device", want)] and cuda.current_device() == want
+
+
+# ---- the benchmarks: timings wait for every GPU they use, peaks per device ----------------------------------------
+
+
+def test_benchmarks_wait_for_and_measure_every_device(cuda):
+    """A timing of work over several GPUs ends when the last of them is done (torch.cuda.synchronize() waits for the
+    current device only), and peak memory is reset and read on each device a configuration uses."""
+    from fastdp.bench import comm as bench_comm, phases, syncbn
+
+    def synced(fn):
+        cuda.log.clear()
+        fn()
+        return sorted(e[1] for e in cuda.entries("device_sync"))
+
+    assert synced(phases.synchronize_all([1, 0, 1])) == [0, 1]
+    config = types.SimpleNamespace(device_ids=[1, 1])
+    assert synced(phases.device_sync("cuda", [config, types.SimpleNamespace(device_ids=None)])) == [0, 1]
+    assert synced(syncbn._step_sync("cuda", [0, 1])) == [0, 1]
+    targets = {name: sync for name, _, sync, _ in bench_comm._targets(2)}
+    assert synced(targets["cuda"]) == [0] and synced(targets["nccl"]) == [0, 1]
+    cuda.peak = [7 << 20, 9 << 20]
+    assert phases.peak_read("cuda", config) == {"cuda:1": 9.0}
+    phases.peak_reset("cuda", config)
+    assert cuda.entries("reset_peak") == [("reset_peak", 1)]
 
 
 # ---- CUDA-graph capture ------------------------------------------------------------------------------------------

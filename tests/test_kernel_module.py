@@ -30,9 +30,10 @@ def _blob(path, fatbin):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.build_blob(ROOT / "cuda", None, path)
-    if fatbin:  # a stand-in fatbin: the simulated driver loads any image unless told to fail
+    if fatbin:  # a stand-in fatbin: the simulated driver loads any image it can read to its end (this one ends at
+        # its NUL) unless told to fail
         text = path.read_text()
-        text = text.replace("fdp__kernels_fatbin[] = {0};", "fdp__kernels_fatbin[] = {1, 2, 3, 4};")
+        text = text.replace("fdp__kernels_fatbin[] = {0};", "fdp__kernels_fatbin[] = {1, 2, 3, 0};")
         text = text.replace("fdp__kernels_fatbin_size = 0;", "fdp__kernels_fatbin_size = 4;")
         assert "fdp__kernels_fatbin_size = 4;" in text
         path.write_text(text)

@@ -1,7 +1,7 @@
 """The C programs on the simulated GPU (tests/sim): tests/c/test_gpu_ops.c runs every core operation through the
 cuda and nccl backends under ASan/UBSan, bit-exact against its host reference, with the simulator's misuse and
 race checks; then its fault-injection sweep makes every driver/NCCL call fail in turn, one entry point per test
-item. Each runs in a subprocess with a timeout, so a hang or crash fails one item."""
+item, and once more with each failure followed by a failure of the recovery. Each runs in a subprocess with a timeout, so a hang or crash fails one item."""
 
 import functools
 import importlib.util
@@ -106,6 +106,68 @@ def test_fault_injection_sweep(entry, route):
     _need_cc()
     out = _run(["--sweep", "--only", entry], timeout=240, extra_env=ROUTES[route])
     assert re.search(r"^sweep: ", out, re.MULTILINE), out
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_fault_injection_pairs(route):
+    """Two failures in a row: each call of every operation failing, then the next call of each recovery's fallback
+    (the host wait, the context push it needs, a plain free, a communicator's abort) failing too. Nothing may be
+    freed under work that may still use it (a race in the simulator), only what work may still use may leak, and the
+    next call succeeds."""
+    _need_cc()
+    out = _run(["--pairs"], timeout=240, extra_env=ROUTES[route])
+    assert re.search(r"^sweep: .*each followed by another", out, re.MULTILINE), out
+
+
+def _race_env():
+    """Kernels from NVRTC images during the race, where NVRTC is found (one thread then drops the images kept in
+    memory while another loads one); the fatbin otherwise."""
+    try:
+        from fastdp import _C
+
+        nvrtc = _C.kernels_info()["nvrtc_library"]
+    except Exception:  # noqa: BLE001 -- no fastdp or no NVRTC: the race runs on the fatbin
+        nvrtc = ""
+    return {"FASTDP_DISABLE_FATBIN": "1", "FASTDP_NVRTC_LIBRARY": nvrtc} if nvrtc else {}
+
+
+def test_first_use_races():
+    """Threads racing on the first use of everything fastdp makes lazily per device (contexts, peer access, kernel
+    modules and images, communicator sets, facts), with the simulator pausing inside each making call: right
+    results, no misuse, NCCL launches of threads never interleaved without PyTorch's free mutex, nothing made
+    twice, and no image freed under a load (AddressSanitizer)."""
+    _need_cc()
+    out = _run(["--race"], timeout=180, detect_leaks=True, extra_env=_race_env())
+    assert re.search(r"^race: \d+ rounds", out, re.MULTILINE), out
+
+
+@functools.lru_cache(maxsize=None)
+def _tsan_exe():
+    """tests/c/test_gpu_ops.c under ThreadSanitizer, against the simulator built for it; None when the compiler
+    cannot build with ThreadSanitizer."""
+    env = dict(os.environ, **_simbuild.env(for_tsan=True))
+    proc = subprocess.run([sys.executable, BUILD_SCRIPT, "--gpu-ops", "--tsan", "--build-only"], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    if proc.returncode != 0 and ("tsan" in proc.stdout or "sanitize=thread" in proc.stdout):
+        return None, proc.stdout
+    assert proc.returncode == 0, f"building tests/c/test_gpu_ops.c under ThreadSanitizer failed:\n{proc.stdout}"
+    env["TSAN_OPTIONS"] = _cbuild.TSAN_OPTIONS
+    return _cbuild.TSAN_EXE, env
+
+
+def test_first_use_races_under_thread_sanitizer():
+    """The same race under ThreadSanitizer: lazily made state read by another thread before it was published (a
+    load or store with too weak an order, a pointer published before what it points to is written) is a data
+    race. The simulator's lock is invisible to the sanitizer, so only fastdp's own synchronisation orders fastdp's
+    accesses."""
+    _need_cc()
+    exe, env = _tsan_exe()
+    if exe is None:
+        pytest.skip(f"the C compiler cannot build with ThreadSanitizer:\n{env[-2000:]}")
+    proc = subprocess.run([exe, "--race"], env=dict(env, **_race_env()), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=180)
+    assert proc.returncode == 0 and "ThreadSanitizer" not in proc.stdout, proc.stdout[-20000:]
+    assert re.search(r"^race: \d+ rounds", proc.stdout, re.MULTILINE), proc.stdout[-20000:]
 
 
 def test_simulator_exports_every_symbol_the_loaders_resolve():

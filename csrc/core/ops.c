@@ -214,8 +214,18 @@ static fdp_result_t check_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src,
 }
 
 /* One reduce input against the output: valid, same dtype and shape, contiguous, not partly the output. */
+/* A sum reads and writes whole elements, which a GPU (and C) can do only at addresses that are a multiple of their
+ * size. Copies need no such thing (they move bytes where elements are misaligned), and PyTorch never makes a
+ * misaligned tensor; memory from elsewhere (DLPack, a C caller) may be. */
+static fdp_result_t check_sum_aligned(const fdp_tensor_t *t, const char *what, int i) {
+  if (fdp_tensor_numel(t) == 0 || (uintptr_t)t->data % (uintptr_t)t->elem_size == 0) return FDP_OK;
+  return fdp__fail(FDP_INVALID, "reduce: %s %d (at %p) is not aligned to its %d-byte elements, which a sum cannot "
+                   "read; copy it into aligned memory first", what, i, (void *)t->data, t->elem_size);
+}
+
 static fdp_result_t check_reduce_input(const fdp_tensor_t *in, int i, const fdp_tensor_t *out) {
   FDP_CHECK(check_tensor(in, "input", i));
+  FDP_CHECK(check_sum_aligned(in, "input", i));
   if (in->dtype != out->dtype || in->elem_size != out->elem_size)
     return fdp__fail(FDP_INVALID, "reduce: input %d is %s but the output is %s", i, fdp_dtype_name(in->dtype),
                      fdp_dtype_name(out->dtype));
@@ -512,6 +522,7 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
   const fdp_tensor_t *all[FDP_MAX_DEVICES * 16 + 1];
   FDP_CHECK(check_tensor(out, "output", 0));
   if (!fdp_tensor_is_contiguous(out)) return fdp__fail(FDP_INVALID, "reduce: the output must be contiguous");
+  FDP_CHECK(check_sum_aligned(out, "output", 0));
   for (int i = 0; i < n; i++) {
     FDP_CHECK(check_reduce_input(&inputs[i], i, out));
     all[i] = &inputs[i];

@@ -69,6 +69,15 @@ def _local_rank():
     return 0
 
 
+def _bind_device(device_ids):
+    """This process's device (_local_device), made the current CUDA device: NCCL, barriers and the user's own
+    .cuda() calls then use this GPU."""
+    device = _local_device(device_ids)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 def _local_device(device_ids):
     """This process's device: CPU for "cpu" device_ids or without a GPU, else cuda:LOCAL_RANK (or as device_ids says).
 
@@ -189,9 +198,7 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
         # conveniences DataParallel defines as methods and one load hook, which it inherits or reuses below.
         Module.__init__(self)
         torch._C._log_api_usage_once("fastdp.DistributedDataParallel")
-        device = _local_device(device_ids)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # NCCL, barriers and the user's own .cuda() calls then use this GPU.
+        device = _bind_device(device_ids)
         _ensure_group(device)
         module.to(device)
         index = [device.index] if device.type == "cuda" else None

@@ -1,6 +1,7 @@
-"""GPU-path mutants of the C core: the cuda backend (streams, contexts, peer copies, host copies, scratch memory), the
-NCCL backend and loader, the driver loader, and the kernels in cuda/. Each is one realistic bug; scripts/mutants.py
-plants them one at a time."""
+"""GPU-path mutants of the C core: the cuda backend (streams, contexts, peer copies, host copies, scratch memory,
+alignment, sums in passes, recoveries that fail too), the NCCL backend and loader (counts, contexts, concurrency,
+sticky errors), lazily made per-device state and its publication between threads, the driver loader, and the
+kernels in cuda/. Each is one realistic bug; scripts/mutants.py plants them one at a time."""
 
 CUDA = "csrc/backend/cuda/cuda.c"
 NCCL = "csrc/backend/cuda/nccl.c"
@@ -8,6 +9,9 @@ NCCL_LOADER = "csrc/dl/nccl_loader.c"
 DRIVER = "csrc/dl/cuda_driver.c"
 SUM = "cuda/sum.cu"
 COPY = "cuda/copy.cu"
+LAYOUT = "csrc/backend/cuda/layout.c"
+OPS = "csrc/core/ops.c"
+IMAGES = "csrc/backend/cuda/kernel_image.c"
 
 MUTANTS = [
     # ---- stream ordering ----
@@ -140,8 +144,8 @@ MUTANTS = [
          replace="",
          what="a cached communicator set is reused after it reported an asynchronous error"),
     dict(name="broken-comm-not-aborted", file=NCCL,
-         find="        ncclResult_t r = api->CommAbort(set->comms[i]);",
-         replace="        ncclResult_t r = ncclSuccess;",
+         find="      ncclResult_t r = broken ? api->CommAbort(set->comms[i]) : api->CommDestroy(set->comms[i]);",
+         replace="      ncclResult_t r = broken ? ncclSuccess : api->CommDestroy(set->comms[i]);",
          what="an evicted communicator set is dropped without ncclCommAbort"),
     dict(name="bf16-as-fp16", file=NCCL,
          find="  case FDP_DTYPE_BF16: *t = ncclBfloat16; return version >= 21000;",
@@ -172,4 +176,119 @@ MUTANTS = [
          find="    for (int d = last; d > 0; d--) {",
          replace="    for (int d = 1; d <= last; d++) {",
          what="the strided-copy kernel peels index digits outermost first"),
+    # ---- alignment: wide elements at misaligned addresses fault on a GPU ----
+    dict(name="kernel-copy-misaligned-elements", file=LAYOUT,
+         find="  if (!es_ok || p->src % (uint64_t)p->es != 0 || p->dst % (uint64_t)p->es != 0) split_bytes(p);",
+         replace="  if (!es_ok) split_bytes(p);",
+         what="the strided-copy kernel copies elements at addresses not aligned to their size whole, not as bytes"),
+    dict(name="sum-misaligned-accepted", file=OPS,
+         find="  FDP_CHECK(check_sum_aligned(in, \"input\", i));\n",
+         replace="",
+         what="a sum of inputs not aligned to their element size is launched (the kernel faults)"),
+    dict(name="copy-8-reads-16", file=COPY,
+         find="  copy_body(static_cast<const unsigned long long *>(s), static_cast<unsigned long long *>(d), a);",
+         replace="  copy_body(static_cast<const uint4 *>(s), static_cast<uint4 *>(d), a);",
+         what="the 8-byte copy kernel moves 16-byte vectors (8-byte aligned addresses are not 16-byte aligned)"),
+    # ---- NCCL: counts, contexts, concurrency, sticky errors ----
+    dict(name="nccl-bytes-counted-as-elements", file=NCCL,
+         find="    count *= (size_t)src->elem_size;\n",
+         replace="",
+         what="a type NCCL lacks is broadcast as bytes with a count of elements"),
+    dict(name="comms-context-not-held", file=NCCL,
+         find="  for (int i = 0; i < n; i++)\n    FDP_CHECK(fdp__cu_ctx_get(devs[i], NULL));\n  comm_set_t *s",
+         replace="  comm_set_t *s",
+         what="communicators are made without fastdp holding each device's primary context"),
+    dict(name="nccl-lock-per-root", file=NCCL,
+         find=('  pthread_mutex_lock(&g_lock);\n'
+               '  fdp_result_t res = comms_get(api, cu, devs, n, &set);\n'
+               '  if (res == FDP_OK) {\n'
+               '    pthread_mutex_t *free_mutex = n > 1 ? fdp__torch_free_mutex() : NULL;\n'
+               '    if (free_mutex) pthread_mutex_lock(free_mutex);\n'
+               '    saved_ctx_t saved = ctx_save(cu);\n'
+               '    res = saved.ok ? group_enqueue(api, set, devs, n, ops, count, type, reduce)\n'
+               '                   : ctx_refuse(saved, reduce ? "ncclReduce" : "ncclBroadcast");\n'
+               '    FDP_CHECK_KEEP(ctx_restore(cu, saved), res);\n'
+               '    if (free_mutex) pthread_mutex_unlock(free_mutex);\n'
+               '    if (res != FDP_OK) evict_if_broken(api, cu, set);\n'
+               '  }\n'
+               '  pthread_mutex_unlock(&g_lock);\n'
+               '  return res;'),
+         replace=('  static pthread_mutex_t per_root[FDP_MAX_DEVICES] = {[0 ... FDP_MAX_DEVICES - 1] = PTHREAD_MUTEX_INITIALIZER};\n'
+                  '  pthread_mutex_lock(&g_lock);\n'
+                  '  fdp_result_t res = comms_get(api, cu, devs, n, &set);\n'
+                  '  pthread_mutex_unlock(&g_lock);\n'
+                  '  if (res == FDP_OK) {\n'
+                  '    pthread_mutex_lock(&per_root[devs[0]]);\n'
+                  '    pthread_mutex_t *free_mutex = n > 1 ? fdp__torch_free_mutex() : NULL;\n'
+                  '    if (free_mutex) pthread_mutex_lock(free_mutex);\n'
+                  '    saved_ctx_t saved = ctx_save(cu);\n'
+                  '    res = saved.ok ? group_enqueue(api, set, devs, n, ops, count, type, reduce)\n'
+                  '                   : ctx_refuse(saved, reduce ? "ncclReduce" : "ncclBroadcast");\n'
+                  '    FDP_CHECK_KEEP(ctx_restore(cu, saved), res);\n'
+                  '    if (free_mutex) pthread_mutex_unlock(free_mutex);\n'
+                  '    pthread_mutex_unlock(&per_root[devs[0]]);\n'
+                  '    if (res != FDP_OK) {\n'
+                  '      pthread_mutex_lock(&g_lock);\n'
+                  '      evict_if_broken(api, cu, set);\n'
+                  '      pthread_mutex_unlock(&g_lock);\n'
+                  '    }\n'
+                  '  }\n'
+                  '  return res;'),
+         what="grouped NCCL launches are serialised per root device, not across device lists sharing devices"),
+    dict(name="shutdown-destroys-broken-comms", file=NCCL,
+         find="      comms_end(api, cu, s, comms_broken(api, s));",
+         replace="      comms_end(api, cu, s, 0);",
+         what="shutdown destroys communicators that reported an asynchronous error (can hang) instead of aborting"),
+    dict(name="evict-destroys-broken-comms", file=NCCL,
+         find="    comms_end(api, cu, set, 1);",
+         replace="    comms_end(api, cu, set, 0);",
+         what="an evicted broken communicator set is destroyed, not aborted"),
+    dict(name="async-error-only-remote", file=NCCL,
+         find="(st != ncclSuccess && st != ncclInProgress)",
+         replace="(st == ncclRemoteError)",
+         what="only a remote error counts as breaking a communicator (an internal or CUDA error does too)"),
+    # ---- publication between threads ----
+    dict(name="module-published-before-written", file=CUDA,
+         find="        g_mod[dev] = m;\n        atomic_store_explicit(&g_mod_state[dev], 1, memory_order_release);",
+         replace="        atomic_store_explicit(&g_mod_state[dev], 1, memory_order_release);\n        g_mod[dev] = m;",
+         what="a device's kernel module is marked loaded before its functions are stored"),
+    dict(name="module-read-relaxed", file=CUDA,
+         find="  int st = atomic_load_explicit(&g_mod_state[dev], memory_order_acquire);\n  if (st == 0) {",
+         replace="  int st = atomic_load_explicit(&g_mod_state[dev], memory_order_relaxed);\n  if (st == 0) {",
+         what="the kernel module's fast path reads the loaded flag without acquire ordering"),
+    dict(name="module-loaded-twice", file=CUDA,
+         find="    if (atomic_load_explicit(&g_mod_state[dev], memory_order_relaxed) == 0) {",
+         replace="    if (1) {",
+         what="a thread that waited for another's module load loads the module again"),
+    dict(name="facts-read-unpublished", file=CUDA,
+         find="  return st == 1 ? g_mod_src[dev] : st < 0 ? g_mod_err[dev] : \"\";",
+         replace="  (void)st;\n  return g_mod_src[dev];",
+         what="the kernels' source fact is read while another thread may still be writing it"),
+    dict(name="image-forget-frees-held", file=IMAGES,
+         find="    fdp__kimage_put(&g_images[i]);",
+         replace="    free(((shared_bytes_t *)g_images[i].shared)->data);",
+         what="forgetting the kernel images frees one another thread's module load is still reading"),
+    # ---- sums in passes ----
+    dict(name="alias-scan-off-by-one", file=CUDA,
+         find="  for (int i = FDP_SUM_MAX_INPUTS; i < n; i++)\n    if (inputs[i].data == out->data) acc = 0;",
+         replace="  for (int i = FDP_SUM_MAX_INPUTS + 1; i < n; i++)\n    if (inputs[i].data == out->data) acc = 0;",
+         what="an output that is the first input of the second pass keeps the running sum (overwritten early)"),
+    dict(name="alias-scan-second-pass-only", file=CUDA,
+         find="  for (int i = FDP_SUM_MAX_INPUTS; i < n; i++)\n    if (inputs[i].data == out->data) acc = 0;",
+         replace="  for (int i = FDP_SUM_MAX_INPUTS; i < n && i < 2 * FDP_SUM_MAX_INPUTS; i++)\n"
+                 "    if (inputs[i].data == out->data) acc = 0;",
+         what="an output that is an input of the third pass or later keeps the running sum"),
+    # ---- two failures in a row ----
+    dict(name="fence-fail-frees-staging", file=CUDA,
+         find="  *drained = rs == FDP_OK;",
+         replace="  *drained = 1;",
+         what="after a failed fence and a failed host wait, the staging buffer is freed under the copy reading it"),
+    dict(name="free-fallback-after-failed-wait", file=CUDA,
+         find="      if (es == CUDA_SUCCESS) es = cu->MemFree(s->ptr);",
+         replace="      es = cu->MemFree(s->ptr);",
+         what="after a failed cuMemFreeAsync and a failed wait, the buffer is freed with cuMemFree anyway"),
+    dict(name="free-fallback-without-wait", file=CUDA,
+         find="      CUresult es = cu->StreamSynchronize(s->stream);\n      if (es == CUDA_SUCCESS) es = cu->MemFree(s->ptr);",
+         replace="      CUresult es = cu->MemFree(s->ptr);",
+         what="after a failed cuMemFreeAsync the buffer is freed with cuMemFree without waiting for its users"),
 ]

@@ -5,12 +5,15 @@ runs it, and exits with its status.
         tests/c/test_core.c: the core and the host backend (no CUDA toolkit needed; an empty kernel blob). Runs
         every suite, or the SUITEs named; --list prints the suite names, one a line (tests/test_c_core.py makes
         one pytest item of each); --no-build reuses the program built before.
-    python tests/c/build.py --gpu-ops [--sim] [--sweep] [--build-only] [--no-sanitize]
+    python tests/c/build.py --gpu-ops [--sim] [--sweep | --pairs | --race] [--build-only] [--no-sanitize | --tsan]
         tests/c/test_gpu_ops.c: every operation through the cuda and nccl backends. Against the driver and NCCL
         that FASTDP_CUDA_DRIVER_LIBRARY / FASTDP_NCCL_LIBRARY name, or the system's libcuda.so.1/libnccl.so.2
         when unset (then the kernels are the nvcc fatbin when a toolkit is found). --sim sets both variables to
-        the simulated GPU of tests/sim (built here, sanitized); --sweep runs its fault-injection sweep instead.
-        --no-sanitize builds without ASan/UBSan (e.g. to run tests/c/build/test_gpu_ops under compute-sanitizer).
+        the simulated GPU of tests/sim (built here, sanitized); --sweep runs its fault-injection sweep instead,
+        --pairs the sweep with each failure followed by another, --race threads racing on first use.
+        --no-sanitize builds without ASan/UBSan (e.g. to run tests/c/build/test_gpu_ops under compute-sanitizer);
+        --tsan builds tests/c/build/test_gpu_ops_tsan under ThreadSanitizer instead (with --sim, against a simulator
+        built for it: see tests/sim/build.py).
         Exit status 77: no usable driver or device (skipped)."""
 
 import glob
@@ -25,6 +28,11 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 BUILD = os.path.join(HERE, "build")
 EXE = os.path.join(BUILD, "test_core")
 GPU_EXE = os.path.join(BUILD, "test_gpu_ops")
+TSAN_EXE = os.path.join(BUILD, "test_gpu_ops_tsan")
+# Accesses the simulated GPU makes through intercepted functions (memcpy of its device pages, under a lock the
+# sanitizer cannot see) are not the code under test's: ignored (tests/sim/build.py, for_tsan).
+TSAN_SUPPRESSIONS = os.path.join(ROOT, "tests", "sim", "tsan.supp")
+TSAN_OPTIONS = f"suppressions={TSAN_SUPPRESSIONS}:halt_on_error=1:second_deadlock_stack=1"
 
 CFLAGS = [
     "-std=c11", "-D_GNU_SOURCE", "-g", "-O1", "-Wall", "-Wextra", "-Werror",
@@ -86,10 +94,13 @@ def sources(gpu_ops=False, simulated=False):
     return files + [empty_blob(), os.path.join(HERE, "test_core.c")]
 
 
-def build(cc, gpu_ops=False, simulated=False, sanitize=True):
+def build(cc, gpu_ops=False, simulated=False, sanitize=True, tsan=False):
     os.makedirs(BUILD, exist_ok=True)
-    exe = GPU_EXE if gpu_ops else EXE
-    flags = CFLAGS if sanitize else [f for f in CFLAGS if not f.startswith("-fsanitize") and "sanitize" not in f]
+    exe = TSAN_EXE if tsan else GPU_EXE if gpu_ops else EXE
+    flags = CFLAGS if sanitize and not tsan else [f for f in CFLAGS if not f.startswith("-fsanitize") and
+                                                   "sanitize" not in f]
+    if tsan:
+        flags = flags + ["-fsanitize=thread"]
     cmd = [cc, *flags, "-I" + os.path.join(ROOT, "csrc"), *sources(gpu_ops, simulated), "-o", exe, "-lm", "-pthread",
            "-ldl"]
     print("+ " + " ".join(os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in cmd), flush=True)
@@ -101,17 +112,18 @@ def run(detect_leaks, exe=EXE, args=()):
     # protect_shadow_gap=0: the real CUDA driver maps memory where ASan's shadow gap would be (cuInit fails else).
     env["ASAN_OPTIONS"] = f"detect_leaks={detect_leaks}:abort_on_error=0:halt_on_error=1:protect_shadow_gap=0"
     env["UBSAN_OPTIONS"] = UBSAN_OPTIONS
+    env["TSAN_OPTIONS"] = TSAN_OPTIONS
     proc = subprocess.run([exe, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc.returncode, proc.stdout
 
 
-def use_simulator(sanitize=True):
+def use_simulator(sanitize=True, tsan=False):
     """Points FASTDP_CUDA_DRIVER_LIBRARY / FASTDP_NCCL_LIBRARY at the simulated GPU (tests/sim), built with the
-    sanitizers when the test program is."""
+    sanitizers when the test program is (or for a program under ThreadSanitizer)."""
     spec = importlib.util.spec_from_file_location("fastdp_sim_build", os.path.join(ROOT, "tests", "sim", "build.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    os.environ.update(mod.env(sanitize=sanitize))
+    os.environ.update(mod.env(sanitize=sanitize and not tsan, for_tsan=tsan))
 
 
 def main(argv):
@@ -120,25 +132,26 @@ def main(argv):
         print("no C compiler found (set CC, or install cc/gcc/clang)", file=sys.stderr)
         return 127
     gpu_ops = "--gpu-ops" in argv
+    tsan = gpu_ops and "--tsan" in argv
     if gpu_ops and "--sim" in argv:
-        use_simulator(sanitize="--no-sanitize" not in argv)
+        use_simulator(sanitize="--no-sanitize" not in argv, tsan=tsan)
     simulated = gpu_ops and bool(os.environ.get("FASTDP_CUDA_DRIVER_LIBRARY"))
-    exe = GPU_EXE if gpu_ops else EXE
+    exe = TSAN_EXE if tsan else GPU_EXE if gpu_ops else EXE
     reuse = "--no-build" in argv and os.path.exists(exe)
-    rc = 0 if reuse else build(cc, gpu_ops, simulated, sanitize="--no-sanitize" not in argv)
+    rc = 0 if reuse else build(cc, gpu_ops, simulated, sanitize="--no-sanitize" not in argv, tsan=tsan)
     if rc != 0:
         print(f"build failed ({rc})", flush=True)
         return rc or 1
     if "--build-only" in argv:
         return 0
-    args = [a for a in argv if a in ("--sweep",)]
+    args = [a for a in argv if a in ("--sweep", "--pairs", "--race")]
     if "--only" in argv and argv.index("--only") + 1 < len(argv):
         args += ["--only", argv[argv.index("--only") + 1]]
     if not gpu_ops:
         args = ["--list"] if "--list" in argv else [a for a in argv if not a.startswith("--")]
     # The real driver keeps allocations to process exit that LeakSanitizer would report: leaks are checked on
     # the simulated GPU only.
-    leaks = 0 if gpu_ops and not simulated else 1
+    leaks = 0 if (gpu_ops and not simulated) or tsan else 1
     rc, out = run(leaks, exe, args)
     if rc != 0 and leaks and any(s in out for s in LSAN_BROKEN):
         print("LeakSanitizer cannot run here (ptrace restrictions?); rerunning with detect_leaks=0", flush=True)

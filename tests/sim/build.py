@@ -31,6 +31,10 @@ CXXFLAGS = ["-std=c++17", "-g", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror", "
 CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-O1", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
           "-ffp-contract=off", "-fno-fast-math"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
+# The kernel sources: every typed access checked for alignment, trapping where it is misaligned, as a GPU faults
+# (sim_kernels.cc reports the trap as the launch's failure); AddressSanitizer too in the sanitized build.
+KERNEL_CHECKS = ["-fsanitize=alignment", "-fsanitize-undefined-trap-on-error"]
+KERNEL_SANITIZE = ["-fsanitize=address", "-fno-omit-frame-pointer"]
 
 
 def compiler():
@@ -50,18 +54,19 @@ def cxx_compiler():
     return None
 
 
-def build(sanitize=False):
+def build(sanitize=False, for_tsan=False):
     """Returns {"cuda": path of libcuda.so.1, "nccl": path of libnccl.so.2, "dir": folder}; builds when the
-    sources or flags changed. Raises RuntimeError with the compiler output when the build fails."""
+    sources or flags changed. Raises RuntimeError with the compiler output when the build fails. `for_tsan`: for a
+    program under ThreadSanitizer, uninstrumented, with a lock the sanitizer cannot see (sim_state.c)."""
     cc, cxx = compiler(), cxx_compiler()
     if cc is None or cxx is None:
         raise RuntimeError("no C and C++ compiler found (set CC and CXX, or install gcc/g++ or clang/clang++)")
-    flags = CFLAGS + (SANITIZE if sanitize else [])
-    h = hashlib.sha256(" ".join([cc, cxx] + flags + CXXFLAGS).encode())
+    flags = CFLAGS + (SANITIZE if sanitize else []) + (["-DSIM_OPAQUE_LOCK"] if for_tsan else [])
+    h = hashlib.sha256(" ".join([cc, cxx] + flags + CXXFLAGS + KERNEL_CHECKS).encode())
     for f in [os.path.join(HERE, s) for s in SOURCES] + KERNELS + CXX_SOURCES + HEADERS:
         with open(f, "rb") as fh:
             h.update(fh.read())
-    out = os.path.join(HERE, "build", ("asan-" if sanitize else "") + h.hexdigest()[:16])
+    out = os.path.join(HERE, "build", ("asan-" if sanitize else "tsan-" if for_tsan else "") + h.hexdigest()[:16])
     lib = os.path.join(out, "libsimgpu.so")
     paths = {"cuda": os.path.join(out, "libcuda.so.1"), "nccl": os.path.join(out, "libnccl.so.2"), "dir": out}
     if os.path.exists(paths["nccl"]):
@@ -69,12 +74,15 @@ def build(sanitize=False):
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(out))
     includes = ["-I" + os.path.join(ROOT, "csrc"), "-I" + os.path.join(ROOT, "csrc", "backend", "cuda"), "-I" + HERE]
-    cxxflags = CXXFLAGS + (SANITIZE if sanitize else [])
     objects, cmds = [], []
     for src in KERNELS + CXX_SOURCES:
         obj = os.path.join(tmp, os.path.basename(src) + ".o")
-        # The kernels' own warnings are nvcc's business (a build there has no -Werror either).
-        lang = ["-x", "c++", "-DFDP_HOST_EMULATION", "-Wno-error"] if src.endswith(".cu") else []
+        if src.endswith(".cu"):
+            # The kernels' own warnings are nvcc's business (a build there has no -Werror either).
+            cxxflags = CXXFLAGS + KERNEL_CHECKS + (KERNEL_SANITIZE if sanitize else [])
+            lang = ["-x", "c++", "-DFDP_HOST_EMULATION", "-Wno-error"]
+        else:
+            cxxflags, lang = CXXFLAGS + (SANITIZE if sanitize else []), []
         cmds.append([cxx, *cxxflags, *includes, "-include", os.path.join(HERE, "kernel_host.h"), *lang, "-c", src,
                      "-o", obj])
         objects.append(obj)
@@ -97,9 +105,9 @@ def build(sanitize=False):
     return paths
 
 
-def env(sanitize=False, **extra):
+def env(sanitize=False, for_tsan=False, **extra):
     """Environment variables that make fastdp load the simulated libraries."""
-    p = build(sanitize)
+    p = build(sanitize, for_tsan)
     e = {"FASTDP_CUDA_DRIVER_LIBRARY": p["cuda"], "FASTDP_NCCL_LIBRARY": p["nccl"]}
     e.update({k: str(v) for k, v in extra.items()})
     return e

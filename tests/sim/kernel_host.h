@@ -19,7 +19,8 @@ struct fdp_host_dim3 {
 };
 extern thread_local fdp_host_dim3 blockIdx, threadIdx, blockDim, gridDim;
 
-struct uint4 {
+// As CUDA's vector type: 16-byte aligned, so that a 16-byte access the kernels make is checked at that width.
+struct alignas(16) uint4 {
   unsigned int x, y, z, w;
 };
 

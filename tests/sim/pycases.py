@@ -240,6 +240,8 @@ def case_selfcheck(sim):
                        ("cuModuleGetFunction", [ctypes.POINTER(vp), vp, ctypes.c_char_p]),
                        ("cuLaunchKernel", [vp] + [ctypes.c_uint] * 7 + [vp, ctypes.POINTER(vp), vp]),
                        ("ncclCommInitAll", [ctypes.POINTER(vp), ctypes.c_int, vp]), ("ncclCommDestroy", [vp]),
+                       ("ncclCommAbort", [vp]), ("simgpu_nccl_break", [ctypes.c_int, ctypes.c_int]),
+                       ("cuMemAllocAsync", [ctypes.POINTER(u64), sz, vp]), ("cuStreamSynchronize", [vp]),
                        ("cuCtxSetCurrent", [vp])]:
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int
@@ -338,6 +340,49 @@ def case_selfcheck(sim):
     expect(1, "a kernel reading another device's memory without peer access", kernel(False))
     expect(0, "the same with peer access enabled", kernel(True))
 
+    def misaligned(offset):
+        def run():
+            mod, fn = vp(), vp()
+            sim.on(0, lib.cuModuleLoadData, ctypes.byref(mod), b"any image")
+            sim.on(0, lib.cuModuleGetFunction, ctypes.byref(fn), mod, b"fdp_copy_8")
+            args = (ctypes.c_longlong * (2 + 3 * 17))(4, 1, 4)
+            args[2 + 17], args[2 + 34] = 1, 1
+            src, dst = u64(buf + offset), u64(buf + 128)
+            params = (vp * 3)(ctypes.addressof(src), ctypes.addressof(dst), ctypes.addressof(args))
+            r = sim.on(0, lib.cuLaunchKernel, fn, 1, 1, 1, 32, 1, 1, 0, s1, params, None)
+            assert (r == 0) == (offset % 8 == 0), r
+            sim.on(0, lib.cuModuleUnload, mod)
+            sim.synchronize()
+        return run
+    expect(1, "a kernel reading 8-byte elements at an address 4 bytes off", misaligned(4))
+    expect(0, "the same at an aligned address", misaligned(8))
+
+    def pool_memory_freed(wait):
+        def run():
+            p = u64()
+            sim.on(0, lib.cuMemAllocAsync, ctypes.byref(p), 64, s1)
+            sim.on(0, lib.cuMemcpyHtoDAsync_v2, p, host, 64, s1)
+            if wait:
+                sim.on(0, lib.cuStreamSynchronize, s1)
+            sim.on(0, lib.cuMemFree_v2, p)  # does not wait for stream-ordered memory's users
+        return run
+    expect(1, "stream-ordered memory freed with cuMemFree while a copy may still use it", pool_memory_freed(False))
+    expect(0, "the same after the stream was synchronised", pool_memory_freed(True))
+
+    def broken_comm_ended(abort):
+        def run():
+            comms = (vp * 2)()
+            devs = (ctypes.c_int * 2)(0, 1)
+            assert lib.ncclCommInitAll(comms, 2, devs) == 0  # the client holds the contexts: +2 misuse
+            assert lib.simgpu_nccl_break(-1, 3) >= 2
+            for c in comms:
+                (lib.ncclCommAbort if abort else lib.ncclCommDestroy)(c)
+            lib.cuCtxSetCurrent(sim.ctx[0])
+        return run
+    expect(4, "communicators that reported an error destroyed, not aborted (2 at init, 2 at destroy)",
+           broken_comm_ended(False))
+    expect(2, "the same aborted (2 at init)", broken_comm_ended(True))
+
     def comm_outlives_context():
         comms = (vp * 2)()
         devs = (ctypes.c_int * 2)(2, 3)
@@ -351,7 +396,8 @@ def case_selfcheck(sim):
     for st in (s1, s2):
         sim.destroy_stream(0, st)
     sim.free(buf)
-    expect(4, "communicators outliving their contexts (2 at release, 2 at destroy)", comm_outlives_context)
+    expect(6, "communicators made on contexts only the client holds, outliving them (2 at init, 2 at release, 2 at "
+              "destroy)", comm_outlives_context)
 
     def injected():
         sim.fail_at("cuMemAlloc_v2", 2, 2)

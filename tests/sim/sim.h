@@ -73,6 +73,9 @@ void sim_lock(void);
 void sim_unlock(void);
 /* Counts a call; returns the injected result (nonzero) when this call is chosen to fail. Lock held. */
 int sim_enter(sim_entry_t e);
+/* Where a call of `e` was asked to pause (simgpu_pause): sleeps with the lock released, so that other threads run
+ * meanwhile (a wide window for a race between threads). Lock held (once) on entry and on return. */
+void sim_pause_point(sim_entry_t e);
 /* The start and end of an entry point returning `rtype` (CUresult or ncclResult_t): the lock is taken, and an
  * injected failure returns its code before the call does anything; SIM_RETURN releases the lock. */
 #define SIM_ENTER(rtype, name)                                                                                         \
@@ -83,6 +86,7 @@ int sim_enter(sim_entry_t e);
       sim_unlock();                                                                                                    \
       return (rtype)inj_;                                                                                              \
     }                                                                                                                  \
+    sim_pause_point(SIM_E_##name);                                                                                     \
   } while (0)
 #define SIM_RETURN(rtype, v)                                                                                           \
   do {                                                                                                                 \
@@ -95,6 +99,9 @@ void sim_misuse(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int sim_ndev(void);
 /* The live primary context of `dev`, or NULL. */
 sim_ctx_t *sim_primary(int dev);
+/* Whether someone besides the test harness (simgpu_client) holds a reference to `dev`'s primary context: the
+ * library under test, once a harness has declared its own references; anyone, before. */
+int sim_library_holds(int dev);
 /* Resolves a stream handle for work on device `dev` (NULL: its legacy stream); NULL after a misuse. */
 sim_stream_t *sim_stream_for_dev(void *h, int dev, const char *what);
 /* Starts an operation on a stream: joins the host clock and the legacy-stream rules, advances the clock. */
@@ -126,7 +133,7 @@ void sim_host_retire(const uint32_t *host_vc);
 /* Drops the pending host copies of the stream with this agent (its work failed). */
 void sim_host_abandon(int agent);
 /* The real kernels (sim_kernels.cc): runs kernel `name` over the grid, its pointers already host addresses;
- * 0, or -1 when it faulted (*fault: the address). */
+ * 0, -1 when it faulted (*fault: the address), or -2 when it made a misaligned access (*fault: the instruction). */
 int sim_kernel_run(const char *name, const unsigned int grid[3], const unsigned int block[3], fdp_sum_args_t *sum,
                    const void *src, void *dst, const fdp_copy_args_t *copy, void **fault);
 /* The PTX conversions on the host, for the kernels. */

@@ -8,6 +8,10 @@
 
 static __thread sim_ctx_t *t_stack[64];
 static __thread int t_depth;
+/* Whether this thread's retains and releases are the test harness's own, as PyTorch's are (simgpu_client); once a
+ * harness says so, the others are the library's. */
+static __thread int t_client;
+static int g_client_declared;
 
 static sim_ctx_t *current(void) {
   return t_depth > 0 ? t_stack[t_depth - 1] : NULL;
@@ -102,6 +106,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev) {
     D->ctx = c;
   }
   D->refs++;
+  if (t_client) D->client_refs++;
   *ctx = (CUcontext)D->ctx;
   RETURN(CUDA_SUCCESS);
 }
@@ -115,6 +120,7 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     sim_misuse("cuDevicePrimaryCtxRelease: device %d's primary context is not retained", dev);
     RETURN(CUDA_ERROR_INVALID_CONTEXT);
   }
+  if (t_client && D->client_refs > 0) D->client_refs--;
   if (--D->refs == 0) ctx_destroy(D->ctx);
   RETURN(CUDA_SUCCESS);
 }
@@ -232,4 +238,21 @@ CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
   c->peer[p->dev] = 1;
   g_peer_enables++;
   RETURN(CUDA_SUCCESS);
+}
+
+/* ---- who holds a primary context ---- */
+
+/* The calling thread's retains and releases from now on are (on = 1) or are not (0) the test harness's own, made
+ * as PyTorch makes its: what the library retains is then told apart from them. */
+void simgpu_client(int on) {
+  sim_lock();
+  t_client = on != 0;
+  g_client_declared = 1;
+  sim_unlock();
+}
+
+int sim_library_holds(int dev) {
+  if (dev < 0 || dev >= g_ndev) return 0;
+  const device_t *D = &g_dev[dev];
+  return D->refs > (g_client_declared ? D->client_refs : 0);
 }

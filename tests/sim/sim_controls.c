@@ -15,6 +15,9 @@ void simgpu_reset(void) {
   g_nerrors = g_nraces = 0;
   memset(g_calls, 0, sizeof g_calls);
   memset(g_fail_at, 0, sizeof g_fail_at);
+  for (int e = 0; e < SIM_E_COUNT; e++)
+    g_then[e] = -1;
+  memset(g_pause_calls, 0, sizeof g_pause_calls);
   sim_unlock();
 }
 
@@ -44,6 +47,42 @@ int simgpu_fail_at(const char *entry, long long k, int code) {
     if (strcmp(k_entry_names[e], entry) == 0) {
       g_fail_at[e] = k > 0 ? g_calls[e] + k : 0;
       g_fail_code[e] = code;
+      found = 0;
+    }
+  sim_unlock();
+  return found;
+}
+
+/* Two failures in a row: the `k`-th call of `first` from now on returns `code`, and then the next call of `then`
+ * after it returns `then_code` (a recovery that fails too: a fence, then the host wait that replaces it). -1:
+ * unknown entry. */
+int simgpu_fail_then(const char *first, long long k, int code, const char *then, int then_code) {
+  int t = -1;
+  sim_lock();
+  sim_setup();
+  for (int e = 0; e < SIM_E_COUNT; e++)
+    if (strcmp(k_entry_names[e], then) == 0) t = e;
+  int found = t >= 0 ? simgpu_fail_at(first, k, code) : -1;
+  if (found == 0)
+    for (int e = 0; e < SIM_E_COUNT; e++)
+      if (strcmp(k_entry_names[e], first) == 0) {
+        g_then[e] = t;
+        g_then_code[e] = then_code;
+      }
+  sim_unlock();
+  return found;
+}
+
+/* The next `calls` calls of `entry` pause `usec` microseconds after they are counted, with the simulator's lock
+ * released: threads racing on a first use then overlap inside it, as they may on a real machine. -1: unknown entry. */
+int simgpu_pause(const char *entry, long long usec, int calls) {
+  int found = -1;
+  sim_lock();
+  sim_setup();
+  for (int e = 0; e < SIM_E_COUNT; e++)
+    if (strcmp(k_entry_names[e], entry) == 0) {
+      g_pause_us[e] = usec;
+      g_pause_calls[e] = calls;
       found = 0;
     }
   sim_unlock();

@@ -65,7 +65,8 @@ typedef struct sim_alloc {
 typedef struct device {
   CUdeviceptr lo, hi, next; /* reserved range and bump pointer (addresses are never reused) */
   size_t used;
-  int refs; /* primary context retains */
+  int refs;        /* primary context retains */
+  int client_refs; /* those of them the test harness made as PyTorch would (simgpu_client) */
   sim_ctx_t *ctx; /* the current primary context (possibly dead) */
   sim_alloc_t **allocs; /* sorted by base */
   size_t nallocs, cap;
@@ -81,6 +82,12 @@ extern size_t g_nobjs;
 extern long long g_calls[SIM_E_COUNT];
 extern long long g_fail_at[SIM_E_COUNT]; /* call number that fails (0: none) */
 extern int g_fail_code[SIM_E_COUNT];
+/* When entry e's planned failure fires, entry g_then[e] (-1: none) fails at its next call with g_then_code[e]. */
+extern int g_then[SIM_E_COUNT];
+extern int g_then_code[SIM_E_COUNT];
+/* The next g_pause_calls[e] calls of entry e pause g_pause_us[e] microseconds (simgpu_pause). */
+extern long long g_pause_us[SIM_E_COUNT];
+extern int g_pause_calls[SIM_E_COUNT];
 extern long long g_nerrors, g_nraces;
 extern char g_errors[MAX_ERRORS_KEPT][512];
 extern long long g_cache_reuses; /* blocks the simulated caching allocator handed out again */
@@ -123,6 +130,8 @@ sim_stream_t *sim_stream_new(sim_ctx_t *ctx, int legacy, int blocking);
 void sim_stream_kill(sim_stream_t *s);
 /* The host learns that everything `vc` covers has completed: copies to host memory among it land now. */
 void sim_host_sync(const uint32_t *vc);
+/* Whether the host knows that the access with shadow epoch `epoch` ((agent << 22) | clock; 0: none) completed. */
+int sim_host_has_seen(uint32_t epoch);
 /* A stream handle for work with context `c` current (NULL: its legacy stream); NULL after a misuse (*err). */
 sim_stream_t *sim_resolve_stream(CUstream h, sim_ctx_t *c, const char *op, CUresult *err);
 
@@ -132,6 +141,8 @@ typedef struct sim_module {
   uint32_t magic;
   sim_ctx_t *ctx;
   int alive;
+  size_t image_bytes;  /* what cuModuleLoadData read of its image */
+  uint64_t image_hash; /* and a hash of those bytes */
 } sim_module_t;
 
 /* ---- memory (sim_memory.c) ---- */

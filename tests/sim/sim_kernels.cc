@@ -2,7 +2,10 @@
 // cuLaunchKernel: every thread of every block of the grid the launch asks for, one after another, with
 // blockIdx/threadIdx/blockDim/gridDim set for each. A kernel that leaves elements to threads that do not exist (no
 // grid-stride loop) leaves them unwritten; one that strays outside its memory faults on a guard page, which is
-// caught here and reported as the launch's failure instead of ending the process.
+// caught here and reported as the launch's failure instead of ending the process. The kernel sources are compiled
+// with every typed access checked for alignment (build.py: -fsanitize=alignment, trapping), as the GPU faults on
+// a wide element read or written at an address that is not a multiple of its size: that trap is caught the same
+// way.
 #include "backend/cuda/kernels.h"
 
 #include <csetjmp>
@@ -48,19 +51,22 @@ const CopyKernel k_copies[] = {{"fdp_copy_1", fdp_copy_1}, {"fdp_copy_2", fdp_co
 
 thread_local sigjmp_buf *t_jump;
 thread_local void *volatile t_fault;
-struct sigaction g_previous;
+thread_local volatile int t_signal;
+struct sigaction g_previous_segv, g_previous_ill;
 bool g_installed;
 
 void on_fault(int sig, siginfo_t *info, void *uc) {
   if (t_jump != nullptr) {
     t_fault = info->si_addr;
+    t_signal = sig;
     siglongjmp(*t_jump, 1);
   }
   // Not inside a kernel: whoever handled it before (a sanitizer, or the default action).
-  if (g_previous.sa_flags & SA_SIGINFO)
-    g_previous.sa_sigaction(sig, info, uc);
-  else if (g_previous.sa_handler != SIG_IGN && g_previous.sa_handler != SIG_DFL)
-    g_previous.sa_handler(sig);
+  const struct sigaction &previous = sig == SIGILL ? g_previous_ill : g_previous_segv;
+  if (previous.sa_flags & SA_SIGINFO)
+    previous.sa_sigaction(sig, info, uc);
+  else if (previous.sa_handler != SIG_IGN && previous.sa_handler != SIG_DFL)
+    previous.sa_handler(sig);
   else {
     signal(sig, SIG_DFL);
     raise(sig);
@@ -75,14 +81,15 @@ int run_grid(const unsigned int grid[3], const unsigned int block[3], void **fau
     sa.sa_sigaction = on_fault;
     sa.sa_flags = SA_SIGINFO | SA_NODEFER;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGSEGV, &sa, &g_previous);
+    sigaction(SIGSEGV, &sa, &g_previous_segv);
+    sigaction(SIGILL, &sa, &g_previous_ill); // the alignment check's trap
     g_installed = true;
   }
   sigjmp_buf jump;
   if (sigsetjmp(jump, 1) != 0) {
     t_jump = nullptr;
     *fault = t_fault;
-    return -1;
+    return t_signal == SIGILL ? -2 : -1;
   }
   t_jump = &jump;
   gridDim = {grid[0], grid[1], grid[2]};
@@ -103,8 +110,9 @@ int run_grid(const unsigned int grid[3], const unsigned int block[3], void **fau
 
 }  // namespace
 
-// Runs kernel `name` over the grid with its parameters, whose pointers are host addresses already. Returns 0, or -1
-// when it faulted (*fault: the address).
+// Runs kernel `name` over the grid with its parameters, whose pointers are host addresses already. Returns 0, -1
+// when it faulted (*fault: the address), or -2 when it accessed an element at an address not aligned to its size
+// (*fault: the instruction).
 extern "C" int sim_kernel_run(const char *name, const unsigned int grid[3], const unsigned int block[3],
                               fdp_sum_args_t *sum, const void *src, void *dst, const fdp_copy_args_t *copy,
                               void **fault) {

@@ -23,13 +23,46 @@ typedef struct sim_func {
   char name[32];
 } sim_func_t;
 
+/* The bytes of a module image, as the driver reads them: an ELF cubin up to its section headers, a fatbin up to the
+ * size its header gives, PTX (or any other text) up to its NUL. */
+static size_t image_size(const unsigned char *p) {
+  uint64_t u64;
+  uint16_t u16a, u16b;
+  uint32_t magic;
+  if (memcmp(p, "\x7f" "ELF", 4) == 0 && p[4] == 2) { /* 64-bit ELF: e_shoff, e_shentsize, e_shnum */
+    memcpy(&u64, p + 0x28, 8);
+    memcpy(&u16a, p + 0x3a, 2);
+    memcpy(&u16b, p + 0x3c, 2);
+    return (size_t)u64 + (size_t)u16a * u16b;
+  }
+  memcpy(&magic, p, 4);
+  if (magic == 0xba55ed50u) { /* fatbin: magic, version, header size (16 bits), then the size of what follows */
+    memcpy(&u16a, p + 6, 2);
+    memcpy(&u64, p + 8, 8);
+    return (size_t)u16a + (size_t)u64;
+  }
+  return strlen((const char *)p) + 1;
+}
+
 CUresult cuModuleLoadData(CUmodule *out, const void *image) {
   ENTER(cuModuleLoadData);
   CUresult err = CUDA_SUCCESS;
   sim_ctx_t *c = sim_need_ctx("cuModuleLoadData", &err);
   if (!c) RETURN(err);
   if (!out || !image) RETURN(CUDA_ERROR_INVALID_VALUE);
+  /* The driver reads the whole image during the call (and never after): so does the simulator, so that an image
+   * freed under a load is caught (by AddressSanitizer or ThreadSanitizer) rather than silently loaded. */
+  size_t n = image_size(image);
+  unsigned char *copy = malloc(n);
+  if (!copy) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+  memcpy(copy, image, n);
+  uint64_t hash = 1469598103934665603ull;
+  for (size_t i = 0; i < n; i++)
+    hash = (hash ^ copy[i]) * 1099511628211ull;
+  free(copy);
   sim_module_t *m = calloc(1, sizeof *m);
+  m->image_bytes = n;
+  m->image_hash = hash;
   m->magic = MAGIC_MODULE;
   m->ctx = c;
   m->alive = 1;
@@ -97,12 +130,19 @@ static const int k_dtype_size[FDP_DTYPE_COUNT] = {
 };
 
 /* One launch of a real kernel (sim_kernels.cc) over its grid, with host addresses for its pointers. A fault outside
- * every allocation, or a write past the end of `written` (its canary), is the launch's failure. */
+ * every allocation, a misaligned access, or a write past the end of `written` (its canary), is the launch's
+ * failure. */
 static CUresult run_real(sim_op_t *op, const sim_func_t *f, const unsigned int grid[3], const unsigned int block[3],
                          fdp_sum_args_t *sum, const void *src, void *dst, const fdp_copy_args_t *copy,
                          CUdeviceptr written) {
   void *fault = NULL;
-  if (sim_kernel_run(f->name, grid, block, sum, src, dst, copy, &fault) != 0) {
+  int ran = sim_kernel_run(f->name, grid, block, sum, src, dst, copy, &fault);
+  if (ran == -2) {
+    sim_misuse("%s: the kernel accessed an element at an address that is not a multiple of its size (instruction %p)",
+               op->name, fault);
+    return CUDA_ERROR_MISALIGNED_ADDRESS;
+  }
+  if (ran != 0) {
     sim_misuse("%s: the kernel accessed %p, outside its memory (an index past the end, or one that overflowed)",
                op->name, fault);
     return CUDA_ERROR_ILLEGAL_ADDRESS;
@@ -116,6 +156,16 @@ static CUresult run_real(sim_op_t *op, const sim_func_t *f, const unsigned int g
     return CUDA_ERROR_ILLEGAL_ADDRESS;
   }
   return CUDA_SUCCESS;
+}
+
+/* A GPU faults on an element of `es` bytes at an address that is not a multiple of es. Each kernel indexes the
+ * pointers it is given in whole elements, so checking them at the launch covers every access it makes (the
+ * kernels' own accesses are checked too: see sim_kernels.cc). */
+static int aligned(sim_op_t *op, const char *what, CUdeviceptr p, int es) {
+  if (p % (CUdeviceptr)es == 0) return 1;
+  sim_misuse("%s: %s (0x%llx) is not aligned to its %d-byte elements (misaligned address)", op->name, what,
+             (unsigned long long)p, es);
+  return 0;
 }
 
 /* fdp_sum_<dtype>: its inputs and output checked and recorded as accessed in full, then the kernel itself runs. */
@@ -132,8 +182,12 @@ static CUresult run_sum(sim_op_t *op, const sim_func_t *f, void **params, const 
   if (a.n == 0) return CUDA_SUCCESS;
   size_t bytes = (size_t)a.n * (size_t)es;
   CUdeviceptr out = (CUdeviceptr)(uintptr_t)a.out;
+  if (!aligned(op, "the output", out, es)) return CUDA_ERROR_MISALIGNED_ADDRESS;
   for (int j = 0; j < a.k; j++) {
     CUdeviceptr in = (CUdeviceptr)(uintptr_t)a.in[j];
+    char what[32];
+    snprintf(what, sizeof what, "input %d", j);
+    if (!aligned(op, what, in, es)) return CUDA_ERROR_MISALIGNED_ADDRESS;
     if (!sim_check_range(op, in, bytes)) return CUDA_ERROR_ILLEGAL_ADDRESS;
     if (in != out && in < out + bytes && out < in + bytes) {
       sim_misuse("%s: the output partially overlaps input %d", op->name, j);
@@ -183,10 +237,8 @@ static CUresult run_copy(sim_op_t *op, const sim_func_t *f, void **params, const
     return CUDA_ERROR_INVALID_VALUE;
   }
   if (numel == 0) return CUDA_SUCCESS;
-  if (src % (CUdeviceptr)es || dst % (CUdeviceptr)es) {
-    sim_misuse("%s: pointer not aligned to %d bytes (misaligned address)", op->name, es);
-    return CUDA_ERROR_ILLEGAL_ADDRESS;
-  }
+  if (!aligned(op, "the source", src, es) || !aligned(op, "the destination", dst, es))
+    return CUDA_ERROR_MISALIGNED_ADDRESS;
   size_t shi, dhi;
   extent(&a, a.src_strides, es, &shi);
   extent(&a, a.dst_strides, es, &dhi);

@@ -267,6 +267,20 @@ sim_alloc_t *sim_alloc_to_free(CUdeviceptr p, const char *op, CUresult *err) {
   return a;
 }
 
+/* A free at host time of memory whose last accesses the host has not seen complete is a race with them. */
+static void free_after_host_saw(const sim_alloc_t *a) {
+  if (!g_check_races) return;
+  for (size_t i = 0; i < a->size; i++) {
+    uint32_t e = !sim_host_has_seen(a->w[i]) ? a->w[i] : !sim_host_has_seen(a->r[i]) ? a->r[i] : 0;
+    if (e == 0) continue;
+    sim_race("race: cuMemFree of a %zu-byte stream-ordered allocation on device %d while byte %zu may still be %s "
+             "by work on stream agent %u (op %u) that the host never saw finish: cuMemFree does not wait for it "
+             "(synchronise first, or free it with cuMemFreeAsync on its stream)", a->size, a->dev, i,
+             e == a->w[i] ? "written" : "read", e >> 22, e & 0x3fffff);
+    return;
+  }
+}
+
 CUresult cuMemFree_v2(CUdeviceptr p) {
   ENTER(cuMemFree_v2);
   CUresult err = CUDA_SUCCESS;
@@ -274,9 +288,15 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
   if (!c) RETURN(err);
   sim_alloc_t *a = sim_alloc_to_free(p, "cuMemFree", &err);
   if (!a) RETURN(err);
-  /* cuMemFree waits for the device to finish (as cudaFree does): the host then knows all of its work is done. */
-  for (size_t i = 0; i < g_nstreams; i++)
-    if (g_streams[i]->dev == a->dev) sim_host_sync(g_streams[i]->vc);
+  if (a->async) {
+    /* Memory from the stream-ordered pool: cuMemFree does not wait for the work that uses it (the driver's
+     * documentation says so), so the host must already know that all of it finished. */
+    free_after_host_saw(a);
+  } else {
+    /* cuMemFree waits for the device to finish (as cudaFree does): the host then knows all of its work is done. */
+    for (size_t i = 0; i < g_nstreams; i++)
+      if (g_streams[i]->dev == a->dev) sim_host_sync(g_streams[i]->vc);
+  }
   sim_alloc_free(a);
   RETURN(CUDA_SUCCESS);
 }

@@ -3,7 +3,9 @@
  * checked on its own stream like any other device work. As the real library may, its calls leave another device's
  * context current on the calling thread; group state is per thread, and two threads whose grouped calls interleave
  * on one device are recorded (real NCCL can deadlock there). Asynchronous errors can be injected
- * (simgpu_nccl_break); a communicator that reported one must never carry another collective. It also stands in for
+ * (simgpu_nccl_break), and a collective or group that fails with an error of the library, the CUDA runtime or a
+ * peer leaves its communicators broken the same way; a broken communicator stays broken until it is aborted: it must
+ * never carry another collective, and destroying it (which waits for its work) may hang. It also stands in for
  * PyTorch's c10::cuda::getFreeMutex, and checks that the mutex is held around every multi-device group. */
 
 #include "sim.h"
@@ -170,6 +172,14 @@ ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
       RETURN(ncclInvalidArgument);
     }
   }
+  /* The communicators live in the devices' primary contexts: the library must hold each itself (the client, as
+   * PyTorch, may let go of its own), or a context dies under its communicators. */
+  for (int i = 0; i < ndev; i++) {
+    int d = devlist ? devlist[i] : i;
+    if (!sim_library_holds(d))
+      sim_misuse("ncclCommInitAll: device %d's primary context is not held by the library making the communicator "
+                 "(only the client's references, or none): it can be destroyed under the communicator", d);
+  }
   clique_t *cl = calloc(1, sizeof *cl);
   cl->n = ndev;
   for (int i = 0; i < ndev; i++) {
@@ -208,6 +218,17 @@ static struct ncclComm *live_comm(ncclComm_t c, const char *op) {
   return c;
 }
 
+/* Errors after which a communicator cannot be trusted (its state, or a peer's, is lost): it keeps reporting the error
+ * from ncclCommGetAsyncError until it is aborted. A call refused for its arguments breaks nothing. */
+static int breaks_comm(ncclResult_t r) {
+  return r == ncclUnhandledCudaError || r == ncclSystemError || r == ncclInternalError || r == ncclRemoteError;
+}
+
+static void break_comm(struct ncclComm *c, ncclResult_t r) {
+  if (c != NULL && c->magic == MAGIC_COMM && c->alive && breaks_comm(r) && c->async_error == ncclSuccess)
+    c->async_error = r;
+}
+
 static ncclResult_t comm_end(ncclComm_t comm, const char *op, int check_ctx) {
   struct ncclComm *c = live_comm(comm, op);
   if (!c) return ncclInvalidArgument;
@@ -224,6 +245,10 @@ static ncclResult_t comm_end(ncclComm_t comm, const char *op, int check_ctx) {
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   ENTER(ncclCommDestroy);
+  if (comm != NULL && comm->magic == MAGIC_COMM && comm->alive && comm->async_error != ncclSuccess)
+    sim_misuse("ncclCommDestroy on a communicator (rank %d, device %d) that reported asynchronous error %d: destroying "
+               "waits for work that will never finish (real NCCL can hang); abort it", comm->rank, comm->dev,
+               (int)comm->async_error);
   RETURN(comm_end(comm, "ncclCommDestroy", 1));
 }
 
@@ -372,24 +397,29 @@ ncclResult_t ncclGroupEnd(void) {
   release_groups();
   int devs[MAX_PENDING];
   int ndevs = 0;
-  for (int i = 0; i < t_npending; i++)
+  ncclResult_t failed = inj ? (ncclResult_t)inj : (ncclResult_t)t_group_error;
+  for (int i = 0; i < t_npending; i++) {
     devs[ndevs++] = t_pending[i].comm->dev;
-  if (inj || t_group_error != ncclSuccess) { /* a call inside failed: the whole group is dropped */
+    break_comm(t_pending[i].comm, failed);
+  }
+  if (failed != ncclSuccess) { /* a call inside failed: the whole group is dropped */
     t_npending = 0;
     switch_context(devs, ndevs);
-    RETURN(inj ? (ncclResult_t)inj : (ncclResult_t)t_group_error);
+    RETURN(failed);
   }
   ncclResult_t r = flush();
   switch_context(devs, ndevs);
   RETURN(r);
 }
 
-/* An injected failure of a collective inside a group fails the group too, as a real failed call would. */
+/* An injected failure of a collective inside a group fails the group too, as a real failed call would, and leaves
+ * its communicator broken when the error is one that loses its state. */
 #define ENTER_COLLECTIVE(name)                                                                                         \
   sim_lock();                                                                                                          \
   do {                                                                                                                 \
     int inj_ = sim_enter(SIM_E_##name);                                                                                \
     if (inj_) {                                                                                                        \
+      break_comm(comm, (ncclResult_t)inj_);                                                                            \
       if (t_group_depth > 0) t_group_error = inj_;                                                                     \
       sim_unlock();                                                                                                    \
       return (ncclResult_t)inj_;                                                                                       \

@@ -6,15 +6,20 @@
 #include "sim_driver.h"
 
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #define RANGE_BYTES (1ull << 36) /* fake address range reserved per device (PROT_NONE: the host cannot touch it) */
 
+#ifndef SIM_OPAQUE_LOCK
 static pthread_mutex_t g_mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
+#endif
 int g_ndev = -1;
 int g_inited;
 size_t g_mem_total;
@@ -32,6 +37,10 @@ static size_t g_capobjs;
 long long g_calls[SIM_E_COUNT];
 long long g_fail_at[SIM_E_COUNT]; /* call number that fails (0: none) */
 int g_fail_code[SIM_E_COUNT];
+int g_then[SIM_E_COUNT] = {[0 ... SIM_E_COUNT - 1] = -1};
+int g_then_code[SIM_E_COUNT];
+long long g_pause_us[SIM_E_COUNT];
+int g_pause_calls[SIM_E_COUNT];
 long long g_nerrors, g_nraces;
 char g_errors[MAX_ERRORS_KEPT][512];
 long long g_cache_reuses; /* blocks the simulated caching allocator handed out again */
@@ -50,12 +59,38 @@ const char *const k_entry_names[SIM_E_COUNT] = {
 #undef SIM_X
 };
 
+#ifdef SIM_OPAQUE_LOCK
+/* The build for ThreadSanitizer runs of the code under test (build.py, for_tsan): the lock is plain atomics in this
+ * uninstrumented library, which the sanitizer cannot see. A pthread mutex would be seen, and would order every
+ * thread's work after every other's that called the driver before it: synchronisation the code under test must have
+ * of its own, and that a real driver does not promise. Recursive, as NCCL's half calls the driver's. */
+static _Atomic(const void *) g_owner;
+static int g_depth;
+static __thread char t_me;
+
+void sim_lock(void) {
+  if (atomic_load_explicit(&g_owner, memory_order_relaxed) == &t_me) {
+    g_depth++;
+    return;
+  }
+  const void *none = NULL;
+  while (!atomic_compare_exchange_weak_explicit(&g_owner, &none, &t_me, memory_order_acquire, memory_order_relaxed)) {
+    none = NULL;
+    sched_yield();
+  }
+  g_depth = 1;
+}
+void sim_unlock(void) {
+  if (--g_depth == 0) atomic_store_explicit(&g_owner, NULL, memory_order_release);
+}
+#else
 void sim_lock(void) {
   pthread_mutex_lock(&g_mu);
 }
 void sim_unlock(void) {
   pthread_mutex_unlock(&g_mu);
 }
+#endif
 
 void sim_misuse(const char *fmt, ...) {
   char buf[512];
@@ -140,9 +175,23 @@ int sim_enter(sim_entry_t e) {
     g_fail_at[e] = 0;
     if (g_verbose)
       fprintf(stderr, "simgpu: injected failure %d in %s (call %lld)\n", g_fail_code[e], k_entry_names[e], n);
+    if (g_then[e] >= 0) { /* the second failure of a pair: the other entry's next call */
+      g_fail_at[g_then[e]] = g_calls[g_then[e]] + 1;
+      g_fail_code[g_then[e]] = g_then_code[e];
+      g_then[e] = -1;
+    }
     return g_fail_code[e];
   }
   return 0;
+}
+
+void sim_pause_point(sim_entry_t e) {
+  if (g_pause_calls[e] <= 0) return;
+  g_pause_calls[e]--;
+  long long us = g_pause_us[e];
+  sim_unlock();
+  usleep((useconds_t)us);
+  sim_lock();
 }
 
 int sim_ndev(void) {

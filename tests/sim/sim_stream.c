@@ -81,6 +81,11 @@ void sim_op_begin(sim_op_t *op, sim_stream_t *s, const char *name, int dev) {
   s->vc[s->agent]++;
 }
 
+/* Whether the host knows that the access with shadow epoch `epoch` ((agent << 22) | clock; 0: none) completed. */
+int sim_host_has_seen(uint32_t epoch) {
+  return epoch == 0 || (epoch & 0x3fffff) <= g_host_vc[epoch >> 22];
+}
+
 /* The host learns that everything `vc` covers has completed: copies to host memory among it land now. */
 void sim_host_sync(const uint32_t *vc) {
   sim_vc_join(g_host_vc, vc);

@@ -36,7 +36,8 @@ class Sim:
             ("simgpu_read", ctypes.c_int, [vp, u64, sz]), ("simgpu_write", ctypes.c_int, [u64, vp, sz]),
             ("simgpu_touch", ctypes.c_int, [vp, ctypes.c_int, u64, sz, ctypes.c_int]),
             ("simgpu_host_touch", None, [vp, sz, ctypes.c_int]),
-            ("simgpu_current_context", vp, []), ("cuCtxSetCurrent", ctypes.c_int, [vp]),
+            ("simgpu_current_context", vp, []), ("simgpu_client", None, [ctypes.c_int]),
+            ("cuCtxSetCurrent", ctypes.c_int, [vp]),
             ("cuInit", ctypes.c_int, [ctypes.c_uint]),
             ("cuDeviceGetCount", ctypes.c_int, [ctypes.POINTER(ctypes.c_int)]),
             ("cuDevicePrimaryCtxRetain", ctypes.c_int, [ctypes.POINTER(vp), ctypes.c_int]),
@@ -63,16 +64,25 @@ class Sim:
 
     # ---- PyTorch's part: contexts, streams ----
     def open(self):
-        """Retains every device's primary context, as PyTorch does on first use."""
-        for d in range(self.ndev):
-            c = ctypes.c_void_p()
-            self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), d), "cuDevicePrimaryCtxRetain")
-            self.ctx.append(c)
+        """Retains every device's primary context, as PyTorch does on first use (the simulator tells these references
+        apart from fastdp's own)."""
+        self.lib.simgpu_client(1)
+        try:
+            for d in range(self.ndev):
+                c = ctypes.c_void_p()
+                self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), d), "cuDevicePrimaryCtxRetain")
+                self.ctx.append(c)
+        finally:
+            self.lib.simgpu_client(0)
         return self
 
     def close(self):
-        for d in range(len(self.ctx)):
-            self._check(self.lib.cuDevicePrimaryCtxRelease_v2(d), "cuDevicePrimaryCtxRelease")
+        self.lib.simgpu_client(1)
+        try:
+            for d in range(len(self.ctx)):
+                self._check(self.lib.cuDevicePrimaryCtxRelease_v2(d), "cuDevicePrimaryCtxRelease")
+        finally:
+            self.lib.simgpu_client(0)
         self.ctx = []
 
     def on(self, dev, fn, *args):

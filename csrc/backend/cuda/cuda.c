@@ -134,6 +134,7 @@ static fdp_result_t load_module(const fdp_cu_t *cu, int dev, module_t *m, int *s
                      dev, cc, fatbin_why, why);
   }
   e = cu->ModuleLoadData(&m->mod, img.data);
+  fdp__kimage_put(&img); /* the driver has read the image; the facts below are copies */
   if (e != CUDA_SUCCESS) {
     fdp__cu_check(e, img.ptx ? "cuModuleLoadData (NVRTC PTX)" : "cuModuleLoadData (NVRTC cubin)", dev);
     if (!image_error(e)) return FDP_CUDA;

@@ -36,8 +36,14 @@ typedef struct header {
   uint32_t ptx;
 } header_t;
 
+/* An image's bytes, shared by the cache and every caller reading them: the last reference frees them. */
+typedef struct shared_bytes {
+  atomic_int refs;
+  unsigned char *data;
+} shared_bytes_t;
+
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static fdp_kimage_t g_images[MAX_ARCHS];
+static fdp_kimage_t g_images[MAX_ARCHS]; /* each holds the cache's own reference */
 static int g_cc[MAX_ARCHS];
 static int g_count;
 static atomic_uint g_tmp_serial;
@@ -214,6 +220,20 @@ static fdp_result_t produce(int cc, fdp_kimage_t *img) {
   return FDP_OK;
 }
 
+/* Makes img's malloc'ed bytes shared, with the cache's reference; frees them when that is impossible. */
+static fdp_result_t share(fdp_kimage_t *img) {
+  shared_bytes_t *s = malloc(sizeof *s);
+  if (s == NULL) {
+    free((void *)img->data);
+    img->data = NULL;
+    return fdp__fail(FDP_NOMEM, "no memory to keep a kernel image");
+  }
+  atomic_init(&s->refs, 1);
+  s->data = (unsigned char *)img->data;
+  img->shared = s;
+  return FDP_OK;
+}
+
 fdp_result_t fdp__kimage_get(int cc, fdp_kimage_t *out) {
   fdp_result_t r = FDP_OK;
   pthread_mutex_lock(&g_lock);
@@ -225,18 +245,32 @@ fdp_result_t fdp__kimage_get(int cc, fdp_kimage_t *out) {
       r = fdp__fail(FDP_INTERNAL, "more than %d GPU architectures in one process", MAX_ARCHS);
     } else {
       r = produce(cc, &g_images[i]);
+      if (r == FDP_OK) r = share(&g_images[i]);
       if (r == FDP_OK) g_cc[g_count++] = cc;
     }
   }
-  if (r == FDP_OK) *out = g_images[i];
+  if (r == FDP_OK) {
+    /* The caller's own reference: a concurrent fdp__kimage_forget drops only the cache's. */
+    atomic_fetch_add_explicit(&((shared_bytes_t *)g_images[i].shared)->refs, 1, memory_order_relaxed);
+    *out = g_images[i];
+  }
   pthread_mutex_unlock(&g_lock);
   return r;
+}
+
+void fdp__kimage_put(fdp_kimage_t *img) {
+  shared_bytes_t *s = img->shared;
+  img->shared = NULL;
+  img->data = NULL;
+  if (s == NULL || atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) != 1) return;
+  free(s->data);
+  free(s);
 }
 
 void fdp__kimage_forget(void) {
   pthread_mutex_lock(&g_lock);
   for (int i = 0; i < g_count; i++)
-    free((void *)g_images[i].data);
+    fdp__kimage_put(&g_images[i]);
   memset(g_images, 0, sizeof g_images);
   g_count = 0;
   pthread_mutex_unlock(&g_lock);
@@ -270,6 +304,7 @@ fdp_result_t fdp_kernels_image(int cc, int forget, fdp_kernels_image_info_t *out
   if (cc <= 0 || cc > 10000) return fdp__fail(FDP_INVALID, "compute capability %d is not major * 10 + minor", cc);
   if (forget) fdp__kimage_forget();
   FDP_CHECK(fdp__kimage_get(cc, &img));
+  fdp__kimage_put(&img); /* the facts below are copies */
   out->bytes = img.size;
   out->arch = img.arch;
   out->ptx = img.ptx;

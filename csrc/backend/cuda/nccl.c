@@ -137,23 +137,32 @@ static fdp_result_t comms_get(const fdp_nccl_api_t *api, const fdp_cu_t *cu, con
   return restored;
 }
 
+/* Ends every communicator of a set and frees it: aborted when the set is broken (a communicator that reported an
+ * asynchronous error stays broken until aborted, and destroying it waits for work that will never finish), else
+ * destroyed. Without ncclCommAbort a broken set is leaked instead. Teardown goes on past failures, which are logged. */
+static void comms_end(const fdp_nccl_api_t *api, const fdp_cu_t *cu, comm_set_t *set, int broken) {
+  if (broken && api->CommAbort == NULL) {
+    fdp__log("nccl: ncclCommAbort missing; leaking failed communicators");
+  } else {
+    saved_ctx_t saved = ctx_save(cu);
+    for (int i = 0; i < set->n; i++) {
+      ncclResult_t r = broken ? api->CommAbort(set->comms[i]) : api->CommDestroy(set->comms[i]);
+      if (r != ncclSuccess)
+        fdp__log("nccl: %s on device %d: %s", broken ? "ncclCommAbort" : "ncclCommDestroy", set->devs[i],
+                 api->GetErrorString(r));
+    }
+    FDP_CHECK_IGNORE(ctx_restore(cu, saved)); /* teardown goes on regardless */
+  }
+  free(set);
+}
+
 /* Drops a set whose communicators reported an asynchronous error; they cannot be trusted again. Called with
- * g_lock held. Aborting (not destroying) does not wait for work that will never finish. */
+ * g_lock held. */
 static void comms_evict(const fdp_nccl_api_t *api, const fdp_cu_t *cu, comm_set_t *set) {
   for (comm_set_t **p = &g_sets; *p != NULL; p = &(*p)->next) {
     if (*p != set) continue;
     *p = set->next;
-    if (api->CommAbort != NULL) {
-      saved_ctx_t saved = ctx_save(cu);
-      for (int i = 0; i < set->n; i++) {
-        ncclResult_t r = api->CommAbort(set->comms[i]);
-        if (r != ncclSuccess) fdp__log("nccl: ncclCommAbort on device %d: %s", set->devs[i], api->GetErrorString(r));
-      }
-      FDP_CHECK_IGNORE(ctx_restore(cu, saved)); /* teardown goes on regardless */
-    } else {
-      fdp__log("nccl: ncclCommAbort missing; leaking failed communicators");
-    }
-    free(set);
+    comms_end(api, cu, set, 1);
     return;
   }
 }
@@ -363,9 +372,10 @@ no:
   return 0;
 }
 
-/* Destroys every cached communicator. Explicit only (fdp_shutdown, which runs it before the cuda backend releases
- * the primary contexts the communicators live in), never from atexit or a destructor: at interpreter exit the
- * CUDA runtime may already be torn down and ncclCommDestroy can hang (the binding refuses to shut down then). */
+/* Ends every cached communicator: destroyed, or aborted where its set reported an asynchronous error since its last
+ * use. Explicit only (fdp_shutdown, which runs it before the cuda backend releases the primary contexts the
+ * communicators live in), never from atexit or a destructor: at interpreter exit the CUDA runtime may already be
+ * torn down and ncclCommDestroy can hang (the binding refuses to shut down then). */
 static void nccl_shutdown(void) {
   pthread_mutex_lock(&g_lock);
   comm_set_t *s = g_sets;
@@ -375,15 +385,10 @@ static void nccl_shutdown(void) {
   if (s != NULL && (fdp__nccl_load(&api, NULL) != FDP_OK || fdp__cu_load(&cu, NULL) != FDP_OK)) api = NULL;
   while (s != NULL) {
     comm_set_t *next = s->next;
-    if (api != NULL) {
-      saved_ctx_t saved = ctx_save(cu);
-      for (int i = 0; i < s->n; i++) {
-        ncclResult_t r = api->CommDestroy(s->comms[i]);
-        if (r != ncclSuccess) fdp__log("nccl shutdown: ncclCommDestroy: %s", api->GetErrorString(r));
-      }
-      FDP_CHECK_IGNORE(ctx_restore(cu, saved)); /* teardown goes on regardless */
-    }
-    free(s);
+    if (api != NULL)
+      comms_end(api, cu, s, comms_broken(api, s));
+    else
+      free(s);
     s = next;
   }
   pthread_mutex_unlock(&g_lock);

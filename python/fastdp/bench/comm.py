@@ -16,6 +16,7 @@ import time
 import torch
 
 from .. import _C, comm
+from . import phases
 
 MB = 1 << 20
 
@@ -61,20 +62,29 @@ def _streams(ts):
     return streams_for(ts)
 
 
+def _d2d(nbytes):
+    a = torch.ones(nbytes, dtype=torch.uint8, device="cuda:0")
+    b = torch.empty_like(a)
+    return lambda: b.copy_(a)
+
+
+def _targets(replicas):
+    """(backend, device entries, sync, copy-limit maker) per target. A target's sync waits for every GPU its
+    calls use: a timing over several devices ends when the last of them is done."""
+    targets = [("host", ["cpu"] * replicas, lambda: None, _host_memcpy)]
+    if torch.cuda.is_available():
+        targets.append(("cuda", ["cuda:0"] * replicas, phases.synchronize_all([0]), _d2d))
+        if torch.cuda.device_count() >= replicas:
+            targets.append(("nccl", [f"cuda:{i}" for i in range(replicas)], phases.synchronize_all(range(replicas)),
+                            _d2d))
+    return targets
+
+
 def run(args):
     sizes = [int(s) for s in args.sizes_mb.split(",") if s.strip()]
     replicas = max(2, args.replicas)
     rows = []
-    targets = [("host", ["cpu"] * replicas, lambda: None, _host_memcpy)]
-    if torch.cuda.is_available():
-        def d2d(nbytes):
-            a = torch.ones(nbytes, dtype=torch.uint8, device="cuda:0")
-            b = torch.empty_like(a)
-            return lambda: b.copy_(a)
-
-        targets.append(("cuda", ["cuda:0"] * replicas, torch.cuda.synchronize, d2d))
-        if torch.cuda.device_count() >= replicas:
-            targets.append(("nccl", [f"cuda:{i}" for i in range(replicas)], torch.cuda.synchronize, d2d))
+    targets = _targets(replicas)
     print(f"fastdp comm benchmark: {replicas} device entries per call; GB/s = bytes written (reduce: bytes summed)"
           " per second; % = of the copy limit")
     print(f"host threads: {os.environ.get('FASTDP_HOST_THREADS', 'all cores')} of {os.cpu_count()} cores")

@@ -122,8 +122,7 @@ def main(args, kind, started):
     sync = None
     if kind == "cuda":
         ids, _ = _sweep_ids(kind, replicas)
-        devices = sorted(set(ids))
-        sync = lambda: [torch.cuda.synchronize(d) for d in devices]  # noqa: E731
+        sync = phases.synchronize_all(ids)
     where = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if kind == "cuda"
              else f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads")
     print(f"fastdp per-tensor sweep on {where}; torch {torch.__version__}, fastdp {fastdp.__version__}")

@@ -185,11 +185,22 @@ def instrumented(split, module, wrapper):
             h.remove()
 
 
+def synchronize_all(devices):
+    """Waits for every one of the CUDA ``devices``: a timing of work spread over several GPUs ends only when the
+    last of them is done (torch.cuda.synchronize() alone waits for the current device)."""
+    devices = sorted(set(devices))
+    return lambda: [torch.cuda.synchronize(d) for d in devices]
+
+
+def reset_peaks(devices):
+    for d in sorted(set(devices)):
+        torch.cuda.reset_peak_memory_stats(d)
+
+
 def device_sync(kind, configs):
     if kind != "cuda":
         return None
-    devices = sorted({d for c in configs if c.device_ids for d in c.device_ids} | {0})
-    return lambda: [torch.cuda.synchronize(d) for d in devices]
+    return synchronize_all({d for c in configs if c.device_ids for d in c.device_ids} | {0})
 
 
 def train_step(model, x, y, opt):
@@ -213,8 +224,7 @@ def timed_step(model, x, y, opt, split, loss=nn.functional.cross_entropy):
 
 def peak_reset(kind, config):
     if kind == "cuda":
-        for d in set(config.device_ids or [0]):
-            torch.cuda.reset_peak_memory_stats(d)
+        reset_peaks(config.device_ids or [0])
     else:
         try:
             with open("/proc/self/clear_refs", "w") as f:

@@ -29,6 +29,11 @@ def _syncbn_configs(kind):
     return [("BatchNorm", False, False), ("BatchNorm, threads", False, True), ("SyncBatchNorm", True, None)]
 
 
+def _step_sync(kind, ids):
+    """What a timed step waits for before and after: every replica's GPU."""
+    return phases.synchronize_all(ids) if kind == "cuda" else (lambda: None)
+
+
 def main(args, kind, started):
     pa = importlib.import_module("fastdp.parallel_apply")  # the module (fastdp.parallel_apply is the function)
 
@@ -54,6 +59,7 @@ def main(args, kind, started):
             m.to(dev0)
             models[label] = (fastdp.DataParallel(m, device_ids=ids), torch.optim.SGD(m.parameters(), lr=1e-3))
         times = {label: [] for label in models}
+        sync = _step_sync(kind, ids)
         saved = pa._CPU_THREADS
         try:
             for r in range(args.rounds):
@@ -65,12 +71,10 @@ def main(args, kind, started):
                     for _ in range(args.warmup):
                         phases.train_step(dp, x, y, opt)
                     for _ in range(args.steps):
-                        if kind == "cuda":
-                            torch.cuda.synchronize()
+                        sync()
                         t0 = time.perf_counter()
                         phases.train_step(dp, x, y, opt)
-                        if kind == "cuda":
-                            torch.cuda.synchronize()
+                        sync()
                         times[label].append(time.perf_counter() - t0)
         finally:
             pa._CPU_THREADS = saved

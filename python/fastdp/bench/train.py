@@ -170,8 +170,7 @@ def _memory_section(models, kind, configs, args):
             model = make()
             opt = torch.optim.SGD(module.parameters(), lr=1e-3)
             if kind == "cuda":
-                for d in sorted(set(ids)):
-                    torch.cuda.reset_peak_memory_stats(d)
+                phases.reset_peaks(ids)
             for _ in range(3):
                 opt.zero_grad(set_to_none=True)
                 loss = model(x, target=y) if "per-replica" in label else nn.functional.cross_entropy(model(x), y)

@@ -55,9 +55,9 @@ MUTANTS = [
          find="            r.record_stream(s)\n",
          replace="",
          what="a scatter chunk used on another stream than it was written on is not recorded there (early reuse)"),
-    dict(name="auto-resets-peaks", file="python/fastdp/_split.py",
-         find="        peaks, self.high = self.high, [0] * len(self.devices)\n",
-         replace="        peaks, self.high = self.high, [0] * len(self.devices)\n"
+    dict(name="auto-resets-peaks", file="python/fastdp/_memory.py",
+         find="        highs, self.exact = self.high, self.moved\n",
+         replace="        highs, self.exact = self.high, self.moved\n"
                  "        for d in self.devices:\n            torch.cuda.reset_peak_memory_stats(d)\n",
          what="chunk_sizes='auto' resets the process-wide peak memory counters the user reads"),
     dict(name="loss-weights-host-sync", file="python/fastdp/_replica_loss.py",

@@ -266,6 +266,53 @@ def test_storage_changed_between_steps(change):
         assert_same_grads(model, bare)
 
 
+class _Symmetric(nn.Module):
+    def forward(self, w):
+        return w.triu() + w.triu(1).transpose(0, 1)
+
+
+class _Scaled(nn.Module):
+    def forward(self, w):
+        return 0.5 * w
+
+
+@pytest.mark.parametrize("when", ["before-wrapping", "between-steps", "stacked-between-steps", "removed"])
+def test_parametrized_weights(when):
+    """torch.nn.utils.parametrize: the parameter becomes ``parametrizations.weight.original`` and the weight is
+    computed in every forward (each replica computes its own from its copy). Registered before wrapping, between
+    steps, stacked on another, or removed again (leaving a plain parameter of the computed value): every step
+    equals the bare model's with the same change."""
+    P = torch.nn.utils.parametrize
+    model, bare = mlp(), mlp()
+    if when == "before-wrapping":
+        for m in (model, bare):
+            P.register_parametrization(m[2], "weight", _Symmetric())
+    elif when == "removed":
+        for m in (model, bare):
+            P.register_parametrization(m[2], "weight", _Symmetric())
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    torch.manual_seed(1)
+    xs = [torch.randn(9, 6, dtype=torch.float64) for _ in range(4)]
+    for i, x in enumerate(xs):
+        if i == 2:
+            for m in (model, bare):
+                if when == "between-steps":
+                    P.register_parametrization(m[2], "weight", _Symmetric())
+                elif when == "stacked-between-steps":
+                    P.register_parametrization(m[2], "weight", _Symmetric())
+                    P.register_parametrization(m[2], "weight", _Scaled())
+                elif when == "removed":
+                    P.remove_parametrizations(m[2], "weight", leave_parametrized=True)
+        for m in (dp, bare):
+            m.zero_grad()
+            loss_of(m, x).backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+        assert_same_grads(model, bare)
+        assert_same_state(model, bare)
+
+
 # ---- storage changed inside forward -----------------------------------------------------------------------------------
 
 

@@ -60,8 +60,8 @@ class _Buffers:
 
 
 def _free(error):
-    """Lets go of what a failed attempt's frames held (partial outputs, activations; the gradient sums its backward
-    started go with its graph) while keeping the error."""
+    """Lets go of what a failed attempt's frames held (partial outputs, activations) while keeping the error. (The
+    gradient sums a failed backward started were dropped with it: fastdp._reducer._Backward.)"""
     if error.__traceback__ is not None:
         traceback.clear_frames(error.__traceback__)
 

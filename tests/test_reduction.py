@@ -401,6 +401,32 @@ def test_the_sum_becomes_grad_without_a_copy(cap, storages):
         _close(p.grad, q.grad)
 
 
+@pytest.mark.parametrize("how", ["backward", "no_sync", "create_graph"])
+def test_no_replica_gradient_outlives_its_backward(pair, monkeypatch, how):
+    """Every gradient the replicas handed the bucket nodes is gone once backward returns (the reducer thread, the
+    started sums and the kept nodes hold none), except those that became the master's .grad (no_sync: replica 0's
+    share, as a DDP rank's own)."""
+    bare, dp = pair
+    handed = []
+    real = _reducer.start
+
+    def start(bucket, grads):
+        handed.extend(weakref.ref(g) for g in grads if g is not None)
+        return real(bucket, grads)
+
+    monkeypatch.setattr(_reducer, "start", start)
+    if how == "no_sync":
+        with dp.no_sync():
+            dp(X).pow(2).sum().backward()
+    elif how == "create_graph":
+        torch.autograd.grad(dp(X).pow(2).sum(), list(dp.module.parameters()), create_graph=True)
+    else:
+        dp(X).pow(2).sum().backward()
+    assert handed
+    grads = {id(p.grad) for p in dp.module.parameters()}
+    assert [r() for r in handed if r() is not None and id(r()) not in grads] == []
+
+
 def test_torch_func_transforms_around_the_wrapper_raise_a_clear_error(pair):
     """torch.func's transforms (grad, vmap, ...) cannot follow the replicas' threads and the C data moves: the
     wrapper says so and names what works (upstream fails with torch's message about setup_context)."""

@@ -581,10 +581,13 @@ def test_reduction_runs_on_its_own_streams_with_exactly_the_waits_it_needs(cuda,
     torch.testing.assert_close(net.weight.grad, bare.weight.grad)
 
 
-def test_no_sync_shares_handed_over_at_once_are_ordered_before_the_nodes_stream(cuda):
+@pytest.mark.parametrize("legacy", [False, True], ids=["torch>=2.8", "torch<2.8"])
+def test_no_sync_shares_handed_over_at_once_are_ordered_before_the_nodes_stream(cuda, monkeypatch, legacy):
     """Where the bucket node hands its result to autograd at once (no_sync keeps the other replicas' shares and
     returns replica 0's; create_graph's differentiable sum takes the same path), the work still runs on the
-    reduction's streams after the ready streams, and the node's stream waits for it before autograd takes it."""
+    reduction's streams after the ready streams (autograd's rule of either side of torch 2.8), and the node's
+    stream waits for it before autograd takes it."""
+    monkeypatch.setattr(_reducer, "_LEGACY_STREAMS", legacy)
     torch.manual_seed(0)
     net = nn.Linear(4, 3)
     bare = copy.deepcopy(net)
@@ -596,7 +599,7 @@ def test_no_sync_shares_handed_over_at_once_are_ordered_before_the_nodes_stream(
     _step_and_backward(cuda, rs, x, caller, caller)
     ordering = [e for e in cuda.log if e[0] in ("wait", "wait_event", "wait_fence", "fence")]
     fences = [e[1] for e in ordering if e[0] == "fence"]
-    assert ordering == [("wait", own[0], "caller@0"), ("wait", own[1], "caller@0"),
+    assert ordering == [("wait", own[0], "caller@0"), ("wait", own[1], "default@1" if legacy else "caller@0"),
                         ("fence", fences[0], own[0]), ("fence", fences[0], own[1]), ("fence", fences[2], own[0]),
                         ("wait_fence", "caller@0", fences[2])]
     bare(x[:2]).sum().backward()

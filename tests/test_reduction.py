@@ -4,6 +4,7 @@ reaches the master parameters through autograd, so that every way of taking grad
 gives. Each case compares with the bare model on the full batch."""
 
 import copy
+import gc
 import threading
 import time
 import weakref
@@ -378,6 +379,37 @@ def test_a_failing_synchronising_backward_keeps_what_no_sync_kept(monkeypatch):
     bare(xs[2]).pow(2).sum().backward()
     for p, q in zip(model.parameters(), bare.parameters()):
         _close(p.grad, q.grad)
+
+
+def test_a_sum_failing_on_the_reducer_thread_gives_no_syncs_shares_back_at_once(monkeypatch):
+    """A synchronising backward after no_sync whose sum raises on the reducer thread: backward raises that error,
+    and the shares no_sync kept for that sum are kept again before it reaches the caller, without waiting for a
+    garbage collection (the error's traceback, which the caller may hold for long, must not hold them)."""
+    model = mlp()
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, bucket_cap_mb=1e-6)
+    with dp.no_sync():
+        for _ in range(2):
+            dp(X).pow(2).sum().backward()
+    real = _reducer._host_sum
+    failed = []
+
+    def host_sum(bucket, grads, kept):
+        if not failed and threading.current_thread() is not threading.main_thread():
+            failed.append(bucket)
+            raise RuntimeError("a sum failed on the reducer thread")
+        return real(bucket, grads, kept)
+
+    monkeypatch.setattr(_reducer, "_host_sum", host_sum)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="a sum failed") as info:
+            dp(X).pow(2).sum().backward()
+        assert failed and len(failed[0].returned) == 1  # kept again while the error is still held
+        del info
+    finally:
+        if collecting:
+            gc.enable()
 
 
 @pytest.mark.parametrize("cap, storages", [(25, 1), (1e-6, 6)], ids=["one-bucket", "bucket-per-tensor"])

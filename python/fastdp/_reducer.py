@@ -22,9 +22,10 @@ when nothing else is ready in device_ids[0]'s queue; it waits for the reduction 
 it (CUDA) and hands the sum to the master parameters' AccumulateGrad nodes. So hooks on master parameters,
 ``torch.autograd.grad``, ``backward(inputs=...)``, post-accumulate-grad hooks and double backward see one summed
 gradient per backward, as on the bare model. On the host, where every node runs in one queue, the delivery nodes run
-last, so a backward that fails part way has written no ``.grad``; on CUDA devices, where each device's nodes run on
-their own thread, a sum delivered before another device's backward failed stays in ``.grad``, as the bare model's
-accumulated gradients do. Where the result must be differentiable (``create_graph=True``) or nothing is summed
+last, so a backward that fails in the replicas' part has written no ``.grad`` (one that fails among the deliveries,
+in a hook on a master parameter say, keeps what was accumulated before, as the bare model's does); on CUDA devices,
+where each device's nodes run on their own thread, a sum delivered before another device's backward failed stays in
+``.grad``, as the bare model's accumulated gradients do. Where the result must be differentiable (``create_graph=True``) or nothing is summed
 (``no_sync()``), the bucket node computes its result at once and the delivery node passes it on.
 
 On CUDA (NOTE [reduction streams]) every piece of the reduction's work runs on one stream of its own per device,
@@ -183,7 +184,8 @@ def start(bucket, grads):
             _put_back(weakref.ref(bucket), kept)
         raise
     if kept is not None:
-        job.restore = weakref.finalize(job, _put_back, weakref.ref(bucket), kept)
+        # Kept again unless delivered, when the backward ends (not the job: an error raised from it may hold it).
+        job.restore = weakref.finalize(backward, _put_back, weakref.ref(bucket), kept)
     backward.jobs.append(job)
     return (_token(bucket, job),) + (None,) * (len(bucket.members) - 1)
 
@@ -191,17 +193,31 @@ def start(bucket, grads):
 def _token(bucket, job):
     """What the bucket node hands the delivery node for its first member: a zero of that member's shape that refers
     to the started sum (weakly: the sum belongs to its backward, see _Backward)."""
-    token = torch.zeros((), dtype=bucket.dtype, device=bucket.state.tdevs[0]).expand(bucket.shapes[0])
+    token = _zero(bucket.dtype, bucket.state.tdevs[0]).expand(bucket.shapes[0])
     token._fastdp_sum = weakref.ref(job)
     return token
 
 
+_ZEROS = {}
+
+
+def _zero(dtype, device):
+    """One zero per dtype and device, made once (no fill kernel per token on CUDA); tokens are expanded views of
+    it that nothing reads or writes."""
+    zero = _ZEROS.get((dtype, device))
+    if zero is None:
+        zero = _ZEROS.setdefault((dtype, device), torch.zeros((), dtype=dtype, device=device))
+    return zero
+
+
 class _Backward:
     """The sums one backward started, held by the callback autograd runs at that backward's end, so that they live
-    exactly as long as the backward. One that fails is dropped at once with its callbacks, and the sums' memory with
-    it (the tokens cannot hold them: autograd leaves the failed backward's pending nodes and their inputs in the
-    calling thread's ready queue until its next backward), and what no_sync kept for them is kept again before the
-    error reaches the caller. Also counts the buckets that started a sum in this backward."""
+    exactly as long as the backward (the tokens cannot hold them: autograd leaves a failed backward's pending nodes
+    and their inputs in the calling thread's ready queue until its next backward). What no_sync kept for a sum is
+    kept again, unless the sum was delivered, when this object dies (finalizers on it, set by start). Autograd
+    drops it with the backward: on the host before a failed backward's error reaches the caller; on CUDA devices
+    once the device threads have also finished the nodes they were running. Also counts the buckets that started
+    a sum in this backward."""
 
     __slots__ = ("task", "jobs", "count", "__weakref__")
 
@@ -373,7 +389,7 @@ def reduction_for(state):
 
 class _Done:
     """A sum computed already (the last bucket of a host backward). ``take()`` hands it over once; ``restore``: the
-    finalizer that keeps what no_sync kept again if it never is."""
+    finalizer (on the backward's _Backward) that keeps what no_sync kept again if it never is."""
 
     __slots__ = ("value", "restore", "__weakref__")
 
@@ -400,7 +416,8 @@ class _Job(_Done):
     def take(self):
         self.done.wait()
         if self.error is not None:
-            raise self.error
+            error, self.error = self.error, None  # (its traceback holds this frame: no cycle through the job)
+            raise error
         return super().take()
 
 

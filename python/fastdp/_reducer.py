@@ -636,6 +636,10 @@ class _CudaJob(_Done):
 # .grad objects and version counters are noted (_mark_grads); before the kept sums are used, a member whose .grad is
 # gone, replaced or zeroed since was cleared by the user, and its kept sums are dropped with it. A .grad changed in
 # place to anything but zeros cannot be applied to sums kept apart, and raises instead of being silently ignored.
+# A synchronising backward that fails gives back the kept sums of every bucket it did not deliver (_Backward). Two
+# rare failures lose them instead: one between a delivery and its AccumulateGrad (a hook on a master parameter
+# raising, or on CUDA devices another device failing in between), and a failing create_graph=True backward, whose
+# differentiable sums take them at once.
 
 
 def _accumulating(bucket):

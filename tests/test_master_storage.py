@@ -313,7 +313,7 @@ def test_parametrized_weights(when):
         assert_same_state(model, bare)
 
 
-# ---- storage changed inside forward -----------------------------------------------------------------------------------
+# ---- storage changed inside forward ---------------------------------------------------------------------------------
 
 
 class LazyStats(nn.Module):

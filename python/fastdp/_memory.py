@@ -121,9 +121,10 @@ class MemoryReport:
                 "fastdp total")
         rows = [head]
         for d in self.devices:
-            rows.append((str(d.position), d.device, "-" if d.chunk is None else str(d.chunk), format_bytes(d.allocated),
-                         format_bytes(d.peak), format_bytes(d.master), format_bytes(d.replica_buffers), format_bytes(d.staging),
-                         format_bytes(d.pending_grads), format_bytes(d.fastdp_bytes)))
+            rows.append((str(d.position), d.device, "-" if d.chunk is None else str(d.chunk),
+                         format_bytes(d.allocated), format_bytes(d.peak), format_bytes(d.master),
+                         format_bytes(d.replica_buffers), format_bytes(d.staging), format_bytes(d.pending_grads),
+                         format_bytes(d.fastdp_bytes)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
         ratio = self.peak_ratio()

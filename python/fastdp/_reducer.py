@@ -25,8 +25,9 @@ gradient per backward, as on the bare model. On the host, where every node runs 
 last, so a backward that fails in the replicas' part has written no ``.grad`` (one that fails among the deliveries,
 in a hook on a master parameter say, keeps what was accumulated before, as the bare model's does); on CUDA devices,
 where each device's nodes run on their own thread, a sum delivered before another device's backward failed stays in
-``.grad``, as the bare model's accumulated gradients do. Where the result must be differentiable (``create_graph=True``) or nothing is summed
-(``no_sync()``), the bucket node computes its result at once and the delivery node passes it on.
+``.grad``, as the bare model's accumulated gradients do. Where the result must be differentiable
+(``create_graph=True``) or nothing is summed (``no_sync()``), the bucket node computes its result at once and the
+delivery node passes it on.
 
 On CUDA (NOTE [reduction streams]) every piece of the reduction's work runs on one stream of its own per device,
 which first waits for the stream where autograd guarantees the gradients are ready; the tensors it reads or writes

@@ -319,7 +319,8 @@ def advise(report, wrapper):
             slow = max(rows, key=lambda r: (r.forward_ms or 0) + (r.backward_ms or 0))
             if auto and not split.settled:
                 fix = 'chunk_sizes="auto" is still measuring; it moves rows away from the slowest replica'
-            elif auto and split.weights and split.weights[slow.position] <= 1.01 * split.min_weight * max(split.weights):
+            elif auto and split.weights and (split.weights[slow.position]
+                                             <= 1.01 * split.min_weight * max(split.weights)):
                 fix = (f'chunk_sizes="auto" gives it the fewest rows it may (min_weight={split.min_weight:g}) and it '
                        "is still the slowest: its time does not shrink with its rows; leave its device out of "
                        "device_ids, or give it 0 rows with chunk_sizes=[...]")

@@ -167,6 +167,7 @@ def _train(steps, dp_kwargs=None, x_of=None, stream=None, loss_on_replicas=False
     if dtype != torch.float32:
         bare.double()
     ref_dtype = next(bare.parameters()).dtype
+    loss_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     criterion = torch.nn.MSELoss()
     kwargs = dict(device_ids=_ids())
     kwargs.update(dp_kwargs or {})
@@ -190,8 +191,8 @@ def _train(steps, dp_kwargs=None, x_of=None, stream=None, loss_on_replicas=False
                 around(step) if around is not None else contextlib.nullcontext()):
             if loss_on_replicas:
                 loss = dp(xin, target=y.to(dtype))
-            else:
-                loss = criterion(dp(xin).to(y.device).to(dtype), y.to(dtype))
+            else:  # the loss of a half-precision output in float32, as mixed-precision training computes it
+                loss = criterion(dp(xin).to(y.device).to(loss_dtype), y.to(loss_dtype))
             loss.backward()
         if cuda:
             torch.cuda.current_stream().wait_stream(caller)

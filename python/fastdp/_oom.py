@@ -156,12 +156,19 @@ def _retry_step(wrapper, step):
 
 def run_rescued(wrapper, step, inputs, kwargs):
     """The forward of a wrapper with ``oom="rebalance"``: see NOTE [out-of-memory rescue]."""
+    return _twice(wrapper, step, inputs, kwargs, lambda: wrapper._run_step(step, inputs, kwargs),
+                  lambda: wrapper._run_step(_retry_step(wrapper, step), inputs, kwargs))
+
+
+def _twice(wrapper, step, inputs, kwargs, attempt, retry):
+    """``attempt()``; on an out-of-memory error, the buffers put back, rows moved away from the failing device and
+    ``retry()`` once; a second failure raises the first error with advice."""
     buffers = _Buffers(wrapper.module)
     try:
-        return wrapper._run_step(step, inputs, kwargs)
+        return attempt()
     except OOM as error:
         if getattr(error, "_fastdp_rescued", False):
-            raise
+            raise  # a rescue inside (the forward's own) already ran it twice
         _free(error)
         buffers.restore()
         position = failed_position(wrapper, step, error)
@@ -171,7 +178,7 @@ def run_rescued(wrapper, step, inputs, kwargs):
             raise
         _note(wrapper, position, moved)
         try:
-            return wrapper._run_step(_retry_step(wrapper, step), inputs, kwargs)
+            return retry()
         except OOM as again:
             _free(again)
             buffers.restore()
@@ -216,27 +223,11 @@ def train_step(wrapper, inputs, kwargs, loss_fn):
         loss.backward()
         return loss.detach()
     params = [p for p in wrapper.module.parameters() if p.requires_grad]
-    buffers = _Buffers(wrapper.module)
-    try:
+
+    def attempt():
         return _forward_backward(wrapper, inputs, kwargs, loss_fn, params)
-    except OOM as error:
-        if getattr(error, "_fastdp_rescued", False):
-            raise  # the forward's own rescue already ran the step twice
-        _free(error)
-        buffers.restore()
-        position = failed_position(wrapper, None, error)
-        moved = move_rows(wrapper, None, position, inputs, kwargs)
-        if moved is None:
-            _advise(error, wrapper, position, None)
-            raise
-        _note(wrapper, position, moved)
-        try:
-            return _forward_backward(wrapper, inputs, kwargs, loss_fn, params)
-        except OOM as again:
-            _free(again)
-            buffers.restore()
-            _advise(error, wrapper, position, moved, again)
-        raise error
+
+    return _twice(wrapper, None, inputs, kwargs, attempt, attempt)
 
 
 # ---- the test hook ----------------------------------------------------------------------------------------------

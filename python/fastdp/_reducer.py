@@ -263,7 +263,7 @@ def deliver(bucket, grads):
     if ref is None:
         return grads
     job = ref()  # alive: its backward (this one) holds it until its end
-    _LEDGER.sweep()
+    sweep()
     recorder = bucket.state.recorder
     if recorder is None or type(job) is not _Job:  # only a host thread's sum can keep backward waiting here
         return job.take()
@@ -589,7 +589,7 @@ class _CudaReduction:
         self.devices = list(_streams.cuda_indices(state.devices))
 
     def launch(self, bucket, grads, kept):
-        _LEDGER.sweep()
+        sweep()
         first = self.devices[0]
         own = [own_stream(d) for d in self.devices]
         # The consumer's memory, taken before the reduction's streams are ordered after the consumer's.

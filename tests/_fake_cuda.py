@@ -307,8 +307,9 @@ class FakeCuda:
         cuda = self
         monkeypatch.setattr(torch.Tensor, "record_stream",
                             lambda t, stream: cuda.record("record_stream", t.data_ptr(), stream.name))
-        # The core's orderings across streams (fastdp._streams.order, Fence) are the driver's work: recorded too.
-        from fastdp import _C, _reducer
+        # The core's orderings across streams (fastdp._platform.streams.order, Fence) are the driver's work: recorded too.
+        from fastdp import _C
+        from fastdp._reduction import reducer as _reducer
 
         monkeypatch.setattr(_C, "order", self.order)
         monkeypatch.setattr(_C, "Fence", lambda streams: FakeFence(cuda, streams))

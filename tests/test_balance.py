@@ -172,7 +172,7 @@ def test_share_zero_needs_another_device_and_pass_through_checks_the_form(monkey
     one = fastdp.DataParallel(net(), device_ids=["cpu"], chunk_sizes=0.5)
     x = batch_of(5)
     torch.testing.assert_close(one(x), one.module(x), rtol=0, atol=0)
-    monkeypatch.setattr(fastdp._devices, "cuda_available", lambda: False)
+    monkeypatch.setattr(fastdp._platform.devices, "cuda_available", lambda: False)
     plain = fastdp.DataParallel(net(), chunk_sizes=[1, 2])  # pass-through: no devices, the rule is not used
     assert plain.device_ids == []
     with pytest.raises(ValueError) as info:
@@ -518,7 +518,7 @@ def test_declared_mean_criterion_on_an_empty_batch_or_chunk(edge):
 
 
 def test_every_decomposed_loss_class_has_its_edge_cases():
-    from fastdp import _replica_loss
+    from fastdp._balance import replica_loss as _replica_loss
 
     assert {row[0] for row in LOSS_CLASSES} == _replica_loss._ELEMENTWISE | _replica_loss._CLASS_INDEX
 
@@ -596,7 +596,7 @@ def test_criterion_on_one_device_and_in_pass_through(monkeypatch):
     x, _, _, y = batch(9)
     one = fastdp.DataParallel(net(), device_ids=["cpu"], criterion=criterion)
     torch.testing.assert_close(one(x, target=y), criterion(one.module(x), y), rtol=0, atol=0)
-    monkeypatch.setattr(fastdp._devices, "cuda_available", lambda: False)
+    monkeypatch.setattr(fastdp._platform.devices, "cuda_available", lambda: False)
     plain = fastdp.DataParallel(net(), criterion=criterion)
     torch.testing.assert_close(plain(x, target=y), criterion(plain.module(x), y), rtol=0, atol=0)
 
@@ -660,7 +660,7 @@ def test_memory_report_before_any_step_and_for_pass_through(monkeypatch):
     dp = fastdp.DataParallel(net(), device_ids=["cpu"] * 2)
     report = fastdp.memory_report(dp)
     assert [d.fastdp_bytes for d in report.devices] == [0, 0] and any("no kept replicas" in n for n in report.notes)
-    monkeypatch.setattr(fastdp._devices, "cuda_available", lambda: False)
+    monkeypatch.setattr(fastdp._platform.devices, "cuda_available", lambda: False)
     assert fastdp.memory_report(fastdp.DataParallel(net())).devices == []
 
 

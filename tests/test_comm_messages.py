@@ -76,7 +76,7 @@ def test_message_equals_contract(name, call, text):
 def test_scatter_total_is_the_cores_check():
     """The core owns the chunks' total: called directly it raises the same text (as ValueError, the binding's
     type for invalid arguments); comm.scatter raises it as upstream's RuntimeError and does not check it itself."""
-    from fastdp import _route
+    from fastdp._native import route as _route
 
     text = _raised(lambda: comm.scatter(x, out=[torch.empty(1, 3)]))[1]
     typ, direct = _raised(lambda: _route.scatter(x, [torch.empty(1, 3)], 0, [1], None))

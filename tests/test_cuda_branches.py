@@ -14,7 +14,12 @@ import torch
 import torch.nn as nn
 
 import fastdp
-from fastdp import _C, _core, _devices, _fallback, _functions, _reducer, _replicas, _split, comm
+from fastdp import _C, comm
+from fastdp._native import core as _core, fallback as _fallback
+from fastdp._platform import devices as _devices
+from fastdp._step.step.step import functions as _functions, replicas as _replicas
+from fastdp._reduction import reducer as _reducer
+from fastdp._balance import split as _split
 from fastdp import sync_batchnorm as sbn
 
 pa = importlib.import_module("fastdp.parallel_apply")
@@ -756,7 +761,7 @@ def test_auto_split_reads_peaks_without_resetting_them(cuda):
     and never resets the process-wide peak counters, which the user may be reading too."""
     rule = _split.AutoSplit(warmup=0, probes=2).bind([0, 1])
     reader = rule.reader
-    assert isinstance(reader.__self__, fastdp._memory.PeakWindow)
+    assert isinstance(reader.__self__, fastdp._balance.memory.PeakWindow)
     cuda.peak = [10**9, 10**9]  # the user's own high-water marks: never moved here, so the samples tell
     cuda.allocated = [50, 40]
     reader.__self__.sample()

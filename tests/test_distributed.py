@@ -538,9 +538,9 @@ def test_subclass_is_not_switched_silently(env):
 def test_local_device(env, monkeypatch):
     cpu = torch.device("cpu")
     assert fdist._local_device(["cpu"]) == cpu
-    monkeypatch.setattr(fastdp._devices, "cuda_available", lambda: False)
+    monkeypatch.setattr(fastdp._platform.devices, "cuda_available", lambda: False)
     assert fdist._local_device(None) == cpu and fdist._local_device([0, 1]) == cpu
-    monkeypatch.setattr(fastdp._devices, "cuda_available", lambda: True)
+    monkeypatch.setattr(fastdp._platform.devices, "cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     env(LOCAL_RANK="1")
     assert fdist._local_device(None) == torch.device("cuda", 1)

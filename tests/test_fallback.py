@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 import fastdp
-from fastdp import _C, _fallback, comm
+from fastdp import _C, comm
+from fastdp._native import fallback as _fallback
 
 OPS = ("copy", "broadcast", "scatter", "gather", "reduce", "reduce_many")
 REASON = "the cuda backend is not usable: no fastdp kernels for device 0 (sm_90): no fatbin; NVRTC was not found"
 CPU3 = ["cpu"] * 3
 
-pytestmark = pytest.mark.filterwarnings("ignore::fastdp._fallback.FallbackWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::fastdp._native.fallback.FallbackWarning")
 
 
 @pytest.fixture
@@ -214,7 +215,7 @@ def _sum_core(can_span):
 
 @pytest.mark.parametrize("can_span", [True, False])
 def test_a_sum_across_devices_is_staged_on_the_outputs_device_when_the_core_cannot_span_them(monkeypatch, can_span):
-    from fastdp import _route
+    from fastdp._native import route as _route
 
     reduce_many, calls = _sum_core(can_span)
     monkeypatch.setattr(_C, "reduce_many", reduce_many)
@@ -235,7 +236,7 @@ def test_a_sum_across_devices_is_staged_on_the_outputs_device_when_the_core_cann
 
 
 def test_a_sum_the_core_cannot_run_on_one_device_goes_to_torch_without_a_second_try(unavailable):
-    from fastdp import _route
+    from fastdp._native import route as _route
 
     ins, out = [torch.randn(4) for _ in range(3)], torch.empty(4)
     with warnings.catch_warnings(record=True) as record:

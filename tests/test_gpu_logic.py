@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import fastdp
-from fastdp import _C, _core, _devices, _info, comm
+from fastdp import _C, comm
+from fastdp._native import core as _core, info as _info
+from fastdp._platform import devices as _devices
 
 
 # ---- NCCL usability: no GPU touched ----------------------------------------------------------------------------

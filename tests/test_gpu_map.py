@@ -157,9 +157,9 @@ def test_tracer_notes_the_mapped_functions_that_ran(tmp_path):
     """The GPU check's tracer, run here on a host model: it records mapped functions by their qualified names from
     every thread, nothing else, and map-report lists them as run."""
     helper = _helper()
-    rows = [dict(file="python/fastdp/_streams.py", function="current", branch="", step="caller-stream"),
+    rows = [dict(file="python/fastdp/_platform/streams.py", function="current", branch="", step="caller-stream"),
             dict(file="python/fastdp/parallel_apply.py", function="_run", branch="", step="caller-stream"),
-            dict(file="python/fastdp/_core.py", function="_scratch", branch="", step="c-gpu-ops")]
+            dict(file="python/fastdp/_native/core.py", function="_scratch", branch="", step="c-gpu-ops")]
     doc = tmp_path / "map.md"
     doc.write_text(helper.MAP_HEADING + "\n\n| file | function | branch | step |\n|---|---|---|---|\n" + "".join(
         f"| `{r['file']}` | `{r['function']}` | x | {r['step']} |\n" for r in rows))
@@ -179,12 +179,12 @@ def test_tracer_notes_the_mapped_functions_that_ran(tmp_path):
     subprocess.run([sys.executable, str(script)], check=True, timeout=300)
     seen = (tmp_path / "trace" / "host.txt").read_text().split("\n")
     assert "python/fastdp/parallel_apply.py _run" in seen  # on the worker thread too
-    assert "python/fastdp/_core.py _scratch" not in seen
+    assert "python/fastdp/_native/core.py _scratch" not in seen
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu", "cuda_branches.py"), "map-report",
                           "--trace", str(tmp_path / "trace"), "--map", str(doc)], capture_output=True, text=True,
                          check=True)
     assert re.search(r"yes\s+python/fastdp/parallel_apply.py _run\s+host", out.stdout), out.stdout
-    assert re.search(r"NO\s+python/fastdp/_core.py _scratch\s+c-gpu-ops", out.stdout), out.stdout
+    assert re.search(r"NO\s+python/fastdp/_native/core.py _scratch\s+c-gpu-ops", out.stdout), out.stdout
 
 
 def test_gpu_checks_compare_on_host_and_catch_a_wrong_gradient(monkeypatch, capsys):

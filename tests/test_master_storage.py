@@ -17,7 +17,9 @@ import torch
 import torch.nn as nn
 
 import fastdp
-from fastdp import _C, _core, _reducer
+from fastdp import _C
+from fastdp._native import core as _core
+from fastdp._reduction import reducer as _reducer
 
 pytestmark = pytest.mark.usefixtures("cpu_apply")
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import fastdp
-from fastdp import _reducer
+from fastdp._reduction import reducer as _reducer
 
 pytestmark = pytest.mark.usefixtures("cpu_apply")
 

@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fastdp
-from fastdp import _memory, _recorder, _report
+from fastdp._balance import memory as _memory
+from fastdp._report.report.report import recorder as _recorder, report as _report
 
 from _fake_cuda import FakeCuda
 
@@ -690,7 +691,7 @@ def test_train_step_drops_the_sums_a_failed_backward_started(monkeypatch):
     model = copy.deepcopy(bare)
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, oom="rebalance", bucket_cap_mb=1e-6)
     x, y = data(15)
-    real_start = fastdp._reducer.start
+    real_start = fastdp._reduction.reducer.start
     first_attempt = []  # weak references to the sums the failing backward started
 
     def start(bucket, grads):
@@ -701,7 +702,7 @@ def test_train_step_drops_the_sums_a_failed_backward_started(monkeypatch):
             first_attempt.append(job)
         return handed
 
-    monkeypatch.setattr(fastdp._reducer, "start", start)
+    monkeypatch.setattr(fastdp._reduction.reducer, "start", start)
     with pytest.warns(RuntimeWarning):
         dp.train_step(x, loss_fn=lambda out: F.cross_entropy(out, y))
     assert fired and first_attempt  # sums were in flight at the failure

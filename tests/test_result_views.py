@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import fastdp
-from fastdp import _C, _core
-from fastdp._reducer import _flatten_dense, _unflatten_dense
+from fastdp import _C
+from fastdp._native import core as _core
+from fastdp._reduction.reducer import _flatten_dense, _unflatten_dense
 
 SHIM = _core.tensor_shim_usable()
 needs_shim = pytest.mark.skipif(not SHIM, reason="this torch has no usable C shim")

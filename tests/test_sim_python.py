@@ -29,7 +29,7 @@ def _env():
 @pytest.fixture(params=["pool", "caching"], autouse=True)
 def scratch(request, monkeypatch):
     """Every case runs twice: the core's scratch memory from the driver's pool (a PyTorch without CUDA), and from a
-    caching allocator registered as fastdp._core registers PyTorch's (every CUDA build of torch: the users'
+    caching allocator registered as fastdp._native.core registers PyTorch's (every CUDA build of torch: the users'
     route). tests/sim/pycases.py sets it up from SIMGPU_ALLOCATOR."""
     monkeypatch.setenv("SIMGPU_ALLOCATOR", request.param)
     return request.param

@@ -439,7 +439,8 @@ def test_zeroing_one_grad_in_place_keeps_the_others_sums(path):
     """Reduced gradients are separate tensors over one flat result, each with its own version counter on either
     tensor path: zeroing one parameter's .grad between no_sync micro-batches clears that one only (torch's views
     share one counter, which made the others look changed in place)."""
-    from fastdp import _C, _core
+    from fastdp import _C
+    from fastdp._native import core as _core
 
     if path == "aoti" and not _core.tensor_shim_usable():
         pytest.skip("this torch has no C shim path")

@@ -157,7 +157,7 @@ def test_cycle_finder_names_a_cycle(tmp_path):
     ("from fastdp import comm", "fastdp.comm"),
     ("from fastdp.comm import gather", "fastdp.comm"),
     ("from .. import comm", "fastdp.comm"),
-    ("from .._core import x", "fastdp._core"),
+    ("from .._core import x", "fastdp._native.core"),
     ("from . import train", "fastdp.bench.train"),
 ])
 def test_edges_of_each_import_form(tmp_path, statement, target):
@@ -173,8 +173,8 @@ def test_public_balance_names_come_from_their_modules():
     """``fastdp.balance`` (in fastdp.__all__) stays the namespace of balancing device 0; its names are the split
     and memory modules' own objects, as are the package-level ones."""
     import fastdp
-    from fastdp import _memory as memory
-    from fastdp import _split as split
+    from fastdp._balance import memory
+    from fastdp._balance import split
     from fastdp import balance
 
     for name in balance.__all__:

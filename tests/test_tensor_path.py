@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import fastdp
-from fastdp import _C, _core
+from fastdp import _C
+from fastdp._native import core as _core
 
 SHIM = _core.tensor_shim_usable()
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fastdp import _C, _core
+from fastdp import _C
+from fastdp._native import core as _core
 
 
 @pytest.fixture(params=["aoti", "python"])

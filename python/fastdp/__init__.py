@@ -7,7 +7,7 @@ import torch  # loaded first: the GPU backends reuse the CUDA libraries torch br
 
 from ._version import __version__  # noqa: F401
 from . import _C
-from . import _libs  # noqa: F401  (tells the core where pip's NVRTC is, before its first use)
+from ._native import libs as _libs  # noqa: F401  (tells the core where pip's NVRTC is, before its first use)
 from ._C import BackendUnavailableError, CudaError, FastDPError, NcclError
 
 _TORCH_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
@@ -19,7 +19,7 @@ class CudaOutOfMemoryError(CudaError, _TORCH_OOM):
 
 
 _C.set_oom_error(CudaOutOfMemoryError, _TORCH_OOM)
-from ._fallback import FallbackWarning
+from ._native.fallback import FallbackWarning
 from . import comm
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
 def info(memory=False):
     """A dict of what fastdp can do on this machine (see ``python -m fastdp info``); ``memory=True`` also reads free
     memory on GPUs that no CUDA context uses yet, creating one on each for the query."""
-    from ._info import collect
+    from ._native.info import collect
 
     return collect(memory=memory)
 
@@ -58,14 +58,14 @@ __all__ += ["distributed", "DistributedDataParallel", "shard", "save", "print0",
 
 # ---- Balancing device 0: batch split, per-replica loss, memory report ------------------------------------
 from . import balance  # noqa: E402
-from ._memory import MemoryReport, memory_report  # noqa: E402
-from ._split import AutoSplit  # noqa: E402
+from ._balance.memory import MemoryReport, memory_report  # noqa: E402
+from ._balance.split import AutoSplit  # noqa: E402
 
 __all__ += ["balance", "AutoSplit", "MemoryReport", "memory_report"]
 
 # ---- Seeing each replica: the report, its advice, and the out-of-memory rescue's test hook ------------------------
-from ._oom import inject_oom  # noqa: E402
-from ._report import Advice, Report  # noqa: E402
+from ._balance.rescue import inject_oom  # noqa: E402
+from ._report.report import Advice, Report  # noqa: E402
 
 __all__ += ["Report", "Advice", "inject_oom"]
 

@@ -18,7 +18,7 @@ def main(argv=None):
     sub.add_parser("bench", help="benchmarks (same as python -m fastdp.bench)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "info":
-        from ._info import collect, render
+        from ._native.info import collect, render
 
         info = collect(memory=args.memory)
         print(json.dumps(info, indent=2) if args.json else render(info))

@@ -1,11 +1,11 @@
 """``fastdp.balance``: the public names of balancing device 0 in one namespace (docs/balance.md).
 
-The code lives in private modules named for each part: the batch split (``fastdp._split``), the per-replica loss
-(``fastdp._replica_loss``), the idle master's buffers (``fastdp._idle_master``) and the memory report
-(``fastdp._memory``).
+The code lives in private modules named for each part: the batch split (``fastdp._balance.split``), the per-replica loss
+(``fastdp._balance.replica_loss``), the idle master's buffers (``fastdp._step.step.idle_master``) and the memory report
+(``fastdp._balance.memory``).
 """
 
-from ._memory import DeviceMemory, MemoryReport, memory_report
-from ._split import AutoSplit, largest_remainder
+from ._balance.memory import DeviceMemory, MemoryReport, memory_report
+from ._balance.split import AutoSplit, largest_remainder
 
 __all__ = ["AutoSplit", "DeviceMemory", "MemoryReport", "memory_report", "largest_remainder"]

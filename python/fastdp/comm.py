@@ -27,8 +27,10 @@ import warnings
 
 import torch
 
-from . import _C, _devices, _route
-from ._core import dtype_key, open_peers, prepare, reduce_columns, streams_for, to_core_dtype
+from . import _C
+from ._platform import devices as _devices
+from ._native import route as _route
+from ._native.core import dtype_key, open_peers, prepare, reduce_columns, streams_for, to_core_dtype
 
 __all__ = [
     "broadcast",
@@ -43,7 +45,7 @@ _CPU = torch.device("cpu")
 
 
 def _device(d, what, allow_none=False):
-    """One device-list entry → torch.device ("cpu" or "cuda:k"): fastdp._devices.normalize, with upstream's None."""
+    """One device-list entry → torch.device ("cpu" or "cuda:k"): fastdp._platform.devices.normalize, with upstream's None."""
     if d is None:
         if allow_none:
             return None

@@ -15,8 +15,12 @@ from itertools import chain
 import torch
 from torch.nn.modules import Module
 
-from . import (_checkpoint, _devices, _idle_master, _launch, _oom, _recorder, _replica_loss, _replicas, _report,
-               _split, _step, _streams, sync_batchnorm)
+from ._wrapper import checkpoint as _checkpoint, launch as _launch
+from ._platform import devices as _devices, streams as _streams
+from ._step import idle_master as _idle_master, replicas as _replicas, step as _step
+from ._balance import rescue as _oom, replica_loss as _replica_loss, split as _split
+from ._report import recorder as _recorder, report as _report
+from . import sync_batchnorm
 from . import parallel_apply as _parallel_apply
 from .parallel_apply import parallel_apply
 from .replicate import replicate
@@ -276,15 +280,15 @@ class DataParallel(_UPSTREAM):
         self.__dict__["_criterion"] = criterion
         self._criterion_reduction = criterion_reduction
         self._broadcast = _split.parse_broadcast(broadcast)
-        self._split = None  # the chunk_sizes rule (fastdp._split), None for torch.chunk's
-        self._last_step = None  # what the last forward found (fastdp._step.Outcome): its chunk sizes…
+        self._split = None  # the chunk_sizes rule (fastdp._balance.split), None for torch.chunk's
+        self._last_step = None  # what the last forward found (fastdp._step.step.step.Outcome): its chunk sizes…
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
         self._bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
         self._report_steps = _recorder.parse_steps(report)
-        self.__dict__["_recorder"] = None  # fastdp._recorder.Recorder while steps are recorded
+        self.__dict__["_recorder"] = None  # fastdp._report.report.recorder.Recorder while steps are recorded
         self.__dict__["_oom"] = _oom.parse(oom)
-        self._replica_set = None  # persistent replicas (fastdp._replicas), built on first use
+        self._replica_set = None  # persistent replicas (fastdp._step.step.replicas), built on first use
         self.__dict__["_forward_lock"] = threading.Lock()  # one forward at a time uses the kept replicas
         self._sync_enabled = True
         torch._C._log_api_usage_once("fastdp.DataParallel")
@@ -416,7 +420,7 @@ class DataParallel(_UPSTREAM):
         return result
 
     def _scatter_step(self, step, inputs, kwargs):
-        """The split's per-forward work (one call into fastdp._split), then ``self.scatter``; a forward without
+        """The split's per-forward work (one call into fastdp._balance.split), then ``self.scatter``; a forward without
         inputs still runs once, on device_ids[0]. Keyword arguments named in ``broadcast`` skip the split: every
         replica gets them whole."""
         with_loss = step.loss is not None

@@ -19,9 +19,12 @@ import torch.distributed as dist
 from torch.nn.modules import Module
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from . import _checkpoint, _devices, _oom, _recorder, _replica_loss, _split
+from ._wrapper import checkpoint as _checkpoint
+from ._platform import devices as _devices
+from ._balance import rescue as _oom, replica_loss as _replica_loss, split as _split
+from ._report import recorder as _recorder
 from .data_parallel import DataParallel
-from ._launch import (  # noqa: F401  (LaunchEnv, launch_env, is_distributed and MODES stay public here)
+from ._wrapper.launch import (  # noqa: F401  (LaunchEnv, launch_env, is_distributed and MODES stay public here)
     LAUNCH_HINT, LAUNCH_VARS, MODES, LaunchEnv, check_mode, group_initialized, int_var, is_distributed, launch_env,
 )
 

@@ -11,8 +11,9 @@ from collections import OrderedDict
 import torch
 from torch.nn.parameter import is_lazy
 
-from . import _devices, _hooks
-from ._functions import Broadcast, broadcast_coalesced
+from ._platform import devices as _devices
+from ._step import hooks as _hooks
+from ._step.functions import Broadcast, broadcast_coalesced
 
 __all__ = ["replicate"]
 
@@ -63,7 +64,7 @@ def skeletons(modules, count):
             script = _is_script_module(replica)
             if not script:
                 replica._former_parameters = OrderedDict()
-                _hooks.own(m, replica)  # hooks registered in forward stay on the replica (fastdp._hooks)
+                _hooks.own(m, replica)  # hooks registered in forward stay on the replica (fastdp._step.step.hooks)
             for key, child in m._modules.items():
                 if child is None:
                     replica._modules[key] = None

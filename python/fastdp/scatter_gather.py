@@ -13,8 +13,8 @@ import sys
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from . import _devices
-from ._functions import Gather, Scatter
+from ._platform import devices as _devices
+from ._step.functions import Gather, Scatter
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
 

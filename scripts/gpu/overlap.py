@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import fastdp
-from fastdp import _reducer
+from fastdp._reduction import reducer as _reducer
 
 
 def model(width, layers):

@@ -573,7 +573,7 @@ def case_no_kernels(sim):
     torch on the host here, since torch cannot run on simulated memory) with one FallbackWarning."""
     import warnings
 
-    from fastdp import _fallback, _route
+    from fastdp._native import fallback as _fallback, route as _route
 
     assert os.environ.get("FASTDP_DISABLE_NVRTC") == "1" and os.environ.get("FASTDP_DISABLE_FATBIN") == "1"
     assert _C.usable("cuda")[0], "the cuda backend must stay usable without kernels"
@@ -620,7 +620,7 @@ def caching():
 
 def scratch_route(sim):
     """The core's scratch memory for this run (SIMGPU_ALLOCATOR): the simulated caching allocator registered as
-    fastdp._core registers PyTorch's ("caching", every CUDA build's route), or the driver's pool ("pool", a
+    fastdp._native.core registers PyTorch's ("caching", every CUDA build's route), or the driver's pool ("pool", a
     PyTorch without CUDA). Set either way, whatever this process's torch registered at import."""
     assert os.environ.get("SIMGPU_ALLOCATOR", "pool") in ("pool", "caching")
     _C.set_device_allocator(sim.caching_allocator() if caching() else None)

@@ -174,7 +174,7 @@ class Sim:
 
     # ---- scratch memory for the core: PyTorch's route ----
     def caching_allocator(self):
-        """What fastdp._core registers where torch has CUDA (PyTorch's caching allocator), here the simulated one:
+        """What fastdp._native.core registers where torch has CUDA (PyTorch's caching allocator), here the simulated one:
         alloc(device, nbytes, stream) -> an object with data_ptr(); the block goes back to its stream's pool when
         the core drops it, as a dying tensor's does (misuse and races on that route are the simulator's checks)."""
         lib = self.lib

@@ -57,7 +57,7 @@ def _cases(device_entries, nbytes, replicas):
 
 
 def _streams(ts):
-    from .._core import streams_for
+    from .._native.core import streams_for
 
     return streams_for(ts)
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 from .. import _C
-from .._core import tensor_shim_usable
+from .._native.core import tensor_shim_usable
 
 
 def _per_call(fn, calls):

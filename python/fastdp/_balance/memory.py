@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import torch
 
-from . import _devices
+from .._platform import devices as _devices
 
 __all__ = ["DeviceMemory", "MemoryReport", "memory_report", "allocated_and_peak", "PeakWindow", "format_bytes"]
 
@@ -170,7 +170,7 @@ def memory_report(model, *, reset_peak=False):
     state = getattr(model, "__dict__", {})
     ids = [_devices.normalize(d) for d in device_ids]
     master = _master_bytes(model.module, _devices.torch_device(ids[0])) if hasattr(model, "module") else 0
-    last_step = state.get("_last_step")  # what the last forward found (fastdp._step.Outcome)
+    last_step = state.get("_last_step")  # what the last forward found (fastdp._step.step.step.Outcome)
     last = (last_step.chunk_sizes if last_step is not None else None) or ()
     rows = [_row(i, d, last[i] if i < len(last) else None, master if i == 0 else 0) for i, d in enumerate(ids)]
     notes = []

@@ -12,7 +12,8 @@ import warnings
 import torch
 from torch.autograd import Function
 
-from . import _devices, comm
+from .._platform import devices as _devices
+from .. import comm
 
 
 def broadcast_coalesced(tensors, devices):

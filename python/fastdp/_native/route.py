@@ -7,7 +7,7 @@ usable driver, no kernels for this GPU, CUDA or NCCL disabled). That answer rout
 
 - a sum whose inputs sit on other CUDA devices than its output, which the core cannot run together (no NCCL), is
   staged: each input is copied to its output's device, and the core sums there;
-- otherwise torch serves it (``fastdp._fallback``: the same work in the same order and rounding), after the one
+- otherwise torch serves it (``fastdp._native.fallback``: the same work in the same order and rounding), after the one
   ``FallbackWarning`` of the process, which names the reason and the fix; under ``FASTDP_STRICT=1`` the error is
   raised instead.
 
@@ -16,7 +16,8 @@ The decision is made per call: the core may serve one call (on the host, between
 another (a strided copy that needs a kernel).
 """
 
-from . import _C, _fallback
+from .. import _C
+from . import fallback as _fallback
 
 __all__ = ["copy", "broadcast", "scatter", "gather", "reduce_many"]
 

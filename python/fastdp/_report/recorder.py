@@ -16,8 +16,9 @@ import weakref
 
 import torch
 
-from . import _devices, _memory
-from .replicate import is_compiled
+from .._platform import devices as _devices
+from .._balance import memory as _memory
+from ..replicate import is_compiled
 
 __all__ = ["Recorder", "StepRecord", "ReplicaSite", "Resolved", "resolve", "parse_steps", "graph_tensors", "nbytes",
            "module_bytes", "DEFAULT_STEPS", "PHASES"]
@@ -83,9 +84,9 @@ class Recorder:
         self.internal = internal  # made for chunk_sizes="auto" only: dropped again once it has settled
         self.open = None  # the step records go to
         self._count = 0
-        self.memory = None  # fastdp._memory.PeakWindow over distinct CUDA devices (made by the first step)
+        self.memory = None  # fastdp._balance.memory.PeakWindow over distinct CUDA devices (made by the first step)
         self._memory_known = False
-        self.inject = None  # a test's out-of-memory injection (fastdp._oom.Injection), run by the replicas' site
+        self.inject = None  # a test's out-of-memory injection (fastdp._balance.rescue.Injection), run by the replicas' site
         self.module_bytes = None  # (key of the kept replica set, bytes of the module's tensors)
         self.timed = 0  # the newest step whose times chunk_sizes="auto" was given
         self.owners = weakref.WeakKeyDictionary()  # replica -> (submodule, name) of its first trainable parameter
@@ -237,7 +238,7 @@ def resolve(step, wait=True):
 
 class ReplicaSite:
     """What parallel_apply's workers call instead of ``module(*args, **kwargs)`` while a step records (or a test
-    injects an out-of-memory error, fastdp._oom): times each replica's forward where it runs (its thread, its
+    injects an out-of-memory error, fastdp._balance.rescue): times each replica's forward where it runs (its thread, its
     device's current stream) and marks its backward. ``positions``: the device_ids position of each replica.
     ``samplers``: called when backward reaches the first replica's outputs (memory is sampled then)."""
 

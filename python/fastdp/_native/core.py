@@ -3,7 +3,8 @@ order core work (PyTorch's current stream of each CUDA device; none for host ten
 
 import torch
 
-from . import _C, _route
+from .. import _C
+from . import route as _route
 
 _CODES = _C.dtype_codes()
 _CORE_DTYPES = {

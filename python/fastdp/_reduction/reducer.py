@@ -1,4 +1,4 @@
-"""The gradient reduction of the kept replicas (fastdp._replicas): when a bucket's reduction starts, where it runs,
+"""The gradient reduction of the kept replicas (fastdp._step.step.replicas): when a bucket's reduction starts, where it runs,
 and how its sum reaches the master parameters. See NOTE [reduction while backward runs].
 
 NOTE [reduction while backward runs]
@@ -49,9 +49,10 @@ from itertools import repeat
 import torch
 from torch.autograd import Function
 
-from . import _C, _streams, comm
-from ._core import reduce_columns, to_core_dtype
-from ._functions import ReduceAddCoalesced
+from .. import _C, comm
+from .._platform import streams as _streams
+from .._native.core import reduce_columns, to_core_dtype
+from .._step.functions import ReduceAddCoalesced
 
 __all__ = ["BucketNode", "Delivery", "start", "deliver", "flush", "sweep"]
 

@@ -5,7 +5,7 @@ the dynamic loader's search path. Must run before the core first uses NVRTC, so 
 import importlib.util
 import os
 
-from . import _C
+from .. import _C
 
 # Newest first, as the core tries them.
 _SUBDIRS = ("cu13/lib", "cuda_nvrtc/lib")

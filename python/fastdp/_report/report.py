@@ -1,7 +1,7 @@
 """``dp.report()``: what the last steps of a ``fastdp.DataParallel`` measured, per replica and per phase, with advice
 derived from those numbers (docs/report.md).
 
-The wrapper's recorder (fastdp._recorder) keeps the raw records; this module turns them into numbers (medians over
+The wrapper's recorder (fastdp._report.report.recorder) keeps the raw records; this module turns them into numbers (medians over
 the steps kept), reads them out (a text table, HTML for notebooks, a dict, CSV, a Chrome/Perfetto trace, a PNG) and
 derives the advice, each line naming the threshold it used.
 """
@@ -14,7 +14,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
-from . import _devices, _memory, _recorder, _report_plot, _split
+from .._platform import devices as _devices
+from .._balance import memory as _memory, split as _split
+from . import recorder as _recorder, plot as _report_plot
 
 __all__ = ["Report", "ReplicaStats", "PhaseStats", "Advice", "build", "start_recording", "scattered", "replicated",
            "THRESHOLDS"]

@@ -1,6 +1,6 @@
 """The torch route: torch's own implementation of the core's data-moving calls, and what taking it says.
 
-``fastdp._route`` sends a call here when fastdp's C core cannot run it (``BackendUnavailableError``: no CUDA driver
+``fastdp._native.route`` sends a call here when fastdp's C core cannot run it (``BackendUnavailableError``: no CUDA driver
 it can use, no kernels for this GPU (no NVRTC and no matching fatbin), CUDA disabled...). The functions below do the
 same work with ``Tensor.copy_`` and ``torch.add`` (what ``torch.nn.parallel.comm`` does underneath), in the same
 order and rounding, with the core's signatures. ``take_over`` warns once per process, naming the reason and the
@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from . import _C
+from .. import _C
 
 __all__ = ["FallbackWarning", "reason", "strict", "take_over", "copy", "broadcast", "scatter", "gather", "reduce_many"]
 

@@ -24,7 +24,7 @@ parameter's ``.data`` rebinds replica 0's alias, not the master, as upstream; un
 are the master's, as upstream's detached replicate gives them). What the other replicas get is theirs alone. The
 per-step cost of copying member by member instead of one flat buffer per bucket is in docs/benchmarks.md.
 
-The gradient reduction (each bucket's sum, started while backward still runs) is fastdp._reducer's (NOTE
+The gradient reduction (each bucket's sum, started while backward still runs) is fastdp._reduction.reducer's (NOTE
 [reduction while backward runs]).
 
 A buffer's flat buffer is reused only when none of the views it handed out is alive any more (a second forward
@@ -59,10 +59,14 @@ from itertools import chain
 import torch
 from torch.nn.parameter import is_lazy
 
-from . import _C, _devices, _hooks, _reducer, _route, _streams, comm
-from ._core import streams_on
-from .replicate import check_initialized, is_compiled, skeletons
-from .sync_batchnorm import layer_indices
+from .. import _C, comm
+from .._platform import devices as _devices, streams as _streams
+from . import hooks as _hooks
+from .._reduction import reducer as _reducer
+from .._native import route as _route
+from .._native.core import streams_on
+from ..replicate import check_initialized, is_compiled, skeletons
+from ..sync_batchnorm import layer_indices
 
 __all__ = ["ReplicaSet", "persistable"]
 
@@ -70,7 +74,7 @@ __all__ = ["ReplicaSet", "persistable"]
 # override give the replica its own copies of these); everything else mirrors the master every step.
 _OWNED = ("_parameters", "_buffers", "_modules", "_is_replica", "_former_parameters", "_flat_weights",
           "_flat_weights_names")
-_MIRRORED = _hooks.KEYS  # the replica's own hook dicts, refilled from the master's every step (fastdp._hooks)
+_MIRRORED = _hooks.KEYS  # the replica's own hook dicts, refilled from the master's every step (fastdp._step.step.hooks)
 _KEPT = _OWNED + _MIRRORED  # refresh mirrors the last len(_MIRRORED) kept keys
 _POOL = 3  # buffers kept per bucket and device; beyond that (views held elsewhere) buffers are not kept
 
@@ -229,7 +233,7 @@ class _State:
         self.flushing = None  # the backward whose end reduces what no_sync kept (its graph task id)
         self.lock = threading.Lock()  # no_sync's bookkeeping: bucket nodes of nested backwards may run at once
         self.network = None  # a weak reference to the master module (names parameters in errors)
-        self.reduction = _reducer.reduction_for(self)  # where the buckets' sums run (fastdp._reducer)
+        self.reduction = _reducer.reduction_for(self)  # where the buckets' sums run (fastdp._reduction.reducer)
         self.started = None  # a weak reference to the sums the running backward started (_reducer._Backward)
         self.recorder = None  # the wrapper's step recorder, when one records
         # Where the master's tensors are: counts each time one moved (ReplicaSet.matches); the prepared copies from
@@ -244,7 +248,7 @@ class _State:
 class _Bucket:
     """Tensors of one dtype copied to the replicas together and, for a gradient bucket, reduced together;
     `members` index the ReplicaSet's tensor list. The reduction's state (no_sync sums, sums in flight) is
-    fastdp._reducer's."""
+    fastdp._reduction.reducer's."""
 
     __slots__ = ("state", "index", "members", "shapes", "sizes", "numel", "dtype", "itemsize", "pools", "src_pool",
                  "like", "spec", "master", "pack", "pending", "pending_flat", "marks", "returned", "delivery",
@@ -275,7 +279,7 @@ class _Bucket:
         self.pending_flat = False  # whether pending holds one packed sum per replica instead (pending[r][0])
         self.marks = None  # per member, the master's .grad as the last no_sync backward left it
         self.returned = []  # no_sync sums taken by backwards that failed before delivering, to be kept again
-        self.delivery = None  # a weak reference to the bucket's delivery node (fastdp._reducer)
+        self.delivery = None  # a weak reference to the bucket's delivery node (fastdp._reduction.reducer)
 
     def fill(self):
         """Copies the master tensors into free pooled tensors on every other device; returns their fresh views."""

@@ -17,7 +17,10 @@ import warnings
 
 import torch
 
-from . import _devices, _recorder, _report, _split, _step
+from .._platform import devices as _devices
+from .._report import recorder as _recorder, report as _report
+from . import split as _split
+from .._step import step as _step
 
 __all__ = ["parse", "run_rescued", "train_step", "Injection", "inject_oom", "OOM"]
 
@@ -61,7 +64,7 @@ class _Buffers:
 
 def _free(error):
     """Lets go of what a failed attempt's frames held (partial outputs, activations) while keeping the error. (The
-    gradient sums a failed backward started were dropped with it: fastdp._reducer._Backward.)"""
+    gradient sums a failed backward started were dropped with it: fastdp._reduction.reducer._Backward.)"""
     if error.__traceback__ is not None:
         traceback.clear_frames(error.__traceback__)
 

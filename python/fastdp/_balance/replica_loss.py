@@ -10,8 +10,8 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ._functions import Gather
-from .replicate import replicate
+from .._step.functions import Gather
+from ..replicate import replicate
 
 __all__ = ["loss_rule", "check_declared", "PerReplicaLoss", "criterion_replicas", "ReplicaLoss", "pair", "combine"]
 

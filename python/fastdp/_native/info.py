@@ -5,8 +5,9 @@ import platform
 
 import torch
 
-from . import _C, _fallback
-from ._version import __version__
+from .. import _C
+from . import fallback as _fallback
+from .._version import __version__
 
 
 def _version(v):

@@ -82,7 +82,7 @@ def _from_torch(d, what):
 def _require_cuda(d, what):
     """d itself when CUDA can run here; otherwise an error naming the entry (not torch's bare AssertionError)."""
     if not cuda_available():
-        from ._C import BackendUnavailableError
+        from .._C import BackendUnavailableError
 
         why = "this torch build has no CUDA" if not torch.backends.cuda.is_built() else "no CUDA device is visible"
         shown = f"cuda:{d}" if isinstance(d, int) else str(d)

@@ -7,7 +7,7 @@ loads the other model's checkpoint through ``nested_load_pre_hook``.
 
 from collections import OrderedDict
 
-from .replicate import is_compiled
+from ..replicate import is_compiled
 
 __all__ = ["PREFIX", "COMPILED_PREFIX", "has_module_prefix", "strip_prefix", "uncompiled", "load",
            "nested_load_pre_hook"]

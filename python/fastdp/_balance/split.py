@@ -13,7 +13,8 @@ from fractions import Fraction
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from . import _devices, _memory
+from .._platform import devices as _devices
+from . import memory as _memory
 
 __all__ = ["AutoSplit", "largest_remainder", "parse_chunk_sizes", "begin_forward", "split_for", "check_target",
            "parse_broadcast"]
@@ -270,7 +271,7 @@ def begin_forward(rule, inputs, kwargs, dim, ndev, *, with_target, training, siz
     """One forward's split work, in order: "auto" judges the training step that just ended (``training``), the
     target (the last of ``inputs`` when ``with_target``) is checked against the other inputs, then this batch's
     chunk sizes are returned when ``sizes`` is true (None: torch.chunk's rule, or ``sizes`` false for a wrapper
-    whose own ``scatter`` asks ``split_for``). ``recorder``: the wrapper's fastdp._recorder.Recorder, whose last
+    whose own ``scatter`` asks ``split_for``). ``recorder``: the wrapper's fastdp._report.report.recorder.Recorder, whose last
     step's times drive "auto"'s time phase (None: not measured)."""
     if training and isinstance(rule, AutoSplit):
         rule.observe(None if recorder is None else recorder.last_timings())
@@ -291,7 +292,7 @@ class AutoSplit:
     settling for good (NOTE [auto split]):
 
     1. **Memory.** At the start of each training forward, ``reader()`` returns every device's peak allocated bytes
-       since the previous call (the default reader is a fastdp._memory.PeakWindow: exact where the allocator's
+       since the previous call (the default reader is a fastdp._balance.memory.PeakWindow: exact where the allocator's
        peak counter moved, the highest sample otherwise; the process-wide counters are never reset). The first
        ``warmup`` steps are not judged (optimizers allocate their state in the first step). Then device 0's share
        (relative to each other device) starts at 1; while device 0's peak exceeds ``(1 + tolerance)`` times the

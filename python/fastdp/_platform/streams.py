@@ -11,7 +11,8 @@ import contextlib
 
 import torch
 
-from . import _C, _devices
+from .. import _C
+from . import devices as _devices
 
 __all__ = ["current", "cuda_indices", "entered", "order", "Fence", "refuse_capture"]
 

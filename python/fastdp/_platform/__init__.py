@@ -1,0 +1,2 @@
+"""Devices and streams, as every layer names them: device entries (``devices``: ``"cpu"``, ints, ``"cuda:k"``) and
+the caller's CUDA streams carried to the threads that act for it (``streams``)."""

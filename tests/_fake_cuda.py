@@ -309,11 +309,11 @@ class FakeCuda:
                             lambda t, stream: cuda.record("record_stream", t.data_ptr(), stream.name))
         # The core's orderings across streams (fastdp._platform.streams.order, Fence) are the driver's work: recorded too.
         from fastdp import _C
-        from fastdp._reduction import reducer as _reducer
+        from fastdp._reduction import cuda as _rcuda
 
         monkeypatch.setattr(_C, "order", self.order)
         monkeypatch.setattr(_C, "Fence", lambda streams: FakeFence(cuda, streams))
-        monkeypatch.setattr(_reducer, "_OWN_STREAMS", {})  # the reduction's streams are this fake's
+        monkeypatch.setattr(_rcuda, "_OWN_STREAMS", {})  # the reduction's streams are this fake's
         return self
 
     # ---- tensors in fake device memory ----

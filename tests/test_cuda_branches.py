@@ -17,8 +17,8 @@ import fastdp
 from fastdp import _C, comm
 from fastdp._native import core as _core, fallback as _fallback
 from fastdp._platform import devices as _devices
-from fastdp._step.step.step import functions as _functions, replicas as _replicas
-from fastdp._reduction import reducer as _reducer
+from fastdp._step import functions as _functions, replicas as _replicas
+from fastdp._reduction import reducer as _reducer, host as _host, sums as _sums, cuda as _rcuda
 from fastdp._balance import split as _split
 from fastdp import sync_batchnorm as sbn
 
@@ -533,7 +533,9 @@ def _cuda_replica_set(net, bucket_bytes=1 << 20):
     rs = _replicas.ReplicaSet(net, [_devices.CPU] * 2, bucket_bytes)
     rs.state.devices = [0, 1]
     rs.state.host = False
-    rs.state.reduction = _reducer.reduction_for(rs.state)
+    reducer = _reducer.Reducer([0, 1], rs.state.tdevs, net)
+    reducer.host, reducer.runner = False, _rcuda.CudaStreams([0, 1])  # the devices the fake says
+    rs.reducer, rs.reduced = reducer, [reducer.bucket(b) for b in rs.layout[0]]
     return rs
 
 
@@ -555,23 +557,23 @@ def test_reduction_runs_on_its_own_streams_with_exactly_the_waits_it_needs(cuda,
     device's default stream), the sum runs on the reduction's streams, and the delivery node's stream waits for a
     fence behind the first device's reduction stream; the tensors it used are held until a fence behind every
     reduction stream has passed. Nothing else orders anything, and nothing waits on the host."""
-    monkeypatch.setattr(_reducer, "_LEGACY_STREAMS", legacy)
+    monkeypatch.setattr(_rcuda, "_LEGACY_STREAMS", legacy)
     torch.manual_seed(0)
     net = nn.Linear(4, 3)
     bare = copy.deepcopy(net)
     rs = _cuda_replica_set(net)
     on = []
-    real_sum = _reducer._sum
+    real_sum = _sums.bucket_sum
 
     def spy_sum(bucket, grads, kept, out):
         on.append(tuple(cuda.current_stream(d).name for d in (0, 1)))
         return real_sum(bucket, grads, kept, out)
 
-    monkeypatch.setattr(_reducer, "_sum", spy_sum)
+    monkeypatch.setattr(_sums, "bucket_sum", spy_sum)
     caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
     x = torch.randn(4, 4)
     _step_and_backward(cuda, rs, x, caller, caller)
-    own = [_reducer.own_stream(0).name, _reducer.own_stream(1).name]
+    own = [_rcuda.own_stream(0).name, _rcuda.own_stream(1).name]
     assert on == [tuple(own)]
     ready1 = "default@1" if legacy else "caller@0"
     ordering = [e for e in cuda.log if e[0] in ("wait", "wait_event", "wait_fence", "fence", "record_stream")]
@@ -592,15 +594,15 @@ def test_no_sync_shares_handed_over_at_once_are_ordered_before_the_nodes_stream(
     returns replica 0's; create_graph's differentiable sum takes the same path), the work still runs on the
     reduction's streams after the ready streams (autograd's rule of either side of torch 2.8), and the node's
     stream waits for it before autograd takes it."""
-    monkeypatch.setattr(_reducer, "_LEGACY_STREAMS", legacy)
+    monkeypatch.setattr(_rcuda, "_LEGACY_STREAMS", legacy)
     torch.manual_seed(0)
     net = nn.Linear(4, 3)
     bare = copy.deepcopy(net)
     rs = _cuda_replica_set(net)
-    rs.state.sync = False
+    rs.reducer.set_sync(False)
     caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
     x = torch.randn(4, 4)
-    own = [_reducer.own_stream(0).name, _reducer.own_stream(1).name]
+    own = [_rcuda.own_stream(0).name, _rcuda.own_stream(1).name]
     _step_and_backward(cuda, rs, x, caller, caller)
     ordering = [e for e in cuda.log if e[0] in ("wait", "wait_event", "wait_fence", "fence")]
     fences = [e[1] for e in ordering if e[0] == "fence"]
@@ -620,13 +622,13 @@ def test_reduction_holds_what_it_used_until_its_fence_has_passed(cuda, monkeypat
     net = nn.Linear(4, 3)
     rs = _cuda_replica_set(net)
     seen = []
-    real_sum = _reducer._sum
+    real_sum = _sums.bucket_sum
 
     def spy_sum(bucket, grads, kept, out):
         seen.extend(weakref.ref(g) for g in grads if g is not None)
         return real_sum(bucket, grads, kept, out)
 
-    monkeypatch.setattr(_reducer, "_sum", spy_sum)
+    monkeypatch.setattr(_sums, "bucket_sum", spy_sum)
     caller = [cuda.default_stream(0), cuda.default_stream(1)]
     cuda.fences_done = False
     _step_and_backward(cuda, rs, torch.randn(4, 4), caller, caller)
@@ -657,7 +659,7 @@ def test_kept_nodes_are_remade_for_a_forward_on_other_streams(cuda, monkeypatch)
     cuda.log.clear()
     roots = _step_and_backward(cuda, rs, x, second, second)
     assert roots[1].weight.grad_fn is not node
-    assert ("wait", _reducer.own_stream(0).name, "second@0") in cuda.log
+    assert ("wait", _rcuda.own_stream(0).name, "second@0") in cuda.log
     assert cuda.host_syncs() == []
     torch.testing.assert_close(net.weight.grad, 2 * x.sum(0).expand(3, 4) / 2)
 
@@ -744,12 +746,12 @@ def test_capture_is_refused_with_a_clear_error(cuda, monkeypatch):
     cuda.capturing = True
     with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
         dp(torch.randn(4, 4))
-    dp._replica_set.state.host = False  # a reduction over CUDA devices
+    dp._replica_set.reducer.host = False  # a reduction over CUDA devices
     with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
         out.sum().backward()
     cuda.capturing = False
     dp.src_device_obj = torch.device("cpu")
-    dp._replica_set.state.host = True
+    dp._replica_set.reducer.host = True
     dp(torch.randn(4, 4)).sum().backward()  # outside the capture: runs
 
 

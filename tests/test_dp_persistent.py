@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import fastdp
 from fastdp._reduction import reducer as _reducer
-from fastdp._step.step.step import replicas as _replicas
+from fastdp._step import replicas as _replicas
 
 # Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
 pytestmark = pytest.mark.usefixtures("cpu_apply")
@@ -99,7 +99,7 @@ def test_frozen_parameters_are_not_reduced(monkeypatch):
     real = _reducer.start
 
     def spy(bucket, grads):
-        calls.append([bucket.state.devices, list(bucket.members)])
+        calls.append([bucket.reducer.devices, list(bucket.members)])
         return real(bucket, grads)
 
     monkeypatch.setattr(_reducer, "start", spy)
@@ -420,7 +420,7 @@ WALK_CHANGES = {
 def test_walk_signature_sees_structure_changes(name):
     """The per-step structure signature changes with each change that makes kept replicas stale, and is stable
     when nothing changed."""
-    from fastdp._step.step.step.replicas import walk
+    from fastdp._step.replicas import walk
 
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     before = walk(model)[1]

@@ -19,7 +19,7 @@ import torch.nn as nn
 import fastdp
 from fastdp import _C
 from fastdp._native import core as _core
-from fastdp._reduction import reducer as _reducer
+from fastdp._reduction import reducer as _reducer, host as _host, sums as _sums, cuda as _rcuda
 
 pytestmark = pytest.mark.usefixtures("cpu_apply")
 
@@ -467,7 +467,7 @@ def test_reduction_is_one_flat_sum_per_bucket(monkeypatch, zero, path):
         pytest.skip("this torch has no usable C shim")
     previous = _C.set_tensor_path(path)
     calls = []
-    real_columns, real_rows = _reducer.reduce_columns, _C.reduce_rows
+    real_columns, real_rows = _sums.reduce_columns, _C.reduce_rows
 
     def spy_columns(columns, outs):
         calls.append(("packed", len(columns), [t.numel() for t in columns[0]], outs[0].numel()))
@@ -479,7 +479,7 @@ def test_reduction_is_one_flat_sum_per_bucket(monkeypatch, zero, path):
             calls.append(("rows", len(grads) // k, k, out.numel()))
         return done
 
-    monkeypatch.setattr(_reducer, "reduce_columns", spy_columns)
+    monkeypatch.setattr(_sums, "reduce_columns", spy_columns)
     monkeypatch.setattr(_C, "reduce_rows", spy_rows)
     try:
         model, ref = mlp(), mlp()
@@ -561,7 +561,7 @@ def test_no_sync_packed_sums_match_accumulation(bucket_cap_mb, gates):
     for x in xs:
         loss_of(ref, x).backward()
     assert_same_grads(model, ref, tol=1e-12)
-    assert all(b.pending is None for b in dp._replica_set.layout[0])
+    assert not dp._replica_set.reducer.holds_unsynced()
 
 
 def test_a_replaced_replica_set_is_freed_without_the_collector():

@@ -1,6 +1,6 @@
 """The Python shim's modules use each other through what each offers (docs/conventions.md): no module imports a
 sibling's private name (``from .x import _y``) or reads one (``_x._y`` on a sibling module). Private modules
-(``fastdp._step.step.step``) are imported whole; what they offer has a plain name."""
+(``fastdp._step``) are imported whole; what they offer has a plain name."""
 
 import ast
 from pathlib import Path

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import fastdp
-from fastdp._reduction import reducer as _reducer
+from fastdp._reduction import reducer as _reducer, host as _host, sums as _sums, cuda as _rcuda
 
 pytestmark = pytest.mark.usefixtures("cpu_apply")
 
@@ -97,14 +97,14 @@ def test_host_reductions_run_while_backward_goes_on(monkeypatch):
     x = torch.randn(8, WIDTH, dtype=torch.float64)
     dp(x).sum().backward()  # builds the replicas
     done = []
-    real = _reducer._sum
+    real = _sums.bucket_sum
 
     def timed(bucket, grads, kept, out):
         result = real(bucket, grads, kept, out)
         done.append((bucket.index, time.perf_counter_ns(), threading.current_thread() is threading.main_thread()))
         return result
 
-    monkeypatch.setattr(_reducer, "_sum", timed)
+    monkeypatch.setattr(_sums, "bucket_sum", timed)
     log.clear()
     dp(x).sum().backward()
     slow_end = max(t for n, t in log if n == "L0-end")
@@ -390,7 +390,7 @@ def test_a_sum_failing_on_the_reducer_thread_gives_no_syncs_shares_back_at_once(
     with dp.no_sync():
         for _ in range(2):
             dp(X).pow(2).sum().backward()
-    real = _reducer._host_sum
+    real = _host.timed_sum
     failed = []
 
     def host_sum(bucket, grads, kept):
@@ -399,13 +399,13 @@ def test_a_sum_failing_on_the_reducer_thread_gives_no_syncs_shares_back_at_once(
             raise RuntimeError("a sum failed on the reducer thread")
         return real(bucket, grads, kept)
 
-    monkeypatch.setattr(_reducer, "_host_sum", host_sum)
+    monkeypatch.setattr(_host, "timed_sum", host_sum)
     collecting = gc.isenabled()
     gc.disable()
     try:
         with pytest.raises(RuntimeError, match="a sum failed") as info:
             dp(X).pow(2).sum().backward()
-        assert failed and len(failed[0].returned) == 1  # kept again while the error is still held
+        assert failed and len(failed[0].unsynced.returned) == 1  # kept again while the error is still held
         del info
     finally:
         if collecting:

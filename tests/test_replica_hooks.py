@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import fastdp
-from fastdp._step.step.step import hooks as _hooks
+from fastdp._step import hooks as _hooks
 
 
 class SelfHooking(nn.Module):

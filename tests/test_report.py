@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import fastdp
 from fastdp._balance import memory as _memory
-from fastdp._report.report.report import recorder as _recorder, report as _report
+from fastdp._report import recorder as _recorder, report as _report
 
 from _fake_cuda import FakeCuda
 
@@ -254,7 +254,7 @@ def _with_reduce(after_backward_ms, buckets=3):
     for s in range(5):
         x, y = data(32, s)
         loss = F.cross_entropy(dp(x), y)
-        dp._replica_set.state.recorder = None  # only the records below: the real reducer's are another test's
+        dp._replica_set.reducer.recorder = None  # only the records below: the real reducer's are another test's
         rec = dp._recorder
         t_fwd = time.perf_counter_ns()
         loss.backward()

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import fastdp
-from fastdp._step.step.step import step as _step
+from fastdp._step import step as _step
 
 pytestmark = pytest.mark.usefixtures("cpu_apply")
 

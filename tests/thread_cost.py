@@ -69,7 +69,7 @@ def main():
     m = {k: statistics.median(v) for k, v in res.items()}
     # The added work itself, without the model: make the step, look for a re-entry, take the lock, enter and
     # leave the step (its findings left on the wrapper).
-    from fastdp._step.step.step import step as _step
+    from fastdp._step import step as _step
 
     lock = threading.Lock()
 

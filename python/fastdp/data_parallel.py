@@ -281,14 +281,14 @@ class DataParallel(_UPSTREAM):
         self._criterion_reduction = criterion_reduction
         self._broadcast = _split.parse_broadcast(broadcast)
         self._split = None  # the chunk_sizes rule (fastdp._balance.split), None for torch.chunk's
-        self._last_step = None  # what the last forward found (fastdp._step.step.step.Outcome): its chunk sizes…
+        self._last_step = None  # what the last forward found (fastdp._step.Outcome): its chunk sizes…
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
         self._bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
         self._report_steps = _recorder.parse_steps(report)
-        self.__dict__["_recorder"] = None  # fastdp._report.report.recorder.Recorder while steps are recorded
+        self.__dict__["_recorder"] = None  # fastdp._report.recorder.Recorder while steps are recorded
         self.__dict__["_oom"] = _oom.parse(oom)
-        self._replica_set = None  # persistent replicas (fastdp._step.step.replicas), built on first use
+        self._replica_set = None  # persistent replicas (fastdp._step.replicas), built on first use
         self.__dict__["_forward_lock"] = threading.Lock()  # one forward at a time uses the kept replicas
         self._sync_enabled = True
         torch._C._log_api_usage_once("fastdp.DataParallel")
@@ -561,8 +561,7 @@ class DataParallel(_UPSTREAM):
                 return replicate(module, device_ids, not torch.is_grad_enabled())
             _replicas.check_replicatable(module)
             kept = self._replica_set = _replicas.ReplicaSet(module, wanted, self._bucket_bytes, cover)
-        kept.state.sync = self._sync_enabled
-        kept.state.recorder = None if step is None else step.recorder  # the reducer records its buckets too
+        kept.reducer.begin_step(self._sync_enabled, None if step is None else step.recorder)
         roots = kept.step()
         if cover is None or cover == positions:
             return roots
@@ -582,7 +581,14 @@ class DataParallel(_UPSTREAM):
         finally:
             self._sync_enabled = previous
             if self._replica_set is not None:
-                self._replica_set.state.sync = previous
+                self._replica_set.reducer.set_sync(previous)
+
+    def _memory_facts(self):
+        """What ``fastdp.memory_report`` asks the wrapper: (what the last forward found, what the kept replicas hold
+        per position or None, the split rule's description or None)."""
+        kept, split = self._replica_set, self._split
+        return (self._last_step, None if kept is None else kept.held_bytes(),
+                None if split is None else split.describe())
 
     # The report (docs/report.md): what the last steps measured, per replica and per phase, with advice.
 

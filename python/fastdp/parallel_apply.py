@@ -77,7 +77,7 @@ class _ReplicaError(ExceptionWrapper):
 
 def _run(index, module, args, kwargs, device, stream, context, results, site=None):
     """Runs one replica; stores its output or an ExceptionWrapper in results[index]. ``site``: what runs the
-    replica instead of calling it while the step records (fastdp._report.report.recorder.ReplicaSite), None otherwise.
+    replica instead of calling it while the step records (fastdp._report.recorder.ReplicaSite), None otherwise.
 
     Any exception is caught, BaseException included (KeyboardInterrupt, SystemExit, GeneratorExit raised by the
     replica's code): it comes back to the caller as upstream's "Caught X in replica i on device d." and never

@@ -64,7 +64,7 @@ def skeletons(modules, count):
             script = _is_script_module(replica)
             if not script:
                 replica._former_parameters = OrderedDict()
-                _hooks.own(m, replica)  # hooks registered in forward stay on the replica (fastdp._step.step.hooks)
+                _hooks.own(m, replica)  # hooks registered in forward stay on the replica (fastdp._step.hooks)
             for key, child in m._modules.items():
                 if child is None:
                     replica._modules[key] = None

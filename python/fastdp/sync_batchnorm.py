@@ -82,7 +82,7 @@ def convert_sync_batchnorm(module):
 
 
 def layer_indices(modules):
-    """Positions of the SyncBatchNorm layers in a module list (fastdp._step.step.replicas keeps it per kept structure)."""
+    """Positions of the SyncBatchNorm layers in a module list (fastdp._step.replicas keeps it per kept structure)."""
     return [i for i, m in enumerate(modules) if isinstance(m, torch.nn.SyncBatchNorm)]
 
 
@@ -117,7 +117,7 @@ def begin(master, replicas, devices, kept=None):
 
 
 def _kept_layers(kept, replicas):
-    """(master layers, per replica its layers) from the layer list a fastdp._step.step.replicas.ReplicaSet keeps."""
+    """(master layers, per replica its layers) from the layer list a fastdp._step.replicas.ReplicaSet keeps."""
     roots = {id(r): i for i, r in enumerate(replicas)}
     rows = [None] * len(replicas)
     for row in kept.replicas:

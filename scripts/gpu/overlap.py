@@ -119,7 +119,7 @@ def _hold_until_the_end(dp, hold):
     """Gives each bucket node the lowest sequence number (held) or the highest (as shipped)."""
     for out in dp._replica_set.kept.outs:
         if out.grad_fn is not None:
-            out.grad_fn._set_sequence_nr(_reducer._LAST if hold else _reducer._FIRST)
+            out.grad_fn._set_sequence_nr(_reducer.LAST if hold else _reducer.FIRST)
 
 
 if __name__ == "__main__":

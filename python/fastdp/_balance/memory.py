@@ -167,24 +167,24 @@ def memory_report(model, *, reset_peak=False):
     device_ids = list(getattr(model, "device_ids", None) or [])
     if not device_ids:
         return MemoryReport([], notes=["pass-through wrapper (no device_ids): nothing to report"])
-    state = getattr(model, "__dict__", {})
+    # A fastdp wrapper answers what its last forward found and what its kept replicas hold; upstream's has neither.
+    facts = getattr(model, "_memory_facts", None)
+    last_step, held, split = facts() if facts is not None else (None, None, None)
     ids = [_devices.normalize(d) for d in device_ids]
     master = _master_bytes(model.module, _devices.torch_device(ids[0])) if hasattr(model, "module") else 0
-    last_step = state.get("_last_step")  # what the last forward found (fastdp._step.step.step.Outcome)
     last = (last_step.chunk_sizes if last_step is not None else None) or ()
     rows = [_row(i, d, last[i] if i < len(last) else None, master if i == 0 else 0) for i, d in enumerate(ids)]
     notes = []
     if _devices.CPU in ids:
         notes.append("'cpu' devices: current/peak allocator figures are n/a on the host; fastdp's own bytes shown")
-    _add_kept(rows, notes, model, state)
+    _add_held(rows, notes, held, facts is not None)
     if reset_peak:
         for d in sorted(set(ids) - {_devices.CPU}):
             torch.cuda.reset_peak_memory_stats(d)
-    split = state.get("_split")
     return MemoryReport(
         rows,
         avoided_gather_bytes=None if last_step is None else last_step.avoided_gather_bytes,
-        split=None if split is None else split.describe(),
+        split=split,
         notes=notes,
     )
 
@@ -203,24 +203,14 @@ def _row(position, d, chunk, master):
     )
 
 
-def _add_kept(rows, notes, model, state):
-    """Adds the kept replicas' flat buffers, staging buffers and no_sync gradient sums to the rows they live on
-    (the device_ids positions last replicated to), or a note that there are none."""
-    kept = state.get("_replica_set")
-    if kept is None:
-        if hasattr(model, "_replica_set"):
+def _add_held(rows, notes, held, fastdp_wrapper):
+    """Adds what the kept replicas hold (flat buffers, staging buffers, no_sync's unsynced sums) to the rows of the
+    device_ids positions they live on, or a note that there are none."""
+    if held is None:
+        if fastdp_wrapper:
             notes.append("no kept replicas yet (or the module replicates afresh every step): fastdp holds no buffers")
         return
-    where = kept.positions if kept.positions is not None else list(range(len(kept.state.devices)))
-    for bucket in kept.layout[0] + kept.layout[1]:
-        size = bucket.numel * bucket.itemsize
-        for r, pool in enumerate(bucket.pools, start=1):
-            rows[where[r]].replica_buffers += size * len(pool.entries)
-        if bucket.src_pool is not None:
-            rows[where[0]].staging += size * len(bucket.src_pool.entries)
-        for r, row in enumerate(bucket.pending or []):  # replica 0's row is None: its share is in .grad
-            rows[where[r]].pending_grads += sum(_bytes(g) for g in row or () if g is not None)
-    if kept.kept is not None:  # the kept replica tensors' buffers (NOTE [kept replica tensors])
-        for flats in kept.kept.flats:
-            for r, flat in enumerate(flats, start=1):
-                rows[where[r]].replica_buffers += _bytes(flat)
+    for position, (buffers, staging, unsynced) in held.items():
+        rows[position].replica_buffers += buffers
+        rows[position].staging += staging
+        rows[position].pending_grads += unsynced

@@ -271,7 +271,7 @@ def begin_forward(rule, inputs, kwargs, dim, ndev, *, with_target, training, siz
     """One forward's split work, in order: "auto" judges the training step that just ended (``training``), the
     target (the last of ``inputs`` when ``with_target``) is checked against the other inputs, then this batch's
     chunk sizes are returned when ``sizes`` is true (None: torch.chunk's rule, or ``sizes`` false for a wrapper
-    whose own ``scatter`` asks ``split_for``). ``recorder``: the wrapper's fastdp._report.report.recorder.Recorder, whose last
+    whose own ``scatter`` asks ``split_for``). ``recorder``: the wrapper's fastdp._report.recorder.Recorder, whose last
     step's times drive "auto"'s time phase (None: not measured)."""
     if training and isinstance(rule, AutoSplit):
         rule.observe(None if recorder is None else recorder.last_timings())

@@ -62,7 +62,8 @@ from torch.nn.parameter import is_lazy
 from .. import _C, comm
 from .._platform import devices as _devices, streams as _streams
 from . import hooks as _hooks
-from .._reduction import reducer as _reducer
+from .._reduction.flat import flatten as _flatten_dense, unflatten as _unflatten
+from .._reduction.reducer import Reducer
 from .._native import route as _route
 from .._native.core import streams_on
 from ..replicate import check_initialized, is_compiled, skeletons
@@ -74,7 +75,7 @@ __all__ = ["ReplicaSet", "persistable"]
 # override give the replica its own copies of these); everything else mirrors the master every step.
 _OWNED = ("_parameters", "_buffers", "_modules", "_is_replica", "_former_parameters", "_flat_weights",
           "_flat_weights_names")
-_MIRRORED = _hooks.KEYS  # the replica's own hook dicts, refilled from the master's every step (fastdp._step.step.hooks)
+_MIRRORED = _hooks.KEYS  # the replica's own hook dicts, refilled from the master's every step (fastdp._step.hooks)
 _KEPT = _OWNED + _MIRRORED  # refresh mirrors the last len(_MIRRORED) kept keys
 _POOL = 3  # buffers kept per bucket and device; beyond that (views held elsewhere) buffers are not kept
 
@@ -127,8 +128,6 @@ def check_replicatable(network):
 # (csrc/python/structure.c), where _C.matches compares a kept one with the modules in place every step.
 walk = _C.walk
 
-_unflatten = _reducer.unflatten
-_flatten_dense = getattr(getattr(torch._C, "_nn", None), "flatten_dense_tensors", None)
 
 # The number of tensors using a storage: a pooled buffer is free when only the pool (its tensor and the storage
 # object it keeps to ask) uses its memory, whoever else held a view, a view of a view or a saved copy of one. What
@@ -213,10 +212,9 @@ class _Pool:
 
 
 class _State:
-    """What the wrapper and the bucket nodes share: devices, where reductions run, no_sync bookkeeping."""
+    """What the replica set's buckets share: the devices, and where the master's tensors are."""
 
-    __slots__ = ("devices", "tdevs", "cuda", "host", "collective", "sync", "grad_buckets", "kept", "marking",
-                 "flushing", "network", "reduction", "recorder", "generation", "started", "lock", "__weakref__")
+    __slots__ = ("devices", "tdevs", "cuda", "host", "collective", "generation", "__weakref__")
 
     def __init__(self, devices):
         self.devices = list(devices)
@@ -224,18 +222,6 @@ class _State:
         self.host = all(d.type == "cpu" for d in self.tdevs)  # emulated replicas: sums need no packing
         self.cuda = _streams.cuda_indices(self.devices)
         self.collective = comm.broadcast_is_collective(self.tdevs)
-        self.sync = True
-        # Weak references to every bucket with autograd nodes (set by ReplicaSet): buckets hold the state, so
-        # strong ones would make a cycle, and a replaced ReplicaSet's buffers would wait for the collector.
-        self.grad_buckets = []
-        self.kept = False  # whether no_sync kept sums that the next synchronising backward must reduce
-        self.marking = None  # the backward whose end notes the master's .grad (its graph task id)
-        self.flushing = None  # the backward whose end reduces what no_sync kept (its graph task id)
-        self.lock = threading.Lock()  # no_sync's bookkeeping: bucket nodes of nested backwards may run at once
-        self.network = None  # a weak reference to the master module (names parameters in errors)
-        self.reduction = _reducer.reduction_for(self)  # where the buckets' sums run (fastdp._reduction.reducer)
-        self.started = None  # a weak reference to the sums the running backward started (_reducer._Backward)
-        self.recorder = None  # the wrapper's step recorder, when one records
         # Where the master's tensors are: counts each time one moved (ReplicaSet.matches); the prepared copies from
         # the master (fastdp._C.PreparedCopy) hold its descriptors and are made again when it changes.
         self.generation = 0
@@ -247,12 +233,11 @@ class _State:
 
 class _Bucket:
     """Tensors of one dtype copied to the replicas together and, for a gradient bucket, reduced together;
-    `members` index the ReplicaSet's tensor list. The reduction's state (no_sync sums, sums in flight) is
-    fastdp._reduction.reducer's."""
+    `members` index the ReplicaSet's tensor list. The reduction of a gradient bucket (its sums in flight, what
+    no_sync keeps) is the reducer's (fastdp._reduction.reducer.Bucket)."""
 
     __slots__ = ("state", "index", "members", "shapes", "sizes", "numel", "dtype", "itemsize", "pools", "src_pool",
-                 "like", "spec", "master", "pack", "pending", "pending_flat", "marks", "returned", "delivery",
-                 "__weakref__")
+                 "like", "spec", "master", "pack", "__weakref__")
 
     def __init__(self, state, index, members, tensors, separate=False):
         self.state = state
@@ -273,13 +258,6 @@ class _Bucket:
         # byte, which the per-member path's Python overhead outweighs only for small members (_PACK_MEAN: from
         # about 8K values per member on, the per-member path is already the faster).
         self.pack = _flatten_dense is not None and self.numel <= _PACK_MEAN * len(members)
-        # no_sync: per replica, per member, the gradient sums kept so far (replica 0's row None: its gradients go
-        # to the master's .grad at once); see NOTE [no_sync sums] in fastdp/_reducer.py
-        self.pending = None
-        self.pending_flat = False  # whether pending holds one packed sum per replica instead (pending[r][0])
-        self.marks = None  # per member, the master's .grad as the last no_sync backward left it
-        self.returned = []  # no_sync sums taken by backwards that failed before delivering, to be kept again
-        self.delivery = None  # a weak reference to the bucket's delivery node (fastdp._reduction.reducer)
 
     def fill(self):
         """Copies the master tensors into free pooled tensors on every other device; returns their fresh views."""
@@ -387,7 +365,7 @@ class _Kept:
     __slots__ = ("buckets", "state", "flats", "views", "outs", "got", "plain", "masters", "stamp", "streams",
                  "devices", "copy")
 
-    def __init__(self, buckets, tensors, state):
+    def __init__(self, buckets, reduced, tensors, state):
         self.buckets, self.state = buckets, state
         # The current stream of each CUDA device when the nodes are made: autograd orders their backward on these
         # for good, so a forward on other streams gets new nodes (see valid).
@@ -399,8 +377,8 @@ class _Kept:
             self.flats = [[torch.empty(b.numel, dtype=b.dtype, device=d) for d in state.tdevs[1:]]
                           for b in buckets]
             self.outs = []
-            for bucket, flats in zip(buckets, self.flats):
-                self.outs += _reducer.make_nodes(bucket, flats)
+            for bucket, flats in zip(reduced, self.flats):  # the reducer's side of each bucket makes its nodes
+                self.outs += bucket.nodes(flats)
             # Without autograd: the other replicas' tensors as plain aliases of the same buffers (in the order
             # ReplicaSet._picker gives buckets without a node), so no second set of buffers is ever made.
             self.plain, self.views = list(tensors), []
@@ -476,8 +454,9 @@ class ReplicaSet:
         self.frozen = [i for b in frozen for i in b.members]
         self.frozen_aliases = None
         layout = self.layout
-        self.state.grad_buckets = [weakref.ref(b) for b in layout[0]]
-        self.state.network = weakref.ref(network)
+        # The reducer owns each grad bucket's reduction; the set keeps the reducer's side of its buckets alive.
+        self.reducer = Reducer(devices, self.state.tdevs, network)
+        self.reduced = [self.reducer.bucket(b) for b in layout[0]]
         # The grad buckets' slots hold kept tensors (NOTE [kept replica tensors]), installed when they change; the
         # others' are installed every step: the slots split by whether their tensor is in a grad bucket. Every
         # skeleton set has the same slots in the same order, so the split and the picks are made once.
@@ -548,14 +527,33 @@ class ReplicaSet:
             self.state.generation += 1
         return found != 0
 
+    def held_bytes(self):
+        """What the kept replicas hold, per device_ids position: {position: (replica buffers, staging, no_sync's
+        unsynced sums)} in bytes."""
+        where = self.positions if self.positions is not None else list(range(self.nrep))
+        held = {p: [0, 0, 0] for p in where}
+        for bucket in self.layout[0] + self.layout[1]:
+            size = bucket.numel * bucket.itemsize
+            for r, pool in enumerate(bucket.pools, start=1):
+                held[where[r]][0] += size * len(pool.entries)
+            if bucket.src_pool is not None:
+                held[where[0]][1] += size * len(bucket.src_pool.entries)
+        for r, nbytes in enumerate(self.reducer.unsynced_bytes()):
+            held[where[r]][2] += nbytes
+        if self.kept is not None:  # the kept replica tensors' buffers (NOTE [kept replica tensors])
+            for flats in self.kept.flats:
+                for r, flat in enumerate(flats, start=1):
+                    held[where[r]][0] += flat.numel() * flat.element_size()
+        return {p: tuple(v) for p, v in held.items()}
+
     def reduce_pending(self):
         """Reduces the gradient sums no_sync() still keeps into the master's ``.grad`` (before the set is replaced:
         a changed structure or device list then loses nothing, as accumulating on the bare model would not)."""
-        _reducer.flush(self.state)
+        self.reducer.flush()
 
     def step(self):
         """Refreshes the kept replicas for one forward and returns their root modules."""
-        _reducer.sweep()
+        self.reducer.sweep()
         grad_enabled = torch.is_grad_enabled()
         skel = self._skeletons((grad_enabled, self.network.training))
         _C.refresh(skel.pairs, _KEPT, len(_MIRRORED), skel.seen)
@@ -588,7 +586,7 @@ class ReplicaSet:
         and plain aliases of the kept buffers on the others.)"""
         kept = self.kept
         if kept is None or not kept.valid():
-            kept = self.kept = _Kept(grad_buckets, self.tensors, self.state)
+            kept = self.kept = _Kept(grad_buckets, self.reduced, self.tensors, self.state)
         kept.step()
         return kept
 

@@ -27,7 +27,7 @@ class Step:
     chunk, because replication starts from the master there), ``replicated`` (their devices), ``skip`` (1 when
     that replica is built but not run) and ``devices`` (the devices of the replicas that run). At the end:
     ``avoided_gather_bytes``, the outputs a per-replica loss did not gather (0 for a criterion computed on the
-    gathered output, None without one). ``recorder``: the wrapper's fastdp._report.report.recorder.Recorder while the report
+    gathered output, None without one). ``recorder``: the wrapper's fastdp._report.recorder.Recorder while the report
     records (None otherwise), and ``site``, what runs each replica then.
     """
 

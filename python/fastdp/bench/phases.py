@@ -18,7 +18,7 @@ How the split is approximated:
   scheduling across devices);
 - reduction: time inside ``torch.nn.parallel.comm.reduce_add_coalesced`` (upstream) or, for fastdp, the
   backward thread's time in each bucket's reduction (``fastdp._reduction.reducer.start``, which starts it, and
-  ``fastdp._reduction.reducer.deliver``, which waits for it; ``fastdp._step.step.replicas.reduce_bucket`` in trees from before the
+  ``fastdp._reduction.reducer.deliver``, which waits for it; ``fastdp._step.replicas.reduce_bucket`` in trees from before the
   reduction ran while backward goes on) and in ``fastdp.comm.reduce_add_coalesced``, outermost calls only, looked
   up as module attributes at call time; a reduction that overlaps the replicas' backward (on a GPU, or on the host
   reducer thread) is counted at its host (launch) cost and the wait for it, unless ``--split`` serialises it;
@@ -150,7 +150,7 @@ def _reduction_targets(wrapper):
         return [(torch.nn.parallel.comm, "reduce_add_coalesced")]
     if wrapper == "fastdp":
         targets = []
-        for module_name, names in (("fastdp._reduction.reducer", ("start", "deliver")), ("fastdp._step.step.replicas", ("reduce_bucket",))):
+        for module_name, names in (("fastdp._reduction.reducer", ("start", "deliver")), ("fastdp._step.replicas", ("reduce_bucket",))):
             try:
                 mod = importlib.import_module(module_name)
             except ImportError:

@@ -12,7 +12,7 @@ import torch
 import fastdp
 from fastdp import _C
 from fastdp._native import core as _core
-from fastdp._reduction.reducer import _flatten_dense, _unflatten_dense
+from fastdp._reduction.flat import _unflatten_dense, flatten as _flatten_dense
 
 SHIM = _core.tensor_shim_usable()
 needs_shim = pytest.mark.skipif(not SHIM, reason="this torch has no usable C shim")

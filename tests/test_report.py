@@ -88,14 +88,14 @@ def params_close(a, b, tol=TOL):
 def test_off_by_default_records_nothing_and_says_how_to_turn_it_on():
     dp = fastdp.DataParallel(mlp(), device_ids=["cpu"] * 2)
     train(dp, 2)
-    assert dp._recorder is None
+    assert dp._recording.recorder is None
     with pytest.raises(RuntimeError, match=r"pass report=True to fastdp.DataParallel \(or call dp.enable_report\(\)\)"):
         dp.report()
     dp.enable_report(steps=3)
     train(dp, 5)
     assert dp.report().steps == 3
     dp.disable_report()
-    assert dp._recorder is None
+    assert dp._recording.recorder is None
 
 
 @pytest.mark.parametrize("kwargs, text", [
@@ -255,7 +255,7 @@ def _with_reduce(after_backward_ms, buckets=3):
         x, y = data(32, s)
         loss = F.cross_entropy(dp(x), y)
         dp._replica_set.reducer.recorder = None  # only the records below: the real reducer's are another test's
-        rec = dp._recorder
+        rec = dp._recording.recorder
         t_fwd = time.perf_counter_ns()
         loss.backward()
         t_end = time.perf_counter_ns()
@@ -304,7 +304,7 @@ def test_wait_reduce_records_are_the_exposed_reduction():
         loss = F.cross_entropy(dp(x), y)
         loss.backward()
         t = time.perf_counter_ns()
-        dp._recorder.record("wait-reduce", None, t, t + 4_000_000)
+        dp._recording.recorder.record("wait-reduce", None, t, t + 4_000_000)
     assert all(r.wait_reduce_ms == pytest.approx(4.0) for r in dp.report().replicas)
 
 
@@ -455,7 +455,7 @@ def test_auto_moves_rows_away_from_a_sleeping_replica_settles_and_equals_the_bar
     assert sizes[0] == [30, 30, 30]
     assert sizes[-1][1] <= 15 and sizes[-1][0] + sizes[-1][2] >= 75, (sizes, rule.describe(), rule.time_history)
     assert sizes[-1] == sizes[-2] == sizes[-3]  # settled: fixed from then on
-    assert dp._recorder is None  # it measured only while it had to
+    assert dp._recording.recorder is None  # it measured only while it had to
     params_close(model, bare)
 
 
@@ -552,7 +552,7 @@ def test_forward_oom_moves_rows_and_counts_the_batch_once():
     assert dp._last_step.chunk_sizes == sizes and injection.fired == 1
     dp.enable_report()
     dp.disable_report()  # switching the report leaves a test's injection in place
-    assert dp._recorder is not None and dp._recorder.inject is injection
+    assert dp._recording.recorder is not None and dp._recording.recorder.inject is injection
 
 
 def test_forward_oom_rescue_equals_the_bare_model():

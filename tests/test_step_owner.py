@@ -152,7 +152,7 @@ def test_a_step_ends_before_the_next_forward_of_its_wrapper_starts(monkeypatch):
     """Threads sharing a wrapper: a forward's findings are left on the wrapper while it still holds the forward
     lock, so the next forward (and its "auto" reader) sees them, and an older forward never overwrites a newer."""
     events = []
-    publish = _step._publish
+    publish = fastdp.DataParallel._keep_outcome
 
     def slow_publish(*args):
         events.append("ending")
@@ -160,7 +160,7 @@ def test_a_step_ends_before_the_next_forward_of_its_wrapper_starts(monkeypatch):
         publish(*args)
         events.append("ended")
 
-    monkeypatch.setattr(_step, "_publish", slow_publish)
+    monkeypatch.setattr(fastdp.DataParallel, "_keep_outcome", slow_publish)
     model = Probe()
     model.__dict__["look"] = lambda: events.append("forward")
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * 2)

@@ -64,7 +64,7 @@ from ._balance.split import AutoSplit  # noqa: E402
 __all__ += ["balance", "AutoSplit", "MemoryReport", "memory_report"]
 
 # ---- Seeing each replica: the report, its advice, and the out-of-memory rescue's test hook ------------------------
-from ._balance.rescue import inject_oom  # noqa: E402
+from ._balance.inject import inject_oom  # noqa: E402
 from ._report.report import Advice, Report  # noqa: E402
 
 __all__ += ["Report", "Advice", "inject_oom"]

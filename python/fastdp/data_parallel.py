@@ -18,7 +18,7 @@ from torch.nn.modules import Module
 from ._wrapper import checkpoint as _checkpoint, launch as _launch
 from ._platform import devices as _devices, streams as _streams
 from ._step import idle_master as _idle_master, replicas as _replicas, step as _step
-from ._balance import rescue as _oom, replica_loss as _replica_loss, split as _split
+from ._balance import rescue as _rescue, replica_loss as _replica_loss, split as _split
 from ._report import recorder as _recorder, report as _report
 from . import sync_batchnorm
 from . import parallel_apply as _parallel_apply
@@ -285,9 +285,8 @@ class DataParallel(_UPSTREAM):
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
         self._bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
-        self._report_steps = _recorder.parse_steps(report)
-        self.__dict__["_recorder"] = None  # fastdp._report.recorder.Recorder while steps are recorded
-        self.__dict__["_oom"] = _oom.parse(oom)
+        self.__dict__["_recording"] = _recorder.Recording(_recorder.parse_steps(report))  # whether steps are recorded
+        self.__dict__["_oom"] = _rescue.parse(oom)
         self._replica_set = None  # persistent replicas (fastdp._step.replicas), built on first use
         self.__dict__["_forward_lock"] = threading.Lock()  # one forward at a time uses the kept replicas
         self._sync_enabled = True
@@ -305,7 +304,7 @@ class DataParallel(_UPSTREAM):
         self.src_device_obj = _devices.torch_device(ids[0])
         rule = _split.parse_chunk_sizes(chunk_sizes, len(ids))
         self._split = rule.bind(ids) if isinstance(rule, _split.AutoSplit) else rule
-        _report.start_recording(self)
+        self._update_recording()
         if isinstance(criterion, Module):
             criterion.to(self.src_device_obj)  # its tensors (class weights…) are replicated from device_ids[0]
         if mode == "cuda":
@@ -358,8 +357,8 @@ class DataParallel(_UPSTREAM):
                 and _inputs_on_device(inputs, kwargs, self.src_device_obj)):
             # The short path: one device and every input already there. Scattering would only wrap each
             # tensor in a view (and an autograd node): the module gets them as they are.
-            if avoided_gather_bytes is not None:
-                _step.note_gathered_loss(self)
+            if avoided_gather_bytes is not None:  # the criterion ran on the output: nothing split, nothing avoided
+                self._keep_outcome(_step.Outcome(None if self._last_step is None else self._last_step.chunk_sizes, 0))
             return module(*inputs, **kwargs)
         if self.src_device_obj.type == "cuda":
             _streams.refuse_capture("fastdp.DataParallel's forward over several devices")
@@ -370,12 +369,39 @@ class DataParallel(_UPSTREAM):
                 "transform to the wrapped module (dp.module), or take gradients with torch.autograd.grad or "
                 "backward(inputs=...), which work through the wrapper."
             )
-        step = _step.Step(self, loss)
-        step.avoided_gather_bytes = avoided_gather_bytes
-        step.recorder = self.__dict__.get("_recorder")
+        step = self._new_step(loss, avoided_gather_bytes)
         if self.__dict__.get("_oom") is not None:
-            return _oom.run_rescued(self, step, inputs, kwargs)
+            return self._rescued(step, inputs, kwargs)
         return self._run_step(step, inputs, kwargs)
+
+    def _new_step(self, loss, avoided_gather_bytes):
+        step = _step.Step(self, loss, self._keep_outcome)
+        step.avoided_gather_bytes = avoided_gather_bytes
+        step.recorder = self._recording.recorder
+        return step
+
+    def _keep_outcome(self, outcome):
+        """What a forward found (fastdp._step.step.Outcome), kept until the next one: the step publishes it."""
+        self.__dict__["_last_step"] = _step.merged(self.__dict__.get("_last_step"), outcome)
+
+    def _rescued(self, step, inputs, kwargs):
+        """The forward under ``oom="rebalance"``: the step, and once more on a new step when the rescue has moved
+        rows away from a device that ran out of memory (NOTE [out-of-memory rescue])."""
+
+        def retry():
+            if step.recorder is not None:
+                step.recorder.discard_open()  # the failed attempt is not a step of the report
+            return self._run_step(self._new_step(step.loss, step.avoided_gather_bytes), inputs, kwargs)
+
+        return self._oom.run(self._rescue_context(step, inputs, kwargs),
+                             lambda: self._run_step(step, inputs, kwargs), retry)
+
+    def _rescue_context(self, step, inputs, kwargs):
+        return _rescue.Context(self.module, self.device_ids, self.dim, self.__dict__.get("_criterion") is None,
+                            lambda: self.__dict__.get("_split"), self._set_split, step, inputs, kwargs)
+
+    def _set_split(self, rule):
+        self.__dict__["_split"] = rule
 
     def _run_step(self, step, inputs, kwargs):
         """Runs ``step`` on its thread's stack of running steps, holding the wrapper's kept replicas: one forward of
@@ -392,37 +418,34 @@ class DataParallel(_UPSTREAM):
             return self._four_steps(step, inputs, kwargs)
 
     def _four_steps(self, step, inputs, kwargs):
-        """scatter -> replicate -> parallel_apply -> gather (or combine the replicas' losses), as upstream. While
-        the report records (``step.recorder``), each phase is timed: one test per phase when it does not."""
-        rec = step.recorder
-        if rec is not None:
-            rec.begin(self.device_ids, torch.is_grad_enabled() and self.module.training)
+        """scatter -> replicate -> parallel_apply -> gather (or combine the replicas' losses), as upstream. Each step's
+        helper also times it while the step records (``step.recorder``)."""
         inputs, module_kwargs = self._scatter_step(step, inputs, kwargs)
         if len(self.device_ids) == 1:
             return _run_single(self.module, inputs[0], module_kwargs[0], step.loss)
+        inputs, module_kwargs = self._plan_step(step, inputs, module_kwargs)
+        replicas, watch, synced = self._replicate_step(step)
+        outputs = self._apply_step(step, replicas, inputs, module_kwargs, watch, synced)
+        return self._gather_step(step, outputs, inputs, module_kwargs)
+
+    def _plan_step(self, step, inputs, module_kwargs):
+        """Which devices run (those whose chunk is not empty): their chunks, and the scatter's record."""
         step.plan(len(inputs), self.device_ids)
         inputs, module_kwargs = step.keep(inputs), step.keep(module_kwargs)
-        if rec is not None:
-            _report.scattered(self, step, inputs, module_kwargs)
-        replicas, watch, synced = self._replicate_step(step)
-        if rec is not None:
-            _report.replicated(self, step)
-        outputs = self._apply_step(replicas, inputs, module_kwargs, watch, synced)
-        split = self.__dict__.get("_split")
-        if isinstance(split, _split.AutoSplit) and torch.is_grad_enabled() and self.module.training:
-            split.sample()  # the step's activations are alive now: "auto" notes the memory they take
-        if rec is not None:
-            rec.lap("apply")
-            rec.sample_memory()
-        result = self._gather_step(step, outputs, inputs, module_kwargs)
-        if rec is not None:
-            rec.lap("gather", _recorder.nbytes(result) if step.loss is None else 0)
-        return result
+        if step.recorder is not None:
+            sizes, split = step.chunk_sizes, self.__dict__.get("_split")
+            rows = {pos: sizes[pos] if sizes is not None else (_split.batch_size(inputs[i], module_kwargs[i], self.dim)
+                                                                or 0) for i, pos in enumerate(step.run)}
+            self._recording.scattered(step, rows, _recorder.nbytes(inputs) + _recorder.nbytes(module_kwargs),
+                                      _split.memory_samplers(split), _split.timings_wanted(split, len(self.device_ids)))
+        return inputs, module_kwargs
 
     def _scatter_step(self, step, inputs, kwargs):
         """The split's per-forward work (one call into fastdp._balance.split), then ``self.scatter``; a forward without
         inputs still runs once, on device_ids[0]. Keyword arguments named in ``broadcast`` skip the split: every
         replica gets them whole."""
+        if step.recorder is not None:
+            step.recorder.begin(self.device_ids, torch.is_grad_enabled() and self.module.training)
         with_loss = step.loss is not None
         whole = None
         names = self.__dict__.get("_broadcast")
@@ -463,15 +486,17 @@ class DataParallel(_UPSTREAM):
         replicas = replicas[skip:]
         if synced is not None:
             replicas = synced.track(replicas)
+        if step.recorder is not None:
+            self._recording.replicated(step, self.module, self._replica_set)
         return replicas, watch, synced
 
-    def _apply_step(self, replicas, inputs, module_kwargs, watch, synced):
+    def _apply_step(self, step, replicas, inputs, module_kwargs, watch, synced):
         """``self.parallel_apply``, then the replicas' buffers that the master takes (``watch``, when device 0 runs
         no chunk) copied back, after a replica failed too: a failed step leaves the buffers as the bare model's
         failed forward does (the layers that ran counted and updated, the others untouched)."""
         abandoned = False
         try:
-            return self.parallel_apply(replicas, inputs, module_kwargs)
+            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
         except BaseException as e:
             abandoned = getattr(e, "_fastdp_abandoned", False)
             if abandoned:
@@ -483,17 +508,28 @@ class DataParallel(_UPSTREAM):
                 synced.end()
             if watch is not None and not abandoned:
                 watch.copy_back()
+        split = self.__dict__.get("_split")
+        if isinstance(split, _split.AutoSplit) and torch.is_grad_enabled() and self.module.training:
+            split.sample()  # the step's activations are alive now: "auto" notes the memory they take
+        if step.recorder is not None:
+            step.recorder.lap("apply")
+            step.recorder.sample_memory()
+        return outputs
 
     def _gather_step(self, step, outputs, inputs, module_kwargs):
         """The forward's one result: the gathered outputs, or the replicas' losses combined by the loss's rule."""
         if step.loss is None:
             if type(self).gather is DataParallel.gather and len(outputs) > 1:
                 self._warn_unaligned(outputs, inputs, module_kwargs)
-            return self.gather(outputs, self.output_device)
-        step.avoided_gather_bytes = sum(o[2] for o in outputs)
-        device = _devices.CPU if self.output_device == -1 else self.output_device
-        return _replica_loss.combine(outputs, [i[-1] for i in inputs], step.loss.rule, self.dim, device,
-                                    lambda losses: self.gather(losses, self.output_device))
+            result = self.gather(outputs, self.output_device)
+        else:
+            step.avoided_gather_bytes = sum(o[2] for o in outputs)
+            device = _devices.CPU if self.output_device == -1 else self.output_device
+            result = _replica_loss.combine(outputs, [i[-1] for i in inputs], step.loss.rule, self.dim, device,
+                                           lambda losses: self.gather(losses, self.output_device))
+        if step.recorder is not None:
+            step.recorder.lap("gather", _recorder.nbytes(result) if step.loss is None else 0)
+        return result
 
     def _warn_not_batch_major(self, inputs, kwargs):
         """Warns once per argument whose size along dim differs from the batch's: scatter splits it anyway."""
@@ -595,15 +631,30 @@ class DataParallel(_UPSTREAM):
     def enable_report(self, steps=_recorder.DEFAULT_STEPS):
         """Records the next steps for :meth:`report`, keeping the last ``steps`` of them (``report=`` at
         construction does the same)."""
-        self._report_steps = _recorder.parse_steps(steps, "steps")
-        if self._report_steps is None:
+        parsed = _recorder.parse_steps(steps, "steps")
+        if parsed is None:
             raise ValueError(f"enable_report(steps={steps!r}): expected a positive int; disable_report() turns it off")
-        _report.start_recording(self)
+        self._recording.set_report_steps(parsed, self._timings_wanted())
 
     def disable_report(self):
         """Stops recording: the steps cost nothing to measure again. What was recorded is dropped."""
-        self._report_steps = None
-        _report.start_recording(self)
+        self._recording.set_report_steps(None, self._timings_wanted())
+
+    def _timings_wanted(self):
+        return bool(self.device_ids) and _split.timings_wanted(self.__dict__.get("_split"), len(self.device_ids))
+
+    def _update_recording(self):
+        self._recording.update(self._timings_wanted())
+
+    def _inject(self, injection):
+        """Runs a test's out-of-memory injection (fastdp.inject_oom) in the replicas from the next step on (None:
+        ends it)."""
+        self._recording.inject(injection, self._timings_wanted())
+
+    def _uninject(self, injection):
+        """Ends `injection`, unless another one replaced it since."""
+        self._recording.inject(None if self._recording.injection is injection else self._recording.injection,
+                               self._timings_wanted())
 
     def report(self, steps=None):
         """What the last recorded steps measured (``steps``: how many of them; default all kept), as a
@@ -616,12 +667,14 @@ class DataParallel(_UPSTREAM):
         ``loss.backward()`` does. With ``oom="rebalance"``, an out-of-memory error in forward or backward moves
         rows away from that device and runs the whole step again once, ``.grad`` and buffers untouched by the
         failed attempt (docs/balance.md)."""
-        return _oom.train_step(self, inputs, kwargs, loss_fn)
+        rescue = self._oom if self._sync_enabled else None  # no_sync's per-replica sums cannot be rolled back
+        return _rescue.train_step(lambda: self(*inputs, **kwargs), loss_fn, rescue,
+                               self._rescue_context(None, inputs, kwargs))
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_replica_set"] = None  # kept replicas are a cache: never pickled or deep-copied
-        state["_recorder"] = None  # recorded steps hold hooks and events; a copy records afresh
+        state["_recording"] = self._recording.fresh()  # recorded steps hold hooks and events; a copy records afresh
         state.pop("_forward_lock", None)
         return state
 
@@ -629,7 +682,7 @@ class DataParallel(_UPSTREAM):
         super().__setstate__(state)
         self.__dict__["_forward_lock"] = threading.Lock()
         if self.__dict__.get("device_ids"):
-            _report.start_recording(self)
+            self._update_recording()
 
     def scatter(self, inputs, kwargs, device_ids):
         rule = self.__dict__.get("_split")

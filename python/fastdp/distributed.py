@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from ._wrapper import checkpoint as _checkpoint
 from ._platform import devices as _devices
-from ._balance import rescue as _oom, replica_loss as _replica_loss, split as _split
+from ._balance import rescue as _rescue, replica_loss as _replica_loss, split as _split
 from ._report import recorder as _recorder
 from .data_parallel import DataParallel
 from ._wrapper.launch import (  # noqa: F401  (LaunchEnv, launch_env, is_distributed and MODES stay public here)
@@ -196,7 +196,7 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
         # report= and oom= see the replicas of one process; with one device per process, torch's profiler and
         # DDP's own tools measure a rank: checked, then ignored.
         _recorder.parse_steps(report)
-        _oom.parse(oom)
+        _rescue.parse(oom)
         # DataParallel.__init__ resolves single-process devices; this wrapper needs only Module's set-up plus the
         # conveniences DataParallel defines as methods and one load hook, which it inherits or reuses below.
         Module.__init__(self)

@@ -517,3 +517,13 @@ def parse_broadcast(broadcast):
             f"broadcast must be a tuple of keyword argument names, e.g. broadcast=('tgt_mask',), got {broadcast!r}"
         )
     return frozenset(broadcast)
+
+
+def timings_wanted(rule, ndev):
+    """Whether the split `rule` needs the replicas' times recorded (``"auto"`` while it balances time)."""
+    return isinstance(rule, AutoSplit) and ndev > 1 and rule.needs_timings()
+
+
+def memory_samplers(rule):
+    """What the split `rule` samples in each training replica's forward (``"auto"`` while it balances memory)."""
+    return (rule.sample,) if isinstance(rule, AutoSplit) and not rule.memory_settled else ()

@@ -46,6 +46,77 @@ def parse_steps(report, name="report"):
     return report
 
 
+class Recording:
+    """Whether a wrapper records its steps, and for whom: the report (``report=``, ``enable_report``: the last
+    ``steps`` steps), the time-balanced split (``chunk_sizes="auto"``: a few steps while it measures the replicas'
+    times), and a test's out-of-memory injection (run where the replicas run). The wrapper holds one and asks it;
+    ``recorder`` is what the next step records into, None when nobody needs a record (nothing recorded, nothing
+    paid). The report and the split read the same records (``Recorder.last_timings``), so neither needs the other."""
+
+    def __init__(self, steps):
+        self.steps = steps  # the report's: how many steps to keep (None: the report is off)
+        self.recorder = None
+        self.injection = None
+
+    def fresh(self):
+        """A Recording with the same settings and nothing recorded (a copied or unpickled wrapper's)."""
+        return Recording(self.steps)
+
+    def set_report_steps(self, steps, timings_wanted):
+        self.steps = steps
+        self.update(timings_wanted)
+
+    def inject(self, injection, timings_wanted):
+        """Runs a test's out-of-memory injection (fastdp._balance.inject) in the replicas from the next step on
+        (None: removes it)."""
+        self.injection = injection
+        self.update(timings_wanted)
+
+    def update(self, timings_wanted):
+        """Sets the recorder from what is wanted: the report's, or a small internal one while the split wants replica
+        times (`timings_wanted`) or an injection needs the replicas' site; None otherwise."""
+        rec = self.recorder
+        if self.steps:
+            if rec is None or rec.internal:
+                rec = Recorder(self.steps)
+            else:
+                rec.resize(self.steps)
+        elif self.injection is not None or timings_wanted:
+            if rec is None or not rec.internal:
+                rec = Recorder(4, internal=True)
+        else:
+            rec = None
+        if rec is not None:
+            rec.inject = self.injection
+        self.recorder = rec
+
+    def scattered(self, step, rows, scattered_bytes, samplers, timings_wanted):
+        """After the scatter: the rows each position got (`rows`), the scatter's range and bytes, and the site that
+        runs the replicas (with `samplers` called in each training replica's forward). An internal recorder whose
+        split no longer wants timings stops recording from the next step on."""
+        rec = step.recorder
+        record = rec.open
+        for pos, n in rows.items():
+            record.rows[pos] = n
+        rec.lap("scatter", scattered_bytes)
+        if record.training and rec.memory is not None:
+            samplers = [rec.memory.sample] + list(samplers)
+        step.site = ReplicaSite(rec, record, step.run, rec.inject, samplers if record.training else [])
+        if rec.internal and rec.inject is None and not timings_wanted:
+            self.recorder = None  # "auto" has settled: the next steps record nothing
+
+    @staticmethod
+    def replicated(step, module, kept):
+        """After replicate: its range, and the bytes it copied (the module's tensors to every other device)."""
+        rec = step.recorder
+        key = (id(kept), id(module)) if kept is not None else None
+        cached = rec.module_bytes
+        if key is None or cached is None or cached[0] != key:
+            cached = rec.module_bytes = (key, module_bytes(module))
+        rec.lap("replicate", cached[1] * (len(step.replicated) - 1))
+        rec.open.apply_at = time.perf_counter_ns()
+
+
 class StepRecord:
     """One multi-device forward and what followed it (its backward, its reduction), as recorded.
 

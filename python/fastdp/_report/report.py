@@ -10,7 +10,6 @@ import csv
 import html
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
@@ -18,8 +17,7 @@ from .._platform import devices as _devices
 from .._balance import memory as _memory, split as _split
 from . import recorder as _recorder, plot as _report_plot
 
-__all__ = ["Report", "ReplicaStats", "PhaseStats", "Advice", "build", "start_recording", "scattered", "replicated",
-           "THRESHOLDS"]
+__all__ = ["Report", "ReplicaStats", "PhaseStats", "Advice", "build", "THRESHOLDS"]
 
 # The advice's thresholds (docs/report.md): each line of advice names the one it used.
 THRESHOLDS = {
@@ -32,66 +30,6 @@ THRESHOLDS = {
 # The phases of the per-phase table, in the order a step runs them ("forward"/"backward": first start to last
 # end over the replicas; "apply": the host's whole parallel_apply).
 _PHASE_ORDER = ("scatter", "replicate", "forward", "apply", "gather", "backward", "reduce", "wait-reduce")
-
-
-# ---- recording glue: what DataParallel calls while its recorder is on ------------------------------------------
-
-
-def start_recording(wrapper):
-    """Sets the wrapper's recorder from its settings: the report's (``report=``), or a small internal one while
-    ``chunk_sizes="auto"`` needs replica times; None (nothing recorded, nothing paid) otherwise."""
-    steps = wrapper.__dict__.get("_report_steps")
-    split = wrapper.__dict__.get("_split")
-    rec = wrapper.__dict__.get("_recorder")
-    inject = None if rec is None else rec.inject  # a test's out-of-memory injection stays through any change
-    if steps:
-        if rec is None or rec.internal:
-            rec = _recorder.Recorder(steps)
-        else:
-            rec.resize(steps)
-    elif inject is not None or (isinstance(split, _split.AutoSplit) and split.needs_timings()
-                                and len(wrapper.device_ids) > 1):
-        if rec is None or not rec.internal:
-            rec = _recorder.Recorder(4, internal=True)
-    else:
-        rec = None
-    if rec is not None:
-        rec.inject = inject
-    wrapper.__dict__["_recorder"] = rec
-    return rec
-
-
-def scattered(wrapper, step, inputs, module_kwargs):
-    """After the scatter: the rows each position got, the scatter's range, and the site that runs the replicas."""
-    rec = step.recorder
-    record = rec.open
-    sizes = step.chunk_sizes
-    for i, pos in enumerate(step.run):
-        record.rows[pos] = sizes[pos] if sizes is not None else (
-            _split.batch_size(inputs[i], module_kwargs[i], wrapper.dim) or 0)
-    rec.lap("scatter", _recorder.nbytes(inputs) + _recorder.nbytes(module_kwargs))
-    split = wrapper.__dict__.get("_split")
-    samplers = []
-    if record.training:
-        if rec.memory is not None:
-            samplers.append(rec.memory.sample)
-        if isinstance(split, _split.AutoSplit) and not split.memory_settled:
-            samplers.append(split.sample)
-    step.site = _recorder.ReplicaSite(rec, record, step.run, rec.inject, samplers)
-    if rec.internal and rec.inject is None and not (isinstance(split, _split.AutoSplit) and split.needs_timings()):
-        wrapper.__dict__["_recorder"] = None  # "auto" has settled: the next steps record nothing
-
-
-def replicated(wrapper, step):
-    """After replicate: its range, and the bytes it copied (the module's tensors to every other device)."""
-    rec = step.recorder
-    kept = wrapper.__dict__.get("_replica_set")
-    key = (id(kept), id(wrapper.module)) if kept is not None else None
-    cached = rec.module_bytes
-    if key is None or cached is None or cached[0] != key:
-        cached = rec.module_bytes = (key, _recorder.module_bytes(wrapper.module))
-    rec.lap("replicate", cached[1] * (len(step.replicated) - 1))
-    rec.open.apply_at = time.perf_counter_ns()
 
 
 # ---- the numbers ---------------------------------------------------------------------------------------------
@@ -196,7 +134,7 @@ class _StepNumbers:
 
 def build(wrapper, steps=None):
     """The Report of the wrapper's recorded steps (the last ``steps`` of them, default all kept)."""
-    rec = wrapper.__dict__.get("_recorder")
+    rec = wrapper.__dict__["_recording"].recorder if "_recording" in wrapper.__dict__ else None
     if rec is None or rec.internal:
         raise RuntimeError(
             "dp.report(): nothing was recorded; pass report=True to fastdp.DataParallel (or call "

@@ -6,14 +6,14 @@ upstream's signatures, so when ``forward`` calls them through ``self`` they find
 step is seen only by the thread that runs it and by the workers running its replicas (which inherit the stack: a
 wrapper called again from inside a replica knows it is re-entered); another thread's forward, or a nested or
 re-entrant call, has a step of its own. When the step ends (inside the wrapper's forward lock, so before the next
-forward of the wrapper starts), what it found stays on the wrapper as an :data:`Outcome`, for
+forward of the wrapper starts), what it found is handed to the wrapper as an :data:`Outcome` (``publish``), for
 ``fastdp.memory_report`` and for the next forward's ``chunk_sizes="auto"`` reader.
 """
 
 import collections
 import threading
 
-__all__ = ["Step", "Outcome", "running", "current", "is_running", "note_gathered_loss"]
+__all__ = ["Step", "Outcome", "running", "current", "is_running", "merged"]
 
 
 class Step:
@@ -28,14 +28,16 @@ class Step:
     that replica is built but not run) and ``devices`` (the devices of the replicas that run). At the end:
     ``avoided_gather_bytes``, the outputs a per-replica loss did not gather (0 for a criterion computed on the
     gathered output, None without one). ``recorder``: the wrapper's fastdp._report.recorder.Recorder while the report
-    records (None otherwise), and ``site``, what runs each replica then.
+    records (None otherwise), and ``site``, what runs each replica then. ``publish``: called with the step's
+    :data:`Outcome` when it ends (the wrapper keeps it).
     """
 
     __slots__ = ("wrapper", "fresh", "loss", "chunk_sizes", "run", "positions", "replicated", "skip", "devices",
-                 "avoided_gather_bytes", "recorder", "site", "_outer")
+                 "avoided_gather_bytes", "recorder", "site", "publish", "_outer")
 
-    def __init__(self, wrapper, loss):
+    def __init__(self, wrapper, loss, publish):
         self.wrapper = wrapper
+        self.publish = publish
         self.fresh = False  # decided when the step starts running (DataParallel._run_step)
         self.loss = loss
         self.chunk_sizes = None
@@ -52,7 +54,7 @@ class Step:
 
     def __exit__(self, *exc):
         running.steps = self._outer
-        _publish(self.wrapper, self.chunk_sizes, self.avoided_gather_bytes)
+        self.publish(Outcome(self.chunk_sizes, self.avoided_gather_bytes))
         return False
 
     def plan(self, nchunks, device_ids):
@@ -75,23 +77,18 @@ class Step:
 
 
 Outcome = collections.namedtuple("Outcome", ["chunk_sizes", "avoided_gather_bytes"])
-Outcome.__doc__ = """What a wrapper's forwards found, kept after them (``DataParallel._last_step``):
+Outcome.__doc__ = """What a wrapper's forwards found, kept after them by the wrapper:
 ``chunk_sizes``, the split of the last forward that split the batch (None: torch.chunk's rule);
 ``avoided_gather_bytes``, the outputs the last forward with a criterion did not gather (0 when the criterion ran on
 the gathered output). Plain values: no reference to a step's objects."""
 
 
-def _publish(wrapper, chunk_sizes, avoided_gather_bytes):
-    last = wrapper.__dict__.get("_last_step")
-    if avoided_gather_bytes is None and last is not None:
-        avoided_gather_bytes = last.avoided_gather_bytes  # this forward had no criterion: the last one's stays
-    wrapper.__dict__["_last_step"] = Outcome(chunk_sizes, avoided_gather_bytes)
-
-
-def note_gathered_loss(wrapper):
-    """A forward that split nothing (one device, inputs already there) computed its criterion on the output."""
-    last = wrapper.__dict__.get("_last_step")
-    _publish(wrapper, None if last is None else last.chunk_sizes, 0)
+def merged(last, outcome):
+    """The wrapper's Outcome after a forward that found `outcome`, its last one being `last` (None before the first):
+    a forward without a criterion keeps the last one's ``avoided_gather_bytes``."""
+    if outcome.avoided_gather_bytes is None and last is not None:
+        return outcome._replace(avoided_gather_bytes=last.avoided_gather_bytes)
+    return outcome
 
 
 class _Running(threading.local):

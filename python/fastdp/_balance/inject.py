@@ -1,0 +1,76 @@
+"""``fastdp.inject_oom``: the test hook of the out-of-memory rescue, for emulated replicas, where no allocation can
+fail. The injection runs where the step's recording runs each replica (fastdp._report.recorder.ReplicaSite)."""
+
+from .._platform import devices as _devices
+from .._report import recorder as _recorder
+from . import split as _split
+from .rescue import OOM
+
+__all__ = ["Injection", "inject_oom"]
+
+
+class Injection:
+    """An out-of-memory error injected into an emulated replica (``fastdp.inject_oom``). ``fired``: how many
+    times it was raised. ``remove()`` ends it."""
+
+    def __init__(self, wrapper, position, phase, above, times):
+        self.wrapper, self.position, self.phase, self.above, self.times = wrapper, position, phase, above, times
+        self.fired = 0
+
+    def _due(self, position, args, kwargs):
+        if position != self.position or (self.times is not None and self.fired >= self.times):
+            return None
+        rows = _split.batch_size(args, kwargs, self.wrapper.dim) or 0
+        return rows if rows > self.above else None
+
+    def _error(self, rows):
+        self.fired += 1
+        error = OOM(f"CUDA out of memory (injected by fastdp.inject_oom in the {self.phase} of the replica at "
+                    f"position {self.position}: {rows} rows, more than {self.above})")
+        error._fastdp_position = self.position
+        return error
+
+    def forward(self, position, args, kwargs):
+        if self.phase == "forward":
+            rows = self._due(position, args, kwargs)
+            if rows is not None:
+                raise self._error(rows)
+
+    def backward(self, position, args, kwargs, output):
+        if self.phase != "backward":
+            return
+        rows = self._due(position, args, kwargs)
+        if rows is None:
+            return
+        outs = _recorder.graph_tensors(output, [])
+
+        def fail(grad_outputs):
+            raise self._error(rows)
+
+        if outs:
+            outs[0].grad_fn.register_prehook(fail)
+
+    def remove(self):
+        self.wrapper._uninject(self)
+
+
+def inject_oom(dp, position, *, phase="forward", above=0, times=None):
+    """Test hook: the emulated replica at ``device_ids`` position ``position`` raises ``torch.OutOfMemoryError``
+    in its ``phase`` ("forward", or "backward": when the gradient reaches its outputs) whenever its chunk has more
+    than ``above`` rows, at most ``times`` times (None: every time). For ``device_ids=["cpu"] * N`` wrappers, where
+    no allocation can fail. Returns the :class:`Injection` (``.fired``, ``.remove()``)."""
+    ids = getattr(dp, "device_ids", None)
+    if not ids or any(d != _devices.CPU for d in ids):
+        raise ValueError("inject_oom: dp must be a fastdp.DataParallel over emulated replicas (device_ids=['cpu'] "
+                         "* N); on GPUs allocations fail for real")
+    if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < len(ids):
+        raise ValueError(f"inject_oom: position={position!r} must be a device_ids position in [0, {len(ids)})")
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"inject_oom: phase={phase!r} must be 'forward' or 'backward'")
+    if isinstance(above, bool) or not isinstance(above, int) or above < 0:
+        raise ValueError(f"inject_oom: above={above!r} must be a non-negative int (rows)")
+    if times is not None and (isinstance(times, bool) or not isinstance(times, int) or times < 1):
+        raise ValueError(f"inject_oom: times={times!r} must be None or a positive int")
+    injection = Injection(dp, position, phase, above, times)
+    dp._inject(injection)
+    return injection

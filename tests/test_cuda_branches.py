@@ -688,12 +688,12 @@ def test_imbalance_warning_names_the_weaker_gpu(cuda, ids, warned):
     cuda.props[1].total_memory = 40 << 30
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        dp_module._check_balance(ids)
+        dp_module._checks.check_balance(ids)
     texts = [str(w.message) for w in caught]
     if warned is None:
         assert texts == []
     else:
-        assert texts == [dp_module._IMBALANCE_WARNING.format(*warned)]
+        assert texts == [dp_module._checks.IMBALANCE_WARNING.format(*warned)]
 
 
 @pytest.mark.parametrize("local_rank, device_ids, want", [("1", None, 1), ("1", [0, 1], 1), ("0", [1], 1)])
@@ -742,7 +742,7 @@ def test_capture_is_refused_with_a_clear_error(cuda, monkeypatch):
     dp = fastdp.DataParallel(net, device_ids=["cpu"] * 2)
     out = dp(torch.randn(4, 4))  # the graph to differentiate, made before the capture starts
     dp.src_device_obj = torch.device("cuda", 0)  # as for CUDA replicas; the module check is for real devices only
-    monkeypatch.setattr(dp_module, "_check_module_device", lambda module, device: None)
+    monkeypatch.setattr(dp_module._checks, "check_module_device", lambda module, device: None)
     cuda.capturing = True
     with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
         dp(torch.randn(4, 4))

@@ -10,12 +10,11 @@ import contextlib
 import importlib
 import threading
 import warnings
-from itertools import chain
 
 import torch
 from torch.nn.modules import Module
 
-from ._wrapper import checkpoint as _checkpoint, launch as _launch
+from ._wrapper import checkpoint as _checkpoint, checks as _checks, launch as _launch
 from ._platform import devices as _devices, streams as _streams
 from ._step import idle_master as _idle_master, replicas as _replicas, step as _step
 from ._balance import rescue as _rescue, replica_loss as _replica_loss, split as _split
@@ -27,91 +26,6 @@ from .replicate import replicate
 from .scatter_gather import gather, scatter_kwargs, unaligned_outputs
 
 __all__ = ["DataParallel", "data_parallel"]
-
-
-_IMBALANCE_WARNING = (
-    "There is an imbalance between your GPUs. You may want to exclude GPU {} which has less than 75% of the "
-    "memory or cores of GPU {}. You can do so by setting the device_ids argument to DataParallel, or by setting "
-    "the CUDA_VISIBLE_DEVICES environment variable."
-)
-
-
-def _check_balance(device_ids):
-    """Upstream's constructor warning for GPUs with unequal memory (or, failing that, unequal core counts)."""
-    props = [torch.cuda.get_device_properties(i) for i in device_ids]
-    for get in (lambda p: p.total_memory, lambda p: p.multi_processor_count):
-        values = [get(p) for p in props]
-        lo = min(range(len(values)), key=values.__getitem__)
-        hi = max(range(len(values)), key=values.__getitem__)
-        if values[lo] / values[hi] < 0.75:
-            warnings.warn(_IMBALANCE_WARNING.format(device_ids[lo], device_ids[hi]), stacklevel=3)
-            return
-
-
-def _require_module(module, what):
-    if not isinstance(module, Module):
-        raise TypeError(
-            f"{what}: module must be a torch.nn.Module (its parameters and buffers are replicated), got "
-            f"{type(module).__name__}; wrap a plain function in an nn.Module subclass"
-        )
-
-
-def _whole_on(values, device):
-    """Keyword arguments given whole to a replica on ``device`` (tensors copied there, differentiably)."""
-    if _devices.is_cpu(device):
-        return values
-    target = _devices.torch_device(device)
-
-    def move(obj):
-        if isinstance(obj, torch.Tensor):
-            return obj.to(target)
-        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-            return type(obj)(move(x) for x in obj)
-        if isinstance(obj, dict):
-            return type(obj)((k, move(v)) for k, v in obj.items())
-        return obj
-
-    return {k: move(v) for k, v in values.items()}
-
-
-def _is_host_index(d):
-    """-1: upstream's deprecated "gather to the host" output device."""
-    return isinstance(d, int) and not isinstance(d, bool) and d == -1
-
-
-def _resolve(device_ids, output_device):
-    """(mode, device_ids, output_device) with mode "cpu", "cuda", or None for upstream's pass-through.
-
-    CPU entries select emulated replicas on any machine; otherwise, as upstream, no GPU means pass-through.
-    """
-    if device_ids is not None:
-        _devices.require_indexable(device_ids)
-        if any(_devices.is_cpu(d) for d in device_ids):
-            ids = _devices.normalize_list(device_ids, "device_ids")
-            if output_device is None or _devices.is_cpu(output_device):
-                out = _devices.CPU
-            elif _is_host_index(output_device):
-                out = -1  # Gathers to the host with upstream's FutureWarning.
-            else:
-                raise ValueError(
-                    f"output_device={output_device!r} is a CUDA device but device_ids are emulated 'cpu' replicas; "
-                    "with 'cpu' device_ids leave output_device unset or pass 'cpu'"
-                )
-            return "cpu", ids, out
-    if not _devices.cuda_available():
-        return None, [], None
-    if device_ids is None:
-        device_ids = list(range(torch.cuda.device_count()))
-    if output_device is None:
-        output_device = device_ids[0]  # IndexError for device_ids=[], as upstream.
-    ids = [_devices.cuda_index(d, "device_ids") for d in device_ids]
-    if _devices.is_cpu(output_device):
-        out = _devices.CPU  # Deliberate: upstream raises here although -1 (deprecated) means the same.
-    elif _is_host_index(output_device):
-        out = -1  # upstream keeps -1 (gathers to the host with its FutureWarning)
-    else:
-        out = _devices.cuda_index(output_device, "output_device")
-    return "cuda", ids, out
 
 
 # forward enters record_function("DataParallel.forward") only while a profiler records (torch.profiler,
@@ -126,62 +40,6 @@ def _profiler_flag(profiler=torch.autograd.profiler):
 _profiler_enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None) or (lambda: True)
 # The innermost torch.func transform running in this thread (None outside any).
 _transform_active = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None) or (lambda: None)
-_HOST = torch.device("cpu")
-
-
-def _on_device(obj, device):
-    """Whether every tensor in a (nested) input is on `device`; other values count as there."""
-    if isinstance(obj, torch.Tensor):
-        return obj.device == device
-    if isinstance(obj, (list, tuple)):
-        return all(_on_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return all(_on_device(o, device) for o in obj.values())
-    return True
-
-
-def _inputs_on_device(inputs, kwargs, device):
-    """``_on_device((inputs, kwargs), device)`` with the common case (top-level tensors) unrolled."""
-    for o in inputs:
-        if isinstance(o, torch.Tensor):
-            if o.device != device:
-                return False
-        elif not _on_device(o, device):
-            return False
-    return not kwargs or _on_device(kwargs, device)
-
-
-def _check_module_device(module, src_device_obj):
-    """Upstream's per-forward check that every parameter and buffer is on device_ids[0].
-
-    One walk over the modules' own dicts (no generator chain, no names); on the host the test is ``is_cpu`` (a
-    flag read, cheaper than building a torch.device per tensor). Only when something is off does the
-    upstream-ordered walk run, so the error names the same tensor's device as upstream's would.
-    """
-    host = src_device_obj == _HOST
-    todo, seen = [module], {id(module)}
-    for m in todo:  # grows while walked: breadth-first over every distinct module
-        for t in m._parameters.values():
-            if t is not None and (not t.is_cpu if host else t.device != src_device_obj):
-                return _raise_module_device(module, src_device_obj)
-        for t in m._buffers.values():
-            if t is not None and (not t.is_cpu if host else t.device != src_device_obj):
-                return _raise_module_device(module, src_device_obj)
-        for c in m._modules.values():
-            if c is not None and id(c) not in seen:
-                seen.add(id(c))
-                todo.append(c)
-
-
-def _raise_module_device(module, src_device_obj):
-    for t in chain(module.parameters(), module.buffers()):
-        if t.device != src_device_obj:
-            # Upstream's text.
-            raise RuntimeError(
-                "module must have its parameters and buffers "
-                f"on device {src_device_obj} (device_ids[0]) but found one of "
-                f"them on device: {t.device}"
-            )
 
 
 # What torch.compile keeps on the module it wraps: never answered from a wrapped compiled module, or compiling the
@@ -272,7 +130,7 @@ class DataParallel(_UPSTREAM):
         # report: record the last N steps for dp.report() (True: 20; docs/report.md). oom="rebalance": an
         # out-of-memory error in a replica moves rows away from its device and runs the step again (docs/balance.md).
         Module.__init__(self)  # not torch.nn.DataParallel's (see NOTE [nn.DataParallel subclass])
-        _require_module(module, "DataParallel")
+        _checks.require_module(module, "DataParallel")
         if criterion is not None and not callable(criterion):
             raise TypeError(f"criterion must be callable (e.g. nn.CrossEntropyLoss()), got {type(criterion).__name__}")
         # Kept out of the module tree (not a submodule): the wrapper's state_dict and parameters stay the model's.
@@ -291,7 +149,7 @@ class DataParallel(_UPSTREAM):
         self.__dict__["_forward_lock"] = threading.Lock()  # one forward at a time uses the kept replicas
         self._sync_enabled = True
         torch._C._log_api_usage_once("fastdp.DataParallel")
-        mode, ids, out = _resolve(device_ids, output_device)
+        mode, ids, out = _checks.resolve(device_ids, output_device)
         self.module = module
         self._register_load_state_dict_pre_hook(_checkpoint.nested_load_pre_hook, with_module=True)
         if mode is None:
@@ -308,7 +166,7 @@ class DataParallel(_UPSTREAM):
         if isinstance(criterion, Module):
             criterion.to(self.src_device_obj)  # its tensors (class weights…) are replicated from device_ids[0]
         if mode == "cuda":
-            _check_balance(self.device_ids)
+            _checks.check_balance(self.device_ids)
         if len(self.device_ids) == 1:
             self.module.to(self.src_device_obj)
 
@@ -352,9 +210,9 @@ class DataParallel(_UPSTREAM):
 
     def _over_devices(self, module, inputs, kwargs, loss, avoided_gather_bytes=None):
         """The forward over ``device_ids``: upstream's check that the module is on device_ids[0], then one step."""
-        _check_module_device(module, self.src_device_obj)
+        _checks.check_module_device(module, self.src_device_obj)
         if (loss is None and len(self.device_ids) == 1 and type(self).scatter is DataParallel.scatter
-                and _inputs_on_device(inputs, kwargs, self.src_device_obj)):
+                and _checks.inputs_on_device(inputs, kwargs, self.src_device_obj)):
             # The short path: one device and every input already there. Scattering would only wrap each
             # tensor in a view (and an autograd node): the module gets them as they are.
             if avoided_gather_bytes is not None:  # the criterion ran on the output: nothing split, nothing avoided
@@ -444,22 +302,18 @@ class DataParallel(_UPSTREAM):
         """The split's per-forward work (one call into fastdp._balance.split), then ``self.scatter``; a forward without
         inputs still runs once, on device_ids[0]. Keyword arguments named in ``broadcast`` skip the split: every
         replica gets them whole."""
+        training = torch.is_grad_enabled() and self.module.training
         if step.recorder is not None:
-            step.recorder.begin(self.device_ids, torch.is_grad_enabled() and self.module.training)
+            step.recorder.begin(self.device_ids, training)
+        kwargs, whole = self._split_off_whole(kwargs)
         with_loss = step.loss is not None
-        whole = None
-        names = self.__dict__.get("_broadcast")
-        if names and kwargs:
-            whole = {k: v for k, v in kwargs.items() if k in names}
-            kwargs = {k: v for k, v in kwargs.items() if k not in names}
         self._warn_not_batch_major(inputs[:-1] if with_loss else inputs, kwargs)
         rule = self.__dict__.get("_split")
         # Else an override (a subclass's, or one set on the instance) is called, and its super().scatter asks for
         # the sizes itself.
         own = type(self).scatter is DataParallel.scatter and "scatter" not in self.__dict__
         sizes = _split.begin_forward(rule, inputs, kwargs, self.dim, len(self.device_ids), with_target=with_loss,
-                                     training=torch.is_grad_enabled() and self.module.training, sizes=own,
-                                     recorder=step.recorder)
+                                     training=training, sizes=own, recorder=step.recorder)
         if own:
             step.chunk_sizes = sizes
             inputs, module_kwargs = self._scatter_sized(inputs, kwargs, self.device_ids, rule, sizes)
@@ -468,8 +322,16 @@ class DataParallel(_UPSTREAM):
         if not inputs and not module_kwargs:
             inputs, module_kwargs = ((),), ({},)
         if whole:
-            module_kwargs = tuple({**kw, **_whole_on(whole, self.device_ids[i])} for i, kw in enumerate(module_kwargs))
+            module_kwargs = tuple({**kw, **_checks.whole_on(whole, self.device_ids[i])}
+                                  for i, kw in enumerate(module_kwargs))
         return inputs, module_kwargs
+
+    def _split_off_whole(self, kwargs):
+        """(the keyword arguments to split, those named in ``broadcast`` that every replica gets whole or None)."""
+        names = self.__dict__.get("_broadcast")
+        if not names or not kwargs:
+            return kwargs, None
+        return ({k: v for k, v in kwargs.items() if k not in names}, {k: v for k, v in kwargs.items() if k in names})
 
     def _replicate_step(self, step):
         """(what parallel_apply runs, the idle master's BufferWatch or None, the SyncBatchNorm session or None):
@@ -578,30 +440,42 @@ class DataParallel(_UPSTREAM):
         positions = None if step is None else step.positions  # which device_ids entries these devices are
         if positions is not None and step.replicated != devices:
             positions = None  # a call of its own (an override's, a user's): the devices as named
-        kept = self._replica_set
-        # Kept replicas cover every position a forward ran on since they were built: a batch with fewer chunks
-        # than devices (torch.chunk's rule, chunk_sizes with zeros) runs on some of them, and what they keep
-        # (no_sync sums, buffers) carries on.
-        cover = positions
-        if (positions is not None and kept is not None and kept.positions is not None and kept.network is module
-                and max(kept.positions) < len(self.device_ids)):  # (device_ids may have been shortened since)
-            cover = sorted(set(positions).union(kept.positions))
-        wanted = devices if cover is None else [self.device_ids[i] for i in cover]
-        if kept is None or not kept.matches(module, wanted):
-            self._replica_set = None
-            if kept is not None:
-                kept.reduce_pending()  # sums no_sync kept reach the master's .grad before the set goes
-            if _replicas.inference_made(module) or not _replicas.persistable(module):
-                # Checked on (re)build only: tensor identities and module types are in the signature. Rebuilt every
-                # step; under no_sync() each backward then reduces at once (same .grad in the end).
-                return replicate(module, device_ids, not torch.is_grad_enabled())
-            _replicas.check_replicatable(module)
-            kept = self._replica_set = _replicas.ReplicaSet(module, wanted, self._bucket_bytes, cover)
+        cover = self._kept_cover(module, positions)
+        kept = self._kept_replicas(module, devices if cover is None else [self.device_ids[i] for i in cover], cover)
+        if kept is None:
+            return replicate(module, device_ids, not torch.is_grad_enabled())
         kept.reducer.begin_step(self._sync_enabled, None if step is None else step.recorder)
         roots = kept.step()
         if cover is None or cover == positions:
             return roots
         return [roots[cover.index(i)] for i in positions]
+
+    def _kept_cover(self, module, positions):
+        """The positions the kept replicas serve: every position a forward ran on since they were built. A batch
+        with fewer chunks than devices (torch.chunk's rule, chunk_sizes with zeros) runs on some of them, and what
+        they keep (no_sync sums, buffers) carries on."""
+        kept = self._replica_set
+        if (positions is None or kept is None or kept.positions is None or kept.network is not module
+                or max(kept.positions) >= len(self.device_ids)):  # (device_ids may have been shortened since)
+            return positions
+        return sorted(set(positions).union(kept.positions))
+
+    def _kept_replicas(self, module, devices, cover):
+        """The kept replicas of `module` on `devices` (positions `cover`), built when missing or stale; None for a
+        module that replicates afresh every step."""
+        kept = self._replica_set
+        if kept is not None and kept.matches(module, devices):
+            return kept
+        self._replica_set = None
+        if kept is not None:
+            kept.reduce_pending()  # sums no_sync kept reach the master's .grad before the set goes
+        if _replicas.inference_made(module) or not _replicas.persistable(module):
+            # Checked on (re)build only: tensor identities and module types are in the signature. Rebuilt every
+            # step; under no_sync() each backward then reduces at once (same .grad in the end).
+            return None
+        _replicas.check_replicatable(module)
+        kept = self._replica_set = _replicas.ReplicaSet(module, devices, self._bucket_bytes, cover)
+        return kept
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -773,7 +647,7 @@ _detach_from_upstream(DataParallel)
 
 def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):
     """Evaluates ``module(input)`` in parallel across ``device_ids``; the functional form of DataParallel."""
-    _require_module(module, "data_parallel")
+    _checks.require_module(module, "data_parallel")
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
     if device_ids is not None:
@@ -781,9 +655,9 @@ def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, mo
     emulated = device_ids is not None and any(_devices.is_cpu(d) for d in device_ids)
     if not emulated and not _devices.cuda_available():
         raise RuntimeError("device type could not be determined")  # Upstream's text.
-    _, ids, out = _resolve(device_ids, output_device)
+    _, ids, out = _checks.resolve(device_ids, output_device)
     src_device_obj = _devices.torch_device(ids[0])
-    _check_module_device(module, src_device_obj)
+    _checks.check_module_device(module, src_device_obj)
     inputs, module_kwargs = scatter_kwargs(inputs, module_kwargs, ids, dim)
     if not inputs and not module_kwargs:
         inputs = ((),)

@@ -201,7 +201,7 @@ MUTANTS = [
          find="            torch.cuda.reset_peak_memory_stats(d)",
          replace="            torch.cuda.reset_peak_memory_stats()",
          what="memory_report(reset_peak=True) resets the current device's peak only"),
-    dict(name="balance-reads-device-0", file="python/fastdp/data_parallel.py",
+    dict(name="balance-reads-device-0", file="python/fastdp/_wrapper/checks.py",
          find="    props = [torch.cuda.get_device_properties(i) for i in device_ids]",
          replace="    props = [torch.cuda.get_device_properties(0) for i in device_ids]",
          what="the imbalance check compares GPU 0 with itself"),

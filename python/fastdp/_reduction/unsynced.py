@@ -84,18 +84,26 @@ class UnsyncedSums:
     def add(self, bucket, rows, nosync):
         """Adds replicas 1.. 's gradients (`rows`): packed into one tensor per replica where every member is there
         and dense (and what is held is packed too), else member by member."""
+        if not self._add_packed(bucket, rows):
+            self._add_members(bucket, rows)
+        nosync.held = True
+
+    def _add_packed(self, bucket, rows):
+        """The packed way, where it applies; whether it did."""
         held = self.rows
-        if (bucket.pack and (held is None or self.packed)
-                and not any(g is None or g.is_sparse for row in rows[1:] for g in row)):
-            flats = [None] + [flatten([g.detach() for g in row]) for row in rows[1:]]
-            if all(f.dtype == bucket.dtype for f in flats[1:]):
-                if held is None:  # one member: the packed tensor is a view of autograd's gradient, not a copy
-                    flats = [None] + [f.clone() if len(row) == 1 else f for f, row in zip(flats[1:], rows[1:])]
-                else:
-                    flats = [None] + [acc[0] + f for acc, f in zip(held[1:], flats[1:])]
-                self.rows, self.packed = [None] + [[f] for f in flats[1:]], True
-                nosync.held = True
-                return
+        if not bucket.pack or (held is not None and not self.packed) or not _all_dense(rows[1:]):
+            return False
+        flats = [flatten([g.detach() for g in row]) for row in rows[1:]]
+        if not all(f.dtype == bucket.dtype for f in flats):
+            return False
+        if held is None:  # one member: the packed tensor is a view of autograd's gradient, not a copy
+            flats = [f.clone() if len(row) == 1 else f for f, row in zip(flats, rows[1:])]
+        else:
+            flats = [acc[0] + f for acc, f in zip(held[1:], flats)]
+        self.rows, self.packed = [None] + [[f] for f in flats], True
+        return True
+
+    def _add_members(self, bucket, rows):
         by_member = self.by_member(bucket)
         for row, acc in zip(rows[1:], by_member[1:]):
             for j, g in enumerate(row):
@@ -103,7 +111,6 @@ class UnsyncedSums:
                     g = g.detach()
                     acc[j] = g.clone() if acc[j] is None else acc[j] + g
         self.rows = by_member
-        nosync.held = True
 
     def by_member(self, bucket):
         """The sums member by member (packed ones cut into views), empty rows where nothing is held."""
@@ -186,6 +193,11 @@ class UnsyncedSums:
         """Notes each master member's ``.grad`` (object and version), so that a later clear is seen."""
         if self.rows is not None:
             self.marks = [_grad_mark(p.grad) for p in bucket.master]
+
+
+def _all_dense(rows):
+    """Whether every replica has every member's gradient, and none is sparse."""
+    return not any(g is None or g.is_sparse for row in rows for g in row)
 
 
 def member_rows(bucket, taken):

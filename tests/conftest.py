@@ -39,3 +39,16 @@ def cpu_apply(request, monkeypatch):
     monkeypatch.setattr(importlib.import_module("fastdp.parallel_apply"), "_CPU_THREADS", threads)
     monkeypatch.setenv("TEST_CPU_THREADS", "1" if threads else "0")
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Timings are read against injected sleeps: one torch thread, so a loaded machine's OpenMP pool waiting for
+    a core does not make every replica look slow. The report's and rebalancing's test files use it for every test
+    (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -79,7 +79,7 @@ class FakeMemory:
 
 def _auto_run(extra, steps=14, batch_size=32, ndev=4, **options):
     model = nn.Linear(6, 3).double()
-    # The memory phase alone: the time phase (tests/test_report.py) would move rows by the replicas' timing noise.
+    # The memory phase alone: the time phase (tests/test_rebalance.py) would move rows by the replicas' timing noise.
     auto = fastdp.AutoSplit(reader=lambda: reader(), balance_time=False, **options)
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * ndev, chunk_sizes=auto)
     reader = FakeMemory(dp, extra=extra)

@@ -11,7 +11,7 @@ import pytest
 HEADER_BYTES = 144  # csrc/backend/cuda/kernel_image.c: magic 8, key 112, size 8, checksum 8, arch 4, ptx 4
 
 # Loads fastdp._C alone (no torch import: these processes start in a fraction of a second) and names the NVRTC
-# folders the way fastdp/_libs.py does at import.
+# folders the way fastdp/_native/libs.py does at import.
 _SNIPPET = """
 import glob, importlib.util, json, os, sys
 pkg = importlib.util.find_spec("fastdp").submodule_search_locations[0]

@@ -39,3 +39,47 @@ def cpu_apply(request, monkeypatch):
     monkeypatch.setattr(importlib.import_module("fastdp.parallel_apply"), "_CPU_THREADS", threads)
     monkeypatch.setenv("TEST_CPU_THREADS", "1" if threads else "0")
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Timings are read against injected sleeps: one torch thread, so a loaded machine's OpenMP pool waiting for
+    a core does not make every replica look slow. The report's and rebalancing's test files use it for every test
+    (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _fake_cuda(monkeypatch, ndev):
+    """tests/_fake_cuda.py's stand-in for torch.cuda with `ndev` devices, installed for the shim's CUDA-only
+    branches (the tests/test_cuda_*.py files): peer access is recorded, not granted."""
+    from _fake_cuda import FakeCuda
+    from fastdp._native import core as _core
+    from fastdp._platform import devices as _devices
+
+    fake = FakeCuda(ndev).install(monkeypatch)
+    # CUDA device entries pass the normaliser although this torch has no CUDA
+    monkeypatch.setattr(_devices, "_require_cuda", lambda d, what: d)
+    monkeypatch.setattr(_core, "_PEERS_OPEN", set())
+    monkeypatch.setattr(_core, "_grant_peer", lambda device, peer: fake.record("grant_peer", device, peer))
+    return fake
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """Two fake CUDA devices (see _fake_cuda); the test fails if the code under test misused them."""
+    fake = _fake_cuda(monkeypatch, 2)
+    yield fake
+    assert fake.misuse == [], fake.misuse  # a device that does not exist, a stream told the wrong device
+
+
+@pytest.fixture
+def cuda3(monkeypatch):
+    """Three fake CUDA devices, checked as ``cuda``'s are."""
+    fake = _fake_cuda(monkeypatch, 3)
+    yield fake
+    assert fake.misuse == [], fake.misuse

@@ -59,7 +59,7 @@ def test_build_used_no_toolkit(wheel):
     assert "/usr/local/cuda" not in log.replace(wheel["env"]["FASTDP_CUDA_DEFAULT_HOME"], "")
     names = zipfile.ZipFile(wheel["wheel"]).namelist()
     assert any(n.startswith("fastdp/_C") and n.endswith(".so") for n in names)
-    assert "fastdp/_fallback.py" in names and "fastdp/_libs.py" in names
+    assert "fastdp/_native/fallback.py" in names and "fastdp/_native/libs.py" in names
 
 
 def test_every_backend_compiled_and_source_embedded(wheel):

@@ -1,4 +1,4 @@
-"""Kept replica tensors (NOTE [kept replica tensors] in fastdp/_replicas.py) on emulated CPU replicas.
+"""Kept replica tensors (NOTE [kept replica tensors] in fastdp/_step/replicas.py) on emulated CPU replicas.
 
 The grad buckets' autograd nodes and the replicas' parameter tensors are made once and reused every step. Each
 test compares against the bare module on the full batch, doing the same thing, or against what the bare module

@@ -1,4 +1,4 @@
-"""The master's tensors stay the user's (NOTE [the master's tensors stay the user's] in fastdp/_replicas.py): the
+"""The master's tensors stay the user's (NOTE [the master's tensors stay the user's] in fastdp/_step/replicas.py): the
 wrapper never moves a parameter or a buffer, so resizing, shared memory, pinned memory, memory formats and storage
 shared between tensors behave as on the bare model, whatever the replicas keep. Replication copies the master member
 by member; gradients are reduced one flat sum per bucket.

@@ -1,4 +1,4 @@
-"""The gradient reduction while backward runs (NOTE [reduction while backward runs] in fastdp/_reducer.py): each
+"""The gradient reduction while backward runs (NOTE [reduction while backward runs] in fastdp/_reduction/reducer.py): each
 bucket's sum starts as soon as every replica's gradients for it exist, runs while the rest of backward goes on, and
 reaches the master parameters through autograd, so that every way of taking gradients sees what the bare model
 gives. Each case compares with the bare model on the full batch."""

@@ -2,7 +2,7 @@
 
 Each entry: ``name`` (short id), ``file`` (relative to the repository root), ``find`` (text that occurs exactly once in
 that file), ``replace`` (the mutated text) and ``what`` (the bug, in one line). The simulated-GPU tests
-(``pytest -m sim``, the fake-CUDA tests of tests/test_cuda_branches.py among them) must fail with each one applied.
+(``pytest -m sim``, the fake-CUDA tests of tests/test_cuda_*.py among them) must fail with each one applied.
 """
 
 MUTANTS = [

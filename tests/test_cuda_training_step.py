@@ -1,0 +1,327 @@
+"""A training step over CUDA devices, run on a CPU against a recording stand-in for torch.cuda
+(tests/_fake_cuda.py): SyncBatchNorm's exchange on the caller's streams and its backward given the kernel's saved
+statistics, no tensor made from host data on a device, the gradient reduction on its own streams with exactly the
+waits it needs (either side of torch 2.8), what it used held until its fence has passed, kept nodes remade for a
+forward on other streams, and CUDA-graph capture refused with a clear error.
+
+Tensors stay on the host; the code under test is told its devices are CUDA devices (conftest's ``cuda``
+and ``cuda3`` fixtures install the fake, and fail a test that misused it). Every numeric result is compared with
+torch's own on the bare model.
+"""
+
+import copy
+import importlib
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fastdp
+from fastdp._platform import devices as _devices
+from fastdp._reduction import reducer as _reducer, host as _host, sums as _sums, cuda as _rcuda
+from fastdp._step import replicas as _replicas
+from fastdp import sync_batchnorm as sbn
+
+dp_module = importlib.import_module("fastdp.data_parallel")
+
+pytestmark = pytest.mark.sim
+
+
+# ---- SyncBatchNorm on CUDA -----------------------------------------------------------------------------------------
+
+
+class _HostComm:
+    """fastdp.comm's three calls of the synced layers, computed on the host, noting the current stream of every
+    device at each call (what the core would order the exchange on)."""
+
+    def __init__(self, cuda):
+        self.cuda, self.calls = cuda, []
+
+    def _note(self, what):
+        self.calls.append((what, tuple(self.cuda.current_stream(d).name for d in range(self.cuda.ndev))))
+
+    def gather(self, parts, dim, dest):
+        self._note("gather")
+        return torch.cat(parts, dim)
+
+    def broadcast(self, t, devices):
+        self._note("broadcast")
+        return [t.clone() for _ in devices]
+
+    def reduce_add(self, ts, dest):
+        self._note("reduce_add")
+        return sum(ts[1:], ts[0].clone())
+
+
+def test_syncbn_exchange_runs_on_the_callers_streams(cuda, monkeypatch):
+    """The exchange runs in whichever replica thread arrives last and its backward in autograd's thread; both must
+    order their work on the caller's stream of every device, where the replicas' inputs and gradients are."""
+    host = _HostComm(cuda)
+    monkeypatch.setattr(sbn, "comm", host)
+    caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
+    master = nn.Sequential(nn.SyncBatchNorm(3))
+    replicas = [master, copy.deepcopy(master)]
+    with cuda.stream(caller[0]), cuda.stream(caller[1]):
+        session = sbn.begin(master, replicas, [0, 1])  # in the caller's thread, as the wrapper's forward opens it
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 3, 5, generator=g, requires_grad=True) for _ in range(2)]
+    outs = [None, None]
+
+    def replica(r):  # a worker: its own device's caller stream only, as parallel_apply enters it
+        with cuda.device(r), cuda.stream(caller[r]):
+            stats = sbn._chunk_stats(xs[r])  # the chunk's statistics, in the replica's own thread
+            outs[r] = session.meet(0, r, xs[r], stats, replicas[r][0])[0]
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cat(outs).square().sum().backward()  # this thread: default streams, as autograd's own threads have
+    assert [w for w, _ in host.calls] == ["gather", "broadcast", "reduce_add", "broadcast"]
+    assert all(streams == ("caller@0", "caller@1") for _, streams in host.calls), host.calls
+    assert cuda.host_syncs() == []
+    ref_x = torch.cat([x.detach() for x in xs]).requires_grad_()
+    ref = torch.nn.functional.batch_norm(ref_x, None, None, training=True, eps=1e-5)
+    torch.testing.assert_close(torch.cat(outs), ref)
+    ref.square().sum().backward()
+    torch.testing.assert_close(torch.cat([x.grad for x in xs]), ref_x.grad)
+
+
+class _BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.SyncBatchNorm(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_syncbn_backward_gives_the_kernel_saved_statistics(monkeypatch, dtype):
+    """torch's CUDA batch-norm backward asserts unless given save_mean and save_invstd (float32 for float16 and
+    bfloat16 inputs) in training form; the gradients still equal BatchNorm's on the full batch."""
+    calls = []
+    real = torch.ops.aten.native_batch_norm_backward
+
+    def spy(g, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask):
+        calls.append((x.dtype, running_mean, running_var, None if save_mean is None else save_mean.dtype,
+                      None if save_invstd is None else save_invstd.dtype, train))
+        return real(g, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask)
+
+    monkeypatch.setattr(torch.ops.aten, "native_batch_norm_backward", spy)
+    torch.manual_seed(0)
+    bare = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)).double()
+    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare)).to(dtype)
+    x = torch.randn(8, 3, 5, 5, dtype=torch.float64)
+    dp = fastdp.DataParallel(synced, device_ids=["cpu"] * 2)
+    w = torch.randn(8, 4, 5, 5, dtype=torch.float64)
+    (dp(x.to(dtype)).double() * w).sum().backward()
+    (bare(x) * w).sum().backward()  # the reference: float64, the whole batch in one BatchNorm
+    stats = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    assert calls and all(c == (dtype, None, None, stats, stats, True) for c in calls), calls
+    tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+    for p, q in zip(synced.parameters(), bare.parameters()):
+        err = (p.grad.double() - q.grad).abs().max().item()
+        assert err <= tol * q.grad.abs().max().item(), (tuple(q.shape), err)
+
+
+# ---- no host synchronisation in a training step -------------------------------------------------------------------
+
+
+def test_training_step_makes_no_tensor_from_host_data_on_a_device(monkeypatch):
+    """``torch.tensor(values, device=d)`` copies host data to the device and, on CUDA, waits for the copy: a step
+    (per-replica loss with the "mean" rule, a SyncBatchNorm layer) makes none, nor reads a value back."""
+    made, read = [], []
+    real_tensor, real_item = torch.tensor, torch.Tensor.item
+
+    def tensor(data, *args, **kwargs):
+        if kwargs.get("device") is not None:
+            made.append(kwargs["device"])
+        return real_tensor(data, *args, **kwargs)
+
+    torch.manual_seed(0)
+    net = _BNNet()
+    bare = copy.deepcopy(net)
+    dp = fastdp.DataParallel(net, device_ids=["cpu"] * 2, criterion=nn.MSELoss())
+    x, y = torch.randn(6, 3, 4, 4), torch.randn(6, 3)
+    dp(x, target=y).backward()  # the first step builds what is kept
+    for p in net.parameters():
+        p.grad = None
+    monkeypatch.setattr(torch, "tensor", tensor)
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: read.append(t.shape) or real_item(t))
+    loss = dp(x, target=y)
+    loss.backward()
+    monkeypatch.undo()
+    assert made == [] and read == []
+    ref = nn.MSELoss()(bare(x), y)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    for p, q in zip(net.parameters(), bare.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+# ---- kept replicas and the reduction's own streams (NOTE [reduction streams] in fastdp/_reduction/cuda.py) ---------------
+
+
+def _cuda_replica_set(net, bucket_bytes=1 << 20):
+    """A ReplicaSet built over host tensors whose state then says CUDA devices 0 and 1 (the tensors stay on the
+    host; every torch.cuda call goes to the fake)."""
+    rs = _replicas.ReplicaSet(net, [_devices.CPU] * 2, bucket_bytes)
+    rs.state.devices = [0, 1]
+    rs.state.host = False
+    reducer = _reducer.Reducer([0, 1], rs.state.tdevs, net)
+    reducer.host, reducer.runner = False, _rcuda.CudaStreams([0, 1])  # the devices the fake says
+    rs.reducer, rs.reduced = reducer, [reducer.bucket(b) for b in rs.layout[0]]
+    return rs
+
+
+def _step_and_backward(cuda, rs, x, forward_streams, backward_streams):
+    """One forward of the two replicas on `forward_streams`, then backward with `backward_streams` current in this
+    thread (as autograd's engine makes a node's canonical stream current on its device while it runs)."""
+    with cuda.stream(forward_streams[0]), cuda.stream(forward_streams[1]):
+        roots = rs.step()
+        out = roots[0](x[:2]).sum() + roots[1](x[2:]).sum()
+    with cuda.stream(backward_streams[0]), cuda.stream(backward_streams[1]):
+        out.backward()
+    return roots
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["torch>=2.8", "torch<2.8"])
+def test_reduction_runs_on_its_own_streams_with_exactly_the_waits_it_needs(cuda, monkeypatch, legacy):
+    """Each reduction stream waits for the stream where autograd guarantees the gradients are ready (torch 2.8 and
+    newer: the bucket node's canonical stream for every device; before: that stream for the first device, each other
+    device's default stream), the sum runs on the reduction's streams, and the delivery node's stream waits for a
+    fence behind the first device's reduction stream; the tensors it used are held until a fence behind every
+    reduction stream has passed. Nothing else orders anything, and nothing waits on the host."""
+    monkeypatch.setattr(_rcuda, "_LEGACY_STREAMS", legacy)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    bare = copy.deepcopy(net)
+    rs = _cuda_replica_set(net)
+    on = []
+    real_sum = _sums.bucket_sum
+
+    def spy_sum(bucket, grads, kept, out):
+        on.append(tuple(cuda.current_stream(d).name for d in (0, 1)))
+        return real_sum(bucket, grads, kept, out)
+
+    monkeypatch.setattr(_sums, "bucket_sum", spy_sum)
+    caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
+    x = torch.randn(4, 4)
+    _step_and_backward(cuda, rs, x, caller, caller)
+    own = [_rcuda.own_stream(0).name, _rcuda.own_stream(1).name]
+    assert on == [tuple(own)]
+    ready1 = "default@1" if legacy else "caller@0"
+    ordering = [e for e in cuda.log if e[0] in ("wait", "wait_event", "wait_fence", "fence", "record_stream")]
+    fences = [e[1] for e in ordering if e[0] == "fence"]
+    assert ordering == [("wait", own[0], "caller@0"), ("wait", own[1], ready1),
+                        ("fence", fences[0], own[0]), ("fence", fences[0], own[1]),
+                        ("fence", fences[2], own[0]),
+                        ("wait_fence", "caller@0", fences[2])]
+    assert cuda.host_syncs() == []
+    net.bias.grad, net.weight.grad = net.bias.grad.clone(), net.weight.grad.clone()
+    (bare(x[:2]).sum() + bare(x[2:]).sum()).backward()
+    torch.testing.assert_close(net.weight.grad, bare.weight.grad)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["torch>=2.8", "torch<2.8"])
+def test_no_sync_shares_handed_over_at_once_are_ordered_before_the_nodes_stream(cuda, monkeypatch, legacy):
+    """Where the bucket node hands its result to autograd at once (no_sync keeps the other replicas' shares and
+    returns replica 0's; create_graph's differentiable sum takes the same path), the work still runs on the
+    reduction's streams after the ready streams (autograd's rule of either side of torch 2.8), and the node's
+    stream waits for it before autograd takes it."""
+    monkeypatch.setattr(_rcuda, "_LEGACY_STREAMS", legacy)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    bare = copy.deepcopy(net)
+    rs = _cuda_replica_set(net)
+    rs.reducer.set_sync(False)
+    caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
+    x = torch.randn(4, 4)
+    own = [_rcuda.own_stream(0).name, _rcuda.own_stream(1).name]
+    _step_and_backward(cuda, rs, x, caller, caller)
+    ordering = [e for e in cuda.log if e[0] in ("wait", "wait_event", "wait_fence", "fence")]
+    fences = [e[1] for e in ordering if e[0] == "fence"]
+    assert ordering == [("wait", own[0], "caller@0"), ("wait", own[1], "default@1" if legacy else "caller@0"),
+                        ("fence", fences[0], own[0]), ("fence", fences[0], own[1]), ("fence", fences[2], own[0]),
+                        ("wait_fence", "caller@0", fences[2])]
+    bare(x[:2]).sum().backward()
+    torch.testing.assert_close(net.weight.grad, bare.weight.grad)  # replica 0's share, as a DDP rank's .grad
+    assert cuda.host_syncs() == []
+
+
+def test_reduction_holds_what_it_used_until_its_fence_has_passed(cuda, monkeypatch):
+    """The gradients the reduction reads stay alive (the caching allocator cannot hand out their memory) until the
+    host sees the fence behind the reduction's streams pass; the next forward sweeps them away once it has."""
+    import weakref
+
+    net = nn.Linear(4, 3)
+    rs = _cuda_replica_set(net)
+    seen = []
+    real_sum = _sums.bucket_sum
+
+    def spy_sum(bucket, grads, kept, out):
+        seen.extend(weakref.ref(g) for g in grads if g is not None)
+        return real_sum(bucket, grads, kept, out)
+
+    monkeypatch.setattr(_sums, "bucket_sum", spy_sum)
+    caller = [cuda.default_stream(0), cuda.default_stream(1)]
+    cuda.fences_done = False
+    _step_and_backward(cuda, rs, torch.randn(4, 4), caller, caller)
+    assert seen and all(r() is not None for r in seen)
+    with cuda.stream(caller[0]):
+        rs.step()  # the fence has not passed: still held
+    assert all(r() is not None for r in seen)
+    cuda.fences_done = True
+    with cuda.stream(caller[0]):
+        rs.step()
+    assert all(r() is None for r in seen)
+
+
+def test_kept_nodes_are_remade_for_a_forward_on_other_streams(cuda, monkeypatch):
+    """Autograd orders a node's backward on the streams current when the node was made: a step on other streams
+    gets new nodes, and the reduction waits for the stream autograd then makes current."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    rs = _cuda_replica_set(net)
+    first = [cuda.stream_on(0, "first@0"), cuda.stream_on(1, "first@1")]
+    second = [cuda.stream_on(0, "second@0"), cuda.stream_on(1, "second@1")]
+    x = torch.randn(4, 4)
+    with cuda.stream(first[0]), cuda.stream(first[1]):
+        roots = rs.step()
+        node = roots[1].weight.grad_fn
+        again = rs.step()
+    assert again[1].weight.grad_fn is node  # same streams: the kept node
+    cuda.log.clear()
+    roots = _step_and_backward(cuda, rs, x, second, second)
+    assert roots[1].weight.grad_fn is not node
+    assert ("wait", _rcuda.own_stream(0).name, "second@0") in cuda.log
+    assert cuda.host_syncs() == []
+    torch.testing.assert_close(net.weight.grad, 2 * x.sum(0).expand(3, 4) / 2)
+
+
+# ---- CUDA-graph capture ------------------------------------------------------------------------------------------
+
+
+def test_capture_is_refused_with_a_clear_error(cuda, monkeypatch):
+    """A multi-device forward and the gradient reduction hop threads and order work across devices: under graph
+    capture they raise an error that names the capture instead of recording a broken graph."""
+    net = nn.Linear(4, 3)
+    dp = fastdp.DataParallel(net, device_ids=["cpu"] * 2)
+    out = dp(torch.randn(4, 4))  # the graph to differentiate, made before the capture starts
+    dp.src_device_obj = torch.device("cuda", 0)  # as for CUDA replicas; the module check is for real devices only
+    monkeypatch.setattr(dp_module._checks, "check_module_device", lambda module, device: None)
+    cuda.capturing = True
+    with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
+        dp(torch.randn(4, 4))
+    dp._replica_set.reducer.host = False  # a reduction over CUDA devices
+    with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
+        out.sum().backward()
+    cuda.capturing = False
+    dp.src_device_obj = torch.device("cpu")
+    dp._replica_set.reducer.host = True
+    dp(torch.randn(4, 4)).sum().backward()  # outside the capture: runs

@@ -152,26 +152,34 @@ class _StepNumbers:
         self.backward = [None] * n
         self.gil = [None] * n
         self.span = max((end for _, _, _, end, _, _ in r.ranges), default=0)
-        phases = {}
+        self.phases = {}
         for phase, replica, start, end, nbytes, extra in r.ranges:
             if replica is not None and phase in ("forward", "backward"):
-                row = self.forward if phase == "forward" else self.backward
-                row[replica] = (row[replica] or 0) + (end - start)
-                if phase == "forward":  # on threads: waiting to start, then off the CPU while running
-                    self.gil[replica] = ((self.gil[replica] or 0) + extra.get("off_cpu_ns", 0)
-                                         + extra.get("queued_ns", 0))
-            acc = phases.setdefault(phase, [None, None, 0, 0, 0])
-            if replica is None and phase not in ("forward", "backward"):
-                acc[4] += end - start  # summed durations (buckets of a reduction)
-            acc[0] = start if acc[0] is None else min(acc[0], start)
-            acc[1] = end if acc[1] is None else max(acc[1], end)
-            acc[2] += nbytes
-            acc[3] += 1
-        self.phases = phases
+                self._add_replica_time(phase, replica, end - start, extra)
+            self._add_to_phase(phase, replica, start, end, nbytes)
         self.ran = [i for i in range(n) if r.rows[i] > 0 and self.forward[i] is not None]
         if not r.threads:
             self.gil = [0 if g is not None else None for g in self.gil]
         self.exposed_reduce = self._exposed_reduce()
+
+    def _add_replica_time(self, phase, replica, duration, extra):
+        """Sums one replica's forward or backward range into its time for the step."""
+        row = self.forward if phase == "forward" else self.backward
+        row[replica] = (row[replica] or 0) + duration
+        if phase == "forward":  # on threads: waiting to start, then off the CPU while running
+            self.gil[replica] = ((self.gil[replica] or 0) + extra.get("off_cpu_ns", 0)
+                                 + extra.get("queued_ns", 0))
+
+    def _add_to_phase(self, phase, replica, start, end, nbytes):
+        """Widens the phase's [first start, last end] to the range and adds its bytes, its count and (for the
+        host's own ranges, such as the buckets of a reduction) its duration."""
+        acc = self.phases.setdefault(phase, [None, None, 0, 0, 0])
+        if replica is None and phase not in ("forward", "backward"):
+            acc[4] += end - start  # summed durations (buckets of a reduction)
+        acc[0] = start if acc[0] is None else min(acc[0], start)
+        acc[1] = end if acc[1] is None else max(acc[1], end)
+        acc[2] += nbytes
+        acc[3] += 1
 
     def _exposed_reduce(self):
         waits = self.phases.get("wait-reduce")

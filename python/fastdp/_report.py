@@ -202,19 +202,9 @@ class _StepNumbers:
 
 def build(wrapper, steps=None):
     """The Report of the wrapper's recorded steps (the last ``steps`` of them, default all kept)."""
-    rec = wrapper.__dict__.get("_recorder")
-    if rec is None or rec.internal:
-        raise RuntimeError(
-            "dp.report(): nothing was recorded; pass report=True to fastdp.DataParallel (or call "
-            "dp.enable_report()) before the steps you want measured"
-        )
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"dp.report(steps={steps!r}): expected a positive int (how many of the last steps)")
-    records = list(rec.steps)
-    if steps is not None:
-        records = records[-steps:]
-    if records and rec.memory is not None and records[-1] is rec.open and rec.open.memory is None:
-        rec.open.memory, rec.open.memory_exact = rec.memory.peek(), list(rec.memory.exact)
+    rec = _report_recorder(wrapper)
+    _check_steps(steps)
+    records = _last_records(rec, steps)
     resolved = [_recorder.resolve(s) for s in records]
     numbers = [_StepNumbers(r) for r in resolved]
     done = [x for i, x in enumerate(numbers) if x.complete(i == len(numbers) - 1)]
@@ -225,23 +215,63 @@ def build(wrapper, steps=None):
     report = Report(
         steps=len(used), training=bool(training), devices=devices,
         step_ms=_median([_ms(x.span) for x in used]),
-        period_ms=_median([_ms(b.t0 - a.t0) for a, b in zip(records, records[1:])
-                           if any(x.r.index == a.index for x in used)]),
+        period_ms=_period_ms(records, used),
         replicas=_replica_stats(used, devices),
         phases=_phase_stats(used),
         memory=memory,
         ranges=resolved,
         t0s=[s.t0 for s in records],
     )
-    if len(wrapper.device_ids) == 1:
-        report.notes.append("one device: the module runs directly, with nothing to balance; nothing is recorded")
-    if len(done) < len(numbers):
-        report.notes.append(f"{len(numbers) - len(done)} training step(s) without a finished backward left out "
-                            "(the last forward's backward has not run yet)")
-    if not any(x.r.memory for x in used):
-        report.notes.append(_memory_note(wrapper.device_ids))
+    report.notes += _notes(wrapper, len(numbers) - len(done), used)
     report.advice = advise(report, wrapper)
     return report
+
+
+def _report_recorder(wrapper):
+    """The recorder that ``report=`` (or ``enable_report()``) turned on; the small internal one that
+    ``chunk_sizes="auto"`` runs while it measures is not a report's."""
+    rec = wrapper.__dict__.get("_recorder")
+    if rec is None or rec.internal:
+        raise RuntimeError(
+            "dp.report(): nothing was recorded; pass report=True to fastdp.DataParallel (or call "
+            "dp.enable_report()) before the steps you want measured"
+        )
+    return rec
+
+
+def _check_steps(steps):
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"dp.report(steps={steps!r}): expected a positive int (how many of the last steps)")
+
+
+def _last_records(rec, steps):
+    """The last ``steps`` recorded steps (all kept when None). A step's memory peaks are read when the next step
+    starts; the last step's, not read yet, are read now so that it shows its memory too."""
+    records = list(rec.steps)
+    if steps is not None:
+        records = records[-steps:]
+    if records and rec.memory is not None and records[-1] is rec.open and rec.open.memory is None:
+        rec.open.memory, rec.open.memory_exact = rec.memory.peek(), list(rec.memory.exact)
+    return records
+
+
+def _period_ms(records, used):
+    """Median time from the start of each summarised step to the start of the step after it."""
+    summarised = {x.r.index for x in used}
+    return _median([_ms(b.t0 - a.t0) for a, b in zip(records, records[1:]) if a.index in summarised])
+
+
+def _notes(wrapper, unfinished, used):
+    """What the reader should know about the numbers: what was not measured, and why."""
+    notes = []
+    if len(wrapper.device_ids) == 1:
+        notes.append("one device: the module runs directly, with nothing to balance; nothing is recorded")
+    if unfinished:
+        notes.append(f"{unfinished} training step(s) without a finished backward left out "
+                     "(the last forward's backward has not run yet)")
+    if not any(x.r.memory for x in used):
+        notes.append(_memory_note(wrapper.device_ids))
+    return notes
 
 
 def _device_name(d):

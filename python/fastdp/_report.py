@@ -289,27 +289,47 @@ def _replica_stats(used, devices):
     replica's median forward plus backward, less this one's): a persistent imbalance, where a step disturbed by
     the machine (another process, a garbage collection) would make every replica of that step look as if it
     waited."""
-    out = []
-    for pos, device in enumerate(devices):
-        ran = [x for x in used if pos in x.ran]
-        peaks = [x.r.memory[pos] for x in used if x.r.memory]
-        out.append(ReplicaStats(
-            position=pos, device=device,
-            rows=_median([x.r.rows[pos] for x in used]) if used else None,
-            forward_ms=_median([_ms(x.forward[pos]) for x in ran]),
-            backward_ms=_median([_ms(x.backward[pos]) for x in ran if x.backward[pos] is not None]),
-            wait_others_ms=None,
-            wait_reduce_ms=_median([_ms(x.exposed_reduce) for x in ran if x.exposed_reduce is not None]),
-            wait_gil_ms=_median([_ms(x.gil[pos]) for x in ran if x.gil[pos] is not None]),
-            peak_bytes=max(peaks) if peaks else None,
-        ))
-    busy = {r.position: (r.forward_ms or 0) + (r.backward_ms or 0) for r in out if r.forward_ms is not None}
+    out = [_position_stats(pos, device, used) for pos, device in enumerate(devices)]
+    _set_wait_for_others(out)
+    return out
+
+
+def _position_stats(pos, device, used):
+    """One position's medians over the steps it ran in (its wait for the others is set afterwards, from every
+    position's medians)."""
+    ran = [x for x in used if pos in x.ran]
+    peaks = [x.r.memory[pos] for x in used if x.r.memory]
+    return ReplicaStats(
+        position=pos, device=device,
+        rows=_median([x.r.rows[pos] for x in used]) if used else None,
+        forward_ms=_median_ms(x.forward[pos] for x in ran),
+        backward_ms=_median_ms(x.backward[pos] for x in ran),
+        wait_others_ms=None,
+        wait_reduce_ms=_median_ms(x.exposed_reduce for x in ran),
+        wait_gil_ms=_median_ms(x.gil[pos] for x in ran),
+        peak_bytes=max(peaks) if peaks else None,
+    )
+
+
+def _median_ms(durations_ns):
+    """The median in ms of the durations measured (None: not measured in that step)."""
+    return _median([_ms(ns) for ns in durations_ns if ns is not None])
+
+
+def _busy_ms(replica):
+    """A replica's median forward plus backward: the time the others wait for when it is the slowest."""
+    return (replica.forward_ms or 0) + (replica.backward_ms or 0)
+
+
+def _set_wait_for_others(out):
+    """Each replica that ran waits for the busiest one: the difference of their busy times (none with a single
+    replica running)."""
+    busy = {r.position: _busy_ms(r) for r in out if r.forward_ms is not None}
     if len(busy) > 1:
         most = max(busy.values())
         for r in out:
             if r.position in busy:
                 r.wait_others_ms = most - busy[r.position]
-    return out
 
 
 def _phase_stats(used):

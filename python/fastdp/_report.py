@@ -349,66 +349,97 @@ def _phase_stats(used):
 
 def advise(report, wrapper):
     """The lines of advice the report's numbers support, each naming its threshold; empty when nothing stands out."""
-    out = []
     split = wrapper.__dict__.get("_split")
-    auto = isinstance(split, _split.AutoSplit)
     criterion = wrapper.__dict__.get("_criterion") is not None
     step = report.step_ms
     rows = [r for r in report.replicas if r.forward_ms is not None]
+    found = [_memory_advice(report, split, criterion)]
+    if step and len(rows) > 1:  # the replicas can only wait for each other when more than one ran
+        found += [_wait_advice(step, rows, split), _gil_advice(rows, len(wrapper.device_ids))]
+    found.append(_reduce_advice(step, rows, wrapper))
+    return [a for a in found if a is not None]
+
+
+def _memory_advice(report, split, criterion):
+    """GPU 0 holds much more than the others (it gathers the outputs and holds the master copy)."""
     peaks = _distinct_peaks(report)
-    if len(peaks) > 1:
-        others = statistics.median(peaks[1:])
-        ratio = peaks[0] / others if others else None
-        limit = THRESHOLDS["memory"]
-        if ratio is not None and ratio >= limit:
-            fixes = []
-            if not criterion:
-                fixes.append("`criterion=` (the loss on each replica: outputs never gathered on GPU 0)")
-            if not auto:
-                fixes.append('`chunk_sizes="auto"` (fewer rows on GPU 0 until it fits)')
-            fix = " or ".join(fixes) if fixes else "a smaller share for device 0 (`chunk_sizes=` with a float)"
-            out.append(Advice("memory", f"GPU 0 holds {ratio:.1f}x the median memory of the others (advice from "
-                                        f"{limit}x): use {fix}", ratio, limit))
-    if step and len(rows) > 1:
-        waits = [r.wait_others_ms for r in rows if r.wait_others_ms is not None]
-        share = statistics.mean(waits) / step if waits else 0
-        limit = THRESHOLDS["wait"]
-        if share >= limit:
-            slow = max(rows, key=lambda r: (r.forward_ms or 0) + (r.backward_ms or 0))
-            if auto and not split.settled:
-                fix = 'chunk_sizes="auto" is still measuring; it moves rows away from the slowest replica'
-            elif auto and split.weights and (split.weights[slow.position]
-                                             <= 1.01 * split.min_weight * max(split.weights)):
-                fix = (f'chunk_sizes="auto" gives it the fewest rows it may (min_weight={split.min_weight:g}) and it '
-                       "is still the slowest: its time does not shrink with its rows; leave its device out of "
-                       "device_ids, or give it 0 rows with chunk_sizes=[...]")
-            elif auto:
-                fix = f'chunk_sizes="auto" {split.time_reason}; a fixed `chunk_sizes=` list can go further'
-            else:
-                fix = '`chunk_sizes="auto"` balances time (moves rows away from the slowest replica)'
-            out.append(Advice("wait", f"replicas wait {share:.0%} of the step for each other (advice from "
-                                      f"{limit:.0%}; the slowest: {slow.device} at position {slow.position}): {fix}",
-                              share, limit))
-        gil = [r.wait_gil_ms / r.forward_ms for r in rows if r.wait_gil_ms and r.forward_ms]
-        share = statistics.mean(gil) if gil else 0
-        limit = THRESHOLDS["gil"]
-        if share >= limit:
-            n = len(wrapper.device_ids)
-            out.append(Advice("gil", f"the forward is bound by Python (the GIL): replicas spend {share:.0%} of it "
-                                     f"off the CPU waiting for each other's threads (advice from {limit:.0%}); "
-                                     f"`torchrun --nproc_per_node {n} your_script.py` runs this same script on DDP, "
-                                     "one process per GPU", share, limit))
+    if len(peaks) < 2:
+        return None
+    others = statistics.median(peaks[1:])
+    ratio = peaks[0] / others if others else None
+    limit = THRESHOLDS["memory"]
+    if ratio is not None and ratio >= limit:
+        fix = _memory_fix(split, criterion)
+        return Advice("memory", f"GPU 0 holds {ratio:.1f}x the median memory of the others (advice from "
+                                f"{limit}x): use {fix}", ratio, limit)
+    return None
+
+
+def _memory_fix(split, criterion):
+    """The settings that take memory off GPU 0, of those the wrapper does not use yet."""
+    fixes = []
+    if not criterion:
+        fixes.append("`criterion=` (the loss on each replica: outputs never gathered on GPU 0)")
+    if not isinstance(split, _split.AutoSplit):
+        fixes.append('`chunk_sizes="auto"` (fewer rows on GPU 0 until it fits)')
+    return " or ".join(fixes) if fixes else "a smaller share for device 0 (`chunk_sizes=` with a float)"
+
+
+def _wait_advice(step, rows, split):
+    """The replicas spend much of the step waiting for the slowest one."""
+    waits = [r.wait_others_ms for r in rows if r.wait_others_ms is not None]
+    share = statistics.mean(waits) / step if waits else 0
+    limit = THRESHOLDS["wait"]
+    if share >= limit:
+        slow = max(rows, key=_busy_ms)
+        fix = _balance_fix(split, slow)
+        return Advice("wait", f"replicas wait {share:.0%} of the step for each other (advice from "
+                              f"{limit:.0%}; the slowest: {slow.device} at position {slow.position}): {fix}",
+                      share, limit)
+    return None
+
+
+def _balance_fix(split, slow):
+    """What evens out the replicas' times, given how far ``chunk_sizes="auto"`` (if used) has got."""
+    if not isinstance(split, _split.AutoSplit):
+        return '`chunk_sizes="auto"` balances time (moves rows away from the slowest replica)'
+    if not split.settled:
+        return 'chunk_sizes="auto" is still measuring; it moves rows away from the slowest replica'
+    if split.weights and split.weights[slow.position] <= 1.01 * split.min_weight * max(split.weights):
+        # Already down to its least weight: more rows taken away would not help.
+        return (f'chunk_sizes="auto" gives it the fewest rows it may (min_weight={split.min_weight:g}) and it '
+                "is still the slowest: its time does not shrink with its rows; leave its device out of "
+                "device_ids, or give it 0 rows with chunk_sizes=[...]")
+    return f'chunk_sizes="auto" {split.time_reason}; a fixed `chunk_sizes=` list can go further'
+
+
+def _gil_advice(rows, ndev):
+    """The replicas' threads spend much of the forward waiting for the GIL: processes would not."""
+    gil = [r.wait_gil_ms / r.forward_ms for r in rows if r.wait_gil_ms and r.forward_ms]
+    share = statistics.mean(gil) if gil else 0
+    limit = THRESHOLDS["gil"]
+    if share >= limit:
+        return Advice("gil", f"the forward is bound by Python (the GIL): replicas spend {share:.0%} of it "
+                             f"off the CPU waiting for each other's threads (advice from {limit:.0%}); "
+                             f"`torchrun --nproc_per_node {ndev} your_script.py` runs this same script on DDP, "
+                             "one process per GPU", share, limit)
+    return None
+
+
+def _reduce_advice(step, rows, wrapper):
+    """The gradient reduction goes on long after backward ended: smaller buckets start it earlier."""
     reduce_wait = _median([r.wait_reduce_ms for r in rows])
-    if step and reduce_wait:
-        share = reduce_wait / step
-        limit = THRESHOLDS["reduce"]
-        if share >= limit:
-            mb = wrapper.__dict__.get("_bucket_bytes", 25 * 2**20) / 2**20
-            out.append(Advice("reduce", f"the reduction is not hidden by backward: {reduce_wait:.2f} ms, {share:.0%} "
-                                        f"of the step, after backward ended (advice from {limit:.0%}): try "
-                                        f"`bucket_cap_mb={max(1, round(mb / 2))}` (now {mb:g}), so it starts earlier",
-                              share, limit))
-    return out
+    if not (step and reduce_wait):
+        return None
+    share = reduce_wait / step
+    limit = THRESHOLDS["reduce"]
+    if share >= limit:
+        mb = wrapper.__dict__.get("_bucket_bytes", 25 * 2**20) / 2**20
+        return Advice("reduce", f"the reduction is not hidden by backward: {reduce_wait:.2f} ms, {share:.0%} "
+                                f"of the step, after backward ended (advice from {limit:.0%}): try "
+                                f"`bucket_cap_mb={max(1, round(mb / 2))}` (now {mb:g}), so it starts earlier",
+                      share, limit)
+    return None
 
 
 def _distinct_peaks(report):

@@ -494,29 +494,49 @@ class AutoSplit:
             return
         weights = list(self.weights)
         self.time_history.append((list(weights), list(busy)))
-        most, least = max(busy[i] for i in active), min(busy[i] for i in active)
-        if most - least <= self.time_tolerance * most or most - least <= self.min_gap_s:
+        if self._times_even([busy[i] for i in active]):
             self._settle_time(f"replicas within {self.time_tolerance:.0%} of each other's time")
             return
-        # Seconds per row, the least of the last three judged steps: a step disturbed by the machine (another
-        # process, a collection) only lengthens times, so one such step does not move the split.
-        recent = self._costs = (self._costs + [{i: busy[i] / rows[i] for i in active}])[-3:]
-        cost = {i: min(c[i] for c in recent if i in c) for i in active}
-        speed = {i: 1 / cost[i] for i in active}
-        scale = sum(weights[i] for i in active) / sum(speed.values())
-        new = list(weights)
-        for i in active:
-            target = speed[i] * scale
-            new[i] = min(2 * weights[i], max(weights[i] / 2, math.sqrt(weights[i] * target)))
-        floor = self.min_weight * max(new)
-        new = [max(w, floor) for w in new]
-        if self._capped and self._ndev > 1:
-            new[0] = min(new[0], self.share * statistics.median(new[1:]))
+        speed = self._speeds(rows, busy, active)
+        new = self._bounded(self._moved_towards(weights, speed))
         self.weights = new
         if all(abs(n / w - 1) < 0.05 for n, w in zip(new, weights) if w > 0):
             self._settle_time("settled: the weights stopped moving (held by their bounds)")
         elif len(self.time_history) >= self.time_steps:
             self._settle_time(f"settled after {len(self.time_history)} timed steps")
+
+    def _times_even(self, times):
+        """Whether the busiest replica is within ``time_tolerance`` (or ``min_gap_s`` seconds) of the least busy."""
+        most, least = max(times), min(times)
+        return most - least <= self.time_tolerance * most or most - least <= self.min_gap_s
+
+    def _speeds(self, rows, busy, active):
+        """Rows per second of each active device, from its least seconds per row over the last three judged steps:
+        a step disturbed by the machine (another process, a collection) only lengthens times, so one such step
+        does not move the split."""
+        recent = self._costs = (self._costs + [{i: busy[i] / rows[i] for i in active}])[-3:]
+        cost = {i: min(c[i] for c in recent if i in c) for i in active}
+        return {i: 1 / cost[i] for i in active}
+
+    @staticmethod
+    def _moved_towards(weights, speed):
+        """The weights moved halfway (geometrically) towards weights proportional to the devices' speeds, by at
+        most a factor of 2; the devices without a speed (no rows, no time) keep theirs."""
+        scale = sum(weights[i] for i in speed) / sum(speed.values())
+        new = list(weights)
+        for i in speed:
+            target = speed[i] * scale
+            new[i] = min(2 * weights[i], max(weights[i] / 2, math.sqrt(weights[i] * target)))
+        return new
+
+    def _bounded(self, weights):
+        """No weight below ``min_weight`` times the largest; device 0 not above the memory phase's share of the
+        others' median when that phase found it over its bound."""
+        floor = self.min_weight * max(weights)
+        weights = [max(w, floor) for w in weights]
+        if self._capped and self._ndev > 1:
+            weights[0] = min(weights[0], self.share * statistics.median(weights[1:]))
+        return weights
 
     def avoid(self, position):
         """Halves ``position``'s weight for good (an out-of-memory rescue moved rows away from it) and settles."""

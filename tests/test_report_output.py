@@ -127,7 +127,7 @@ def _report_with(peaks, forward, backward=None, gil=None, criterion=False, split
     report = _report.Report(steps=5, training=True, devices=[f"cuda:{i}" for i in range(n)],
                             step_ms=2 * max(forward) + 1, period_ms=None, replicas=replicas, phases=[],
                             memory=fastdp.memory_report(wrapper))
-    return _report.advise(report, wrapper)
+    return _report.advise(report, wrapper._report_setup())
 
 
 def test_memory_advice_fires_from_its_threshold_and_names_the_fixes():

@@ -17,7 +17,7 @@ from torch.nn.modules import Module
 from ._wrapper import checkpoint as _checkpoint, checks as _checks, launch as _launch
 from ._platform import devices as _devices, streams as _streams
 from ._step import idle_master as _idle_master, replicas as _replicas, step as _step
-from ._balance import rescue as _rescue, replica_loss as _replica_loss, split as _split
+from ._balance import memory as _memory, rescue as _rescue, replica_loss as _replica_loss, split as _split
 from ._report import recorder as _recorder, report as _report
 from . import sync_batchnorm
 from . import parallel_apply as _parallel_apply
@@ -533,7 +533,19 @@ class DataParallel(_UPSTREAM):
     def report(self, steps=None):
         """What the last recorded steps measured (``steps``: how many of them; default all kept), as a
         ``fastdp.Report``: ``print()`` it, or ``.to_dict()``, ``.to_csv(path)``, ``.trace(path)``, ``.plot(path)``."""
-        return _report.build(self, steps)
+        if not self.device_ids:
+            raise RuntimeError(
+                "dp.report(): this wrapper runs the module directly and records nothing: no GPU is visible and "
+                "device_ids was not given, so, as torch.nn.DataParallel does, it passes every call through; pass "
+                "device_ids=['cpu'] * N for N emulated replicas on the host, or run where a GPU is visible"
+            )
+        return _report.build(self._recording.recorder, self._report_setup(), lambda: _memory.memory_report(self),
+                             steps)
+
+    def _report_setup(self):
+        """What the report reads of this wrapper besides its records (fastdp._report.report.Setup)."""
+        return _report.Setup(self.device_ids, self.__dict__.get("_split"), self.__dict__.get("_criterion") is not None,
+                             self._bucket_bytes)
 
     def train_step(self, *inputs, loss_fn=None, **kwargs):
         """Forward, loss and backward in one call; returns the loss, detached. The loss is the forward's result

@@ -298,43 +298,59 @@ def run(modules, inputs, kwargs_tup=None, devices=None, site=None):
     streams = [None if d == _devices.CPU else torch.cuda.current_stream(d) for d in devices]
     results = [None] * len(modules)
 
-    threads = len(modules) > 1 and (_CPU_THREADS or any(d != _devices.CPU for d in devices) or needs_threads(modules))
+    threads = _on_threads(modules, devices)
     if site is not None:
         site.threads = threads  # whether replicas share the GIL (their time off the CPU is measured then)
     if len(modules) == 1:
         # Inline in the caller's thread: its grad mode and autocast state apply as they are.
         _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], None, results, site)
     elif not threads:
-        # Emulated host replicas: one after another in the caller's thread, each under the caller's thread-local
-        # state as a worker would be. Threads would buy nothing (their backward runs in the caller's thread
-        # anyway, and the forwards contend for the GIL); the first failing replica ends the call.
-        context = _Context(devices)
-        for i in range(len(modules)):
-            _run(i, modules[i], inputs[i], kwargs_tup[i], devices[i], None, context, results, site)
-            if isinstance(results[i], ExceptionWrapper):
-                break
+        _run_in_turn(modules, inputs, kwargs_tup, devices, results, site)
     else:
-        context = _Context(devices)
-        done = queue.SimpleQueue()
-        finished = [False] * len(modules)
-        workers = {}
-        try:
-            # Every worker is taken before any task is queued: one thread per replica, the same threads call after
-            # call (a worker done early is not handed a second replica of this call). Ctrl-C is held back while
-            # they are handed out: every task recorded in `workers` is queued, so the wait below always ends.
-            with _HoldSigint():
-                for i in range(1, len(modules)):
-                    workers[i] = _acquire()
-                for i, w in workers.items():
-                    w.submit((i, modules[i], inputs[i], kwargs_tup[i], devices[i], streams[i], context, results,
-                              site), done, finished)
-            # Replica 0 runs here while the workers run the others; its thread-local state is re-entered like
-            # theirs. An interrupt that reaches this thread while it runs replica 0 is stored like any exception.
-            _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], context, results, site)
-        finally:
-            _wait(done, workers, finished)
+        _run_on_workers(modules, inputs, kwargs_tup, devices, streams, results, site)
 
     for output in results:
         if isinstance(output, ExceptionWrapper):
             first_cause(results).reraise()
     return results
+
+
+def _on_threads(modules, devices):
+    """Whether the replicas run on worker threads: always for several replicas on a GPU; "cpu" replicas only when
+    they must run at the same time (they meet in synced batch-norm layers), or a test asks for it."""
+    return len(modules) > 1 and (_CPU_THREADS or any(d != _devices.CPU for d in devices) or needs_threads(modules))
+
+
+def _run_in_turn(modules, inputs, kwargs_tup, devices, results, site):
+    """Emulated host replicas: one after another in the caller's thread, each under the caller's thread-local
+    state as a worker would be. Threads would buy nothing (their backward runs in the caller's thread anyway, and
+    the forwards contend for the GIL); the first failing replica ends the call."""
+    context = _Context(devices)
+    for i in range(len(modules)):
+        _run(i, modules[i], inputs[i], kwargs_tup[i], devices[i], None, context, results, site)
+        if isinstance(results[i], ExceptionWrapper):
+            break
+
+
+def _run_on_workers(modules, inputs, kwargs_tup, devices, streams, results, site):
+    """Replica 0 in the caller's thread, each other replica on a worker thread of its own; returns once every
+    worker is done with its replica, whatever happened meanwhile."""
+    context = _Context(devices)
+    done = queue.SimpleQueue()
+    finished = [False] * len(modules)
+    workers = {}
+    try:
+        # Every worker is taken before any task is queued: one thread per replica, the same threads call after
+        # call (a worker done early is not handed a second replica of this call). Ctrl-C is held back while
+        # they are handed out: every task recorded in `workers` is queued, so the wait below always ends.
+        with _HoldSigint():
+            for i in range(1, len(modules)):
+                workers[i] = _acquire()
+            for i, w in workers.items():
+                w.submit((i, modules[i], inputs[i], kwargs_tup[i], devices[i], streams[i], context, results,
+                          site), done, finished)
+        # Replica 0 runs here while the workers run the others; its thread-local state is re-entered like
+        # theirs. An interrupt that reaches this thread while it runs replica 0 is stored like any exception.
+        _run(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0], context, results, site)
+    finally:
+        _wait(done, workers, finished)

@@ -319,29 +319,53 @@ def unaligned_outputs(outputs, counts, dim, path="output", found=None):
     sample counts ``counts``: gathering concatenates them anyway, so their rows do not follow the batch. Walks what
     gather walks (tensors in dicts, lists and tuples of one shape across replicas); anything else is gather's to
     judge."""
-    out = outputs[0]
-    if found is None and type(out) is torch.Tensor and all(type(o) is torch.Tensor for o in outputs):
-        # A single tensor output, the common case, checked at once.
-        if out.dim() == 0 or any(o.dim() != out.dim() for o in outputs):
-            return []
-        first = out.size(dim)
-        if all(o.size(dim) * counts[0] == first * c for o, c in zip(outputs, counts)):
-            return []
+    if found is None and _single_tensor_aligned(outputs, counts, dim):
+        return []
     found = [] if found is None else found
-    if isinstance(out, torch.Tensor):
-        if out.dim() > 0 and all(isinstance(o, torch.Tensor) and o.dim() == out.dim() for o in outputs):
-            sizes = [o.size(dim) for o in outputs]
-            if any(n * counts[0] != sizes[0] * c for n, c in zip(sizes, counts)):
-                found.append((path, sizes))
-    elif isinstance(out, dict):
+    if isinstance(outputs[0], torch.Tensor):
+        sizes = _unaligned_sizes(outputs, counts, dim)
+        if sizes is not None:
+            found.append((path, sizes))
+    for suffix, values in _entries_alike(outputs):
+        unaligned_outputs(values, counts, dim, f"{path}{suffix}", found)
+    return found
+
+
+def _single_tensor_aligned(outputs, counts, dim):
+    """The common case, checked at once: every replica returned one plain tensor, and their rows follow the batch
+    (or there are no rows to judge: 0-dim tensors, or tensors of different ranks)."""
+    out = outputs[0]
+    if type(out) is not torch.Tensor or not all(type(o) is torch.Tensor for o in outputs):
+        return False
+    if out.dim() == 0 or any(o.dim() != out.dim() for o in outputs):
+        return True
+    first = out.size(dim)
+    return all(o.size(dim) * counts[0] == first * c for o, c in zip(outputs, counts))
+
+
+def _unaligned_sizes(outputs, counts, dim):
+    """The replicas' sizes along dim when all are tensors of one rank (not 0) and their sizes are not proportional
+    to ``counts``; None otherwise."""
+    out = outputs[0]
+    if out.dim() > 0 and all(isinstance(o, torch.Tensor) and o.dim() == out.dim() for o in outputs):
+        sizes = [o.size(dim) for o in outputs]
+        if any(n * counts[0] != sizes[0] * c for n, c in zip(sizes, counts)):
+            return sizes
+    return None
+
+
+def _entries_alike(outputs):
+    """(path suffix, the replicas' values) of each entry of the replicas' dicts (the same keys in each) or lists
+    and tuples (the same length in each), one entry at a time; nothing for anything else."""
+    out = outputs[0]
+    if isinstance(out, dict):
         if all(isinstance(o, dict) and o.keys() == out.keys() for o in outputs):
             for k in out:
-                unaligned_outputs([o[k] for o in outputs], counts, dim, f"{path}[{k!r}]", found)
+                yield f"[{k!r}]", [o[k] for o in outputs]
     elif isinstance(out, (tuple, list)):
         if all(isinstance(o, (tuple, list)) and len(o) == len(out) for o in outputs):
             for k in range(len(out)):
-                unaligned_outputs([o[k] for o in outputs], counts, dim, f"{path}[{k}]", found)
-    return found
+                yield f"[{k}]", [o[k] for o in outputs]
 
 
 def gather(outputs, target_device, dim=0):

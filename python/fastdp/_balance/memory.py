@@ -173,7 +173,7 @@ def memory_report(model, *, reset_peak=False):
     ids = [_devices.normalize(d) for d in device_ids]
     master = _master_bytes(model.module, _devices.torch_device(ids[0])) if hasattr(model, "module") else 0
     last = (last_step.chunk_sizes if last_step is not None else None) or ()
-    rows = [_row(i, d, last[i] if i < len(last) else None, master if i == 0 else 0) for i, d in enumerate(ids)]
+    rows = _device_rows(ids, last, master)
     notes = []
     if _devices.CPU in ids:
         notes.append("'cpu' devices: current/peak allocator figures are n/a on the host; fastdp's own bytes shown")
@@ -187,6 +187,12 @@ def memory_report(model, *, reset_peak=False):
         split=split,
         notes=notes,
     )
+
+
+def _device_rows(ids, last, master):
+    """One row per entry of device_ids: the allocator's figures, the chunk the last forward gave it (None past the
+    chunks it split into), and the master copy's bytes on the first entry (where the wrapped module lives)."""
+    return [_row(i, d, last[i] if i < len(last) else None, master if i == 0 else 0) for i, d in enumerate(ids)]
 
 
 def _row(position, d, chunk, master):

@@ -156,14 +156,7 @@ def _scalars_to(values, device):
 def combine(results, targets, rule, dim, device, gather):
     """The full-batch loss from the replicas' (loss, denominator, bytes) results; `targets` are their chunks."""
     losses = [r[0] for r in results]
-    for i, loss in enumerate(losses):
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"the criterion returned {type(loss).__name__} in replica {i}; expected a tensor")
-        if rule != "none" and loss.numel() != 1:
-            raise ValueError(
-                f"the criterion returned a tensor of shape {tuple(loss.shape)} in replica {i} with reduction "
-                f"{rule!r}; expected a scalar"
-            )
+    _check_losses(losses, rule)
     if rule == "none":
         return gather(losses)
     if rule == "sum":
@@ -172,10 +165,32 @@ def combine(results, targets, rule, dim, device, gather):
         sums = _scalars_to(losses, device)
         dens = _scalars_to([r[1].to(losses[0].dtype) for r in results], device)
         return sums.sum() / dens.sum()
+    return _mean_over_chunks(losses, _sample_counts(targets, dim), device)
+
+
+def _check_losses(losses, rule):
+    """Each replica's loss is a tensor, and a scalar unless the criterion keeps one loss per sample."""
+    for i, loss in enumerate(losses):
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"the criterion returned {type(loss).__name__} in replica {i}; expected a tensor")
+        if rule != "none" and loss.numel() != 1:
+            raise ValueError(
+                f"the criterion returned a tensor of shape {tuple(loss.shape)} in replica {i} with reduction "
+                f"{rule!r}; expected a scalar"
+            )
+
+
+def _sample_counts(targets, dim):
+    """Each chunk's number of samples: its target's size along dim (1 for a target without that dimension)."""
     counts = []
     for t in targets:
         first = _first_tensor(t)
         counts.append(first.shape[dim] if first is not None and first.dim() > 0 else 1)
+    return counts
+
+
+def _mean_over_chunks(losses, counts, device):
+    """The full-batch mean: each chunk's mean weighted by its share of the samples."""
     total = sum(counts)
     if total == 0:
         # The whole batch is empty, so each chunk's loss is the criterion's value on an empty batch, as the bare

@@ -285,6 +285,64 @@ def begin_forward(rule, inputs, kwargs, dim, ndev, *, with_target, training, siz
 # ---- Settling device 0's share from measured peaks ("auto") ------------------------------------------------------
 
 
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, never a count here
+
+
+def _is_number(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _non_negative_int(value):
+    return _is_int(value) and value >= 0
+
+
+def _positive_int(value):
+    return _is_int(value) and value >= 1
+
+
+def _finite_non_negative(value):
+    return _is_number(value) and 0 <= value < math.inf
+
+
+def _fraction_of_largest(value):
+    return _is_number(value) and 0 < value <= 1
+
+
+def _callable_or_none(value):
+    return value is None or callable(value)
+
+
+def _true_or_false(value):
+    return isinstance(value, bool)
+
+
+# AutoSplit's arguments, checked in this order: (name, the test a valid value passes, the error raised otherwise,
+# what the message says the value must be). A ValueError's message ends with the value, a TypeError's with its type.
+_AUTO_ARGUMENTS = (
+    ("warmup", _non_negative_int, ValueError, "a non-negative int"),
+    ("probes", _positive_int, ValueError, "a positive int"),
+    ("tolerance", _finite_non_negative, ValueError, "a finite non-negative number"),
+    ("reader", _callable_or_none, TypeError, "callable (returning one peak per device)"),
+    ("balance_time", _true_or_false, TypeError, "True or False"),
+    ("time_tolerance", _finite_non_negative, ValueError, "a finite non-negative number"),
+    ("min_gap_s", _finite_non_negative, ValueError, "a finite non-negative number"),
+    ("time_steps", _positive_int, ValueError, "a positive int"),
+    ("min_weight", _fraction_of_largest, ValueError,
+     "a number in (0, 1] (the least weight relative to the largest)"),
+    ("timer", _callable_or_none, TypeError, "callable (returning (rows, busy seconds) per device, or None)"),
+)
+
+
+def _check_auto_arguments(values):
+    """Raises for the first of ``values`` (AutoSplit's arguments by name) that ``_AUTO_ARGUMENTS`` rejects."""
+    for name, valid, error, expected in _AUTO_ARGUMENTS:
+        value = values[name]
+        if not valid(value):
+            got = repr(value) if error is ValueError else type(value).__name__
+            raise error(f"{name} must be {expected}, got {got}")
+
+
 class AutoSplit:
     """``chunk_sizes="auto"``: a split found from measured memory, then from measured time.
 
@@ -316,27 +374,9 @@ class AutoSplit:
 
     def __init__(self, *, warmup=2, probes=5, tolerance=0.05, reader=None, balance_time=True, time_tolerance=0.1,
                  min_gap_s=0.0005, time_steps=8, min_weight=0.1, timer=None):
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
-        if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
-            raise ValueError(f"probes must be a positive int, got {probes!r}")
-        if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not 0 <= tolerance < math.inf:
-            raise ValueError(f"tolerance must be a finite non-negative number, got {tolerance!r}")
-        if reader is not None and not callable(reader):
-            raise TypeError(f"reader must be callable (returning one peak per device), got {type(reader).__name__}")
-        if not isinstance(balance_time, bool):
-            raise TypeError(f"balance_time must be True or False, got {type(balance_time).__name__}")
-        for name, value in (("time_tolerance", time_tolerance), ("min_gap_s", min_gap_s)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
-                raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
-        if isinstance(time_steps, bool) or not isinstance(time_steps, int) or time_steps < 1:
-            raise ValueError(f"time_steps must be a positive int, got {time_steps!r}")
-        if isinstance(min_weight, bool) or not isinstance(min_weight, numbers.Real) or not 0 < min_weight <= 1:
-            raise ValueError(f"min_weight must be a number in (0, 1] (the least weight relative to the largest), "
-                             f"got {min_weight!r}")
-        if timer is not None and not callable(timer):
-            raise TypeError(f"timer must be callable (returning (rows, busy seconds) per device, or None), got "
-                            f"{type(timer).__name__}")
+        _check_auto_arguments(dict(warmup=warmup, probes=probes, tolerance=tolerance, reader=reader,
+                                   balance_time=balance_time, time_tolerance=time_tolerance, min_gap_s=min_gap_s,
+                                   time_steps=time_steps, min_weight=min_weight, timer=timer))
         self.warmup, self.probes, self.tolerance, self.reader = warmup, probes, float(tolerance), reader
         self.balance_time, self.time_tolerance, self.min_gap_s = balance_time, float(time_tolerance), float(min_gap_s)
         self.time_steps, self.min_weight, self.timer = time_steps, float(min_weight), timer
@@ -455,29 +495,49 @@ class AutoSplit:
             return
         weights = list(self.weights)
         self.time_history.append((list(weights), list(busy)))
-        most, least = max(busy[i] for i in active), min(busy[i] for i in active)
-        if most - least <= self.time_tolerance * most or most - least <= self.min_gap_s:
+        if self._times_even([busy[i] for i in active]):
             self._settle_time(f"replicas within {self.time_tolerance:.0%} of each other's time")
             return
-        # Seconds per row, the least of the last three judged steps: a step disturbed by the machine (another
-        # process, a collection) only lengthens times, so one such step does not move the split.
-        recent = self._costs = (self._costs + [{i: busy[i] / rows[i] for i in active}])[-3:]
-        cost = {i: min(c[i] for c in recent if i in c) for i in active}
-        speed = {i: 1 / cost[i] for i in active}
-        scale = sum(weights[i] for i in active) / sum(speed.values())
-        new = list(weights)
-        for i in active:
-            target = speed[i] * scale
-            new[i] = min(2 * weights[i], max(weights[i] / 2, math.sqrt(weights[i] * target)))
-        floor = self.min_weight * max(new)
-        new = [max(w, floor) for w in new]
-        if self._capped and self._ndev > 1:
-            new[0] = min(new[0], self.share * statistics.median(new[1:]))
+        speed = self._speeds(rows, busy, active)
+        new = self._bounded(self._moved_towards(weights, speed))
         self.weights = new
         if all(abs(n / w - 1) < 0.05 for n, w in zip(new, weights) if w > 0):
             self._settle_time("settled: the weights stopped moving (held by their bounds)")
         elif len(self.time_history) >= self.time_steps:
             self._settle_time(f"settled after {len(self.time_history)} timed steps")
+
+    def _times_even(self, times):
+        """Whether the busiest replica is within ``time_tolerance`` (or ``min_gap_s`` seconds) of the least busy."""
+        most, least = max(times), min(times)
+        return most - least <= self.time_tolerance * most or most - least <= self.min_gap_s
+
+    def _speeds(self, rows, busy, active):
+        """Rows per second of each active device, from its least seconds per row over the last three judged steps:
+        a step disturbed by the machine (another process, a collection) only lengthens times, so one such step
+        does not move the split."""
+        recent = self._costs = (self._costs + [{i: busy[i] / rows[i] for i in active}])[-3:]
+        cost = {i: min(c[i] for c in recent if i in c) for i in active}
+        return {i: 1 / cost[i] for i in active}
+
+    @staticmethod
+    def _moved_towards(weights, speed):
+        """The weights moved halfway (geometrically) towards weights proportional to the devices' speeds, by at
+        most a factor of 2; the devices without a speed (no rows, no time) keep theirs."""
+        scale = sum(weights[i] for i in speed) / sum(speed.values())
+        new = list(weights)
+        for i in speed:
+            target = speed[i] * scale
+            new[i] = min(2 * weights[i], max(weights[i] / 2, math.sqrt(weights[i] * target)))
+        return new
+
+    def _bounded(self, weights):
+        """No weight below ``min_weight`` times the largest; device 0 not above the memory phase's share of the
+        others' median when that phase found it over its bound."""
+        floor = self.min_weight * max(weights)
+        weights = [max(w, floor) for w in weights]
+        if self._capped and self._ndev > 1:
+            weights[0] = min(weights[0], self.share * statistics.median(weights[1:]))
+        return weights
 
     def avoid(self, position):
         """Halves ``position``'s weight for good (an out-of-memory rescue moved rows away from it) and settles."""

@@ -6,6 +6,7 @@ the steps kept), reads them out (a text table, HTML for notebooks, a dict, CSV, 
 derives the advice, each line naming the threshold it used.
 """
 
+import collections
 import csv
 import html
 import json
@@ -92,26 +93,34 @@ class _StepNumbers:
         self.backward = [None] * n
         self.gil = [None] * n
         self.span = max((end for _, _, _, end, _, _ in r.ranges), default=0)
-        phases = {}
+        self.phases = {}
         for phase, replica, start, end, nbytes, extra in r.ranges:
             if replica is not None and phase in ("forward", "backward"):
-                row = self.forward if phase == "forward" else self.backward
-                row[replica] = (row[replica] or 0) + (end - start)
-                if phase == "forward":  # on threads: waiting to start, then off the CPU while running
-                    self.gil[replica] = ((self.gil[replica] or 0) + extra.get("off_cpu_ns", 0)
-                                         + extra.get("queued_ns", 0))
-            acc = phases.setdefault(phase, [None, None, 0, 0, 0])
-            if replica is None and phase not in ("forward", "backward"):
-                acc[4] += end - start  # summed durations (buckets of a reduction)
-            acc[0] = start if acc[0] is None else min(acc[0], start)
-            acc[1] = end if acc[1] is None else max(acc[1], end)
-            acc[2] += nbytes
-            acc[3] += 1
-        self.phases = phases
+                self._add_replica_time(phase, replica, end - start, extra)
+            self._add_to_phase(phase, replica, start, end, nbytes)
         self.ran = [i for i in range(n) if r.rows[i] > 0 and self.forward[i] is not None]
         if not r.threads:
             self.gil = [0 if g is not None else None for g in self.gil]
         self.exposed_reduce = self._exposed_reduce()
+
+    def _add_replica_time(self, phase, replica, duration, extra):
+        """Sums one replica's forward or backward range into its time for the step."""
+        row = self.forward if phase == "forward" else self.backward
+        row[replica] = (row[replica] or 0) + duration
+        if phase == "forward":  # on threads: waiting to start, then off the CPU while running
+            self.gil[replica] = ((self.gil[replica] or 0) + extra.get("off_cpu_ns", 0)
+                                 + extra.get("queued_ns", 0))
+
+    def _add_to_phase(self, phase, replica, start, end, nbytes):
+        """Widens the phase's [first start, last end] to the range and adds its bytes, its count and (for the
+        host's own ranges, such as the buckets of a reduction) its duration."""
+        acc = self.phases.setdefault(phase, [None, None, 0, 0, 0])
+        if replica is None and phase not in ("forward", "backward"):
+            acc[4] += end - start  # summed durations (buckets of a reduction)
+        acc[0] = start if acc[0] is None else min(acc[0], start)
+        acc[1] = end if acc[1] is None else max(acc[1], end)
+        acc[2] += nbytes
+        acc[3] += 1
 
     def _exposed_reduce(self):
         waits = self.phases.get("wait-reduce")
@@ -132,48 +141,83 @@ class _StepNumbers:
         return not self.r.training or "backward" in self.phases or not last
 
 
-def build(wrapper, steps=None):
-    """The Report of the wrapper's recorded steps (the last ``steps`` of them, default all kept)."""
-    rec = wrapper.__dict__["_recording"].recorder if "_recording" in wrapper.__dict__ else None
-    if rec is None or rec.internal:
-        raise RuntimeError(
-            "dp.report(): nothing was recorded; pass report=True to fastdp.DataParallel (or call "
-            "dp.enable_report()) before the steps you want measured"
-        )
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"dp.report(steps={steps!r}): expected a positive int (how many of the last steps)")
-    records = list(rec.steps)
-    if steps is not None:
-        records = records[-steps:]
-    if records and rec.memory is not None and records[-1] is rec.open and rec.open.memory is None:
-        rec.open.memory, rec.open.memory_exact = rec.memory.peek(), list(rec.memory.exact)
+Setup = collections.namedtuple("Setup", ["device_ids", "split", "criterion", "bucket_bytes"])
+Setup.__doc__ = """What the report reads of a wrapper besides its records: its ``device_ids``, its split rule
+(``split``, None for torch.chunk's), whether it has a ``criterion``, and its gradient buckets' size in bytes."""
+
+
+def build(recorder, setup, memory, steps=None):
+    """The Report of the recorded steps of `recorder` (the last ``steps`` of them, default all kept), for the wrapper
+    described by `setup`; ``memory()`` gives its fastdp.MemoryReport."""
+    rec = _report_recorder(recorder)
+    _check_steps(steps)
+    records = _last_records(rec, steps)
     resolved = [_recorder.resolve(s) for s in records]
     numbers = [_StepNumbers(r) for r in resolved]
     done = [x for i, x in enumerate(numbers) if x.complete(i == len(numbers) - 1)]
     training = [x for x in done if x.r.training]
     used = training or done
-    devices = [_device_name(d) for d in wrapper.device_ids]
-    memory = _memory.memory_report(wrapper)
+    devices = [_device_name(d) for d in setup.device_ids]
+    memory = memory()
     report = Report(
         steps=len(used), training=bool(training), devices=devices,
         step_ms=_median([_ms(x.span) for x in used]),
-        period_ms=_median([_ms(b.t0 - a.t0) for a, b in zip(records, records[1:])
-                           if any(x.r.index == a.index for x in used)]),
+        period_ms=_period_ms(records, used),
         replicas=_replica_stats(used, devices),
         phases=_phase_stats(used),
         memory=memory,
         ranges=resolved,
         t0s=[s.t0 for s in records],
     )
-    if len(wrapper.device_ids) == 1:
-        report.notes.append("one device: the module runs directly, with nothing to balance; nothing is recorded")
-    if len(done) < len(numbers):
-        report.notes.append(f"{len(numbers) - len(done)} training step(s) without a finished backward left out "
-                            "(the last forward's backward has not run yet)")
-    if not any(x.r.memory for x in used):
-        report.notes.append(_memory_note(wrapper.device_ids))
-    report.advice = advise(report, wrapper)
+    report.notes += _notes(setup.device_ids, len(numbers) - len(done), used)
+    report.advice = advise(report, setup)
     return report
+
+
+def _report_recorder(rec):
+    """The recorder that ``report=`` (or ``enable_report()``) turned on; the small internal one that
+    ``chunk_sizes="auto"`` runs while it measures is not a report's."""
+    if rec is None or rec.internal:
+        raise RuntimeError(
+            "dp.report(): nothing was recorded; pass report=True to fastdp.DataParallel (or call "
+            "dp.enable_report()) before the steps you want measured"
+        )
+    return rec
+
+
+def _check_steps(steps):
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"dp.report(steps={steps!r}): expected a positive int (how many of the last steps)")
+
+
+def _last_records(rec, steps):
+    """The last ``steps`` recorded steps (all kept when None). A step's memory peaks are read when the next step
+    starts; the last step's, not read yet, are read now so that it shows its memory too."""
+    records = list(rec.steps)
+    if steps is not None:
+        records = records[-steps:]
+    if records and rec.memory is not None and records[-1] is rec.open and rec.open.memory is None:
+        rec.open.memory, rec.open.memory_exact = rec.memory.peek(), list(rec.memory.exact)
+    return records
+
+
+def _period_ms(records, used):
+    """Median time from the start of each summarised step to the start of the step after it."""
+    summarised = {x.r.index for x in used}
+    return _median([_ms(b.t0 - a.t0) for a, b in zip(records, records[1:]) if a.index in summarised])
+
+
+def _notes(device_ids, unfinished, used):
+    """What the reader should know about the numbers: what was not measured, and why."""
+    notes = []
+    if len(device_ids) == 1:
+        notes.append("one device: the module runs directly, with nothing to balance; nothing is recorded")
+    if unfinished:
+        notes.append(f"{unfinished} training step(s) without a finished backward left out "
+                     "(the last forward's backward has not run yet)")
+    if not any(x.r.memory for x in used):
+        notes.append(_memory_note(device_ids))
+    return notes
 
 
 def _device_name(d):
@@ -191,27 +235,47 @@ def _replica_stats(used, devices):
     replica's median forward plus backward, less this one's): a persistent imbalance, where a step disturbed by
     the machine (another process, a garbage collection) would make every replica of that step look as if it
     waited."""
-    out = []
-    for pos, device in enumerate(devices):
-        ran = [x for x in used if pos in x.ran]
-        peaks = [x.r.memory[pos] for x in used if x.r.memory]
-        out.append(ReplicaStats(
-            position=pos, device=device,
-            rows=_median([x.r.rows[pos] for x in used]) if used else None,
-            forward_ms=_median([_ms(x.forward[pos]) for x in ran]),
-            backward_ms=_median([_ms(x.backward[pos]) for x in ran if x.backward[pos] is not None]),
-            wait_others_ms=None,
-            wait_reduce_ms=_median([_ms(x.exposed_reduce) for x in ran if x.exposed_reduce is not None]),
-            wait_gil_ms=_median([_ms(x.gil[pos]) for x in ran if x.gil[pos] is not None]),
-            peak_bytes=max(peaks) if peaks else None,
-        ))
-    busy = {r.position: (r.forward_ms or 0) + (r.backward_ms or 0) for r in out if r.forward_ms is not None}
+    out = [_position_stats(pos, device, used) for pos, device in enumerate(devices)]
+    _set_wait_for_others(out)
+    return out
+
+
+def _position_stats(pos, device, used):
+    """One position's medians over the steps it ran in (its wait for the others is set afterwards, from every
+    position's medians)."""
+    ran = [x for x in used if pos in x.ran]
+    peaks = [x.r.memory[pos] for x in used if x.r.memory]
+    return ReplicaStats(
+        position=pos, device=device,
+        rows=_median([x.r.rows[pos] for x in used]) if used else None,
+        forward_ms=_median_ms(x.forward[pos] for x in ran),
+        backward_ms=_median_ms(x.backward[pos] for x in ran),
+        wait_others_ms=None,
+        wait_reduce_ms=_median_ms(x.exposed_reduce for x in ran),
+        wait_gil_ms=_median_ms(x.gil[pos] for x in ran),
+        peak_bytes=max(peaks) if peaks else None,
+    )
+
+
+def _median_ms(durations_ns):
+    """The median in ms of the durations measured (None: not measured in that step)."""
+    return _median([_ms(ns) for ns in durations_ns if ns is not None])
+
+
+def _busy_ms(replica):
+    """A replica's median forward plus backward: the time the others wait for when it is the slowest."""
+    return (replica.forward_ms or 0) + (replica.backward_ms or 0)
+
+
+def _set_wait_for_others(out):
+    """Each replica that ran waits for the busiest one: the difference of their busy times (none with a single
+    replica running)."""
+    busy = {r.position: _busy_ms(r) for r in out if r.forward_ms is not None}
     if len(busy) > 1:
         most = max(busy.values())
         for r in out:
             if r.position in busy:
                 r.wait_others_ms = most - busy[r.position]
-    return out
 
 
 def _phase_stats(used):
@@ -229,68 +293,99 @@ def _phase_stats(used):
 # ---- advice ----------------------------------------------------------------------------------------------------
 
 
-def advise(report, wrapper):
-    """The lines of advice the report's numbers support, each naming its threshold; empty when nothing stands out."""
-    out = []
-    split = wrapper.__dict__.get("_split")
-    auto = isinstance(split, _split.AutoSplit)
-    criterion = wrapper.__dict__.get("_criterion") is not None
+def advise(report, setup):
+    """The lines of advice the report's numbers support, each naming its threshold; empty when nothing stands out.
+    `setup`: the wrapper's :data:`Setup`."""
+    split, criterion = setup.split, setup.criterion
     step = report.step_ms
     rows = [r for r in report.replicas if r.forward_ms is not None]
+    found = [_memory_advice(report, split, criterion)]
+    if step and len(rows) > 1:  # the replicas can only wait for each other when more than one ran
+        found += [_wait_advice(step, rows, split), _gil_advice(rows, len(setup.device_ids))]
+    found.append(_reduce_advice(step, rows, setup.bucket_bytes))
+    return [a for a in found if a is not None]
+
+
+def _memory_advice(report, split, criterion):
+    """GPU 0 holds much more than the others (it gathers the outputs and holds the master copy)."""
     peaks = _distinct_peaks(report)
-    if len(peaks) > 1:
-        others = statistics.median(peaks[1:])
-        ratio = peaks[0] / others if others else None
-        limit = THRESHOLDS["memory"]
-        if ratio is not None and ratio >= limit:
-            fixes = []
-            if not criterion:
-                fixes.append("`criterion=` (the loss on each replica: outputs never gathered on GPU 0)")
-            if not auto:
-                fixes.append('`chunk_sizes="auto"` (fewer rows on GPU 0 until it fits)')
-            fix = " or ".join(fixes) if fixes else "a smaller share for device 0 (`chunk_sizes=` with a float)"
-            out.append(Advice("memory", f"GPU 0 holds {ratio:.1f}x the median memory of the others (advice from "
-                                        f"{limit}x): use {fix}", ratio, limit))
-    if step and len(rows) > 1:
-        waits = [r.wait_others_ms for r in rows if r.wait_others_ms is not None]
-        share = statistics.mean(waits) / step if waits else 0
-        limit = THRESHOLDS["wait"]
-        if share >= limit:
-            slow = max(rows, key=lambda r: (r.forward_ms or 0) + (r.backward_ms or 0))
-            if auto and not split.settled:
-                fix = 'chunk_sizes="auto" is still measuring; it moves rows away from the slowest replica'
-            elif auto and split.weights and (split.weights[slow.position]
-                                             <= 1.01 * split.min_weight * max(split.weights)):
-                fix = (f'chunk_sizes="auto" gives it the fewest rows it may (min_weight={split.min_weight:g}) and it '
-                       "is still the slowest: its time does not shrink with its rows; leave its device out of "
-                       "device_ids, or give it 0 rows with chunk_sizes=[...]")
-            elif auto:
-                fix = f'chunk_sizes="auto" {split.time_reason}; a fixed `chunk_sizes=` list can go further'
-            else:
-                fix = '`chunk_sizes="auto"` balances time (moves rows away from the slowest replica)'
-            out.append(Advice("wait", f"replicas wait {share:.0%} of the step for each other (advice from "
-                                      f"{limit:.0%}; the slowest: {slow.device} at position {slow.position}): {fix}",
-                              share, limit))
-        gil = [r.wait_gil_ms / r.forward_ms for r in rows if r.wait_gil_ms and r.forward_ms]
-        share = statistics.mean(gil) if gil else 0
-        limit = THRESHOLDS["gil"]
-        if share >= limit:
-            n = len(wrapper.device_ids)
-            out.append(Advice("gil", f"the forward is bound by Python (the GIL): replicas spend {share:.0%} of it "
-                                     f"off the CPU waiting for each other's threads (advice from {limit:.0%}); "
-                                     f"`torchrun --nproc_per_node {n} your_script.py` runs this same script on DDP, "
-                                     "one process per GPU", share, limit))
+    if len(peaks) < 2:
+        return None
+    others = statistics.median(peaks[1:])
+    ratio = peaks[0] / others if others else None
+    limit = THRESHOLDS["memory"]
+    if ratio is not None and ratio >= limit:
+        fix = _memory_fix(split, criterion)
+        return Advice("memory", f"GPU 0 holds {ratio:.1f}x the median memory of the others (advice from "
+                                f"{limit}x): use {fix}", ratio, limit)
+    return None
+
+
+def _memory_fix(split, criterion):
+    """The settings that take memory off GPU 0, of those the wrapper does not use yet."""
+    fixes = []
+    if not criterion:
+        fixes.append("`criterion=` (the loss on each replica: outputs never gathered on GPU 0)")
+    if not isinstance(split, _split.AutoSplit):
+        fixes.append('`chunk_sizes="auto"` (fewer rows on GPU 0 until it fits)')
+    return " or ".join(fixes) if fixes else "a smaller share for device 0 (`chunk_sizes=` with a float)"
+
+
+def _wait_advice(step, rows, split):
+    """The replicas spend much of the step waiting for the slowest one."""
+    waits = [r.wait_others_ms for r in rows if r.wait_others_ms is not None]
+    share = statistics.mean(waits) / step if waits else 0
+    limit = THRESHOLDS["wait"]
+    if share >= limit:
+        slow = max(rows, key=_busy_ms)
+        fix = _balance_fix(split, slow)
+        return Advice("wait", f"replicas wait {share:.0%} of the step for each other (advice from "
+                              f"{limit:.0%}; the slowest: {slow.device} at position {slow.position}): {fix}",
+                      share, limit)
+    return None
+
+
+def _balance_fix(split, slow):
+    """What evens out the replicas' times, given how far ``chunk_sizes="auto"`` (if used) has got."""
+    if not isinstance(split, _split.AutoSplit):
+        return '`chunk_sizes="auto"` balances time (moves rows away from the slowest replica)'
+    if not split.settled:
+        return 'chunk_sizes="auto" is still measuring; it moves rows away from the slowest replica'
+    if split.weights and split.weights[slow.position] <= 1.01 * split.min_weight * max(split.weights):
+        # Already down to its least weight: more rows taken away would not help.
+        return (f'chunk_sizes="auto" gives it the fewest rows it may (min_weight={split.min_weight:g}) and it '
+                "is still the slowest: its time does not shrink with its rows; leave its device out of "
+                "device_ids, or give it 0 rows with chunk_sizes=[...]")
+    return f'chunk_sizes="auto" {split.time_reason}; a fixed `chunk_sizes=` list can go further'
+
+
+def _gil_advice(rows, ndev):
+    """The replicas' threads spend much of the forward waiting for the GIL: processes would not."""
+    gil = [r.wait_gil_ms / r.forward_ms for r in rows if r.wait_gil_ms and r.forward_ms]
+    share = statistics.mean(gil) if gil else 0
+    limit = THRESHOLDS["gil"]
+    if share >= limit:
+        return Advice("gil", f"the forward is bound by Python (the GIL): replicas spend {share:.0%} of it "
+                             f"off the CPU waiting for each other's threads (advice from {limit:.0%}); "
+                             f"`torchrun --nproc_per_node {ndev} your_script.py` runs this same script on DDP, "
+                             "one process per GPU", share, limit)
+    return None
+
+
+def _reduce_advice(step, rows, bucket_bytes):
+    """The gradient reduction goes on long after backward ended: smaller buckets start it earlier."""
     reduce_wait = _median([r.wait_reduce_ms for r in rows])
-    if step and reduce_wait:
-        share = reduce_wait / step
-        limit = THRESHOLDS["reduce"]
-        if share >= limit:
-            mb = wrapper.__dict__.get("_bucket_bytes", 25 * 2**20) / 2**20
-            out.append(Advice("reduce", f"the reduction is not hidden by backward: {reduce_wait:.2f} ms, {share:.0%} "
-                                        f"of the step, after backward ended (advice from {limit:.0%}): try "
-                                        f"`bucket_cap_mb={max(1, round(mb / 2))}` (now {mb:g}), so it starts earlier",
-                              share, limit))
-    return out
+    if not (step and reduce_wait):
+        return None
+    share = reduce_wait / step
+    limit = THRESHOLDS["reduce"]
+    if share >= limit:
+        mb = bucket_bytes / 2**20
+        return Advice("reduce", f"the reduction is not hidden by backward: {reduce_wait:.2f} ms, {share:.0%} "
+                                f"of the step, after backward ended (advice from {limit:.0%}): try "
+                                f"`bucket_cap_mb={max(1, round(mb / 2))}` (now {mb:g}), so it starts earlier",
+                      share, limit)
+    return None
 
 
 def _distinct_peaks(report):

@@ -43,9 +43,6 @@ def strip_prefix(state_dict, prefix=PREFIX):
     return out
 
 
-COMPILEDPREFIX = "_orig_mod."
-
-
 def uncompiled(module):
     """The module under torch.compile's wrapper(s): checkpoints carry its keys, as the bare model's."""
     while is_compiled(module):

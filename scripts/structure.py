@@ -11,6 +11,8 @@ cyclomatic complexity 15 outside bench/, no file over 700 lines, no import cycle
 
 import argparse
 import ast
+import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,111 +22,29 @@ COMPLEXITY_LIMIT = 15
 LINES_LIMIT = 700
 
 
-def module_name(path):
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+def _import_reader():
+    """The project's reader of the package's imports (tests/test_structure.py: import_graph, find_cycles)."""
+    spec = importlib.util.spec_from_file_location("fastdp_structure", ROOT / "tests" / "test_structure.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def modules():
     """{module name: path} for every module of the package, bench/ included."""
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    return {name: path for name, (path, _) in _import_reader()._modules().items()}
 
 
-def _resolve(current, is_package, level, name):
-    base = current.split(".")
-    if not is_package:
-        base = base[:-1]
-    if level > 1:
-        base = base[: len(base) - (level - 1)]
-    return ".".join(base + ([name] if name else []))
-
-
-def imports(mods):
-    """{module: set of package modules it imports}, module-level and function-level alike."""
-    graph = {}
-    for name, path in mods.items():
-        tree = ast.parse(path.read_text(), str(path))
-        is_package = path.name == "__init__.py"
-        found = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    target = _resolve(name, is_package, node.level, node.module)
-                else:
-                    target = node.module or ""
-                for alias in node.names:
-                    for candidate in (f"{target}.{alias.name}", target):
-                        if candidate in mods and candidate != name:
-                            found.add(candidate)
-                            break
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.name in mods and alias.name != name:
-                        found.add(alias.name)
-        graph[name] = found
-    return graph
-
-
-def _without_parents(graph):
-    """The graph less the edges from a module to the packages above it (importing a package's sibling through
-    ``from . import x`` runs the package's ``__init__`` first, which is not a dependency of the module)."""
-    return {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
-
-
-def cycles(graph):
-    """Strongly connected components of more than one module (Tarjan)."""
-    index, low, on, stack, out = {}, {}, set(), [], []
-    counter = [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    sys.setrecursionlimit(10000)
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
-
-
-def depth(graph):
-    """The longest chain of imports (in modules), for an acyclic graph."""
+def longest_chain(graph):
+    """The longest chain of imports (a list of modules, importer first), for an acyclic graph."""
     memo = {}
 
-    def longest(v, seen=()):
-        if v in memo:
-            return memo[v]
-        if v in seen:
-            return 0
-        best = 1 + max((longest(w, seen + (v,)) for w in graph.get(v, ())), default=0)
-        memo[v] = best
-        return best
+    def longest(v):
+        if v not in memo:
+            memo[v] = [v] + max((longest(w) for w in graph.get(v, ())), key=len, default=[])
+        return memo[v]
 
-    return max((longest(v) for v in graph), default=0)
-
-
-_BRANCHES = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.IfExp, ast.ExceptHandler, ast.With, ast.AsyncWith,
-             ast.Assert, ast.comprehension)
+    return max((longest(v) for v in graph), key=len, default=[])
 
 
 def complexity(func):
@@ -173,9 +93,21 @@ def functions(mods):
     return out
 
 
-def trace_backward():
-    """The modules one backward on 2 emulated replicas enters, in order (consecutive calls in one module merged),
-    on every thread."""
+def source_files():
+    """The project's source files git tracks (Python, C, CUDA, shell)."""
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [ROOT / name for name in out.split() if Path(name).suffix in (".py", ".c", ".h", ".cc", ".cu", ".sh")
+            and (ROOT / name).is_file()]
+
+
+def line_count(path):
+    return len(path.read_text(errors="replace").splitlines())
+
+
+def trace_backward(graph):
+    """One backward on 2 emulated replicas, on every thread: the fastdp modules it enters (in the order first
+    entered), the distinct calls from one module into another, and the calls that go back up: into a module the
+    caller does not import (a callback, or a module handing control back to one above it)."""
     import threading
 
     import torch
@@ -183,21 +115,42 @@ def trace_backward():
     import fastdp
 
     root = str(Path(fastdp.__file__).parent)
+
+    def module_of(frame):
+        file = frame.f_code.co_filename
+        if not file.startswith(root):
+            return None
+        return "fastdp" + file[len(root):].removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+    below = {}
+
+    def imports_of(m):
+        if m not in below:
+            below[m] = set()
+            for t in graph.get(m, ()):
+                below[m] |= {t} | imports_of(t)
+        return below[m]
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * 2, bucket_cap_mb=1e-4)
     for _ in range(2):  # the second step is the steady state
         loss = dp(torch.randn(8, 8)).sum()
-    path = []
+    entered, edges, upward = [], set(), []
 
     def profile(frame, event, arg):
         if event != "call":
             return
-        file = frame.f_code.co_filename
-        if file.startswith(root):
-            mod = "fastdp" + file[len(root):].replace("/", ".").removesuffix(".py").removesuffix(".__init__")
-            if not path or path[-1] != mod:
-                path.append(mod)
+        callee = module_of(frame)
+        if callee is None:
+            return
+        if callee not in entered:
+            entered.append(callee)
+        caller = module_of(frame.f_back) if frame.f_back is not None else None
+        if caller is not None and caller != callee:
+            edges.add((caller, callee))
+            if callee not in imports_of(caller):
+                upward.append((caller, callee))
 
     threading.setprofile(profile)
     sys.setprofile(profile)
@@ -206,25 +159,23 @@ def trace_backward():
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-    left, returns = set(), 0
-    for i, mod in enumerate(path):
-        if mod in left:
-            returns += 1
-        if i + 1 < len(path):
-            left.add(mod)
-    return path, returns
+    return entered, edges, upward
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", action="store_true", help="trace one backward through the reduction")
     args = parser.parse_args(argv)
+    reader = _import_reader()
     mods = modules()
-    graph = _without_parents(imports(mods))
-    found = cycles(graph)
+    graph = reader.import_graph()
+    found = reader.find_cycles(graph)
     print(f"modules: {len(mods)} in {len({p.parent for p in mods.values()})} folders")
     print(f"import cycles: {found or 'none'}")
-    print(f"import depth (longest chain of modules): {depth(graph) if not found else 'n/a (cycles)'}")
+    if not found:  # the library's own chain: the benchmarks and `python -m fastdp` sit on top of it
+        chain = longest_chain({m: {t for t in ts if not t.startswith("fastdp.bench")} for m, ts in graph.items()
+                               if not (m.startswith("fastdp.bench") or m == "fastdp.__main__")})
+        print(f"import depth: {len(chain)} modules ({' > '.join(m.removeprefix('fastdp.') for m in chain)})")
     widest = max(graph, key=lambda m: len(graph[m]))
     print(f"most imports: {widest} ({len(graph[widest])} package modules)")
     funcs = functions(mods)
@@ -234,18 +185,17 @@ def main(argv=None):
     print(f"functions over complexity {COMPLEXITY_LIMIT} outside bench/: {len(over)}")
     for mod, qual, line, _, score in sorted(over, key=lambda f: -f[4]):
         print(f"  {score:3d}  {mod}.{qual} (line {line})")
-    files = [p for p in ROOT.glob("**/*") if p.suffix in (".py", ".c", ".h", ".cc", ".cu", ".sh")
-             and ".venv" not in p.parts and "build" not in p.parts and p.is_file()]
-    long_files = sorted((len(p.read_text(errors="replace").splitlines()), p) for p in files)
+    long_files = sorted((line_count(p), p) for p in source_files())
     long_files = [(n, p) for n, p in long_files if n > LINES_LIMIT]
     print(f"files over {LINES_LIMIT} lines: {len(long_files)}")
     for n, p in long_files:
         print(f"  {n:5d}  {p.relative_to(ROOT)}")
     if args.trace:
-        path, returns = trace_backward()
-        print(f"one backward enters {len(set(path))} modules, {len(path)} times in all, coming back {returns} "
-              "times to a module it had left:")
-        print("  " + " > ".join(m.removeprefix("fastdp.") for m in path))
+        entered, edges, upward = trace_backward(graph)
+        short = lambda m: m.removeprefix("fastdp.")  # noqa: E731
+        print(f"one backward enters {len(entered)} modules: {', '.join(map(short, entered))}")
+        print(f"  {len(edges)} distinct calls between modules; {len(upward)} calls back up into a module the caller "
+              f"does not import: {sorted({f'{short(a)} -> {short(b)}' for a, b in upward})}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import threading
 import torch
 
 from .._platform import streams as _streams
-from .host import Finished
+from .jobs import Finished
 from . import sums
 
 __all__ = ["CudaStreams", "Ledger", "ordered", "own_stream", "ready_streams"]

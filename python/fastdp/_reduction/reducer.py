@@ -53,7 +53,8 @@ from .._step.functions import ReduceAddCoalesced
 from . import host as _host
 from .cuda import CudaStreams, Ledger, ordered
 from .flat import unflatten
-from .host import HOST_THREAD, Finished, HostJob
+from .host import HOST_THREAD
+from .jobs import Finished, HostJob
 from .sums import reduce_members, replica_rows
 from .unsynced import NoSync, UnsyncedSums
 

@@ -1939,6 +1939,22 @@ static void test_devices(void) {
   EXPECT(fdp_device_facts(0, (fdp_free_read_t)3, &dev), FDP_INVALID);
 }
 
+/* ---- libtorch's C shim: this program loads no libtorch ---- */
+
+static void test_torch_shim(void) {
+  const char *names[2] = {"aoti_torch_get_data_ptr", NULL};
+  void *syms[2] = {&syms, &syms};
+  EXPECT(fdp_torch_shim_resolve(NULL, names, 2, syms), FDP_UNAVAILABLE);
+  CHECK(syms[0] == NULL && syms[1] == NULL);
+  CHECKF(strstr(fdp_last_error(), "libtorch_cpu.so is not loaded"), "%s", fdp_last_error());
+  syms[0] = &syms;
+  EXPECT(fdp_torch_shim_resolve("/nowhere/torch/_C.so", names, 1, syms), FDP_UNAVAILABLE);
+  CHECK(syms[0] == NULL);
+  EXPECT(fdp_torch_shim_resolve(NULL, NULL, 1, syms), FDP_INVALID);
+  EXPECT(fdp_torch_shim_resolve(NULL, names, 1, NULL), FDP_INVALID);
+  EXPECT(fdp_torch_shim_resolve(NULL, names, -1, syms), FDP_INVALID);
+}
+
 /* The suites, runnable by name (libuv's test-list.h): `test_core` runs them all, `test_core NAME...` the named
  * ones, `test_core --list` prints the names, one a line. */
 typedef struct suite {
@@ -1966,6 +1982,7 @@ static const suite_t k_suites[] = {
     {"reduce_threaded", test_reduce_threaded},
     {"reduce_rows", test_reduce_rows},
     {"devices", test_devices},
+    {"torch_shim", test_torch_shim},
 };
 #define NSUITES (sizeof k_suites / sizeof k_suites[0])
 

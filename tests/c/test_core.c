@@ -410,7 +410,7 @@ static void map_of_pair(const fdp_pair_t *p, uint64_t src0, uint64_t dst0, bytem
   }
 }
 
-/* The same through the copy engines' rows (fdp__pair_rows and fdp__pair_outer_next), as cuda.c issues them. */
+/* The same through the copy engines' rows (fdp__pair_rows and fdp__pair_outer_next), as copy.c issues them. */
 static void map_of_rows(const fdp_pair_t *p, size_t width, size_t height, size_t spitch, size_t dpitch, int64_t outer,
                         bytemap_t *m) {
   int64_t idx[FDP_COPY_MAX_DIMS] = {0};

@@ -324,6 +324,19 @@ typedef struct fdp_kernels_image_info {
 } fdp_kernels_image_info_t;
 fdp_result_t fdp_kernels_image(int cc, int forget, fdp_kernels_image_info_t *out);
 
+/* ---- libtorch's stable C shim ----
+ * The Python binding reads tensors through libtorch's C shim (the aoti_torch_* functions AOTInductor models call),
+ * found at run time in the libtorch that torch itself loaded: never a second copy, never torch's C++ ABI, no torch
+ * headers at build time. */
+
+/* Looks up the shim functions names[0..n) in the libtorch_cpu this process already loaded (by soname first, then
+ * beside torch's _C module; torch_c_file: that module's file, may be NULL). syms[i] becomes the address of names[i],
+ * or NULL when this libtorch lacks it or FASTDP_SHIM_ABSENT lists it (what a torch without it gets). The addresses
+ * stay valid as long as torch keeps libtorch loaded, i.e. for the process: the library is never loaded or kept by
+ * this call. Thread-safe. Errors: FDP_UNAVAILABLE (every syms[i] NULL) when torch loaded no libtorch_cpu (a static or
+ * differently named build), FDP_INVALID for a bad argument. */
+fdp_result_t fdp_torch_shim_resolve(const char *torch_c_file, const char *const *names, int n, void **syms);
+
 /* ---- environment knobs ----
  * Each FASTDP_* variable is declared once, with its default, in base/param.c and read once per process. */
 typedef enum {

@@ -1,5 +1,6 @@
-"""Runs the C test program of the core (tests/c/test_core.c) under AddressSanitizer and UBSan via tests/c/build.py,
-one pytest item per suite the program lists; and checks of the core's messages and debug trail from Python."""
+"""Runs the C test program of the core (tests/c/test_core.c, its suites in tests/c/core_*.c) under AddressSanitizer
+and UBSan via tests/c/build.py, one pytest item per suite the program lists; and checks of the core's messages and
+debug trail from Python."""
 
 import functools
 import importlib.util
@@ -41,7 +42,7 @@ def pytest_generate_tests(metafunc):
 
 
 def test_c_suite_under_sanitizers(c_suite):
-    """One C suite of tests/c/test_core.c, in its own process, under AddressSanitizer and UBSan."""
+    """One C suite of the core's C test program, in its own process, under AddressSanitizer and UBSan."""
     if c_suite is None:
         why = _suites()[1]
         if _build.compiler() is None:

@@ -1,6 +1,6 @@
 """The C layers include one way (docs/ARCHITECTURE.md): the public header includes nothing of ours, no folder of
 csrc/ includes a folder that includes it back, loaders include only base/, and the binding sees the public header
-and the loader of libtorch's C shim, never the core's internals."""
+and its own headers only: what it needs of the library below it is a public, documented function of fastdp.h."""
 
 import re
 from pathlib import Path
@@ -62,11 +62,26 @@ def test_no_folder_includes_one_that_includes_it_back():
 
 def test_each_layer_includes_only_what_is_below_it():
     allowed = {"public": set(), "base": {"public"}, "dl": {"base", "public"}, "core": {"base", "public"},
-               "backend": {"core", "dl", "base", "public"}, "python": {"public", "dl"}}
+               "backend": {"core", "dl", "base", "public"}, "python": {"public"}}
     bad = [(f, inc) for a, b, f, inc in _edges() if a != b and b not in allowed[a]]
     assert not bad, bad
-    binding_dl = {inc for a, b, f, inc in _edges() if a == "python" and b == "dl"}
-    assert binding_dl <= {"dl/torch_shim.h"}, binding_dl
+
+
+def test_the_binding_includes_only_the_public_header_and_its_own():
+    """Of the library's headers, csrc/python/*.c|h include fastdp.h and csrc/python's own headers, nothing else: no
+    loader, no core or base internals, however the include spells them ("..." or <...>, through csrc/ or not)."""
+    public, binding = (CSRC / "fastdp.h").resolve(), (CSRC / "python").resolve()
+    bad = []
+    for path in sorted(binding.glob("*.[ch]")):
+        for quote, inc in re.findall(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', path.read_text(), re.M):
+            near = path.parent / inc
+            target = near if quote == '"' and near.exists() else CSRC / inc
+            if not target.exists():
+                continue  # a system header (Python.h, the C library)
+            target = target.resolve()
+            if target != public and target.parent != binding:
+                bad.append((str(path.relative_to(CSRC)), inc))
+    assert not bad, f"the binding includes library headers other than fastdp.h: {bad}"
 
 
 def test_the_check_sees_a_cycle():

@@ -172,10 +172,10 @@ def test_info_table_shows_libraries_kernels_and_fallback():
 
 
 def test_every_kernel_the_backend_binds_is_in_the_image(compiled):
-    """The names cuda.c looks up (its k_sum_names / k_copy_names tables) are all defined in NVRTC's cubin."""
+    """The names kernel_module.c looks up (its k_sum_names / k_copy_names tables) are all defined in NVRTC's cubin."""
     import re
 
-    table = (ROOT / "csrc" / "backend" / "cuda" / "cuda.c").read_text()
+    table = (ROOT / "csrc" / "backend" / "cuda" / "kernel_module.c").read_text()
     names = set(re.findall(r'"(fdp_(?:sum|copy)_\w+)"', table))
     assert len(names) >= 10
     for cc in (80, 90):

@@ -301,7 +301,7 @@ def test_each_shim_entry_point_hidden_in_turn():
     names = _shim_entry_points()
     assert len(names) > 30, names
     with open(os.path.join(os.path.dirname(HERE), "csrc", "python", "aoti.c")) as f:
-        required = set(re.findall(r'(?:need|shim_const)\(lib, "(aoti_torch_\w+)"', f.read()))
+        required = set(re.findall(r'\{"(aoti_torch_\w+)", &shim\.\w+, 1\}', f.read()))  # k_functions
     assert len(required) >= 10, required
     env = {k: v for k, v in os.environ.items() if k != "FASTDP_TENSOR_PATH"}
 

@@ -1,14 +1,15 @@
 /* SPDX-License-Identifier: MIT */
-/* The only place that opens libtorch: RTLD_NOLOAD on the copy torch loaded, and dlsym of its C shim's functions. */
-#include "dl/torch_shim.h"
-
+/* The only place that opens libtorch: RTLD_NOLOAD on the copy torch loaded, and dlsym of its C shim's functions
+ * (fdp_torch_shim_resolve in fastdp.h, for the binding's shim path). */
 #include "base/base.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
 #include <string.h>
 
-void *fdp__torch_shim_open(const char *torch_c_file, char *why, size_t why_len) {
+/* The already loaded libtorch_cpu: by soname first, then beside torch's _C module. NULL, with the reason set as the
+ * thread's detail, when torch did not load one. */
+static void *open_loaded(const char *torch_c_file) {
   void *h = dlopen("libtorch_cpu.so", RTLD_NOLOAD | RTLD_NOW);
   if (!h && torch_c_file) {
     char path[4096];
@@ -19,13 +20,14 @@ void *fdp__torch_shim_open(const char *torch_c_file, char *why, size_t why_len) 
   }
   if (!h) {
     const char *e = dlerror();
-    snprintf(why, why_len, "libtorch_cpu.so is not loaded in this process (dlopen RTLD_NOLOAD: %s)",
-             e ? e : "not found");
+    fdp__fail(FDP_UNAVAILABLE, "libtorch_cpu.so is not loaded in this process (dlopen RTLD_NOLOAD: %s)",
+              e ? e : "not found");
   }
   return h;
 }
 
-void *fdp__torch_shim_sym(void *lib, const char *name) {
+/* The shim function `name`, or NULL when this libtorch lacks it or FASTDP_SHIM_ABSENT lists it. */
+static void *find(void *lib, const char *name) {
   const char *absent = fdp_param_str(FDP_PARAM_SHIM_ABSENT);
   size_t n = strlen(name);
   for (const char *p = absent ? strstr(absent, name) : NULL; p != NULL; p = strstr(p + 1, name))
@@ -33,6 +35,17 @@ void *fdp__torch_shim_sym(void *lib, const char *name) {
   return dlsym(lib, name);
 }
 
-void fdp__torch_shim_close(void *lib) {
-  if (lib) dlclose(lib);
+fdp_result_t fdp_torch_shim_resolve(const char *torch_c_file, const char *const *names, int n, void **syms) {
+  if (n < 0 || (n > 0 && (names == NULL || syms == NULL)))
+    return fdp__fail(FDP_INVALID, "fdp_torch_shim_resolve: %d names, names %p, syms %p", n, (const void *)names,
+                     (void *)syms);
+  for (int i = 0; i < n; i++)
+    syms[i] = NULL;
+  void *lib = open_loaded(torch_c_file);
+  if (!lib) return FDP_UNAVAILABLE;
+  for (int i = 0; i < n; i++)
+    syms[i] = names[i] ? find(lib, names[i]) : NULL;
+  /* Drops only the reference taken above: torch's own keeps the library and every address found loaded. */
+  dlclose(lib);
+  return FDP_OK;
 }

@@ -4,8 +4,6 @@
  * build serves every torch that has the shim, and the Python path of tensors.c serves every other. */
 #include "binding.h"
 
-#include "dl/torch_shim.h"
-
 #include <stdio.h>
 #include <string.h>
 
@@ -31,9 +29,10 @@ static struct {
   shim_elem_size_fn elem_size;     /* optional: dtypes the core does not sum need only their size */
   shim_reinterpret_fn reinterpret; /* optional, with storage_offset: fdp__aoti_views */
   shim_get_i64_fn storage_offset;
-  int32_t cpu, cuda, strided;        /* the shim's codes, read once */
-  int8_t fdp_dtype[FDP_SHIM_DTYPES]; /* shim dtype -> fdp_dtype_t; -1: not in the core's table */
-  int8_t size_of[FDP_SHIM_DTYPES];   /* shim dtype -> bytes per element; 0: unknown (Python path) */
+  shim_const_fn cpu_code, cuda_code, strided_code; /* what reads the codes below */
+  int32_t cpu, cuda, strided;                      /* the shim's codes, read once */
+  int8_t fdp_dtype[FDP_SHIM_DTYPES];               /* shim dtype -> fdp_dtype_t; -1: not in the core's table */
+  int8_t size_of[FDP_SHIM_DTYPES];                 /* shim dtype -> bytes per element; 0: unknown (Python path) */
   int resolved;
 } shim;
 
@@ -59,20 +58,30 @@ int fdp__set_tensor_path(fdp__tensor_path_t path) {
   return 0;
 }
 
-/* Resolves one symbol into *slot; records the first missing name in g_shim_why. */
-static int need(void *lib, const char *name, void *slot) {
-  void *sym = fdp__torch_shim_sym(lib, name);
-  memcpy(slot, &sym, sizeof sym);
-  if (!sym) snprintf(g_shim_why, sizeof g_shim_why, "libtorch has no %s (torch too old for the C shim path)", name);
-  return sym != NULL;
-}
-
-static int shim_const(void *lib, const char *name, int32_t *out) {
-  shim_const_fn fn;
-  if (!need(lib, name, &fn)) return 0;
-  *out = fn();
-  return 1;
-}
+/* The shim functions the path calls, by name: the optional ones first (only some features need them), then the
+ * required ones in the order a missing one is reported. */
+static const struct {
+  const char *name;
+  void *slot;
+  int required;
+} k_functions[] = {
+    {"aoti_torch_dtype_element_size", &shim.elem_size, 0},
+    {"aoti_torch__reinterpret_tensor", &shim.reinterpret, 0},
+    {"aoti_torch_get_storage_offset", &shim.storage_offset, 0},
+    {"aoti_torch_get_data_ptr", &shim.data_ptr, 1},
+    {"aoti_torch_get_dim", &shim.dim, 1},
+    {"aoti_torch_get_sizes", &shim.sizes, 1},
+    {"aoti_torch_get_strides", &shim.strides, 1},
+    {"aoti_torch_get_dtype", &shim.dtype, 1},
+    {"aoti_torch_get_device_type", &shim.device_type, 1},
+    {"aoti_torch_get_device_index", &shim.device_index, 1},
+    {"aoti_torch_get_layout", &shim.layout, 1},
+    {"aoti_torch_delete_tensor_object", &shim.delete_tensor, 1},
+    {"aoti_torch_device_type_cpu", &shim.cpu_code, 1},
+    {"aoti_torch_device_type_cuda", &shim.cuda_code, 1},
+    {"aoti_torch_layout_strided", &shim.strided_code, 1},
+};
+#define N_FUNCTIONS (sizeof k_functions / sizeof *k_functions)
 
 /* Every dtype getter of the shim we know of: the element size is asked only for codes these return, because
  * aoti_torch_dtype_element_size throws a C++ exception (which would end the process) for any other number. */
@@ -81,14 +90,41 @@ static const char *const shim_dtypes[] = {
     "bfloat16",  "float32",    "float64",     "uint16",        "uint32",          "uint64",          "complex32",
     "complex64", "complex128", "float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz", "float8_e4m3fnuz",
 };
+#define N_SHIM_DTYPES (sizeof shim_dtypes / sizeof *shim_dtypes)
+
+/* Every name the path may use, looked up in one call: k_functions (same index), then the dtype getters
+ * aoti_torch_dtype_<name> of shim_dtypes and of the core's dtypes. */
+#define N_LOOKUP (N_FUNCTIONS + N_SHIM_DTYPES + FDP_DTYPE_COUNT)
+typedef struct lookup {
+  int n;
+  char names[N_LOOKUP][64];
+  const char *name_of[N_LOOKUP];
+  void *syms[N_LOOKUP];
+} lookup_t;
+
+static void lookup_add(lookup_t *l, const char *prefix, const char *name) {
+  snprintf(l->names[l->n], sizeof l->names[0], "%s%s", prefix, name);
+  l->name_of[l->n] = l->names[l->n];
+  l->n++;
+}
+
+static void lookup_fill(lookup_t *l) {
+  l->n = 0;
+  for (size_t i = 0; i < N_FUNCTIONS; i++)
+    lookup_add(l, "", k_functions[i].name);
+  for (size_t i = 0; i < N_SHIM_DTYPES; i++)
+    lookup_add(l, "aoti_torch_dtype_", shim_dtypes[i]);
+  for (int i = 1; i < FDP_DTYPE_COUNT; i++)
+    lookup_add(l, "aoti_torch_dtype_", fdp_dtype_name(i));
+}
 
 /* The shim's code of aoti_torch_dtype_<name>(), or -1 when this torch has no such getter or the code is large. */
-static int32_t shim_dtype(void *lib, const char *name) {
+static int32_t shim_dtype(const lookup_t *l, const char *name) {
   char sym_name[64];
   snprintf(sym_name, sizeof sym_name, "aoti_torch_dtype_%s", name);
   shim_const_fn fn = NULL;
-  void *sym = fdp__torch_shim_sym(lib, sym_name);
-  memcpy(&fn, &sym, sizeof sym);
+  for (int i = (int)N_FUNCTIONS; i < l->n && !fn; i++)
+    if (strcmp(l->names[i], sym_name) == 0) memcpy(&fn, &l->syms[i], sizeof l->syms[i]);
   int32_t code = fn ? fn() : -1;
   return code >= 0 && code < FDP_SHIM_DTYPES ? code : -1;
 }
@@ -100,52 +136,49 @@ static const int8_t fdp_sizes[FDP_DTYPE_COUNT] = {
 };
 
 /* The core's dtypes and every element size by the shim's codes, read once. */
-static void map_dtypes(void *lib) {
+static void map_dtypes(const lookup_t *l) {
   memset(shim.fdp_dtype, -1, sizeof shim.fdp_dtype);
   memset(shim.size_of, 0, sizeof shim.size_of);
-  for (size_t i = 0; shim.elem_size && i < sizeof shim_dtypes / sizeof *shim_dtypes; i++) {
-    int32_t code = shim_dtype(lib, shim_dtypes[i]);
+  for (size_t i = 0; shim.elem_size && i < N_SHIM_DTYPES; i++) {
+    int32_t code = shim_dtype(l, shim_dtypes[i]);
     if (code >= 0) shim.size_of[code] = (int8_t)shim.elem_size(code);
   }
   for (int i = 1; i < FDP_DTYPE_COUNT; i++) {
-    int32_t code = shim_dtype(lib, fdp_dtype_name(i));
+    int32_t code = shim_dtype(l, fdp_dtype_name(i));
     if (code < 0) continue; /* that dtype takes the Python path */
     shim.fdp_dtype[code] = (int8_t)i;
     if (!shim.elem_size) shim.size_of[code] = fdp_sizes[i];
   }
 }
 
-/* *slot = the symbol, or NULL: for the shim functions only some features need. */
-static void optional(void *lib, const char *name, void *slot) {
-  void *sym = fdp__torch_shim_sym(lib, name);
-  memcpy(slot, &sym, sizeof sym);
-}
-
-static int resolve(void *lib) {
-  optional(lib, "aoti_torch_dtype_element_size", &shim.elem_size);
-  optional(lib, "aoti_torch__reinterpret_tensor", &shim.reinterpret);
-  optional(lib, "aoti_torch_get_storage_offset", &shim.storage_offset);
-  int ok = need(lib, "aoti_torch_get_data_ptr", &shim.data_ptr) && need(lib, "aoti_torch_get_dim", &shim.dim) &&
-           need(lib, "aoti_torch_get_sizes", &shim.sizes) && need(lib, "aoti_torch_get_strides", &shim.strides) &&
-           need(lib, "aoti_torch_get_dtype", &shim.dtype) &&
-           need(lib, "aoti_torch_get_device_type", &shim.device_type) &&
-           need(lib, "aoti_torch_get_device_index", &shim.device_index) &&
-           need(lib, "aoti_torch_get_layout", &shim.layout) &&
-           need(lib, "aoti_torch_delete_tensor_object", &shim.delete_tensor) &&
-           shim_const(lib, "aoti_torch_device_type_cpu", &shim.cpu) &&
-           shim_const(lib, "aoti_torch_device_type_cuda", &shim.cuda) &&
-           shim_const(lib, "aoti_torch_layout_strided", &shim.strided);
-  if (ok) map_dtypes(lib);
-  return ok;
+/* Fills the shim's slots from the looked-up symbols; 0, with the first missing required name in g_shim_why, when
+ * this torch lacks one. */
+static int resolve(const lookup_t *l) {
+  for (size_t i = 0; i < N_FUNCTIONS; i++) {
+    memcpy(k_functions[i].slot, &l->syms[i], sizeof l->syms[i]);
+    if (!l->syms[i] && k_functions[i].required) {
+      snprintf(g_shim_why, sizeof g_shim_why, "libtorch has no %s (torch too old for the C shim path)",
+               k_functions[i].name);
+      return 0;
+    }
+  }
+  shim.cpu = shim.cpu_code();
+  shim.cuda = shim.cuda_code();
+  shim.strided = shim.strided_code();
+  map_dtypes(l);
+  return 1;
 }
 
 void fdp__aoti_init(module_state *st, const char *torch_c_file) {
   const char *want = fdp_param_str(FDP_PARAM_TENSOR_PATH);
-  void *lib = fdp__torch_shim_open(torch_c_file, g_shim_why, sizeof g_shim_why);
-  if (lib && !st->to_handles)
+  lookup_t l;
+  lookup_fill(&l);
+  int found = fdp_torch_shim_resolve(torch_c_file, l.name_of, l.n, l.syms) == FDP_OK;
+  if (!found)
+    snprintf(g_shim_why, sizeof g_shim_why, "%s", fdp_last_error());
+  else if (!st->to_handles)
     snprintf(g_shim_why, sizeof g_shim_why, "torch has no torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors");
-  shim.resolved = lib && st->to_handles && resolve(lib);
-  fdp__torch_shim_close(lib);
+  shim.resolved = found && st->to_handles && resolve(&l);
   if (want && strcmp(want, "python") == 0) {
     g_path = FDP_TENSOR_PATH_PYTHON;
     snprintf(g_why, sizeof g_why, "FASTDP_TENSOR_PATH=python");

@@ -2,13 +2,13 @@
 runs it, and exits with its status.
 
     python tests/c/build.py [--build-only | --no-build] [--list | SUITE...]
-        tests/c/test_core.c: the core and the host backend (no CUDA toolkit needed; an empty kernel blob). Runs
-        every suite, or the SUITEs named; --list prints the suite names, one a line (tests/test_c_core.py makes
-        one pytest item of each); --no-build reuses the program built before.
+        tests/c/test_core.c and its suites (core_*.c): the core and the host backend (no CUDA toolkit needed; an
+        empty kernel blob). Runs every suite, or the SUITEs named; --list prints the suite names, one a line
+        (tests/test_c_core.py makes one pytest item of each); --no-build reuses the program built before.
     python tests/c/build.py --gpu-ops [--sim] [--sweep | --pairs | --race] [--build-only] [--no-sanitize | --tsan]
-        tests/c/test_gpu_ops.c: every operation through the cuda and nccl backends. Against the driver and NCCL
-        that FASTDP_CUDA_DRIVER_LIBRARY / FASTDP_NCCL_LIBRARY name, or the system's libcuda.so.1/libnccl.so.2
-        when unset (then the kernels are the nvcc fatbin when a toolkit is found). --sim sets both variables to
+        tests/c/test_gpu_ops.c and its parts (gpu_ops_*.c): every operation through the cuda and nccl backends.
+        Against the driver and NCCL that FASTDP_CUDA_DRIVER_LIBRARY / FASTDP_NCCL_LIBRARY name, or the system's
+        libcuda.so.1/libnccl.so.2 when unset (then the kernels are the nvcc fatbin when a toolkit is found). --sim sets both variables to
         the simulated GPU of tests/sim (built here, sanitized); --sweep runs its fault-injection sweep instead,
         --pairs the sweep with each failure followed by another, --race threads racing on first use.
         --no-sanitize builds without ASan/UBSan (e.g. to run tests/c/build/test_gpu_ops under compute-sanitizer);
@@ -85,13 +85,21 @@ def kernel_blob(simulated):
     return path
 
 
+# The C files of each test program: its main file, the files of its suites, what they share, and the checks both
+# programs count with.
+CORE_PROGRAM = ["test_core.c", "core_harness.c", "core_errors.c", "core_backends.c", "core_layout.c", "core_plan.c",
+                "core_copy.c", "core_collectives.c", "core_reduce.c", "check.c"]
+GPU_OPS_PROGRAM = ["test_gpu_ops.c", "gpu_ops_harness.c", "gpu_ops_copy.c", "gpu_ops_reduce.c", "gpu_ops_threads.c",
+                   "gpu_ops_kernels.c", "gpu_ops_nccl.c", "gpu_ops_sweep.c", "check.c"]
+
+
 def sources(gpu_ops=False, simulated=False):
     files = []
     for sub in (("base",), ("core",), ("backend", "host"), ("backend", "cuda"), ("dl",)):
         files += sorted(glob.glob(os.path.join(ROOT, "csrc", *sub, "*.c")))
     if gpu_ops:
-        return files + [kernel_blob(simulated), os.path.join(HERE, "test_gpu_ops.c")]
-    return files + [empty_blob(), os.path.join(HERE, "test_core.c")]
+        return files + [kernel_blob(simulated)] + [os.path.join(HERE, f) for f in GPU_OPS_PROGRAM]
+    return files + [empty_blob()] + [os.path.join(HERE, f) for f in CORE_PROGRAM]
 
 
 def build(cc, gpu_ops=False, simulated=False, sanitize=True, tsan=False):

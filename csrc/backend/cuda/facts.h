@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* The cuda backend's answers to fdp_library_facts / fdp_device_facts / fdp_device_can_access_peer (facts.c), which
- * its table hands to the core, and where each device's kernels came from (cuda.c, which loads them). */
+ * its table hands to the core, and where each device's kernels came from (kernel_module.c, which loads them). */
 #ifndef FASTDP_BACKEND_CUDA_FACTS_H
 #define FASTDP_BACKEND_CUDA_FACTS_H
 

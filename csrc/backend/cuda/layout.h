@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* The cuda backend's layout math: a copy between two strided views as one index space with two stride lists,
  * simplified for the copy engines (flat, rows) or reshaped for the strided-copy kernel. Pure arithmetic on
- * addresses, no CUDA: tests/c/test_core.c checks it against element-by-element references on any machine. */
+ * addresses, no CUDA: tests/c/core_layout.c checks it against element-by-element references on any machine. */
 #ifndef FASTDP_BACKEND_CUDA_LAYOUT_H
 #define FASTDP_BACKEND_CUDA_LAYOUT_H
 

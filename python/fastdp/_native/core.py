@@ -108,7 +108,7 @@ def _grant_peer(device, peer):
 
 def _scratch(device, nbytes, stream):
     """Device scratch for the C core (staging of strided copies, partial sums; see NOTE [scratch memory] in
-    csrc/backend/cuda/cuda.c): a uint8 tensor from PyTorch's caching allocator, made with the core's stream current
+    csrc/backend/cuda/scratch.c): a uint8 tensor from PyTorch's caching allocator, made with the core's stream current
     so that the block belongs to that stream, where the core also uses and frees it. The core drops the tensor when
     done. An allocation that does not fit frees PyTorch's cached blocks and retries, as every torch allocation."""
     stream = torch.cuda.ExternalStream(stream, device=device) if stream else torch.cuda.default_stream(device)

@@ -183,7 +183,7 @@ def _step_and_backward(cuda, rs, x, forward_streams, backward_streams):
     """One forward of the two replicas on `forward_streams`, then backward with `backward_streams` current in this
     thread (as autograd's engine makes a node's canonical stream current on its device while it runs)."""
     with cuda.stream(forward_streams[0]), cuda.stream(forward_streams[1]):
-        roots = rs.step()
+        roots = rs.refresh()
         out = roots[0](x[:2]).sum() + roots[1](x[2:]).sum()
     with cuda.stream(backward_streams[0]), cuda.stream(backward_streams[1]):
         out.backward()
@@ -274,11 +274,11 @@ def test_reduction_holds_what_it_used_until_its_fence_has_passed(cuda, monkeypat
     _step_and_backward(cuda, rs, torch.randn(4, 4), caller, caller)
     assert seen and all(r() is not None for r in seen)
     with cuda.stream(caller[0]):
-        rs.step()  # the fence has not passed: still held
+        rs.refresh()  # the fence has not passed: still held
     assert all(r() is not None for r in seen)
     cuda.fences_done = True
     with cuda.stream(caller[0]):
-        rs.step()
+        rs.refresh()
     assert all(r() is None for r in seen)
 
 
@@ -292,9 +292,9 @@ def test_kept_nodes_are_remade_for_a_forward_on_other_streams(cuda, monkeypatch)
     second = [cuda.stream_on(0, "second@0"), cuda.stream_on(1, "second@1")]
     x = torch.randn(4, 4)
     with cuda.stream(first[0]), cuda.stream(first[1]):
-        roots = rs.step()
+        roots = rs.refresh()
         node = roots[1].weight.grad_fn
-        again = rs.step()
+        again = rs.refresh()
     assert again[1].weight.grad_fn is node  # same streams: the kept node
     cuda.log.clear()
     roots = _step_and_backward(cuda, rs, x, second, second)

@@ -289,7 +289,7 @@ class DataParallel(_UPSTREAM):
     def _plan_step(self, step, inputs, module_kwargs):
         """Which devices run (those whose chunk is not empty): their chunks, and the scatter's record."""
         step.plan(len(inputs), self.device_ids)
-        inputs, module_kwargs = step.keep(inputs), step.keep(module_kwargs)
+        inputs, module_kwargs = step.chunks_that_run(inputs), step.chunks_that_run(module_kwargs)
         if step.recorder is not None:
             sizes, split = step.chunk_sizes, self.__dict__.get("_split")
             rows = {pos: sizes[pos] if sizes is not None else (_split.batch_size(inputs[i], module_kwargs[i], self.dim)
@@ -445,7 +445,7 @@ class DataParallel(_UPSTREAM):
         if kept is None:
             return replicate(module, device_ids, not torch.is_grad_enabled())
         kept.reducer.begin_step(self._sync_enabled, None if step is None else step.recorder)
-        roots = kept.step()
+        roots = kept.refresh()
         if cover is None or cover == positions:
             return roots
         return [roots[cover.index(i)] for i in positions]
@@ -468,7 +468,7 @@ class DataParallel(_UPSTREAM):
             return kept
         self._replica_set = None
         if kept is not None:
-            kept.reduce_pending()  # sums no_sync kept reach the master's .grad before the set goes
+            kept.flush_unsynced()  # what no_sync kept reaches the master's .grad before the set goes
         if _replicas.inference_made(module) or not _replicas.persistable(module):
             # Checked on (re)build only: tensor identities and module types are in the signature. Rebuilt every
             # step; under no_sync() each backward then reduces at once (same .grad in the end).

@@ -78,7 +78,7 @@ class DeviceMemory:
     master: int  # the master module's parameters, buffers and gradients on this device
     replica_buffers: int  # persistent flat buffers holding this replica's parameter and buffer copies
     staging: int  # NCCL broadcast staging buffers (device_ids[0] only)
-    pending_grads: int  # gradient sums kept by no_sync() for this replica
+    pending_grads: int  # the unsynced sums no_sync() holds for this replica (not yet reduced)
 
     @property
     def fastdp_bytes(self):

@@ -400,7 +400,7 @@ class _Kept:
         moves under their aliases: ReplicaSet.matches)."""
         return not self.streams or _streams.current(self.devices) == self.streams
 
-    def step(self):
+    def refresh(self):
         """Copies the master into the kept buffers; bumps their version counters where the master's moved."""
         if self.copy is not None:
             self.copy.run(self.state.core_streams())
@@ -546,12 +546,12 @@ class ReplicaSet:
                     held[where[r]][0] += flat.numel() * flat.element_size()
         return {p: tuple(v) for p, v in held.items()}
 
-    def reduce_pending(self):
+    def flush_unsynced(self):
         """Reduces the gradient sums no_sync() still keeps into the master's ``.grad`` (before the set is replaced:
         a changed structure or device list then loses nothing, as accumulating on the bare model would not)."""
         self.reducer.flush()
 
-    def step(self):
+    def refresh(self):
         """Refreshes the kept replicas for one forward and returns their root modules."""
         self.reducer.sweep()
         grad_enabled = torch.is_grad_enabled()
@@ -587,7 +587,7 @@ class ReplicaSet:
         kept = self.kept
         if kept is None or not kept.valid():
             kept = self.kept = _Kept(grad_buckets, self.reduced, self.tensors, self.state)
-        kept.step()
+        kept.refresh()
         return kept
 
     def _frozen_aliases(self):

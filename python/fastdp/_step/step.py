@@ -69,7 +69,7 @@ class Step:
         self.replicated = [device_ids[i] for i in self.positions]
         self.devices = self.replicated[self.skip:]
 
-    def keep(self, per_chunk):
+    def chunks_that_run(self, per_chunk):
         """The entries of the chunks that run."""
         if len(self.run) == len(per_chunk):
             return per_chunk

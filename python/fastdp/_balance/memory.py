@@ -9,7 +9,8 @@ import torch
 
 from .._platform import devices as _devices
 
-__all__ = ["DeviceMemory", "MemoryReport", "memory_report", "allocated_and_peak", "PeakWindow", "format_bytes"]
+__all__ = ["DeviceMemory", "MemoryReport", "memory_report", "allocated_and_peak", "PeakWindow", "format_bytes",
+           "distinct_peaks"]
 
 
 def allocated_and_peak(device):
@@ -85,6 +86,17 @@ class DeviceMemory:
         return self.replica_buffers + self.staging + self.pending_grads
 
 
+def distinct_peaks(pairs):
+    """The peaks of distinct devices, first seen first, from (device, peak or None) pairs (a device listed twice
+    holds one allocator)."""
+    seen, peaks = set(), []
+    for device, peak in pairs:
+        if peak is not None and device not in seen:
+            seen.add(device)
+            peaks.append(peak)
+    return peaks
+
+
 def format_bytes(n):
     """Bytes in the largest binary unit that keeps the number at 1 or more ("n/a" for None)."""
     if n is None:
@@ -106,11 +118,7 @@ class MemoryReport:
 
     def peak_ratio(self):
         """Device 0's peak over the median of the other devices' peaks (None when it cannot be measured)."""
-        seen, peaks = set(), []
-        for d in self.devices:
-            if d.peak is not None and d.device not in seen:
-                seen.add(d.device)
-                peaks.append(d.peak)
+        peaks = distinct_peaks((d.device, d.peak) for d in self.devices)
         if len(peaks) < 2:
             return None
         others = statistics.median(peaks[1:])

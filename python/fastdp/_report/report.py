@@ -308,7 +308,7 @@ def advise(report, setup):
 
 def _memory_advice(report, split, criterion):
     """GPU 0 holds much more than the others (it gathers the outputs and holds the master copy)."""
-    peaks = _distinct_peaks(report)
+    peaks = _memory.distinct_peaks((r.device, r.peak_bytes) for r in report.replicas)
     if len(peaks) < 2:
         return None
     others = statistics.median(peaks[1:])
@@ -386,15 +386,6 @@ def _reduce_advice(step, rows, bucket_bytes):
                                 f"`bucket_cap_mb={max(1, round(mb / 2))}` (now {mb:g}), so it starts earlier",
                       share, limit)
     return None
-
-
-def _distinct_peaks(report):
-    seen, peaks = set(), []
-    for r in report.replicas:
-        if r.peak_bytes is not None and r.device not in seen:
-            seen.add(r.device)
-            peaks.append(r.peak_bytes)
-    return peaks
 
 
 # ---- the report and its readings -------------------------------------------------------------------------------

@@ -190,14 +190,33 @@ def _step_and_backward(cuda, rs, x, forward_streams, backward_streams):
     return roots
 
 
-@pytest.mark.parametrize("legacy", [False, True], ids=["torch>=2.8", "torch<2.8"])
-def test_reduction_runs_on_its_own_streams_with_exactly_the_waits_it_needs(cuda, monkeypatch, legacy):
+def _ready_waits(own1, rule):
+    """What device 1's reduction stream waits for under each rule of autograd's (caller@0: the node's canonical
+    stream)."""
+    ready = {"canonical": ["caller@0"], "default": ["default@1"], "both": ["caller@0", "default@1"]}[rule]
+    return [("wait", own1, r) for r in ready]
+
+
+@pytest.mark.parametrize("version, rule", [
+    ("2.8.0", "canonical"), ("2.8.1+cu128", "canonical"), ("2.9.0.dev20250901+cu129", "canonical"),
+    ("2.8.0rc3", "canonical"), ("2.13.0+cpu", "canonical"), ("10.0.0", "canonical"),
+    ("2.7.1+cu126", "default"), ("2.4.0", "default"), ("1.13.1", "default"), ("2.7.0a0+git1234abc", "default"),
+    ("2.8.0a0+git5678def", "both"), ("2.8.0a0+5d9b0c3.nv25.06", "both"), ("2.8.0.dev20250501+cu126", "both"),
+    ("weird", "both")])
+def test_the_stream_rule_follows_what_the_version_can_tell(version, rule):
+    """Autograd's stream rule changed during torch 2.8's development: a build whose version cannot tell which side
+    it is on (a pre-release 2.8, as NGC containers and nightlies are) gets both waits."""
+    assert _rcuda.stream_rule(version) == rule
+
+
+@pytest.mark.parametrize("rule", ["canonical", "default", "both"], ids=["torch>=2.8", "torch<2.8", "unknown"])
+def test_reduction_runs_on_its_own_streams_with_exactly_the_waits_it_needs(cuda, monkeypatch, rule):
     """Each reduction stream waits for the stream where autograd guarantees the gradients are ready (torch 2.8 and
     newer: the bucket node's canonical stream for every device; before: that stream for the first device, each other
     device's default stream), the sum runs on the reduction's streams, and the delivery node's stream waits for a
     fence behind the first device's reduction stream; the tensors it used are held until a fence behind every
     reduction stream has passed. Nothing else orders anything, and nothing waits on the host."""
-    monkeypatch.setattr(_rcuda, "_LEGACY_STREAMS", legacy)
+    monkeypatch.setattr(_rcuda, "_STREAM_RULE", rule)
     torch.manual_seed(0)
     net = nn.Linear(4, 3)
     bare = copy.deepcopy(net)
@@ -215,10 +234,9 @@ def test_reduction_runs_on_its_own_streams_with_exactly_the_waits_it_needs(cuda,
     _step_and_backward(cuda, rs, x, caller, caller)
     own = [_rcuda.own_stream(0).name, _rcuda.own_stream(1).name]
     assert on == [tuple(own)]
-    ready1 = "default@1" if legacy else "caller@0"
     ordering = [e for e in cuda.log if e[0] in ("wait", "wait_event", "wait_fence", "fence", "record_stream")]
     fences = [e[1] for e in ordering if e[0] == "fence"]
-    assert ordering == [("wait", own[0], "caller@0"), ("wait", own[1], ready1),
+    assert ordering == [("wait", own[0], "caller@0")] + _ready_waits(own[1], rule) + [
                         ("fence", fences[0], own[0]), ("fence", fences[0], own[1]),
                         ("fence", fences[2], own[0]),
                         ("wait_fence", "caller@0", fences[2])]
@@ -228,13 +246,13 @@ def test_reduction_runs_on_its_own_streams_with_exactly_the_waits_it_needs(cuda,
     torch.testing.assert_close(net.weight.grad, bare.weight.grad)
 
 
-@pytest.mark.parametrize("legacy", [False, True], ids=["torch>=2.8", "torch<2.8"])
-def test_no_sync_shares_handed_over_at_once_are_ordered_before_the_nodes_stream(cuda, monkeypatch, legacy):
+@pytest.mark.parametrize("rule", ["canonical", "default", "both"], ids=["torch>=2.8", "torch<2.8", "unknown"])
+def test_no_sync_shares_handed_over_at_once_are_ordered_before_the_nodes_stream(cuda, monkeypatch, rule):
     """Where the bucket node hands its result to autograd at once (no_sync keeps the other replicas' shares and
     returns replica 0's; create_graph's differentiable sum takes the same path), the work still runs on the
     reduction's streams after the ready streams (autograd's rule of either side of torch 2.8), and the node's
     stream waits for it before autograd takes it."""
-    monkeypatch.setattr(_rcuda, "_LEGACY_STREAMS", legacy)
+    monkeypatch.setattr(_rcuda, "_STREAM_RULE", rule)
     torch.manual_seed(0)
     net = nn.Linear(4, 3)
     bare = copy.deepcopy(net)
@@ -246,7 +264,7 @@ def test_no_sync_shares_handed_over_at_once_are_ordered_before_the_nodes_stream(
     _step_and_backward(cuda, rs, x, caller, caller)
     ordering = [e for e in cuda.log if e[0] in ("wait", "wait_event", "wait_fence", "fence")]
     fences = [e[1] for e in ordering if e[0] == "fence"]
-    assert ordering == [("wait", own[0], "caller@0"), ("wait", own[1], "default@1" if legacy else "caller@0"),
+    assert ordering == [("wait", own[0], "caller@0")] + _ready_waits(own[1], rule) + [
                         ("fence", fences[0], own[0]), ("fence", fences[0], own[1]), ("fence", fences[2], own[0]),
                         ("wait_fence", "caller@0", fences[2])]
     bare(x[:2]).sum().backward()

@@ -3,6 +3,7 @@ autograd says the gradients are ready and before the stream that consumes the su
 writes held in the reducer's ledger until a fence behind the work passes (NOTE [reduction streams])."""
 
 import contextlib
+import re
 import threading
 
 import torch
@@ -11,7 +12,7 @@ from .._platform import streams as _streams
 from .jobs import Finished
 from . import sums
 
-__all__ = ["CudaStreams", "Ledger", "ordered", "own_stream", "ready_streams"]
+__all__ = ["CudaStreams", "Ledger", "ordered", "own_stream", "ready_streams", "stream_rule"]
 
 # NOTE [reduction streams]
 # On CUDA devices the reduction runs on one stream of its own per device (made once per process and device), so it
@@ -22,27 +23,52 @@ __all__ = ["CudaStreams", "Ledger", "ordered", "own_stream", "ready_streams"]
 # - before 2.8: gradients on the node's first device are ready on its canonical stream; a gradient on another
 #   device is ready on that device's default stream, where autograd also added several contributions to it. So the
 #   first device's reduction stream waits for the canonical stream, each other device's for its default stream.
+# - a 2.8 build from before its release (its version string cannot tell which rule it has): both (stream_rule).
 # A started sum is written into a buffer allocated on the consumer's stream (its memory is the consumer's to reuse
 # once the sum is used); a sum handed over at once (no_sync, create_graph) is allocated by the reduction's streams
 # and recorded as used by the consumer's stream. The consumer's stream waits for the first device's reduction stream
 # before autograd uses a sum. Every tensor the reduction reads or writes is held until a fence behind its work on
-# every device has passed (swept at each reduction, delivery and forward; a failure part way included; each replica set's
-# reducer has a ledger of its own), so the caching
-# allocator reuses no memory the reduction still reads.
-_LEGACY_STREAMS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8)
+# every device has passed (swept at each reduction, delivery and forward; a failure part way included; each replica
+# set's reducer has a ledger of its own), so the caching allocator reuses no memory the reduction still reads.
+def stream_rule(version):
+    """Which stream autograd makes wait for a bucket node's gradients on its other devices, by torch's version:
+    "canonical" (torch 2.8 and newer: the node's canonical stream), "default" (before: each device's default
+    stream), or "both" where the version cannot tell: a 2.8 build made before its release (a source build
+    "2.8.0a0+git...", as containers ship, or a nightly "2.8.0.dev...") may predate the engine's change, so the
+    reduction waits for both streams (one wait more, never a read before the gradients exist)."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.\d+)?((?:a|\.dev)\d*)?", version)
+    if found is None:
+        return "both"
+    release = (int(found[1]), int(found[2]))
+    if release < (2, 8):
+        return "default"
+    if release == (2, 8) and found[3]:
+        return "both"
+    return "canonical"
 
 
-def ready_streams(devices, legacy=None):
-    """Per distinct CUDA device among `devices` (first one first): the stream its reduction stream waits for before
-    reading the gradients autograd handed the bucket node (NOTE [reduction streams])."""
-    legacy = _LEGACY_STREAMS if legacy is None else legacy
+_STREAM_RULE = stream_rule(torch.__version__)
+
+
+def ready_streams(devices, rule=None):
+    """Per distinct CUDA device among `devices` (first one first): the streams its reduction stream waits for
+    before reading the gradients autograd handed the bucket node (NOTE [reduction streams])."""
+    rule = _STREAM_RULE if rule is None else rule
     first = devices[0]
     canonical = torch.cuda.current_stream(first)
     ready = {}
     for d in devices:
         if d not in ready:
-            ready[d] = canonical if d == first or not legacy else torch.cuda.default_stream(d)
+            ready[d] = _ready_on(d, first, canonical, rule)
     return ready
+
+
+def _ready_on(d, first, canonical, rule):
+    if d == first or rule == "canonical":
+        return (canonical,)
+    if rule == "default":
+        return (torch.cuda.default_stream(d),)
+    return (canonical, torch.cuda.default_stream(d))
 
 
 _OWN_STREAMS = {}
@@ -90,7 +116,7 @@ def ordered(reducer, held):
     own = {d: own_stream(d) for d in _streams.cuda_indices(reducer.devices)}
     first = next(iter(own))
     ready = ready_streams(list(own))
-    _streams.order([(own[d], ready[d]) for d in own])
+    _streams.order([(own[d], r) for d in own for r in ready[d]])
     handed = []
 
     def hand(result):
@@ -124,7 +150,7 @@ class CudaStreams:
         # The consumer's memory, taken before the reduction's streams are ordered after the consumer's.
         out = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.tdevs[0])
         ready = ready_streams(self.devices)
-        _streams.order([(s, ready[d]) for d, s in zip(self.devices, own)])
+        _streams.order([(s, r) for d, s in zip(self.devices, own) for r in ready[d]])
         recorder = bucket.reducer.recorder
         try:
             with _streams.entered(tuple(own)):

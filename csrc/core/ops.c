@@ -394,6 +394,21 @@ fdp_result_t fdp_route_devices(fdp_op_t op, const int *devices, int n, int dtype
 
 /* ---- operations ---- */
 
+/* The n pairs checked in order (the first bad pair is the one reported), every descriptor listed in `all` for the
+ * router, and in `copies` only the pairs that move bytes: a destination that is the source's own view, or an empty
+ * one, has nothing to copy. */
+static fdp_result_t collect_copies(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const fdp_tensor_t **all,
+                                   fdp_copy_t *copies, int *k) {
+  *k = 0;
+  for (int i = 0; i < n; i++) {
+    FDP_CHECK(check_copy(&dst[i], &src[i], i));
+    all[2 * i] = &dst[i];
+    all[2 * i + 1] = &src[i];
+    if (!same_view(&dst[i], &src[i]) && fdp_tensor_numel(&src[i]) > 0) copies[(*k)++] = (fdp_copy_t){dst[i], src[i]};
+  }
+  return FDP_OK;
+}
+
 fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const fdp_streams_t *streams) {
   if (n < 0 || (n > 0 && (!dst || !src))) return fdp__fail(FDP_INVALID, "copy: bad tensor lists (n=%d)", n);
   if (n == 0) return FDP_OK;
@@ -405,12 +420,7 @@ fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n
     r = fdp__fail(FDP_NOMEM, "copy: cannot allocate %d copy records", n);
     goto done;
   }
-  for (int i = 0; i < n; i++) {
-    FDP_CHECK_GOTO(check_copy(&dst[i], &src[i], i), r, done);
-    all[2 * i] = &dst[i];
-    all[2 * i + 1] = &src[i];
-    if (!same_view(&dst[i], &src[i]) && fdp_tensor_numel(&src[i]) > 0) copies[k++] = (fdp_copy_t){dst[i], src[i]};
-  }
+  FDP_CHECK_GOTO(collect_copies(dst, src, n, all, copies, &k), r, done);
   FDP_CHECK_GOTO(check_writes(dst, src, n, "copy"), r, done);
   r = copy_routed(copies, k, all, 2 * n, streams);
 done:
@@ -456,21 +466,16 @@ fdp_result_t fdp_copy_prepare(const fdp_tensor_t *dst, const fdp_tensor_t *src, 
     memcpy(p->src, src, (size_t)n * sizeof *src);
   }
   fdp_result_t r = FDP_OK;
-  for (int i = 0; i < n && r == FDP_OK; i++) {
-    r = check_copy(&p->dst[i], &p->src[i], i);
-    p->all[2 * i] = &p->dst[i];
-    p->all[2 * i + 1] = &p->src[i];
-    if (!same_view(&p->dst[i], &p->src[i]) && fdp_tensor_numel(&p->src[i]) > 0)
-      p->copies[p->k++] = (fdp_copy_t){p->dst[i], p->src[i]};
-  }
-  if (r == FDP_OK && n) r = check_writes(p->dst, p->src, n, "copy");
-  if (r != FDP_OK) {
-    fdp_copy_plan_free(p);
-    return r;
+  if (n) { /* an empty plan has no pairs to check and runs as a no-op */
+    FDP_CHECK_GOTO(collect_copies(p->dst, p->src, n, p->all, p->copies, &p->k), r, fail);
+    FDP_CHECK_GOTO(check_writes(p->dst, p->src, n, "copy"), r, fail);
   }
   p->nall = 2 * n;
   *out = p;
   return FDP_OK;
+fail:
+  fdp_copy_plan_free(p);
+  return r;
 }
 
 fdp_result_t fdp_copy_run(const fdp_copy_plan_t *plan, const fdp_streams_t *streams) {

@@ -446,9 +446,9 @@ void fdp_copy_plan_free(fdp_copy_plan_t *plan) {
   free(plan);
 }
 
-fdp_result_t fdp_copy_prepare(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, fdp_copy_plan_t **out) {
-  if (!out || n < 0 || (n > 0 && (!dst || !src))) return fdp__fail(FDP_INVALID, "copy: bad tensor lists (n=%d)", n);
-  *out = NULL;
+/* A plan keeps its own copies of the descriptors, so the caller's lists may go as soon as it is made. Every array
+ * holds at least one entry: an empty plan is still a real allocation, never read as running out of memory. */
+static fdp_result_t copy_plan_alloc(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, fdp_copy_plan_t **out) {
   fdp_copy_plan_t *p = calloc(1, sizeof *p);
   size_t m = (size_t)(n ? n : 1);
   if (p) {
@@ -465,6 +465,15 @@ fdp_result_t fdp_copy_prepare(const fdp_tensor_t *dst, const fdp_tensor_t *src, 
     memcpy(p->dst, dst, (size_t)n * sizeof *dst);
     memcpy(p->src, src, (size_t)n * sizeof *src);
   }
+  *out = p;
+  return FDP_OK;
+}
+
+fdp_result_t fdp_copy_prepare(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, fdp_copy_plan_t **out) {
+  if (!out || n < 0 || (n > 0 && (!dst || !src))) return fdp__fail(FDP_INVALID, "copy: bad tensor lists (n=%d)", n);
+  *out = NULL;
+  fdp_copy_plan_t *p = NULL;
+  FDP_CHECK(copy_plan_alloc(dst, src, n, &p));
   fdp_result_t r = FDP_OK;
   if (n) { /* an empty plan has no pairs to check and runs as a no-op */
     FDP_CHECK_GOTO(collect_copies(p->dst, p->src, n, p->all, p->copies, &p->k), r, fail);

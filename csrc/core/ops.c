@@ -560,11 +560,21 @@ static int row_member_fits(const fdp_tensor_t *t, const fdp_tensor_t *first, con
          memcmp(t->sizes, first->sizes, (size_t)t->ndim * sizeof *t->sizes) == 0;
 }
 
+/* Whether there are members to sum for one to FDP_MAX_DEVICES replicas (one per device), with all k * nrep
+ * descriptors countable in an int, as the loops over them count. */
+static int row_counts_fit(int k, int nrep) {
+  return k > 0 && nrep >= 1 && nrep <= FDP_MAX_DEVICES && (int64_t)k * nrep <= INT32_MAX;
+}
+
+/* Whether the members' sums can land in `out` back to back: one dense, one-dimensional host buffer of a dtype the
+ * reduce sums. */
+static int row_output_fits(const fdp_tensor_t *out) {
+  return out->device == FDP_HOST && out->ndim == 1 && fdp_tensor_is_contiguous(out) && out->dtype >= 0 &&
+         out->dtype != FDP_DTYPE_OTHER && out->dtype < FDP_DTYPE_COUNT;
+}
+
 int fdp_reduce_rows_fit(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out) {
-  if (!inputs || !out || k <= 0 || nrep < 1 || nrep > FDP_MAX_DEVICES || (int64_t)k * nrep > INT32_MAX) return 0;
-  if (out->device != FDP_HOST || out->ndim != 1 || !fdp_tensor_is_contiguous(out) || out->dtype < 0 ||
-      out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
-    return 0;
+  if (!inputs || !out || !row_counts_fit(k, nrep) || !row_output_fits(out)) return 0;
   int64_t total = 0;
   for (int i = 0; i < k * nrep; i++) {
     if (!row_member_fits(&inputs[i], &inputs[i % k], out)) return 0;

@@ -213,6 +213,12 @@ static fdp_result_t check_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src,
                    dst->elem_size, b, src->elem_size);
 }
 
+/* Whether the reductions can sum `dtype`: the named element types; FDP_DTYPE_OTHER tensors are only grouped by
+ * element size, which is enough to copy them but not to add them. */
+static int dtype_summable(int dtype) {
+  return dtype >= 0 && dtype != FDP_DTYPE_OTHER && dtype < FDP_DTYPE_COUNT;
+}
+
 /* One reduce input against the output: valid, same dtype and shape, contiguous, not partly the output. */
 /* A sum reads and writes whole elements, which a GPU (and C) can do only at addresses that are a multiple of their
  * size. Copies need no such thing (they move bytes where elements are misaligned), and PyTorch never makes a
@@ -541,7 +547,7 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
     FDP_CHECK(check_reduce_input(&inputs[i], i, out));
     all[i] = &inputs[i];
   }
-  if (out->dtype < 0 || out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
+  if (!dtype_summable(out->dtype))
     return fdp__fail(FDP_DTYPE, "reduce: dtype not supported (supported: bool, uint8, int8, int16, int32, "
                                 "int64, float16, bfloat16, float32, float64)");
   all[n] = out;
@@ -569,8 +575,7 @@ static int row_counts_fit(int k, int nrep) {
 /* Whether the members' sums can land in `out` back to back: one dense, one-dimensional host buffer of a dtype the
  * reduce sums. */
 static int row_output_fits(const fdp_tensor_t *out) {
-  return out->device == FDP_HOST && out->ndim == 1 && fdp_tensor_is_contiguous(out) && out->dtype >= 0 &&
-         out->dtype != FDP_DTYPE_OTHER && out->dtype < FDP_DTYPE_COUNT;
+  return out->device == FDP_HOST && out->ndim == 1 && fdp_tensor_is_contiguous(out) && dtype_summable(out->dtype);
 }
 
 int fdp_reduce_rows_fit(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out) {

@@ -213,6 +213,12 @@ static fdp_result_t check_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src,
                    dst->elem_size, b, src->elem_size);
 }
 
+/* Whether the reductions can sum `dtype`: the named element types; FDP_DTYPE_OTHER tensors are only grouped by
+ * element size, which is enough to copy them but not to add them. */
+static int dtype_summable(int dtype) {
+  return dtype >= 0 && dtype != FDP_DTYPE_OTHER && dtype < FDP_DTYPE_COUNT;
+}
+
 /* One reduce input against the output: valid, same dtype and shape, contiguous, not partly the output. */
 /* A sum reads and writes whole elements, which a GPU (and C) can do only at addresses that are a multiple of their
  * size. Copies need no such thing (they move bytes where elements are misaligned), and PyTorch never makes a
@@ -394,6 +400,21 @@ fdp_result_t fdp_route_devices(fdp_op_t op, const int *devices, int n, int dtype
 
 /* ---- operations ---- */
 
+/* The n pairs checked in order (the first bad pair is the one reported), every descriptor listed in `all` for the
+ * router, and in `copies` only the pairs that move bytes: a destination that is the source's own view, or an empty
+ * one, has nothing to copy. */
+static fdp_result_t collect_copies(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const fdp_tensor_t **all,
+                                   fdp_copy_t *copies, int *k) {
+  *k = 0;
+  for (int i = 0; i < n; i++) {
+    FDP_CHECK(check_copy(&dst[i], &src[i], i));
+    all[2 * i] = &dst[i];
+    all[2 * i + 1] = &src[i];
+    if (!same_view(&dst[i], &src[i]) && fdp_tensor_numel(&src[i]) > 0) copies[(*k)++] = (fdp_copy_t){dst[i], src[i]};
+  }
+  return FDP_OK;
+}
+
 fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, const fdp_streams_t *streams) {
   if (n < 0 || (n > 0 && (!dst || !src))) return fdp__fail(FDP_INVALID, "copy: bad tensor lists (n=%d)", n);
   if (n == 0) return FDP_OK;
@@ -405,12 +426,7 @@ fdp_result_t fdp_op_copy(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n
     r = fdp__fail(FDP_NOMEM, "copy: cannot allocate %d copy records", n);
     goto done;
   }
-  for (int i = 0; i < n; i++) {
-    FDP_CHECK_GOTO(check_copy(&dst[i], &src[i], i), r, done);
-    all[2 * i] = &dst[i];
-    all[2 * i + 1] = &src[i];
-    if (!same_view(&dst[i], &src[i]) && fdp_tensor_numel(&src[i]) > 0) copies[k++] = (fdp_copy_t){dst[i], src[i]};
-  }
+  FDP_CHECK_GOTO(collect_copies(dst, src, n, all, copies, &k), r, done);
   FDP_CHECK_GOTO(check_writes(dst, src, n, "copy"), r, done);
   r = copy_routed(copies, k, all, 2 * n, streams);
 done:
@@ -436,9 +452,9 @@ void fdp_copy_plan_free(fdp_copy_plan_t *plan) {
   free(plan);
 }
 
-fdp_result_t fdp_copy_prepare(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, fdp_copy_plan_t **out) {
-  if (!out || n < 0 || (n > 0 && (!dst || !src))) return fdp__fail(FDP_INVALID, "copy: bad tensor lists (n=%d)", n);
-  *out = NULL;
+/* A plan keeps its own copies of the descriptors, so the caller's lists may go as soon as it is made. Every array
+ * holds at least one entry: an empty plan is still a real allocation, never read as running out of memory. */
+static fdp_result_t copy_plan_alloc(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, fdp_copy_plan_t **out) {
   fdp_copy_plan_t *p = calloc(1, sizeof *p);
   size_t m = (size_t)(n ? n : 1);
   if (p) {
@@ -455,22 +471,26 @@ fdp_result_t fdp_copy_prepare(const fdp_tensor_t *dst, const fdp_tensor_t *src, 
     memcpy(p->dst, dst, (size_t)n * sizeof *dst);
     memcpy(p->src, src, (size_t)n * sizeof *src);
   }
+  *out = p;
+  return FDP_OK;
+}
+
+fdp_result_t fdp_copy_prepare(const fdp_tensor_t *dst, const fdp_tensor_t *src, int n, fdp_copy_plan_t **out) {
+  if (!out || n < 0 || (n > 0 && (!dst || !src))) return fdp__fail(FDP_INVALID, "copy: bad tensor lists (n=%d)", n);
+  *out = NULL;
+  fdp_copy_plan_t *p = NULL;
+  FDP_CHECK(copy_plan_alloc(dst, src, n, &p));
   fdp_result_t r = FDP_OK;
-  for (int i = 0; i < n && r == FDP_OK; i++) {
-    r = check_copy(&p->dst[i], &p->src[i], i);
-    p->all[2 * i] = &p->dst[i];
-    p->all[2 * i + 1] = &p->src[i];
-    if (!same_view(&p->dst[i], &p->src[i]) && fdp_tensor_numel(&p->src[i]) > 0)
-      p->copies[p->k++] = (fdp_copy_t){p->dst[i], p->src[i]};
-  }
-  if (r == FDP_OK && n) r = check_writes(p->dst, p->src, n, "copy");
-  if (r != FDP_OK) {
-    fdp_copy_plan_free(p);
-    return r;
+  if (n) { /* an empty plan has no pairs to check and runs as a no-op */
+    FDP_CHECK_GOTO(collect_copies(p->dst, p->src, n, p->all, p->copies, &p->k), r, fail);
+    FDP_CHECK_GOTO(check_writes(p->dst, p->src, n, "copy"), r, fail);
   }
   p->nall = 2 * n;
   *out = p;
   return FDP_OK;
+fail:
+  fdp_copy_plan_free(p);
+  return r;
 }
 
 fdp_result_t fdp_copy_run(const fdp_copy_plan_t *plan, const fdp_streams_t *streams) {
@@ -527,7 +547,7 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
     FDP_CHECK(check_reduce_input(&inputs[i], i, out));
     all[i] = &inputs[i];
   }
-  if (out->dtype < 0 || out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
+  if (!dtype_summable(out->dtype))
     return fdp__fail(FDP_DTYPE, "reduce: dtype not supported (supported: bool, uint8, int8, int16, int32, "
                                 "int64, float16, bfloat16, float32, float64)");
   all[n] = out;
@@ -546,11 +566,20 @@ static int row_member_fits(const fdp_tensor_t *t, const fdp_tensor_t *first, con
          memcmp(t->sizes, first->sizes, (size_t)t->ndim * sizeof *t->sizes) == 0;
 }
 
+/* Whether there are members to sum for one to FDP_MAX_DEVICES replicas (one per device), with all k * nrep
+ * descriptors countable in an int, as the loops over them count. */
+static int row_counts_fit(int k, int nrep) {
+  return k > 0 && nrep >= 1 && nrep <= FDP_MAX_DEVICES && (int64_t)k * nrep <= INT32_MAX;
+}
+
+/* Whether the members' sums can land in `out` back to back: one dense, one-dimensional host buffer of a dtype the
+ * reduce sums. */
+static int row_output_fits(const fdp_tensor_t *out) {
+  return out->device == FDP_HOST && out->ndim == 1 && fdp_tensor_is_contiguous(out) && dtype_summable(out->dtype);
+}
+
 int fdp_reduce_rows_fit(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out) {
-  if (!inputs || !out || k <= 0 || nrep < 1 || nrep > FDP_MAX_DEVICES || (int64_t)k * nrep > INT32_MAX) return 0;
-  if (out->device != FDP_HOST || out->ndim != 1 || !fdp_tensor_is_contiguous(out) || out->dtype < 0 ||
-      out->dtype == FDP_DTYPE_OTHER || out->dtype >= FDP_DTYPE_COUNT)
-    return 0;
+  if (!inputs || !out || !row_counts_fit(k, nrep) || !row_output_fits(out)) return 0;
   int64_t total = 0;
   for (int i = 0; i < k * nrep; i++) {
     if (!row_member_fits(&inputs[i], &inputs[i % k], out)) return 0;

@@ -172,7 +172,7 @@ def test_data_parallel_falls_back(unavailable):
 def test_fix_for_a_disabled_driver():
     """In a process where FASTDP_DISABLE_CUDA is set, the reason the core gives maps to its fix."""
     code = (
-        "import fastdp; from fastdp import _fallback; why = fastdp.info()['backends']['cuda']['why']; "
+        "import fastdp; from fastdp._native import fallback as _fallback; why = fastdp.info()['backends']['cuda']['why']; "
         "print(why); print(_fallback._fix(why))"
     )
     env = {**os.environ, "FASTDP_DISABLE_CUDA": "1"}

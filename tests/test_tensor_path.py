@@ -205,7 +205,7 @@ def _run(env_value):
     env.pop("FASTDP_TENSOR_PATH", None)
     if env_value is not None:
         env["FASTDP_TENSOR_PATH"] = env_value
-    code = "import fastdp; from fastdp import _C, _info; print(_C.tensor_path()[0]); print(_info.render(_info.collect()))"
+    code = "import fastdp; from fastdp import _C; from fastdp._native import info as _info; print(_C.tensor_path()[0]); print(_info.render(_info.collect()))"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()

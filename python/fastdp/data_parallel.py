@@ -560,14 +560,16 @@ class DataParallel(_UPSTREAM):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_replica_set"] = None  # kept replicas are a cache: never pickled or deep-copied
-        state["_recording"] = self._recording.fresh()  # recorded steps hold hooks and events; a copy records afresh
+        recording = self.__dict__.get("_recording")  # (a DistributedDataParallel records nothing of its own)
+        if recording is not None:
+            state["_recording"] = recording.fresh()  # recorded steps hold hooks and events; a copy records afresh
         state.pop("_forward_lock", None)
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__["_forward_lock"] = threading.Lock()
-        if self.__dict__.get("device_ids"):
+        if self.__dict__.get("device_ids") and "_recording" in self.__dict__:
             self._update_recording()
 
     def scatter(self, inputs, kwargs, device_ids):

@@ -89,7 +89,9 @@ def _first_caller_outside_fastdp():
     return level
 
 
-_NOT_THE_USERS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+# The package folders of fastdp (this file's folder's parent) and of torch: frames there are not the user's.
+_NOT_THE_USERS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep
+                       for f in (os.path.dirname(os.path.abspath(__file__)), torch.__file__))
 
 
 def _on_stream(streams, t):

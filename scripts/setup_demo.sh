@@ -3,6 +3,10 @@
 # torch is already importable, as on a GPU box), matplotlib (fastdp's "plot" extra: the report's picture and the
 # benchmarks' charts; it brings numpy), and fastdp itself built from this checkout. Run by scripts/demo.sh; sourced
 # by scripts/setup.sh, which adds the test tools. Each install says what it installs, and why, before it starts.
+#
+# A later run installs nothing that is there already, and rebuilds fastdp only when what its build depends on
+# changed: the hash of scripts/build_hash.sh (csrc/, cuda/, python/, setup.py, pyproject.toml, the interpreter, the
+# build knobs) is kept in .venv/fastdp-build.sha256 beside the build it describes.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
@@ -28,7 +32,17 @@ if [ -n "$missing" ]; then
   "$VPY" -m pip install $missing
 fi
 
-echo "set-up: building fastdp from this checkout (its C core with the machine's C compiler: under a minute on" \
-  "2 cores; pip prints only on failure)"
-# No build isolation: the build needs only setuptools and a C compiler, and some machines have no index.
-FASTDP_WERROR=${FASTDP_WERROR:-1} "$VPY" -m pip install -q --no-build-isolation --force-reinstall --no-deps .
+stamp=.venv/fastdp-build.sha256
+want=$(PYTHON="$VPY" bash scripts/build_hash.sh)
+if [ -z "$(missing_modules fastdp)" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  echo "set-up: fastdp unchanged since its last build here: reused (.venv/fastdp-build.sha256)"
+else
+  echo "set-up: building fastdp from this checkout (its C core with the machine's C compiler: under a minute on" \
+    "2 cores; pip prints only on failure)"
+  rm -f "$stamp"
+  # No build isolation: the build needs only setuptools and a C compiler, and some machines have no index. No
+  # cache: a wheel of this checkout is never installed twice, and pip would keep one per build in the home folder.
+  FASTDP_WERROR=${FASTDP_WERROR:-1} "$VPY" -m pip install -q --no-build-isolation --no-cache-dir --force-reinstall \
+    --no-deps .
+  echo "$want" >"$stamp"
+fi

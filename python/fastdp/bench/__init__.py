@@ -15,7 +15,7 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="which", metavar="{comm,train,report}")
     p = sub.add_parser("comm", help="GB/s per operation and backend next to the copy limit of the same run")
     p.add_argument("--sizes-mb", default=None,
-                   help="buffer sizes in MB, comma-separated (default 1,4,16,32: about 0.9 GB of memory; each size "
+                   help="buffer sizes in MB, comma-separated (default 1,4,16,32: about 1 GB of memory; each size "
                    "holds about 19 times itself at 4 entries, e.g. 5 GB at 256)")
     p.add_argument("--replicas", type=int, default=4, help="device entries per operation")
     p.add_argument("--seconds", type=float, default=0.3, help="time budget per measurement")

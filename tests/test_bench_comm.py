@@ -76,3 +76,17 @@ def test_bad_sizes_are_refused_with_the_form_expected(tmp_path, sizes):
     proc = _comm(["--sizes-mb", sizes, "--out", str(tmp_path)], tmp_path)
     assert proc.returncode == 2 and "--sizes-mb takes positive whole MB" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_samples_interleave_and_the_copy_limit_gets_twice_as_many():
+    """Never the same call twice in a row (the second would find its buffers in the cache), every operation once
+    per round, the copy limit (the reference of every percentage) twice."""
+    from fastdp.bench import comm as bench_comm
+
+    calls = []
+    fns = [(name, (lambda n=name: calls.append(n))) for name in ("copy limit", "a", "b", "c", "d", "e")]
+    per_call = bench_comm.measure(fns, lambda: None, seconds=0.0)
+    assert set(per_call) == {name for name, _ in fns}
+    timed = calls[len(fns):]  # after one untimed call of each
+    assert all(x != y for x, y in zip(timed, timed[1:])), timed
+    assert timed.count("copy limit") == 2 * timed.count("a") == 2 * bench_comm.MIN_ROUNDS

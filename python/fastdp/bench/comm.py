@@ -142,19 +142,22 @@ def _header(replicas, sizes, targets):
 
 
 def measure(fns, sync, seconds):
-    """Median seconds per call of each (name, fn), over interleaved rounds: each round times the copy limit
-    first and last and every operation once between, so drift in the machine's speed hits all columns alike and
-    the copy limit, the reference of every percentage, gets twice the samples. One call per sample: a call
-    repeated in a loop would find its buffers in the cache, which a step's communication does not."""
+    """Median seconds per call of each (name, fn), over interleaved rounds; fns[0] is the copy limit. Each round
+    times every operation once and the copy limit twice, first and halfway, so drift in the machine's speed hits
+    all columns alike and the reference of every percentage gets twice the samples. One call per sample, never
+    the same call twice in a row: a call repeated at once would find its buffers in the cache, which a step's
+    communication does not."""
     for _, fn in fns:
         fn()
     sync()
     times = {name: [] for name, _ in fns}
-    limit_name = fns[0][0]
+    limit, ops = fns[0], fns[1:]
+    half = (len(ops) + 1) // 2
+    order = [limit] + ops[:half] + [limit] + ops[half:]
     deadline = time.perf_counter() + seconds * len(fns)
-    while len(times[limit_name]) < 2 * MIN_ROUNDS or (time.perf_counter() < deadline
-                                                      and len(times[limit_name]) < 80):
-        for name, fn in fns + [fns[0]]:
+    while len(times[limit[0]]) < 2 * MIN_ROUNDS or (time.perf_counter() < deadline
+                                                    and len(times[limit[0]]) < 80):
+        for name, fn in order:
             t0 = time.perf_counter()
             fn()
             sync()

@@ -66,6 +66,11 @@ def main(argv=None):
     # One line for both cases: under torchrun (WORLD_SIZE > 1) it becomes fastdp.DistributedDataParallel on
     # cuda:LOCAL_RANK (device_ids[LOCAL_RANK]) or, with "cpu" entries, on the CPU over gloo.
     device_ids = list(range(torch.cuda.device_count())) if use_cuda else ["cpu"] * args.replicas
+    if not use_cuda:
+        # Emulated replicas (or gloo processes) run on the host: one torch thread each, as examples/train.py and
+        # the benchmarks do, so that the threads of a small model's operations do not fight each other and other
+        # jobs for the cores of a small or shared machine.
+        torch.set_num_threads(1)
     dp = fastdp.DataParallel(model, device_ids=device_ids)
     device = next(dp.parameters()).device
     world = fastdp.distributed.get_world_size()
@@ -82,6 +87,8 @@ def main(argv=None):
         where = "1 process on " + ", ".join(f"cuda:{d}" for d in device_ids)
     else:
         where = f"1 process, {len(device_ids)} emulated CPU replicas"
+    if not use_cuda:
+        where += f", torch threads: {torch.get_num_threads()}"
     fastdp.print0(f"fastdp {fastdp.__version__} | torch {torch.__version__} | {where} | "
                   f"global batch {args.batch_size} | {len(loader)} steps/epoch", flush=True)
 

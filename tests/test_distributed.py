@@ -371,6 +371,18 @@ def test_example_runs_single_and_under_torchrun(tmp_path):
     assert multi.stdout.count("outputs match") == 1 and "2 processes" in multi.stdout  # printed once, by rank 0
 
 
+def test_example_uses_one_torch_thread_per_cpu_process(tmp_path):
+    """examples/train_ddp.py on the CPU sets one torch thread itself, as examples/train.py does: with torch's
+    default (a thread per core) a small model's operations fight each other for the cores of a shared machine."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k != "OMP_NUM_THREADS"}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join([_PACKAGE_PARENT, env.get("PYTHONPATH", "")]))
+    script = os.path.join(ROOT, "examples", "train_ddp.py")
+    r = subprocess.run([sys.executable, script, "--epochs", "1", "--samples", "512", "--checkpoint",
+                        str(tmp_path / "ckpt.pt")], env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "torch threads: 1 |" in r.stdout, r.stdout
+
+
 @pytest.mark.multi_gpu
 def test_two_ranks_nccl_match_full_batch(tmp_path):
     _check_train_run(str(tmp_path), 2, "nccl", "cuda:")

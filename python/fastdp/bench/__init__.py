@@ -1,6 +1,6 @@
 """Benchmarks: programs that print tables and write CSV files, never timed assertions.
 
-python -m fastdp.bench comm [--sizes-mb 1,4,16,64,256] [--replicas 4] [--out bench-out]
+python -m fastdp.bench comm [--sizes-mb 1,4,16,32] [--replicas 4] [--out bench-out]
 python -m fastdp.bench train [--models mlp,cnn,transformer] [--replicas 4] [--rounds 5] [--threads 1] [--split]
                              [--params 10,100,1000] [--out bench-out]
 python -m fastdp.bench report [--models mlp,cnn,transformer] [--replicas 4] [--rounds 30] [--steps 5]
@@ -14,7 +14,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fastdp.bench")
     sub = parser.add_subparsers(dest="which", metavar="{comm,train,report}")
     p = sub.add_parser("comm", help="GB/s per operation and backend next to the copy limit of the same run")
-    p.add_argument("--sizes-mb", default="1,4,16,64,256", help="buffer sizes in MB (comma-separated)")
+    p.add_argument("--sizes-mb", default=None,
+                   help="buffer sizes in MB, comma-separated (default 1,4,16,32: about 1 GB of memory; each size "
+                   "holds about 19 times itself at 4 entries, e.g. 5 GB at 256)")
     p.add_argument("--replicas", type=int, default=4, help="device entries per operation")
     p.add_argument("--seconds", type=float, default=0.3, help="time budget per measurement")
     p.add_argument("--out", default="bench-out", help="folder for the CSV")

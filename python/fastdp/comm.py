@@ -45,7 +45,8 @@ _CPU = torch.device("cpu")
 
 
 def _device(d, what, allow_none=False):
-    """One device-list entry → torch.device ("cpu" or "cuda:k"): fastdp._platform.devices.normalize, with upstream's None."""
+    """One device-list entry → torch.device ("cpu" or "cuda:k"): fastdp._platform.devices.normalize, with
+    upstream's None."""
     if d is None:
         if allow_none:
             return None

@@ -1,11 +1,11 @@
 """The torch route: torch's own implementation of the core's data-moving calls, and what taking it says.
 
-``fastdp._native.route`` sends a call here when fastdp's C core cannot run it (``BackendUnavailableError``: no CUDA driver
-it can use, no kernels for this GPU (no NVRTC and no matching fatbin), CUDA disabled...). The functions below do the
-same work with ``Tensor.copy_`` and ``torch.add`` (what ``torch.nn.parallel.comm`` does underneath), in the same
-order and rounding, with the core's signatures. ``take_over`` warns once per process, naming the reason and the
-fix; ``FASTDP_STRICT=1`` (declared in csrc/base/param.c) makes it raise that error instead, for benchmarks and
-checks that must prove the C paths ran.
+``fastdp._native.route`` sends a call here when fastdp's C core cannot run it (``BackendUnavailableError``: no CUDA
+driver it can use, no kernels for this GPU (no NVRTC and no matching fatbin), CUDA disabled...). The functions below do
+the same work with ``Tensor.copy_`` and ``torch.add`` (what ``torch.nn.parallel.comm`` does underneath), in the same
+order and rounding, with the core's signatures. ``take_over`` warns once per process, naming the reason and the fix;
+``FASTDP_STRICT=1`` (declared in csrc/base/param.c) makes it raise that error instead, for benchmarks and checks that
+must prove the C paths ran.
 """
 
 import contextlib

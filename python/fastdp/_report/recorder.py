@@ -157,7 +157,8 @@ class Recorder:
         self._count = 0
         self.memory = None  # fastdp._balance.memory.PeakWindow over distinct CUDA devices (made by the first step)
         self._memory_known = False
-        self.inject = None  # a test's out-of-memory injection (fastdp._balance.rescue.Injection), run by the replicas' site
+        # A test's out-of-memory injection (fastdp._balance.inject.Injection), run by the replicas' site.
+        self.inject = None
         self.module_bytes = None  # (key of the kept replica set, bytes of the module's tensors)
         self.timed = 0  # the newest step whose times chunk_sizes="auto" was given
         self.owners = weakref.WeakKeyDictionary()  # replica -> (submodule, name) of its first trainable parameter

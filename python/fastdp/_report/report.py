@@ -1,8 +1,8 @@
 """``dp.report()``: what the last steps of a ``fastdp.DataParallel`` measured, per replica and per phase, with advice
 derived from those numbers (docs/report.md).
 
-The wrapper's recorder (fastdp._report.recorder) keeps the raw records; this module turns them into numbers (medians over
-the steps kept), reads them out (a text table, HTML for notebooks, a dict, CSV, a Chrome/Perfetto trace, a PNG) and
+The wrapper's recorder (fastdp._report.recorder) keeps the raw records; this module turns them into numbers (medians
+over the steps kept), reads them out (a text table, HTML for notebooks, a dict, CSV, a Chrome/Perfetto trace, a PNG) and
 derives the advice, each line naming the threshold it used.
 """
 

@@ -20,16 +20,16 @@ class Step:
     """What one forward decided and found.
 
     ``wrapper``: the DataParallel running it. ``fresh``: its replicas are built afresh instead of taken from the
-    wrapper's kept set (a call re-entered while the outer one holds the set, or the forward of a replicated
-    wrapper). ``loss``: the per-replica loss (``fastdp._balance.replica_loss.PerReplicaLoss``) or None. After the scatter:
-    ``chunk_sizes`` (per device_ids position, None for torch.chunk's rule), then the plan: ``run`` (the positions
-    with a chunk), ``positions`` (the positions replicated to: ``run``, with position 0 in front when it has no
-    chunk, because replication starts from the master there), ``replicated`` (their devices), ``skip`` (1 when
-    that replica is built but not run) and ``devices`` (the devices of the replicas that run). At the end:
-    ``avoided_gather_bytes``, the outputs a per-replica loss did not gather (0 for a criterion computed on the
-    gathered output, None without one). ``recorder``: the wrapper's fastdp._report.recorder.Recorder while the report
-    records (None otherwise), and ``site``, what runs each replica then. ``publish``: called with the step's
-    :data:`Outcome` when it ends (the wrapper keeps it).
+    wrapper's kept set (a call re-entered while the outer one holds the set, or the forward of a replicated wrapper).
+    ``loss``: the per-replica loss (``fastdp._balance.replica_loss.PerReplicaLoss``) or None. After the scatter:
+    ``chunk_sizes`` (per device_ids position, None for torch.chunk's rule), then the plan: ``run`` (the positions with a
+    chunk), ``positions`` (the positions replicated to: ``run``, with position 0 in front when it has no chunk, because
+    replication starts from the master there), ``replicated`` (their devices), ``skip`` (1 when that replica is built
+    but not run) and ``devices`` (the devices of the replicas that run). At the end: ``avoided_gather_bytes``, the
+    outputs a per-replica loss did not gather (0 for a criterion computed on the gathered output, None without one).
+    ``recorder``: the wrapper's fastdp._report.recorder.Recorder while the step records (None otherwise), and ``site``,
+    what runs each replica then. ``publish``: called with the step's :data:`Outcome` when it ends (the wrapper keeps
+    it).
     """
 
     __slots__ = ("wrapper", "fresh", "loss", "chunk_sizes", "run", "positions", "replicated", "skip", "devices",

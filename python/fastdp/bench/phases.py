@@ -18,10 +18,10 @@ How the split is approximated:
   scheduling across devices);
 - reduction: time inside ``torch.nn.parallel.comm.reduce_add_coalesced`` (upstream) or, for fastdp, the
   backward thread's time in each bucket's reduction (``fastdp._reduction.reducer.start``, which starts it, and
-  ``fastdp._reduction.reducer.deliver``, which waits for it; ``fastdp._step.replicas.reduce_bucket`` in trees from before the
-  reduction ran while backward goes on) and in ``fastdp.comm.reduce_add_coalesced``, outermost calls only, looked
-  up as module attributes at call time; a reduction that overlaps the replicas' backward (on a GPU, or on the host
-  reducer thread) is counted at its host (launch) cost and the wait for it, unless ``--split`` serialises it;
+  ``fastdp._reduction.reducer.deliver``, which waits for it; ``fastdp._replicas.reduce_bucket`` in trees from before the
+  reduction ran while backward goes on) and in ``fastdp.comm.reduce_add_coalesced``, outermost calls only, looked up as
+  module attributes at call time; a reduction that overlaps the replicas' backward (on a GPU, or on the host reducer
+  thread) is counted at its host (launch) cost and the wait for it, unless ``--split`` serialises it;
 - overhead: step time minus replica forward and backward minus loss and optimizer (the same work as the bare
   model's), all from the instrumented pass.
 On a GPU these are host-side times unless ``--split`` synchronises the devices around every timed region, which
@@ -150,7 +150,9 @@ def _reduction_targets(wrapper):
         return [(torch.nn.parallel.comm, "reduce_add_coalesced")]
     if wrapper == "fastdp":
         targets = []
-        for module_name, names in (("fastdp._reduction.reducer", ("start", "deliver")), ("fastdp._step.replicas", ("reduce_bucket",))):
+        # This tree's reducer, then where trees before it kept the same calls (compared against this one).
+        for module_name, names in (("fastdp._reduction.reducer", ("start", "deliver")),
+                                   ("fastdp._reducer", ("start", "deliver")), ("fastdp._replicas", ("reduce_bucket",))):
             try:
                 mod = importlib.import_module(module_name)
             except ImportError:

@@ -93,13 +93,17 @@ class FakeEvent:
 
 
 class FakeFence:
-    """fastdp._C.Fence: a fence recorded behind the listed streams; waits on it and host queries are logged."""
+    """fastdp._C.Fence: a fence recorded behind the listed streams; waits on it and host queries are logged. It has
+    passed when the fake says fences pass (``fences_done``), or once every device it fences was synchronised after
+    it was recorded (a device's queue runs late until then)."""
 
     _serial = itertools.count(1)
 
     def __init__(self, cuda, streams):
         self.cuda = cuda
-        self.name = f"f{next(self._serial)}"
+        self.serial = next(self._serial)
+        self.name = f"f{self.serial}"
+        self.devices = {device for device, _ in streams}
         for device, handle in streams:
             cuda.record("fence", self.name, cuda.stream_of(device, handle).name)
 
@@ -109,7 +113,8 @@ class FakeFence:
 
     def done(self):
         self.cuda.record("query", self.name)
-        return self.cuda.fences_done
+        synced = self.cuda.synced_after
+        return self.cuda.fences_done or all(synced.get(d, 0) > self.serial for d in self.devices)
 
 
 class FakeCuda:
@@ -134,7 +139,8 @@ class FakeCuda:
         self.allocated = [0] * ndev
         self.peak = [0] * ndev
         self.peers = set((a, b) for a in range(ndev) for b in range(ndev) if a != b)
-        self.fences_done = True  # what a fence's host query answers
+        self.fences_done = True  # what a fence's host query answers (False: the devices' queues run late)
+        self.synced_after = {}  # device -> the fence serial its last synchronize() reached
 
     # ---- the log ----
     def record(self, *entry):
@@ -253,7 +259,9 @@ class FakeCuda:
         return FakeEvent(self, **kwargs)
 
     def synchronize(self, device=None):
-        self.record("device_sync", self._index(device))
+        index = self._index(device)
+        self.record("device_sync", index)
+        self.synced_after[index] = next(FakeFence._serial)  # every fence recorded before now has passed there
 
     def get_device_properties(self, device=None):
         return self.props[self._index(device)]

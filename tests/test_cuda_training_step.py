@@ -300,6 +300,38 @@ def test_reduction_holds_what_it_used_until_its_fence_has_passed(cuda, monkeypat
     assert all(r() is None for r in seen)
 
 
+def test_a_sweep_asks_one_fence_however_many_reductions_wait_behind_it(cuda):
+    """The GPU is behind the host: every bucket's reduction is still held. Fences on the reduction's own streams pass
+    in the order they were recorded, so a sweep asks the oldest one only, not every held reduction (which would make
+    the host's work per step grow with the square of the buckets)."""
+    net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+    rs = _cuda_replica_set(net, bucket_bytes=1)  # a bucket per tensor
+    caller = [cuda.default_stream(0), cuda.default_stream(1)]
+    cuda.fences_done = False
+    _step_and_backward(cuda, rs, torch.randn(4, 4), caller, caller)
+    assert len(rs.reducer.ledger) >= 12
+    cuda.log.clear()
+    rs.reducer.sweep()
+    assert [e[0] for e in cuda.log] == ["query"]
+    cuda.fences_done = True
+    rs.reducer.sweep()
+    assert len(rs.reducer.ledger) == 0
+
+
+def test_before_a_step_runs_again_the_reductions_in_flight_leave_their_memory(cuda):
+    """The out-of-memory rescue runs the step again at once: what the failed attempt's reductions still hold on the
+    late devices must be the allocator's again first, so the reducer waits for its devices and releases it."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    rs = _cuda_replica_set(net, bucket_bytes=1)
+    caller = [cuda.default_stream(0), cuda.default_stream(1)]
+    cuda.fences_done = False
+    _step_and_backward(cuda, rs, torch.randn(4, 4), caller, caller)
+    assert len(rs.reducer.ledger) > 0
+    cuda.log.clear()
+    rs.reducer.settle()
+    assert len(rs.reducer.ledger) == 0 and {e[1] for e in cuda.log if e[0] == "device_sync"} == {0, 1}
+
+
 def test_kept_nodes_are_remade_for_a_forward_on_other_streams(cuda, monkeypatch):
     """Autograd orders a node's backward on the streams current when the node was made: a step on other streams
     gets new nodes, and the reduction waits for the stream autograd then makes current."""

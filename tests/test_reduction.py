@@ -493,3 +493,19 @@ def test_autograd_backward_with_grad_tensors_and_inputs(pair):
             assert p.grad is not None
     for p, q in zip(dp.module.parameters(), bare.parameters()):
         _close(p.grad, q.grad)
+
+
+def test_a_rescued_forward_settles_the_reductions_before_it_runs_again(monkeypatch):
+    """The out-of-memory rescue asks the reducer to let go of what the failed attempt's reductions hold before the
+    step runs again (on GPUs their memory is what the retry needs), and only then."""
+    calls = []
+    real = _reducer.Reducer.settle
+    monkeypatch.setattr(_reducer.Reducer, "settle", lambda self: (calls.append("settle"), real(self))[1])
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 2, oom="rebalance")
+    dp(torch.randn(8, 4)).sum().backward()  # the replica set exists
+    assert calls == []
+    fastdp.inject_oom(dp, 1, times=1)
+    with pytest.warns(RuntimeWarning, match="oom='rebalance'"):
+        dp(torch.randn(8, 4))
+    assert calls == ["settle"]

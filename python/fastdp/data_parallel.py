@@ -249,6 +249,8 @@ class DataParallel(_UPSTREAM):
         def retry():
             if step.recorder is not None:
                 step.recorder.discard_open()  # the failed attempt is not a step of the report
+            if self._replica_set is not None:
+                self._replica_set.reducer.settle()  # the failed attempt's reductions leave their memory
             return self._run_step(self._new_step(step.loss, step.avoided_gather_bytes), inputs, kwargs)
 
         return self._oom.run(self._rescue_context(step, inputs, kwargs),

@@ -2,6 +2,7 @@
 autograd says the gradients are ready and before the stream that consumes the sum, with everything it reads or
 writes held in the reducer's ledger until a fence behind the work passes (NOTE [reduction streams])."""
 
+import collections
 import contextlib
 import re
 import threading
@@ -83,10 +84,13 @@ def own_stream(device):
 
 
 class Ledger:
-    """Tensors one reducer's streams still use, each group released once its fence has passed."""
+    """Tensors one reducer's streams still use, each group released once its fence has passed. Every fence of a
+    reducer is recorded behind the same streams (its own, one per device), in the order the groups were held, so
+    they pass in that order: a sweep releases from the front and stops at the first fence still pending, one query
+    whatever the number of groups behind it."""
 
     def __init__(self):
-        self._held = []
+        self._held = collections.deque()
         self._lock = threading.Lock()
 
     def hold(self, fence, tensors):
@@ -97,7 +101,12 @@ class Ledger:
         """Releases the tensors of reductions that have completed (called at each launch, delivery and forward)."""
         if self._held:
             with self._lock:
-                self._held = [entry for entry in self._held if not entry[0].done()]
+                held = self._held
+                while held and held[0][0].done():
+                    held.popleft()
+
+    def __len__(self):
+        return len(self._held)
 
 
 def _no_handover(result):

@@ -124,6 +124,14 @@ class Reducer:
         """Releases what completed reductions held (before a forward, so their memory is free for it)."""
         self.ledger.sweep()
 
+    def settle(self):
+        """Waits for the reductions in flight on CUDA devices and releases what they held: before a step runs again
+        after an out-of-memory error, the failed attempt's memory must be the allocator's again."""
+        if self.ledger:
+            for d in _streams.cuda_indices(self.devices):
+                torch.cuda.synchronize(d)
+            self.ledger.sweep()
+
     def holds_unsynced(self):
         """Whether no_sync() sums are waiting for a synchronising backward."""
         return any(b is not None and b.unsynced.rows is not None for b in (ref() for ref in self.buckets))

@@ -11,8 +11,8 @@
 # Budget (seconds; each is the step's hard timeout, together at most GPU_CHECK_TOTAL_S = 450, i.e. 7.5 min):
 #   env 10 · build 40 · info 10 · helpers 15 · nccl-selftest 20 · copy-paths 25 · dp-repeated 17 ·
 #   sync-debug 14 · alloc-expandable 14 · alloc-async 14 · caller-stream 14 · cpu-batch 10 · output-cpu 8 ·
-#   syncbn-dtypes 14 · graph-capture 10 · pytest-gpu 60 · c-gpu-ops 30 · c-memcheck 45 · c-racecheck 32 ·
-#   bench-comm 12 · bench-train 20 · overlap 12 · map-report 4
+#   syncbn-dtypes 14 · graph-capture 10 · oom-rescue 8 · pytest-gpu 52 · c-gpu-ops 30 · c-memcheck 45 ·
+#   c-racecheck 32 · bench-comm 12 · bench-train 20 · overlap 12 · map-report 4
 # A step never runs past the total: it gets what is left, and is "skipped: out of time" (a failure) under 5 s.
 # GPU_CHECK_TIME_SCALE (an integer, default 1) multiplies every limit, for slow shared machines (the CPU dry run).
 #
@@ -266,6 +266,7 @@ step_cpu_batch() { cuda_branch_check cpu-batch; }
 step_output_cpu() { cuda_branch_check output-cpu; }
 step_syncbn_dtypes() { cuda_branch_check syncbn-dtypes; }
 step_graph_capture() { cuda_branch_check graph-capture; }
+step_oom_rescue() { cuda_branch_check oom-rescue; }
 step_map_report() { "$PY" "$ROOT/scripts/gpu/cuda_branches.py" map-report --trace "$OUT/map-trace"; }
 
 # What the steps' child shells see: the chosen tools, the scratch build first on PYTHONPATH, the step functions.
@@ -307,7 +308,8 @@ main() {
   step output-cpu 8 gpu step_output_cpu
   step syncbn-dtypes 14 gpu step_syncbn_dtypes
   step graph-capture 10 gpu step_graph_capture
-  step pytest-gpu 60 gpu step_pytest_gpu
+  step oom-rescue 8 gpu step_oom_rescue
+  step pytest-gpu 52 gpu step_pytest_gpu
   step c-gpu-ops 30 gpu,gpu-ops step_c_gpu_ops
   step c-memcheck 45 gpu,gpu-ops step_c_memcheck
   step c-racecheck 32 gpu,gpu-ops step_c_racecheck

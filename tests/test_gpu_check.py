@@ -20,8 +20,8 @@ SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
 HELPERS = os.path.join(ROOT, "scripts", "gpu")
 NON_GPU_STEPS = ["env", "build", "info", "helpers"]
 GPU_STEPS = ["nccl-selftest", "copy-paths", "dp-repeated", "sync-debug", "alloc-expandable", "alloc-async",
-             "caller-stream", "cpu-batch", "output-cpu", "syncbn-dtypes", "graph-capture", "pytest-gpu", "c-gpu-ops",
-             "c-memcheck", "c-racecheck", "bench-comm", "bench-train", "overlap"]
+             "caller-stream", "cpu-batch", "output-cpu", "syncbn-dtypes", "graph-capture", "oom-rescue", "pytest-gpu",
+             "c-gpu-ops", "c-memcheck", "c-racecheck", "bench-comm", "bench-train", "overlap"]
 LAST_STEPS = ["map-report"]  # runs everywhere: on a CPU it lists every entry of the map as not run
 # Where an index or any network use would go: nowhere (a closed local port), so a step that tried would fail.
 NO_NETWORK = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "http_proxy": "http://127.0.0.1:9",

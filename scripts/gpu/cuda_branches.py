@@ -154,10 +154,11 @@ def _compare(name, wrapped, bare, tol):
 
 
 def _train(steps, dp_kwargs=None, x_of=None, stream=None, loss_on_replicas=False, bn=False, sync=False,
-           dtype=None, tol=1e-4, name="", around=None, size=10):
+           dtype=None, tol=1e-4, name="", around=None, size=10, prepare=None):
     """``steps`` training steps (forward, backward, SGD) of fastdp.DataParallel(device_ids=[0, 0]) against the bare
     model on the whole batch (in float64 for other dtypes than float32); True when every step's gradients agree.
-    ``stream(step)``: the caller's stream of that step; ``around(step)``: a context around the wrapper's step."""
+    ``stream(step)``: the caller's stream of that step; ``around(step)``: a context around the wrapper's step;
+    ``prepare(model)``: the wrapped model, changed before wrapping (hooks)."""
     torch.manual_seed(0)
     dtype = dtype or torch.float32
     bare = _net(bn, False).to(DEVICE)
@@ -173,6 +174,8 @@ def _train(steps, dp_kwargs=None, x_of=None, stream=None, loss_on_replicas=False
     kwargs.update(dp_kwargs or {})
     if loss_on_replicas:
         kwargs["criterion"] = criterion
+    if prepare is not None:
+        model = prepare(model)
     dp = fastdp.DataParallel(model, **kwargs)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, bare)]
     cuda = DEVICE == "cuda"
@@ -317,6 +320,35 @@ def check_graph_capture():
     return _train(2, name="after the refused capture")
 
 
+def check_oom_rescue():
+    """oom="rebalance" on real streams: an out-of-memory error raised in a replica's forward once (as the allocator
+    would) is rescued, the reductions the first steps left in flight settled first, and training still equals the
+    bare model's."""
+    fired = []
+
+    class OnceOutOfMemory:
+        def __call__(self, module, args):
+            if len(fired) == 0 and self.armed:
+                fired.append(True)
+                raise torch.OutOfMemoryError("CUDA out of memory (raised by the check, as the allocator would) GPU 0")
+
+    hook = OnceOutOfMemory()
+    hook.armed = False
+
+    def around(step):
+        hook.armed = step == 2
+        return contextlib.nullcontext()
+
+    def with_hook(model):
+        model[0].register_forward_pre_hook(hook)
+        return model
+
+    ok = _train(4, dp_kwargs=dict(oom="rebalance"), name="oom-rescue", around=around, prepare=with_hook)
+    if not fired:
+        print("  the out-of-memory error never fired")
+    return ok and bool(fired)
+
+
 CHECKS = {
     "sync-debug": check_sync_debug,
     "allocator": check_allocator,
@@ -325,8 +357,9 @@ CHECKS = {
     "output-cpu": check_output_cpu,
     "syncbn-dtypes": check_syncbn_dtypes,
     "graph-capture": check_graph_capture,
+    "oom-rescue": check_oom_rescue,
 }
-HOST_CHECKS = ("output-cpu", "syncbn-dtypes", "per-replica-loss")
+HOST_CHECKS = ("output-cpu", "syncbn-dtypes", "per-replica-loss", "oom-rescue")
 CHECKS["per-replica-loss"] = lambda: _train(3, loss_on_replicas=True, bn=True, sync=True, name="per-replica loss")
 
 

@@ -332,6 +332,36 @@ def test_before_a_step_runs_again_the_reductions_in_flight_leave_their_memory(cu
     assert len(rs.reducer.ledger) == 0 and {e[1] for e in cuda.log if e[0] == "device_sync"} == {0, 1}
 
 
+def test_unsynced_sums_given_back_are_added_on_the_reductions_streams(cuda, monkeypatch):
+    """A synchronising backward that failed gives no_sync's sums back; holding them again adds them to what is held,
+    and the next reduction reads the result on its own streams: so the addition runs there too, after the streams
+    autograd names ready (on the thread's current stream the reduction would read it unordered)."""
+    from fastdp._reduction import unsynced as _unsynced
+
+    net = nn.Linear(4, 3)
+    rs = _cuda_replica_set(net)
+    rs.reducer.set_sync(False)
+    caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
+    for _ in range(2):
+        _step_and_backward(cuda, rs, torch.randn(4, 4), caller, caller)
+    bucket = rs.reduced[0]
+    bucket.unsynced.give_back(bucket.unsynced.take(bucket))  # as a synchronising backward that failed does
+    _step_and_backward(cuda, rs, torch.randn(4, 4), caller, caller)  # a third no_sync backward holds more
+    bucket.unsynced.give_back(bucket.unsynced.take(bucket))
+    seen, real = [], _unsynced.UnsyncedSums.take_back
+
+    def take_back(sums, b, nosync):
+        seen.append(tuple(cuda.current_stream(d).name for d in (0, 1)))
+        return real(sums, b, nosync)
+
+    monkeypatch.setattr(_unsynced.UnsyncedSums, "take_back", take_back)
+    own = (_rcuda.own_stream(0).name, _rcuda.own_stream(1).name)
+    cuda.log.clear()
+    with cuda.stream(caller[0]), cuda.stream(caller[1]):
+        rs.reducer.flush()
+    assert seen == [own] and ("wait", own[0], "caller@0") in cuda.log
+
+
 def test_kept_nodes_are_remade_for_a_forward_on_other_streams(cuda, monkeypatch):
     """Autograd orders a node's backward on the streams current when the node was made: a step on other streams
     gets new nodes, and the reduction waits for the stream autograd then makes current."""

@@ -148,7 +148,7 @@ class Reducer:
                 if bucket is None:
                     continue
                 sums = bucket.unsynced
-                sums.take_back(bucket, self.nosync)
+                self._take_back(bucket)
                 if sums.drop_cleared(bucket, self.nosync, network):
                     _add_to_grad(bucket, self._reduce_taken(bucket, sums.take(bucket)))
 
@@ -157,6 +157,14 @@ class Reducer:
         with ordered(self, taken) as hand:
             out = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.tdevs[0])
             return hand(reduce_members(bucket, replica_rows(bucket, nones, taken), out))
+
+    def _take_back(self, bucket):
+        """Holds again what failed backwards gave back of `bucket`'s unsynced sums. The additions run where the
+        next reduction reads them, on the reduction's own streams after the streams autograd names ready: the sums
+        given back were written there, and the next sum reads them there, with nothing else to order."""
+        if bucket.unsynced.returned:
+            with ordered(self, None):
+                bucket.unsynced.take_back(bucket, self.nosync)
 
     def _mark_grads(self):
         """At the end of a no_sync backward: notes each master member's .grad of the buckets that hold unsynced
@@ -293,7 +301,7 @@ def _settle_unsynced(bucket, grads):
     reducer = bucket.reducer
     nosync, sums = reducer.nosync, bucket.unsynced
     with reducer.lock:
-        sums.take_back(bucket, nosync)
+        reducer._take_back(bucket)
         if sums.rows is not None:
             sums.drop_cleared(bucket, nosync, reducer.network())
         # Which members this backward accumulates into .grad: asked only where no_sync's sums are involved.

@@ -258,7 +258,7 @@ class DataParallel(_UPSTREAM):
 
     def _rescue_context(self, step, inputs, kwargs):
         return _rescue.Context(self.module, self.device_ids, self.dim, self.__dict__.get("_criterion") is None,
-                            lambda: self.__dict__.get("_split"), self._set_split, step, inputs, kwargs)
+                               lambda: self.__dict__.get("_split"), self._set_split, step, inputs, kwargs)
 
     def _set_split(self, rule):
         self.__dict__["_split"] = rule
@@ -557,7 +557,7 @@ class DataParallel(_UPSTREAM):
         failed attempt (docs/balance.md)."""
         rescue = self._oom if self._sync_enabled else None  # no_sync's per-replica sums cannot be rolled back
         return _rescue.train_step(lambda: self(*inputs, **kwargs), loss_fn, rescue,
-                               self._rescue_context(None, inputs, kwargs))
+                                  self._rescue_context(None, inputs, kwargs))
 
     def __getstate__(self):
         state = self.__dict__.copy()

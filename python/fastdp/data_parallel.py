@@ -7,14 +7,13 @@ both forms; attributes the wrapper lacks are read from the wrapped module.
 """
 
 import contextlib
-import importlib
 import threading
 import warnings
 
 import torch
 from torch.nn.modules import Module
 
-from ._wrapper import checkpoint as _checkpoint, checks as _checks, launch as _launch
+from ._wrapper import checkpoint as _checkpoint, checks as _checks, launch as _launch, upstream as _upstream
 from ._platform import devices as _devices, streams as _streams
 from ._step import idle_master as _idle_master, replicas as _replicas, step as _step
 from ._balance import memory as _memory, rescue as _rescue, replica_loss as _replica_loss, split as _split
@@ -66,34 +65,7 @@ def _run_single(module, args, kwargs, loss):
     return loss.criterion(module(*args, **kwargs), target)
 
 
-def _choose_class(cls, mode):
-    """The class ``fastdp.DataParallel(..., mode=mode)`` builds: ``cls`` or ``fastdp.DistributedDataParallel``."""
-    _launch.check_mode(mode)
-    distributed = DataParallel._launch_class
-    if mode == "single" or (distributed is not None and issubclass(cls, distributed)):
-        return cls
-    if mode == "auto" and not _launch.is_distributed():
-        return cls
-    if cls is not DataParallel:
-        # A subclass overrides the single-process pipeline (scatter, gather…), which DDP does not run.
-        raise RuntimeError(
-            f"{cls.__name__} subclasses fastdp.DataParallel and cannot be switched to torch.distributed "
-            f"(mode={mode!r} in a distributed launch). Pass mode=\"single\" to run it as a single-process "
-            "DataParallel in each process, or wrap the model with fastdp.DataParallel itself."
-        )
-    return distributed
-
-
-# NOTE [nn.DataParallel subclass]: training scripts, accelerate, transformers and checkpoint helpers unwrap with
-# ``isinstance(model, torch.nn.DataParallel)``; that holds because fastdp's class derives from torch's. Only the
-# relation is inherited: torch's constructor never runs (Module's does) and fastdp defines every method torch's class
-# has; _detach_from_upstream below makes any other member torch's class defines resolve to Module's, so a method
-# torch adds to its class later never runs on a fastdp wrapper. A metaclass ``__instancecheck__`` cannot do this:
-# the check is answered by torch's class's metaclass, which fastdp does not own.
-_UPSTREAM = importlib.import_module("torch.nn.parallel.data_parallel").DataParallel  # read before any patch()
-
-
-class DataParallel(_UPSTREAM):
+class DataParallel(_upstream.UPSTREAM):
     """Implements data parallelism at the module level, like ``torch.nn.DataParallel``.
 
     The batch is split along ``dim`` across ``device_ids``, the module is replicated on each device for every
@@ -110,7 +82,7 @@ class DataParallel(_UPSTREAM):
         # Picks the class (docs/distributed.md); __init__ then runs on it with the same arguments. Unpickling and
         # copy.deepcopy call cls.__new__(cls) without arguments: they keep cls and never look at the environment.
         if args or kwargs:
-            cls = _choose_class(cls, kwargs.get("mode", "auto"))
+            cls = _launch.choose_class(cls, kwargs.get("mode", "auto"), DataParallel, DataParallel._launch_class)
         return super().__new__(cls)
 
     def __init_subclass__(cls, distributed_launch=False, **kwargs):
@@ -630,33 +602,7 @@ class DataParallel(_UPSTREAM):
                 ) from inner
 
 
-def _detach_from_upstream(cls, upstream=_UPSTREAM):
-    """Members of torch's DataParallel that ``cls`` does not define resolve to Module's (or are absent)."""
-    kept = {"__module__", "__doc__", "__dict__", "__weakref__", "__orig_bases__", "__parameters__", "__annotations__",
-            "__qualname__", "__firstlineno__", "__static_attributes__", "__type_params__"}
-    for name in vars(upstream):
-        if name in kept or name in vars(cls):
-            continue
-        for base in Module.__mro__:
-            if name in vars(base):
-                setattr(cls, name, vars(base)[name])
-                break
-        else:
-            setattr(cls, name, _Absent(name))
-
-
-class _Absent:
-    """A member torch's DataParallel has and Module lacks: reads raise AttributeError, so the wrapper's attribute
-    forwarding answers them from the wrapped module, as for any name the wrapper lacks."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __get__(self, obj, owner=None):
-        raise AttributeError(self.name)
-
-
-_detach_from_upstream(DataParallel)
+_upstream.detach(DataParallel)
 
 
 def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):

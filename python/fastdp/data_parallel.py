@@ -472,6 +472,16 @@ class DataParallel(_upstream.UPSTREAM):
         return (self._last_step, None if kept is None else kept.held_bytes(),
                 None if split is None else split.describe())
 
+    @property
+    def batch_split(self):
+        """How this wrapper splits its batch: a ``fastdp.BatchSplit`` whose ``chunk_sizes`` are the rows each
+        device_ids position got in the last forward (None before one, and under torch.chunk's default rule) and
+        whose ``rule`` is the ``chunk_sizes=`` rule in words (for ``"auto"``: where it stands). Read-only. A name a
+        model is unlikely to have: the wrapper's own attributes hide the wrapped model's (``dp.module.x`` reads it)."""
+        last = self.__dict__.get("_last_step")
+        rule = _split.describe(self.__dict__.get("_split")) if self.device_ids else "none: the module runs directly"
+        return _split.BatchSplit(None if last is None else last.chunk_sizes, rule)
+
     # The report (docs/report.md): what the last steps measured, per replica and per phase, with advice.
 
     def enable_report(self, steps=_recorder.DEFAULT_STEPS):

@@ -235,6 +235,11 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
     def enable_report(self, steps=20):
         self.report()
 
+    @property
+    def batch_split(self):
+        """Each process runs one device on its own batch (``fastdp.shard(loader)``): nothing is split here."""
+        return _split.BatchSplit(None, "none: one device per process, each rank's batch its own")
+
     def no_sync(self):
         """DDP's context manager: backward inside it accumulates gradients locally, without communication."""
         return self.ddp.no_sync()

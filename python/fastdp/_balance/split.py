@@ -4,6 +4,7 @@ device 0's share, ``"auto"``), the per-forward chunk sizes, and the target check
 Any split gives the same gradients (they are sums over samples); see docs/balance.md for the user-facing rules.
 """
 
+import collections
 import copy
 import math
 import numbers
@@ -16,8 +17,16 @@ from torch.nn.utils.rnn import PackedSequence
 from .._platform import devices as _devices
 from . import memory as _memory
 
-__all__ = ["AutoSplit", "largest_remainder", "parse_chunk_sizes", "begin_forward", "split_for", "check_target",
-           "parse_broadcast"]
+__all__ = ["AutoSplit", "BatchSplit", "largest_remainder", "parse_chunk_sizes", "begin_forward", "split_for",
+           "check_target", "parse_broadcast", "describe"]
+
+BatchSplit = collections.namedtuple("BatchSplit", ["chunk_sizes", "rule"])
+BatchSplit.__doc__ = """What ``dp.batch_split`` returns: how a ``fastdp.DataParallel`` splits its batch.
+
+``chunk_sizes``: the rows each ``device_ids`` position got in the last forward that split a batch by a
+``chunk_sizes=`` rule (a list of ints, one per position, 0 where a position ran nothing); None before such a forward,
+and under torch.chunk's rule (the default, as ``torch.nn.DataParallel``). ``rule``: the rule in words, as
+``fastdp.memory_report`` shows it (for ``"auto"``: where it stands, and why)."""
 
 
 def largest_remainder(weights, total):
@@ -577,6 +586,13 @@ def parse_broadcast(broadcast):
             f"broadcast must be a tuple of keyword argument names, e.g. broadcast=('tgt_mask',), got {broadcast!r}"
         )
     return frozenset(broadcast)
+
+
+def describe(rule):
+    """The split `rule` in words (None: torch.chunk's, the default)."""
+    if rule is None:
+        return "torch.chunk's rule, as torch.nn.DataParallel: ceil(batch / devices) rows each, the last ones fewer"
+    return rule.describe()
 
 
 def timings_wanted(rule, ndev):

@@ -192,6 +192,27 @@ def test_batch_split_is_the_wrappers_and_a_models_own_stays_on_dp_module():
     assert isinstance(dp.batch_split, fastdp.BatchSplit) and dp.module.batch_split == "the model's"
 
 
+def test_a_training_forward_with_criterion_and_no_target_warns_once_naming_target():
+    torch.manual_seed(0)
+    model, x = nn.Linear(3, 2), torch.randn(8, 3)
+    dp = fastdp.DataParallel(model, device_ids=ids("cpu", 2), criterion=nn.CrossEntropyLoss())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = dp(x)
+        dp(x)
+    assert [w.filename for w in caught] == [__file__]  # once, at the user's line
+    text = str(caught[0].message)
+    assert "criterion=" in text and "no target=" in text and "pass the labels as dp(x, target=y)" in text
+    torch.testing.assert_close(out, model(x))  # the outputs, as without criterion=
+    quiet = fastdp.DataParallel(model, device_ids=ids("cpu", 2), criterion=nn.CrossEntropyLoss())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            quiet(x)  # evaluation: the outputs are what is wanted
+        quiet.eval()
+        quiet(x)
+
+
 def test_wrapper_copies_and_pickles():
     dp = fastdp.DataParallel(WithExtras(), device_ids=ids("cpu", 2))
     clone = copy.deepcopy(dp)

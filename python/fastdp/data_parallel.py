@@ -14,6 +14,7 @@ import torch
 from torch.nn.modules import Module
 
 from ._wrapper import checkpoint as _checkpoint, checks as _checks, launch as _launch, upstream as _upstream
+from ._native import fallback as _fallback
 from ._platform import devices as _devices, streams as _streams
 from ._step import idle_master as _idle_master, replicas as _replicas, step as _step
 from ._balance import memory as _memory, rescue as _rescue, replica_loss as _replica_loss, split as _split
@@ -166,10 +167,12 @@ class DataParallel(_upstream.UPSTREAM):
         each replica when the criterion decomposes, else on the gathered output, as upstream's training loop does."""
         criterion = self.__dict__.get("_criterion")
         target = None
+        module = self._modules["module"]  # not self.module: Module.__getattr__ searches three dicts per read
         if criterion is not None and "target" in kwargs:
             kwargs = dict(kwargs)  # the model never sees the target
             target = kwargs.pop("target")
-        module = self._modules["module"]  # not self.module: Module.__getattr__ searches three dicts per read
+        elif criterion is not None:
+            self._warn_without_target(module)
         if not self.device_ids:
             return module(*inputs, **kwargs) if target is None else criterion(module(*inputs, **kwargs), target)
         if target is None:
@@ -179,6 +182,14 @@ class DataParallel(_upstream.UPSTREAM):
             return criterion(self._over_devices(module, inputs, kwargs, None, avoided_gather_bytes=0), target)
         # The target is split like the inputs, as their last.
         return self._over_devices(module, inputs + (target,), kwargs, _replica_loss.PerReplicaLoss(criterion, rule))
+
+    def _warn_without_target(self, module):
+        """Warns once when a training forward of a wrapper with ``criterion=`` gets no ``target=``: the criterion
+        does not run. A forward without grad or in eval mode is how such a wrapper gives its outputs: no warning."""
+        if self.__dict__.get("_warned_without_target") or not (torch.is_grad_enabled() and module.training):
+            return
+        self.__dict__["_warned_without_target"] = True
+        warnings.warn(_replica_loss.WITHOUT_TARGET, stacklevel=_fallback.user_stacklevel())
 
     def _over_devices(self, module, inputs, kwargs, loss, avoided_gather_bytes=None):
         """The forward over ``device_ids``: upstream's check that the module is on device_ids[0], then one step."""

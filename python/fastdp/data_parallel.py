@@ -67,16 +67,48 @@ def _run_single(module, args, kwargs, loss):
 
 
 class DataParallel(_upstream.UPSTREAM):
-    """Implements data parallelism at the module level, like ``torch.nn.DataParallel``.
+    """A drop-in replacement for ``torch.nn.DataParallel``: the same constructor, attributes, overridable methods
+    (``scatter``, ``replicate``, ``parallel_apply``, ``gather``, called through ``self``), errors and results; the data
+    movement of each step runs in fastdp's C core (docs/data_parallel.md lists every difference).
 
-    The batch is split along ``dim`` across ``device_ids``, the module is replicated on each device for every
-    forward, and the outputs are gathered on ``output_device``; gradients are summed onto the original module.
-    ``device_ids`` may be CUDA devices or ``["cpu"] * N`` (N emulated replicas on the host).
-    ``mode="auto"`` builds a ``fastdp.DistributedDataParallel`` instead when the script runs under torchrun with
-    WORLD_SIZE > 1 or a default process group exists; ``"single"`` and ``"distributed"`` force the choice.
-    ``chunk_sizes`` sets the batch split (sizes, weights, device 0's share or ``"auto"``); with ``criterion``,
-    ``dp(x, target=y)`` returns the loss computed on each replica, without gathering the outputs
-    (docs/balance.md).
+    Each forward splits the batch along ``dim`` across ``device_ids``, runs a replica of the module on each device and
+    gathers the outputs on ``output_device``; backward sums the gradients onto the module's own parameters on
+    ``device_ids[0]``, each gradient bucket's sum starting while backward still runs. The replicas persist between
+    steps: built at the first forward, they get the module's current values at every later one (one prepared copy,
+    or an NCCL broadcast across GPUs), and the module's own tensors stay where you put them. With no GPU visible and
+    no ``device_ids``, every call runs the module directly, as upstream's does.
+
+    Arguments (torch.nn.DataParallel's, then fastdp's keyword-only ones):
+
+    - ``module``: the ``nn.Module`` to run. Attributes the wrapper lacks are read from it (the wrapper's own win:
+      ``dp.module.x`` reaches a model's ``x`` that the wrapper also has).
+    - ``device_ids=None``: CUDA devices (ints or ``"cuda:k"``; by default every visible GPU), or ``["cpu"] * N`` for
+      N emulated replicas on the host: the same code path without a GPU (they run one after another).
+    - ``output_device=None``: where the outputs are gathered (``device_ids[0]`` by default).
+    - ``dim=0``: the dimension the inputs are split along and the outputs gathered along.
+    - ``mode='auto'``: under torchrun (WORLD_SIZE > 1) or with a default process group, builds a
+      ``fastdp.DistributedDataParallel`` instead; ``"single"`` or ``"distributed"`` force the choice
+      (docs/distributed.md).
+    - ``bucket_cap_mb=25``: the size of the gradient buckets in MiB; each bucket's sum starts once its gradients
+      exist.
+    - ``chunk_sizes=None``: how each batch is split. None: torch.chunk's rule, as upstream; a list of ints (sizes
+      that add up to the batch), a list of floats (weights), a float (device 0's share, the others 1), or
+      ``"auto"`` (measured: device 0's memory, then the replicas' times) (docs/balance.md). ``dp.batch_split``
+      shows the last forward's split.
+    - ``criterion=None``: a loss; ``dp(x, target=y)`` then returns the loss, computed on each replica where that is
+      exact (torch's own loss classes), so that only scalars travel to device 0. A training forward without
+      ``target=`` warns once (the criterion does not run); without grad or in eval mode it returns the outputs.
+    - ``criterion_reduction=None``: ``"mean"`` or ``"sum"`` declares another criterion decomposable over the batch.
+    - ``broadcast=None``: names of keyword arguments every replica gets whole instead of split (a ``(T, T)`` mask).
+    - ``report=False``: ``True`` (the last 20 steps) or N records the steps for ``dp.report()`` (docs/report.md);
+      off, recording costs nothing.
+    - ``oom=None``: ``"rebalance"``: an out-of-memory error in a replica moves rows away from its device and runs
+      the step again, gradients unchanged (``dp.train_step`` rescues the backward too).
+
+    Beyond upstream: ``state_dict()`` has no ``module.`` prefix and ``load_state_dict`` accepts both forms;
+    ``no_sync()`` keeps each replica's gradients apart until a backward outside it, as DDP's does; ``report()``,
+    ``enable_report()``, ``disable_report()``, ``train_step()`` and ``batch_split`` are described where they are
+    defined.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -95,13 +127,7 @@ class DataParallel(_upstream.UPSTREAM):
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="auto", bucket_cap_mb=25,
                  chunk_sizes=None, criterion=None, criterion_reduction=None, broadcast=None, report=False, oom=None):
-        # mode: see __new__. bucket_cap_mb: size of the gradient buckets, each reduced as soon as it is ready.
-        # chunk_sizes: how the batch is split (docs/balance.md); None is upstream's torch.chunk rule.
-        # criterion: with it, dp(x, target=y) returns the loss, computed on each replica where that is exact
-        # (docs/balance.md); criterion_reduction declares another criterion decomposable ("mean" or "sum").
-        # broadcast: names of keyword arguments every replica gets whole instead of split (docs/data_parallel.md).
-        # report: record the last N steps for dp.report() (True: 20; docs/report.md). oom="rebalance": an
-        # out-of-memory error in a replica moves rows away from its device and runs the step again (docs/balance.md).
+        """Wraps ``module``; each argument is described in the class's docstring (``help(fastdp.DataParallel)``)."""
         Module.__init__(self)  # not torch.nn.DataParallel's (see NOTE [nn.DataParallel subclass])
         _checks.require_module(module, "DataParallel")
         if criterion is not None and not callable(criterion):
@@ -149,6 +175,8 @@ class DataParallel(_upstream.UPSTREAM):
 
     @_compile_boundary
     def forward(self, *inputs, **kwargs):
+        """``dp(*inputs, **kwargs)``: splits the inputs across ``device_ids``, runs each replica on its chunk and
+        returns the outputs gathered on ``output_device``; with ``criterion=`` and ``target=``, the loss instead."""
         grad_enabled = torch.is_grad_enabled()
         try:
             if _profiler_flag() or _profiler_enabled():
@@ -416,6 +444,8 @@ class DataParallel(_upstream.UPSTREAM):
             )
 
     def replicate(self, module, device_ids):
+        """The replicas of ``module`` on ``device_ids``: the kept ones, given the module's current values (another
+        module, or one that cannot be kept, is replicated afresh, as upstream does every step)."""
         step = _step.current(self)
         if module is not self.module or self.__dict__.get("_is_replica") or (step is not None and step.fresh):
             return replicate(module, device_ids, not torch.is_grad_enabled())
@@ -566,6 +596,8 @@ class DataParallel(_upstream.UPSTREAM):
             self._update_recording()
 
     def scatter(self, inputs, kwargs, device_ids):
+        """Splits ``inputs`` and ``kwargs`` across ``device_ids`` by the ``chunk_sizes=`` rule (torch.chunk's by
+        default), as upstream's; returns (inputs per device, kwargs per device)."""
         rule = self.__dict__.get("_split")
         sizes = None if rule is None else _split.split_for(rule, inputs, kwargs, self.dim, len(device_ids))
         step = _step.current(self)
@@ -580,6 +612,8 @@ class DataParallel(_upstream.UPSTREAM):
         return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim, chunk_sizes=sizes)
 
     def parallel_apply(self, replicas, inputs, kwargs):
+        """Runs each replica on its inputs (CUDA replicas on threads, emulated ones one after another); returns the
+        outputs in order."""
         step = _step.current(self)
         devices = None if step is None else step.devices  # replicas may skip devices with no chunk
         if devices is None or len(devices) != len(replicas):
@@ -588,6 +622,7 @@ class DataParallel(_upstream.UPSTREAM):
         return _parallel_apply.run(replicas, inputs, kwargs, devices, step.site)
 
     def gather(self, outputs, output_device):
+        """Gathers the replicas' outputs on ``output_device`` along ``dim``, as upstream's."""
         return gather(outputs, output_device, dim=self.dim)
 
     # Checkpoints: the wrapper's state dict is the module's (no "module." prefix).

@@ -383,6 +383,8 @@ class AutoSplit:
 
     def __init__(self, *, warmup=2, probes=5, tolerance=0.05, reader=None, balance_time=True, time_tolerance=0.1,
                  min_gap_s=0.0005, time_steps=8, min_weight=0.1, timer=None):
+        """``chunk_sizes=fastdp.AutoSplit(...)``: ``"auto"`` with other settings; each one is described in the class
+        docstring (``chunk_sizes="auto"`` uses these defaults)."""
         _check_auto_arguments(dict(warmup=warmup, probes=probes, tolerance=tolerance, reader=reader,
                                    balance_time=balance_time, time_tolerance=time_tolerance, min_gap_s=min_gap_s,
                                    time_steps=time_steps, min_weight=min_weight, timer=timer))
@@ -438,6 +440,8 @@ class AutoSplit:
         self.time_settled, self.time_reason = True, reason
 
     def split(self, batch, dim, ndev):
+        """The sizes of a batch of ``batch`` rows for ``ndev`` devices: the current weights, rounded by largest
+        remainder."""
         if self._armed:  # the training forward that observe() just opened (not an evaluation in between)
             self._last_batch, self._armed = batch, False
         weights = self.weights if self.weights is not None else [self.share] + [1.0] * (ndev - 1)
@@ -565,6 +569,7 @@ class AutoSplit:
             window.sample()
 
     def describe(self):
+        """Where each phase stands, in words (``fastdp.memory_report`` and ``dp.batch_split`` show it)."""
         state = (f"settled ({self.reason})" if self.memory_settled
                  else f"measuring, {len(self.history)} steps judged")
         text = f"auto: device 0 share {self.share:g}, {state}"

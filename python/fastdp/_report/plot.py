@@ -25,7 +25,7 @@ _WIDTH_IN = 12
 _HEAD_PT, _HEAD_CHARS = 11, 140
 _FOOT_PT, _FOOT_CHARS = 9, 165
 _TIMELINE_CHARS = 85
-_MEMORY_CHARS = 36
+_MEMORY_CHARS = 40
 
 
 def _matplotlib():
@@ -101,7 +101,7 @@ def _memory_bars(ax, report):
     ax.set_ylim(0, tallest / scale * 1.45)  # room for the legend above the bars
     title = "memory now, by what holds it"
     if any(d.peak is None for d in devices):
-        title += "\n" + textwrap.fill("'cpu' replicas share the host's memory (no peak per replica)", _MEMORY_CHARS)
+        title += "\n" + textwrap.fill("'cpu' replicas share the host's memory", _MEMORY_CHARS)
     ax.set_title(title, fontsize=10)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="upper right")

@@ -472,7 +472,8 @@ class Report:
 
     def headline(self):
         """The report's first line: which steps the numbers cover, and how long a step takes."""
-        replicas = f"{len(self.devices)} {'emulated ' if self.emulated else ''}replicas"
+        n = len(self.devices)
+        replicas = f"{n} {'emulated ' if self.emulated else ''}replica{'' if n == 1 else 's'}"
         if not self.steps:
             return f"fastdp report on {replicas}: no step to summarise yet"
         text = f"fastdp report, {self.covers()}, on {replicas}"

@@ -169,6 +169,50 @@ def test_attribute_forwarding():
     assert m.num_classes == 7 and dp.num_classes == 3
 
 
+def test_batch_split_shows_the_last_forwards_chunks_and_its_rule_read_only():
+    weights = [1.0, 3.0]
+    dp = fastdp.DataParallel(_model(), device_ids=ids("cpu", 2), chunk_sizes=weights)
+    assert dp.batch_split == (None, fastdp.memory_report(dp).split)
+    dp(torch.randn(8, 3))
+    split = dp.batch_split
+    assert isinstance(split, fastdp.BatchSplit) and split.chunk_sizes == fastdp.balance.largest_remainder(weights, 8)
+    memory = fastdp.memory_report(dp)
+    assert split.chunk_sizes == [d.chunk for d in memory.devices] and split.rule == memory.split
+    with pytest.raises(AttributeError):
+        dp.batch_split = None
+    default = fastdp.DataParallel(_model(), device_ids=ids("cpu", 2))
+    default(torch.randn(8, 3))
+    assert default.batch_split.chunk_sizes is None and "torch.chunk" in default.batch_split.rule
+
+
+def test_batch_split_is_the_wrappers_and_a_models_own_stays_on_dp_module():
+    model = _model()
+    model.batch_split = "the model's"
+    dp = fastdp.DataParallel(model, device_ids=ids("cpu", 2))
+    assert isinstance(dp.batch_split, fastdp.BatchSplit) and dp.module.batch_split == "the model's"
+
+
+def test_a_training_forward_with_criterion_and_no_target_warns_once_naming_target():
+    torch.manual_seed(0)
+    model, x = nn.Linear(3, 2), torch.randn(8, 3)
+    dp = fastdp.DataParallel(model, device_ids=ids("cpu", 2), criterion=nn.CrossEntropyLoss())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = dp(x)
+        dp(x)
+    assert [w.filename for w in caught] == [__file__]  # once, at the user's line
+    text = str(caught[0].message)
+    assert "criterion=" in text and "no target=" in text and "pass the labels as dp(x, target=y)" in text
+    torch.testing.assert_close(out, model(x))  # the outputs, as without criterion=
+    quiet = fastdp.DataParallel(model, device_ids=ids("cpu", 2), criterion=nn.CrossEntropyLoss())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            quiet(x)  # evaluation: the outputs are what is wanted
+        quiet.eval()
+        quiet(x)
+
+
 def test_wrapper_copies_and_pickles():
     dp = fastdp.DataParallel(WithExtras(), device_ids=ids("cpu", 2))
     clone = copy.deepcopy(dp)

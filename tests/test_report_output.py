@@ -1,6 +1,7 @@
 """What ``dp.report()`` gives back on emulated replicas: the readings of one measured run (text, HTML, CSV, dict,
-Chrome trace, PNG, and its ranges in a torch profiler trace), and the advice it draws on constructed cases (memory,
-waits, the GIL; none for a balanced run).
+Chrome trace, PNG, and its ranges in a torch profiler trace), what a newcomer reads in the text and the picture (which
+steps the numbers are, emulated replicas taking turns, a report before any step, a wrapper without a GPU), and the
+advice it draws on constructed cases (memory, waits, the GIL; none for a balanced run).
 
 Timings only against injected sleeps, with generous bounds (never a speed), on one torch thread (conftest's
 ``one_torch_thread``).
@@ -9,6 +10,7 @@ Timings only against injected sleeps, with generous bounds (never a speed), on o
 import csv
 import importlib
 import json
+import re
 import statistics
 import sys
 
@@ -17,11 +19,14 @@ import torch
 import torch.nn as nn
 
 import fastdp
+from fastdp._balance import memory as _memory
 from fastdp._report import recorder as _recorder, report as _report
 
+from _fake_cuda import FakeCuda
 from _report_cases import data, mlp, sleep_in_forward, train
 
 pa = importlib.import_module("fastdp.parallel_apply")
+_devices = importlib.import_module("fastdp._platform.devices")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,7 +52,7 @@ def test_text_and_html_show_every_replica_and_phase(measured):
         assert f"{r.position}  " in text or f"{r.position} " in text
     for phase in ("scatter", "replicate", "forward", "gather", "backward"):
         assert phase in text and f"<td>{phase}</td>" in page
-    assert "wait: others" in text and "peak memory" in text and "memory (now):" in text
+    assert "wait: others" in text and "peak memory" in text and "memory now" in text
 
 
 def test_csv_and_dict_hold_the_same_ranges_as_the_summary(measured, tmp_path):
@@ -112,6 +117,124 @@ def test_phases_show_in_a_torch_profiler_trace():
         train(dp, 1)
     names = {e.key for e in prof.key_averages()}
     assert {"fastdp.forward[0]", "fastdp.forward[1]"} <= names
+
+
+# ---- what a newcomer reads: each message names its cause (and the fix, where there is one) ---------------------
+
+
+def _words(text):
+    return " ".join(text.split())  # the picture wraps its lines
+
+
+def _picture(report, tmp_path, monkeypatch):
+    """The figure ``report.plot`` draws, caught as it is saved, and every text on it."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+    from matplotlib.text import Text
+
+    drawn = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *args, **kwargs: (drawn.append(fig), save(fig, *args, **kwargs)))
+    report.plot(tmp_path / "report.png")
+    fig = drawn[0]
+    return fig, _words(" ".join(t.get_text() for t in fig.findobj(Text)))
+
+
+def _step_spans(report):
+    """Each summarised (training, backward seen) step's length in ms, from its recorded ranges."""
+    ranges = report.to_dict()["ranges"]
+    steps = {r["step"] for r in ranges if r["training"] and r["phase"] == "backward"}
+    return {s: max(r["end_ms"] for r in ranges if r["step"] == s) for s in steps}
+
+
+def test_headline_table_and_picture_say_which_steps_they_show(measured, tmp_path, monkeypatch):
+    _, report = measured
+    spans = _step_spans(report)
+    assert len(spans) == report.steps and report.step_ms == pytest.approx(statistics.median(spans.values()))
+    covers = f"medians over {report.steps} training steps"
+    assert covers in report.headline() and f"{report.step_ms:.2f} ms" in report.headline()
+    assert f"per replica ({covers})" in str(report) and f"per phase ({covers})" in str(report)
+    fig, words = _picture(report, tmp_path, monkeypatch)
+    assert covers in words
+    # the picture draws a step nearest the median (of an even count, the two middle ones are), and says so
+    least = min(abs(ms - report.step_ms) for ms in spans.values())
+    nearest = [s for s, ms in spans.items() if abs(ms - report.step_ms) == pytest.approx(least, abs=1e-9)]
+    drawn = [s for s in nearest if f"step {s} ({spans[s]:.2f} ms), the one nearest the median" in words]
+    assert len(drawn) == 1, words
+    assert max(bar.get_x() + bar.get_width() for bar in fig.axes[0].patches) == pytest.approx(spans[drawn[0]])
+
+
+def _gpu_report(monkeypatch):
+    """A report of one step recorded on two (fake) distinct GPUs."""
+    FakeCuda(2).install(monkeypatch)
+    rec = _recorder.Recorder(2)
+    step = rec.begin([0, 1], True)
+    step.rows = [4, 4]
+    for pos in (0, 1):
+        for phase in ("forward", "backward"):
+            rec.record(phase, pos, rec.stamp(pos), rec.stamp(pos))
+    return _report.build(rec, _report.Setup([0, 1], None, False, 2**20), lambda: _memory.MemoryReport([]))
+
+
+def test_emulated_replicas_are_said_to_take_turns_in_the_text_and_the_picture(measured, tmp_path, monkeypatch):
+    _, report = measured
+    text = str(report)
+    for words in (_words(text), _picture(report, tmp_path, monkeypatch)[1]):
+        assert "emulated 'cpu' replicas take turns" in words and "each starts when the one before ends" in words
+        assert "'wait: others' is the wait each would have side by side, as GPUs run them" in words
+    assert text.index("take turns") < text.index("per phase")  # under the table whose waits it explains
+    assert "take turns" not in str(_gpu_report(monkeypatch))  # GPUs run side by side
+
+
+def test_the_report_ends_with_its_advice_and_says_each_thing_once(measured):
+    _, report = measured
+    text = str(report)
+    lines = [line for line in text.splitlines() if line.strip()]
+    advice = lines.index(next(line for line in lines if line.startswith("advice")))
+    assert lines[advice + 1:] == [f"  - {a.text}" for a in report.advice]
+    assert len(lines) == len(set(lines))
+    for note in report.notes:  # each note stands under the replicas' table, whose numbers it explains
+        assert text.index(note) < text.index("per phase")
+
+
+def test_a_report_before_any_step_says_nothing_was_recorded_yet_and_why(tmp_path, monkeypatch):
+    dp = fastdp.DataParallel(mlp(), device_ids=["cpu"] * 2, report=True)
+    report = dp.report()
+    text = _words(str(report))
+    assert report.steps == 0 and "no step to summarise yet" in report.headline()
+    why = "nothing recorded yet: no forward of this wrapper has run since recording was turned on"
+    fix = "run training steps (forward and backward), then call dp.report()"
+    assert why in text and fix in text
+    assert "evaluation" not in text and "per replica" not in text  # no table of dashes
+    words = _picture(report, tmp_path, monkeypatch)[1]
+    assert why in words and fix in words
+    dp(data(6)[0])  # a training forward whose backward has not run
+    text = _words(str(dp.report()))
+    assert "the last training step is left out: its backward has not run yet" in text
+    assert "call dp.report() after loss.backward() to include it" in text
+
+
+def test_a_pass_through_wrapper_names_the_missing_gpu_and_the_fix(monkeypatch):
+    monkeypatch.setattr(_devices, "cuda_available", lambda: False)
+    dp = fastdp.DataParallel(mlp(), report=True)
+    with pytest.raises(RuntimeError, match=r"no GPU is visible and device_ids was not given.*"
+                                           r"pass device_ids=\['cpu'\] \* N for N emulated replicas"):
+        dp.report()
+
+
+def test_the_pictures_words_are_readable_and_the_tables(measured, tmp_path, monkeypatch):
+    _, report = measured
+    fig, words = _picture(report, tmp_path, monkeypatch)
+    footer = [t for t in fig.texts if "advice" in t.get_text()]
+    assert footer and min(t.get_fontsize() for t in footer) >= 9
+    assert "`" not in words + str(report) and "advice from" not in words
+    for a in report.advice:
+        assert _words(a.text) in words
+    columns = re.split(r"\s{2,}", str(report.memory).splitlines()[0].strip())
+    holders = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+    assert holders and all(any(c in h for c in columns) for h in holders), (holders, columns)
+    model = [h for h in holders if "model" in h]
+    assert model and "not fastdp's" in model[0]  # the table's "fastdp total" leaves it out too
 
 
 # ---- advice on constructed cases ---------------------------------------------------------------------------------

@@ -59,9 +59,9 @@ __all__ += ["distributed", "DistributedDataParallel", "shard", "save", "print0",
 # ---- Balancing device 0: batch split, per-replica loss, memory report ------------------------------------
 from . import balance  # noqa: E402
 from ._balance.memory import MemoryReport, memory_report  # noqa: E402
-from ._balance.split import AutoSplit  # noqa: E402
+from ._balance.split import AutoSplit, BatchSplit  # noqa: E402
 
-__all__ += ["balance", "AutoSplit", "MemoryReport", "memory_report"]
+__all__ += ["balance", "AutoSplit", "BatchSplit", "MemoryReport", "memory_report"]
 
 # ---- Seeing each replica: the report, its advice, and the out-of-memory rescue's test hook ------------------------
 from ._balance.inject import inject_oom  # noqa: E402

@@ -6,6 +6,6 @@ The code lives in private modules named for each part: the batch split (``fastdp
 """
 
 from ._balance.memory import DeviceMemory, MemoryReport, memory_report
-from ._balance.split import AutoSplit, largest_remainder
+from ._balance.split import AutoSplit, BatchSplit, largest_remainder
 
-__all__ = ["AutoSplit", "DeviceMemory", "MemoryReport", "memory_report", "largest_remainder"]
+__all__ = ["AutoSplit", "BatchSplit", "DeviceMemory", "MemoryReport", "memory_report", "largest_remainder"]

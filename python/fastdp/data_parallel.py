@@ -7,14 +7,14 @@ both forms; attributes the wrapper lacks are read from the wrapped module.
 """
 
 import contextlib
-import importlib
 import threading
 import warnings
 
 import torch
 from torch.nn.modules import Module
 
-from ._wrapper import checkpoint as _checkpoint, checks as _checks, launch as _launch
+from ._wrapper import checkpoint as _checkpoint, checks as _checks, launch as _launch, upstream as _upstream
+from ._native import fallback as _fallback
 from ._platform import devices as _devices, streams as _streams
 from ._step import idle_master as _idle_master, replicas as _replicas, step as _step
 from ._balance import memory as _memory, rescue as _rescue, replica_loss as _replica_loss, split as _split
@@ -66,51 +66,56 @@ def _run_single(module, args, kwargs, loss):
     return loss.criterion(module(*args, **kwargs), target)
 
 
-def _choose_class(cls, mode):
-    """The class ``fastdp.DataParallel(..., mode=mode)`` builds: ``cls`` or ``fastdp.DistributedDataParallel``."""
-    _launch.check_mode(mode)
-    distributed = DataParallel._launch_class
-    if mode == "single" or (distributed is not None and issubclass(cls, distributed)):
-        return cls
-    if mode == "auto" and not _launch.is_distributed():
-        return cls
-    if cls is not DataParallel:
-        # A subclass overrides the single-process pipeline (scatter, gather…), which DDP does not run.
-        raise RuntimeError(
-            f"{cls.__name__} subclasses fastdp.DataParallel and cannot be switched to torch.distributed "
-            f"(mode={mode!r} in a distributed launch). Pass mode=\"single\" to run it as a single-process "
-            "DataParallel in each process, or wrap the model with fastdp.DataParallel itself."
-        )
-    return distributed
+class DataParallel(_upstream.UPSTREAM):
+    """A drop-in replacement for ``torch.nn.DataParallel``: the same constructor, attributes, overridable methods
+    (``scatter``, ``replicate``, ``parallel_apply``, ``gather``, called through ``self``), errors and results; the data
+    movement of each step runs in fastdp's C core (docs/data_parallel.md lists every difference).
 
+    Each forward splits the batch along ``dim`` across ``device_ids``, runs a replica of the module on each device and
+    gathers the outputs on ``output_device``; backward sums the gradients onto the module's own parameters on
+    ``device_ids[0]``, each gradient bucket's sum starting while backward still runs. The replicas persist between
+    steps: built at the first forward, they get the module's current values at every later one (one prepared copy,
+    or an NCCL broadcast across GPUs), and the module's own tensors stay where you put them. With no GPU visible and
+    no ``device_ids``, every call runs the module directly, as upstream's does.
 
-# NOTE [nn.DataParallel subclass]: training scripts, accelerate, transformers and checkpoint helpers unwrap with
-# ``isinstance(model, torch.nn.DataParallel)``; that holds because fastdp's class derives from torch's. Only the
-# relation is inherited: torch's constructor never runs (Module's does) and fastdp defines every method torch's class
-# has; _detach_from_upstream below makes any other member torch's class defines resolve to Module's, so a method
-# torch adds to its class later never runs on a fastdp wrapper. A metaclass ``__instancecheck__`` cannot do this:
-# the check is answered by torch's class's metaclass, which fastdp does not own.
-_UPSTREAM = importlib.import_module("torch.nn.parallel.data_parallel").DataParallel  # read before any patch()
+    Arguments (torch.nn.DataParallel's, then fastdp's keyword-only ones):
 
+    - ``module``: the ``nn.Module`` to run. Attributes the wrapper lacks are read from it (the wrapper's own win:
+      ``dp.module.x`` reaches a model's ``x`` that the wrapper also has).
+    - ``device_ids=None``: CUDA devices (ints or ``"cuda:k"``; by default every visible GPU), or ``["cpu"] * N`` for
+      N emulated replicas on the host: the same code path without a GPU (they run one after another).
+    - ``output_device=None``: where the outputs are gathered (``device_ids[0]`` by default).
+    - ``dim=0``: the dimension the inputs are split along and the outputs gathered along.
+    - ``mode='auto'``: under torchrun (WORLD_SIZE > 1) or with a default process group, builds a
+      ``fastdp.DistributedDataParallel`` instead; ``"single"`` or ``"distributed"`` force the choice
+      (docs/distributed.md).
+    - ``bucket_cap_mb=25``: the size of the gradient buckets in MiB; each bucket's sum starts once its gradients
+      exist.
+    - ``chunk_sizes=None``: how each batch is split. None: torch.chunk's rule, as upstream; a list of ints (sizes
+      that add up to the batch), a list of floats (weights), a float (device 0's share, the others 1), or
+      ``"auto"`` (measured: device 0's memory, then the replicas' times) (docs/balance.md). ``dp.batch_split``
+      shows the last forward's split.
+    - ``criterion=None``: a loss; ``dp(x, target=y)`` then returns the loss, computed on each replica where that is
+      exact (torch's own loss classes), so that only scalars travel to device 0. A training forward without
+      ``target=`` warns once (the criterion does not run); without grad or in eval mode it returns the outputs.
+    - ``criterion_reduction=None``: ``"mean"`` or ``"sum"`` declares another criterion decomposable over the batch.
+    - ``broadcast=None``: names of keyword arguments every replica gets whole instead of split (a ``(T, T)`` mask).
+    - ``report=False``: ``True`` (the last 20 steps) or N records the steps for ``dp.report()`` (docs/report.md);
+      off, recording costs nothing.
+    - ``oom=None``: ``"rebalance"``: an out-of-memory error in a replica moves rows away from its device and runs
+      the step again, gradients unchanged (``dp.train_step`` rescues the backward too).
 
-class DataParallel(_UPSTREAM):
-    """Implements data parallelism at the module level, like ``torch.nn.DataParallel``.
-
-    The batch is split along ``dim`` across ``device_ids``, the module is replicated on each device for every
-    forward, and the outputs are gathered on ``output_device``; gradients are summed onto the original module.
-    ``device_ids`` may be CUDA devices or ``["cpu"] * N`` (N emulated replicas on the host).
-    ``mode="auto"`` builds a ``fastdp.DistributedDataParallel`` instead when the script runs under torchrun with
-    WORLD_SIZE > 1 or a default process group exists; ``"single"`` and ``"distributed"`` force the choice.
-    ``chunk_sizes`` sets the batch split (sizes, weights, device 0's share or ``"auto"``); with ``criterion``,
-    ``dp(x, target=y)`` returns the loss computed on each replica, without gathering the outputs
-    (docs/balance.md).
+    Beyond upstream: ``state_dict()`` has no ``module.`` prefix and ``load_state_dict`` accepts both forms;
+    ``no_sync()`` keeps each replica's gradients apart until a backward outside it, as DDP's does; ``report()``,
+    ``enable_report()``, ``disable_report()``, ``train_step()`` and ``batch_split`` are described where they are
+    defined.
     """
 
     def __new__(cls, *args, **kwargs):
         # Picks the class (docs/distributed.md); __init__ then runs on it with the same arguments. Unpickling and
         # copy.deepcopy call cls.__new__(cls) without arguments: they keep cls and never look at the environment.
         if args or kwargs:
-            cls = _choose_class(cls, kwargs.get("mode", "auto"))
+            cls = _launch.choose_class(cls, kwargs.get("mode", "auto"), DataParallel, DataParallel._launch_class)
         return super().__new__(cls)
 
     def __init_subclass__(cls, distributed_launch=False, **kwargs):
@@ -122,13 +127,7 @@ class DataParallel(_UPSTREAM):
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="auto", bucket_cap_mb=25,
                  chunk_sizes=None, criterion=None, criterion_reduction=None, broadcast=None, report=False, oom=None):
-        # mode: see __new__. bucket_cap_mb: size of the gradient buckets, each reduced as soon as it is ready.
-        # chunk_sizes: how the batch is split (docs/balance.md); None is upstream's torch.chunk rule.
-        # criterion: with it, dp(x, target=y) returns the loss, computed on each replica where that is exact
-        # (docs/balance.md); criterion_reduction declares another criterion decomposable ("mean" or "sum").
-        # broadcast: names of keyword arguments every replica gets whole instead of split (docs/data_parallel.md).
-        # report: record the last N steps for dp.report() (True: 20; docs/report.md). oom="rebalance": an
-        # out-of-memory error in a replica moves rows away from its device and runs the step again (docs/balance.md).
+        """Wraps ``module``; each argument is described in the class's docstring (``help(fastdp.DataParallel)``)."""
         Module.__init__(self)  # not torch.nn.DataParallel's (see NOTE [nn.DataParallel subclass])
         _checks.require_module(module, "DataParallel")
         if criterion is not None and not callable(criterion):
@@ -176,6 +175,8 @@ class DataParallel(_UPSTREAM):
 
     @_compile_boundary
     def forward(self, *inputs, **kwargs):
+        """``dp(*inputs, **kwargs)``: splits the inputs across ``device_ids``, runs each replica on its chunk and
+        returns the outputs gathered on ``output_device``; with ``criterion=`` and ``target=``, the loss instead."""
         grad_enabled = torch.is_grad_enabled()
         try:
             if _profiler_flag() or _profiler_enabled():
@@ -194,10 +195,12 @@ class DataParallel(_UPSTREAM):
         each replica when the criterion decomposes, else on the gathered output, as upstream's training loop does."""
         criterion = self.__dict__.get("_criterion")
         target = None
+        module = self._modules["module"]  # not self.module: Module.__getattr__ searches three dicts per read
         if criterion is not None and "target" in kwargs:
             kwargs = dict(kwargs)  # the model never sees the target
             target = kwargs.pop("target")
-        module = self._modules["module"]  # not self.module: Module.__getattr__ searches three dicts per read
+        elif criterion is not None:
+            self._warn_without_target(module)
         if not self.device_ids:
             return module(*inputs, **kwargs) if target is None else criterion(module(*inputs, **kwargs), target)
         if target is None:
@@ -207,6 +210,14 @@ class DataParallel(_UPSTREAM):
             return criterion(self._over_devices(module, inputs, kwargs, None, avoided_gather_bytes=0), target)
         # The target is split like the inputs, as their last.
         return self._over_devices(module, inputs + (target,), kwargs, _replica_loss.PerReplicaLoss(criterion, rule))
+
+    def _warn_without_target(self, module):
+        """Warns once when a training forward of a wrapper with ``criterion=`` gets no ``target=``: the criterion
+        does not run. A forward without grad or in eval mode is how such a wrapper gives its outputs: no warning."""
+        if self.__dict__.get("_warned_without_target") or not (torch.is_grad_enabled() and module.training):
+            return
+        self.__dict__["_warned_without_target"] = True
+        warnings.warn(_replica_loss.WITHOUT_TARGET, stacklevel=_fallback.user_stacklevel())
 
     def _over_devices(self, module, inputs, kwargs, loss, avoided_gather_bytes=None):
         """The forward over ``device_ids``: upstream's check that the module is on device_ids[0], then one step."""
@@ -435,6 +446,8 @@ class DataParallel(_UPSTREAM):
             )
 
     def replicate(self, module, device_ids):
+        """The replicas of ``module`` on ``device_ids``: the kept ones, given the module's current values (another
+        module, or one that cannot be kept, is replicated afresh, as upstream does every step)."""
         step = _step.current(self)
         if module is not self.module or self.__dict__.get("_is_replica") or (step is not None and step.fresh):
             return replicate(module, device_ids, not torch.is_grad_enabled())
@@ -501,6 +514,16 @@ class DataParallel(_UPSTREAM):
         kept, split = self._replica_set, self._split
         return (self._last_step, None if kept is None else kept.held_bytes(),
                 None if split is None else split.describe())
+
+    @property
+    def batch_split(self):
+        """How this wrapper splits its batch: a ``fastdp.BatchSplit`` whose ``chunk_sizes`` are the rows each
+        device_ids position got in the last forward (None before one, and under torch.chunk's default rule) and
+        whose ``rule`` is the ``chunk_sizes=`` rule in words (for ``"auto"``: where it stands). Read-only. A name a
+        model is unlikely to have: the wrapper's own attributes hide the wrapped model's (``dp.module.x`` reads it)."""
+        last = self.__dict__.get("_last_step")
+        rule = _split.describe(self.__dict__.get("_split")) if self.device_ids else "none: the module runs directly"
+        return _split.BatchSplit(None if last is None else last.chunk_sizes, rule)
 
     # The report (docs/report.md): what the last steps measured, per replica and per phase, with advice.
 
@@ -575,6 +598,8 @@ class DataParallel(_UPSTREAM):
             self._update_recording()
 
     def scatter(self, inputs, kwargs, device_ids):
+        """Splits ``inputs`` and ``kwargs`` across ``device_ids`` by the ``chunk_sizes=`` rule (torch.chunk's by
+        default), as upstream's; returns (inputs per device, kwargs per device)."""
         rule = self.__dict__.get("_split")
         sizes = None if rule is None else _split.split_for(rule, inputs, kwargs, self.dim, len(device_ids))
         step = _step.current(self)
@@ -589,6 +614,8 @@ class DataParallel(_UPSTREAM):
         return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim, chunk_sizes=sizes)
 
     def parallel_apply(self, replicas, inputs, kwargs):
+        """Runs each replica on its inputs (CUDA replicas on threads, emulated ones one after another); returns the
+        outputs in order."""
         step = _step.current(self)
         devices = None if step is None else step.devices  # replicas may skip devices with no chunk
         if devices is None or len(devices) != len(replicas):
@@ -597,6 +624,7 @@ class DataParallel(_UPSTREAM):
         return _parallel_apply.run(replicas, inputs, kwargs, devices, step.site)
 
     def gather(self, outputs, output_device):
+        """Gathers the replicas' outputs on ``output_device`` along ``dim``, as upstream's."""
         return gather(outputs, output_device, dim=self.dim)
 
     # Checkpoints: the wrapper's state dict is the module's (no "module." prefix).
@@ -632,33 +660,7 @@ class DataParallel(_UPSTREAM):
                 ) from inner
 
 
-def _detach_from_upstream(cls, upstream=_UPSTREAM):
-    """Members of torch's DataParallel that ``cls`` does not define resolve to Module's (or are absent)."""
-    kept = {"__module__", "__doc__", "__dict__", "__weakref__", "__orig_bases__", "__parameters__", "__annotations__",
-            "__qualname__", "__firstlineno__", "__static_attributes__", "__type_params__"}
-    for name in vars(upstream):
-        if name in kept or name in vars(cls):
-            continue
-        for base in Module.__mro__:
-            if name in vars(base):
-                setattr(cls, name, vars(base)[name])
-                break
-        else:
-            setattr(cls, name, _Absent(name))
-
-
-class _Absent:
-    """A member torch's DataParallel has and Module lacks: reads raise AttributeError, so the wrapper's attribute
-    forwarding answers them from the wrapped module, as for any name the wrapper lacks."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __get__(self, obj, owner=None):
-        raise AttributeError(self.name)
-
-
-_detach_from_upstream(DataParallel)
+_upstream.detach(DataParallel)
 
 
 def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):

@@ -180,6 +180,8 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, *, mode="distributed", chunk_sizes=None,
                  criterion=None, criterion_reduction=None, broadcast=None, report=False, oom=None, **ddp_options):
+        """Wraps ``module`` for this rank: DataParallel's arguments (see the class docstring for those that apply
+        here), plus ``ddp_options`` for ``torch.nn.parallel.DistributedDataParallel``."""
         check_mode(mode)
         if mode == "single":
             raise ValueError(
@@ -219,6 +221,8 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
         self.src_device_obj = device
 
     def forward(self, *inputs, **kwargs):
+        """``model(*inputs, **kwargs)``: DDP's forward on this rank's batch; with ``criterion=`` and ``target=``,
+        ``criterion(output, target)`` on this rank."""
         criterion = self.__dict__.get("_criterion")
         if criterion is not None and "target" in kwargs:  # DataParallel's per-replica loss: here, per process
             target = kwargs.pop("target")
@@ -233,7 +237,13 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
         )
 
     def enable_report(self, steps=20):
+        """Raises, as ``report()`` does: each process runs one device, with no replicas of its own to compare."""
         self.report()
+
+    @property
+    def batch_split(self):
+        """Each process runs one device on its own batch (``fastdp.shard(loader)``): nothing is split here."""
+        return _split.BatchSplit(None, "none: one device per process, each rank's batch its own")
 
     def no_sync(self):
         """DDP's context manager: backward inside it accumulates gradients locally, without communication."""
@@ -248,6 +258,7 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
         return self.ddp.register_comm_hook(state, hook)
 
     def train(self, mode=True):
+        """``nn.Module.train``, passed on to the DDP wrapper inside."""
         super().train(mode)
         self.ddp.training = mode
         return self
@@ -268,6 +279,7 @@ class DistributedDataParallel(DataParallel, distributed_launch=True):
         return result
 
     def extra_repr(self):
+        """Rank, world size, device and backend, shown in ``repr(model)``."""
         backend = dist.get_backend() if group_initialized() else "?"
         return f"rank={get_rank()}, world_size={get_world_size()}, device={self.src_device_obj}, backend={backend}"
 
@@ -283,11 +295,13 @@ class ShardedLoader:
     """
 
     def __init__(self, loader, sampler, epoch=0):
+        """``loader`` (built by ``fastdp.shard`` around ``sampler``), whose next ``iter()`` starts ``epoch``."""
         self.loader = loader
         self.sampler = sampler
         self.epoch = epoch
 
     def set_epoch(self, epoch):
+        """The epoch the next ``iter()`` starts (for resuming)."""
         self.epoch = epoch
 
     def __iter__(self):
@@ -423,8 +437,10 @@ class RankZeroFilter(logging.Filter):
     """
 
     def __init__(self, rank=0):
+        """Passes the records of global rank ``rank`` only."""
         super().__init__()
         self.rank = rank
 
     def filter(self, record):
+        """Whether ``record`` passes: this process is global rank ``self.rank``."""
         return get_rank() == self.rank

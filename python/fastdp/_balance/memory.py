@@ -10,7 +10,12 @@ import torch
 from .._platform import devices as _devices
 
 __all__ = ["DeviceMemory", "MemoryReport", "memory_report", "allocated_and_peak", "PeakWindow", "format_bytes",
-           "distinct_peaks"]
+           "byte_unit", "distinct_peaks", "HOLDERS"]
+
+# What holds a device's memory, by DeviceMemory field and the name the memory table and the report's picture give it:
+# the model's own tensors first (the user's, not fastdp's), then what fastdp keeps (they add up to "fastdp total").
+HOLDERS = (("master", "model (master)"), ("replica_buffers", "replica bufs"), ("staging", "staging"),
+           ("pending_grads", "no_sync grads"))
 
 
 def allocated_and_peak(device):
@@ -83,6 +88,8 @@ class DeviceMemory:
 
     @property
     def fastdp_bytes(self):
+        """What fastdp itself keeps on this device ("fastdp total"): the model's own tensors (``master``) are not
+        counted."""
         return self.replica_buffers + self.staging + self.pending_grads
 
 
@@ -97,14 +104,20 @@ def distinct_peaks(pairs):
     return peaks
 
 
+def byte_unit(n):
+    """(unit, bytes per unit): the largest binary unit that keeps ``n`` bytes at 1 or more."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return unit, scale
+    return "B", 1
+
+
 def format_bytes(n):
     """Bytes in the largest binary unit that keeps the number at 1 or more ("n/a" for None)."""
     if n is None:
         return "n/a"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    unit, scale = byte_unit(n)
+    return f"{n} B" if scale == 1 else f"{n / scale:.1f} {unit}"
 
 
 @dataclass
@@ -125,14 +138,12 @@ class MemoryReport:
         return peaks[0] / others if others else None
 
     def __str__(self):
-        head = ("#", "device", "chunk", "allocated", "peak", "master", "replica bufs", "staging", "no_sync grads",
-                "fastdp total")
+        head = ("#", "device", "chunk", "allocated", "peak", *(label for _, label in HOLDERS), "fastdp total")
         rows = [head]
         for d in self.devices:
             rows.append((str(d.position), d.device, "-" if d.chunk is None else str(d.chunk),
-                         format_bytes(d.allocated), format_bytes(d.peak), format_bytes(d.master),
-                         format_bytes(d.replica_buffers), format_bytes(d.staging), format_bytes(d.pending_grads),
-                         format_bytes(d.fastdp_bytes)))
+                         format_bytes(d.allocated), format_bytes(d.peak),
+                         *(format_bytes(getattr(d, name)) for name, _ in HOLDERS), format_bytes(d.fastdp_bytes)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
         ratio = self.peak_ratio()

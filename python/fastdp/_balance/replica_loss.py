@@ -13,7 +13,17 @@ import torch.nn as nn
 from .._step.functions import Gather
 from ..replicate import replicate
 
-__all__ = ["loss_rule", "check_declared", "PerReplicaLoss", "criterion_replicas", "ReplicaLoss", "pair", "combine"]
+__all__ = ["loss_rule", "check_declared", "PerReplicaLoss", "criterion_replicas", "ReplicaLoss", "pair", "combine",
+           "WITHOUT_TARGET"]
+
+# The warning of a training forward that has criterion= and no target=: the criterion never runs then. Evaluation
+# forwards (no grad, or eval mode) are the documented way to get the outputs of such a wrapper and draw no warning.
+WITHOUT_TARGET = (
+    "fastdp.DataParallel has criterion= but this training forward got no target=: it returns the outputs, gathered "
+    "on the output device, and the criterion does not run; pass the labels as dp(x, target=y) to get the loss "
+    "computed on each replica, or leave criterion= out if you compute the loss yourself (a forward without grad or "
+    "in eval mode returns the outputs without this warning)"
+)
 
 # torch's own losses whose full-batch value the replicas' values give exactly, by exact type: a subclass (or any other
 # callable) may count differently from what the target's chunks show, e.g. shift the labels of a causal LM, so it

@@ -4,6 +4,7 @@ device 0's share, ``"auto"``), the per-forward chunk sizes, and the target check
 Any split gives the same gradients (they are sums over samples); see docs/balance.md for the user-facing rules.
 """
 
+import collections
 import copy
 import math
 import numbers
@@ -16,8 +17,16 @@ from torch.nn.utils.rnn import PackedSequence
 from .._platform import devices as _devices
 from . import memory as _memory
 
-__all__ = ["AutoSplit", "largest_remainder", "parse_chunk_sizes", "begin_forward", "split_for", "check_target",
-           "parse_broadcast"]
+__all__ = ["AutoSplit", "BatchSplit", "largest_remainder", "parse_chunk_sizes", "begin_forward", "split_for",
+           "check_target", "parse_broadcast", "describe"]
+
+BatchSplit = collections.namedtuple("BatchSplit", ["chunk_sizes", "rule"])
+BatchSplit.__doc__ = """What ``dp.batch_split`` returns: how a ``fastdp.DataParallel`` splits its batch.
+
+``chunk_sizes``: the rows each ``device_ids`` position got in the last forward that split a batch by a
+``chunk_sizes=`` rule (a list of ints, one per position, 0 where a position ran nothing); None before such a forward,
+and under torch.chunk's rule (the default, as ``torch.nn.DataParallel``). ``rule``: the rule in words, as
+``fastdp.memory_report`` shows it (for ``"auto"``: where it stands, and why)."""
 
 
 def largest_remainder(weights, total):
@@ -374,6 +383,8 @@ class AutoSplit:
 
     def __init__(self, *, warmup=2, probes=5, tolerance=0.05, reader=None, balance_time=True, time_tolerance=0.1,
                  min_gap_s=0.0005, time_steps=8, min_weight=0.1, timer=None):
+        """``chunk_sizes=fastdp.AutoSplit(...)``: ``"auto"`` with other settings; each one is described in the class
+        docstring (``chunk_sizes="auto"`` uses these defaults)."""
         _check_auto_arguments(dict(warmup=warmup, probes=probes, tolerance=tolerance, reader=reader,
                                    balance_time=balance_time, time_tolerance=time_tolerance, min_gap_s=min_gap_s,
                                    time_steps=time_steps, min_weight=min_weight, timer=timer))
@@ -429,6 +440,8 @@ class AutoSplit:
         self.time_settled, self.time_reason = True, reason
 
     def split(self, batch, dim, ndev):
+        """The sizes of a batch of ``batch`` rows for ``ndev`` devices: the current weights, rounded by largest
+        remainder."""
         if self._armed:  # the training forward that observe() just opened (not an evaluation in between)
             self._last_batch, self._armed = batch, False
         weights = self.weights if self.weights is not None else [self.share] + [1.0] * (ndev - 1)
@@ -556,6 +569,7 @@ class AutoSplit:
             window.sample()
 
     def describe(self):
+        """Where each phase stands, in words (``fastdp.memory_report`` and ``dp.batch_split`` show it)."""
         state = (f"settled ({self.reason})" if self.memory_settled
                  else f"measuring, {len(self.history)} steps judged")
         text = f"auto: device 0 share {self.share:g}, {state}"
@@ -577,6 +591,13 @@ def parse_broadcast(broadcast):
             f"broadcast must be a tuple of keyword argument names, e.g. broadcast=('tgt_mask',), got {broadcast!r}"
         )
     return frozenset(broadcast)
+
+
+def describe(rule):
+    """The split `rule` in words (None: torch.chunk's, the default)."""
+    if rule is None:
+        return "torch.chunk's rule, as torch.nn.DataParallel: ceil(batch / devices) rows each, the last ones fewer"
+    return rule.describe()
 
 
 def timings_wanted(rule, ndev):

@@ -18,7 +18,8 @@ import torch
 
 from .. import _C
 
-__all__ = ["FallbackWarning", "reason", "strict", "take_over", "copy", "broadcast", "scatter", "gather", "reduce_many"]
+__all__ = ["FallbackWarning", "reason", "strict", "take_over", "copy", "broadcast", "scatter", "gather", "reduce_many",
+           "user_stacklevel"]
 
 
 class FallbackWarning(UserWarning):
@@ -75,15 +76,15 @@ def take_over(exc, op):
             f"for this and every later call that needs it. Fix: {_fix(str(exc))}. Set FASTDP_STRICT=1 to make "
             "this an error. (Shown once per process.)",
             FallbackWarning,
-            stacklevel=_first_caller_outside_fastdp(),
+            stacklevel=user_stacklevel(),
         )
 
 
-def _first_caller_outside_fastdp():
+def user_stacklevel():
     """The warning's stack level that names the user's line: the first frame that is neither fastdp's nor torch's
     (the data moves run inside autograd Functions and Module.__call__), whichever path led here. On a thread that
     fastdp or torch started, no frame is the user's, and the thread's start is named."""
-    frame, level = sys._getframe(1), 1  # take_over's frame is level 1 of its warnings.warn
+    frame, level = sys._getframe(1), 1  # the frame calling warnings.warn is its level 1
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_NOT_THE_USERS):
         frame, level = frame.f_back, level + 1
     return level

@@ -158,18 +158,19 @@ def build(recorder, setup, memory, steps=None):
     training = [x for x in done if x.r.training]
     used = training or done
     devices = [_device_name(d) for d in setup.device_ids]
-    memory = memory()
+    step_ms = _median([_ms(x.span) for x in used])
     report = Report(
         steps=len(used), training=bool(training), devices=devices,
-        step_ms=_median([_ms(x.span) for x in used]),
+        step_ms=step_ms,
         period_ms=_period_ms(records, used),
         replicas=_replica_stats(used, devices),
         phases=_phase_stats(used),
-        memory=memory,
+        memory=memory(),
         ranges=resolved,
         t0s=[s.t0 for s in records],
+        median_step=_nearest_the_median(used, step_ms),
     )
-    report.notes += _notes(setup.device_ids, len(numbers) - len(done), used)
+    report.notes += _notes(setup.device_ids, len(numbers) - len(done), used, bool(records))
     report.advice = advise(report, setup)
     return report
 
@@ -207,27 +208,42 @@ def _period_ms(records, used):
     return _median([_ms(b.t0 - a.t0) for a, b in zip(records, records[1:]) if a.index in summarised])
 
 
-def _notes(device_ids, unfinished, used):
+def _nearest_the_median(used, step_ms):
+    """The index of the summarised step whose length is nearest the median (the later one of a tie): the step the
+    picture draws, so that it shows a typical step rather than whichever came last."""
+    if not used:
+        return None
+    return min(reversed(used), key=lambda x: abs(_ms(x.span) - step_ms)).r.index
+
+
+def _notes(device_ids, unfinished, used, recorded):
     """What the reader should know about the numbers: what was not measured, and why."""
     notes = []
     if len(device_ids) == 1:
         notes.append("one device: the module runs directly, with nothing to balance; nothing is recorded")
+    elif not recorded:
+        notes.append("nothing recorded yet: no forward of this wrapper has run since recording was turned on "
+                     "(report=True, dp.enable_report()); run training steps (forward and backward), then call "
+                     "dp.report()")
     if unfinished:
-        notes.append(f"{unfinished} training step(s) without a finished backward left out "
-                     "(the last forward's backward has not run yet)")
-    if not any(x.r.memory for x in used):
-        notes.append(_memory_note(device_ids))
+        notes.append("the last training step is left out: its backward has not run yet (call dp.report() after "
+                     "loss.backward() to include it)")
+    if used and _devices.CPU in device_ids:
+        notes.append(EMULATED_NOTE)
+    elif used and not any(x.r.memory for x in used):
+        notes.append("peak memory: n/a (a GPU listed more than once has one allocator for all its replicas)")
     return notes
+
+
+# Emulated replicas run one after another, where GPUs run side by side: what the table's waits and the picture's
+# timeline mean then.
+EMULATED_NOTE = ("emulated 'cpu' replicas take turns in this process: each starts when the one before ends (as the "
+                 "picture shows), and they share the host's memory (peak memory: n/a); 'wait: others' is the wait "
+                 "each would have side by side, as GPUs run them")
 
 
 def _device_name(d):
     return "cpu" if d == _devices.CPU else f"cuda:{d}"
-
-
-def _memory_note(device_ids):
-    if _devices.CPU in device_ids:
-        return "memory per replica: n/a on 'cpu' replicas (they share the host's memory); fastdp's own bytes below"
-    return "memory per replica: n/a (a GPU listed more than once has one allocator for all its replicas)"
 
 
 def _replica_stats(used, devices):
@@ -316,7 +332,7 @@ def _memory_advice(report, split, criterion):
     limit = THRESHOLDS["memory"]
     if ratio is not None and ratio >= limit:
         fix = _memory_fix(split, criterion)
-        return Advice("memory", f"GPU 0 holds {ratio:.1f}x the median memory of the others (advice from "
+        return Advice("memory", f"GPU 0 holds {ratio:.1f}x the median memory of the others (advice threshold: "
                                 f"{limit}x): use {fix}", ratio, limit)
     return None
 
@@ -325,10 +341,10 @@ def _memory_fix(split, criterion):
     """The settings that take memory off GPU 0, of those the wrapper does not use yet."""
     fixes = []
     if not criterion:
-        fixes.append("`criterion=` (the loss on each replica: outputs never gathered on GPU 0)")
+        fixes.append("criterion= (the loss on each replica: outputs never gathered on GPU 0)")
     if not isinstance(split, _split.AutoSplit):
-        fixes.append('`chunk_sizes="auto"` (fewer rows on GPU 0 until it fits)')
-    return " or ".join(fixes) if fixes else "a smaller share for device 0 (`chunk_sizes=` with a float)"
+        fixes.append('chunk_sizes="auto" (fewer rows on GPU 0 until it fits)')
+    return " or ".join(fixes) if fixes else "a smaller share for device 0 (chunk_sizes= with a float)"
 
 
 def _wait_advice(step, rows, split):
@@ -339,7 +355,7 @@ def _wait_advice(step, rows, split):
     if share >= limit:
         slow = max(rows, key=_busy_ms)
         fix = _balance_fix(split, slow)
-        return Advice("wait", f"replicas wait {share:.0%} of the step for each other (advice from "
+        return Advice("wait", f"replicas wait {share:.0%} of the step for each other (advice threshold: "
                               f"{limit:.0%}; the slowest: {slow.device} at position {slow.position}): {fix}",
                       share, limit)
     return None
@@ -348,7 +364,7 @@ def _wait_advice(step, rows, split):
 def _balance_fix(split, slow):
     """What evens out the replicas' times, given how far ``chunk_sizes="auto"`` (if used) has got."""
     if not isinstance(split, _split.AutoSplit):
-        return '`chunk_sizes="auto"` balances time (moves rows away from the slowest replica)'
+        return 'chunk_sizes="auto" balances time (moves rows away from the slowest replica)'
     if not split.settled:
         return 'chunk_sizes="auto" is still measuring; it moves rows away from the slowest replica'
     if split.weights and split.weights[slow.position] <= 1.01 * split.min_weight * max(split.weights):
@@ -356,7 +372,7 @@ def _balance_fix(split, slow):
         return (f'chunk_sizes="auto" gives it the fewest rows it may (min_weight={split.min_weight:g}) and it '
                 "is still the slowest: its time does not shrink with its rows; leave its device out of "
                 "device_ids, or give it 0 rows with chunk_sizes=[...]")
-    return f'chunk_sizes="auto" {split.time_reason}; a fixed `chunk_sizes=` list can go further'
+    return f'chunk_sizes="auto" {split.time_reason}; a fixed chunk_sizes=[...] list can go further'
 
 
 def _gil_advice(rows, ndev):
@@ -366,9 +382,9 @@ def _gil_advice(rows, ndev):
     limit = THRESHOLDS["gil"]
     if share >= limit:
         return Advice("gil", f"the forward is bound by Python (the GIL): replicas spend {share:.0%} of it "
-                             f"off the CPU waiting for each other's threads (advice from {limit:.0%}); "
-                             f"`torchrun --nproc_per_node {ndev} your_script.py` runs this same script on DDP, "
-                             "one process per GPU", share, limit)
+                             f"off the CPU waiting for each other's threads (advice threshold: {limit:.0%}); "
+                             "run this same script on DDP, one process per GPU: "
+                             f"torchrun --nproc_per_node {ndev} your_script.py", share, limit)
     return None
 
 
@@ -382,8 +398,8 @@ def _reduce_advice(step, rows, bucket_bytes):
     if share >= limit:
         mb = bucket_bytes / 2**20
         return Advice("reduce", f"the reduction is not hidden by backward: {reduce_wait:.2f} ms, {share:.0%} "
-                                f"of the step, after backward ended (advice from {limit:.0%}): try "
-                                f"`bucket_cap_mb={max(1, round(mb / 2))}` (now {mb:g}), so it starts earlier",
+                                f"of the step, after backward ended (advice threshold: {limit:.0%}): try "
+                                f"bucket_cap_mb={max(1, round(mb / 2))} (now {mb:g}), so it starts earlier",
                       share, limit)
     return None
 
@@ -407,7 +423,9 @@ class Report:
     time from one forward's start to the next (includes the loss, the optimizer and data loading). ``replicas``:
     one :class:`ReplicaStats` per device_ids position. ``phases``: :class:`PhaseStats`. ``memory``: the
     ``fastdp.memory_report`` at the time of the report (what holds each device's memory). ``advice``: the lines
-    of :class:`Advice` that fired.
+    of :class:`Advice` that fired. ``notes``: what the numbers do not show, and why (nothing recorded yet, a step
+    left out, emulated replicas taking turns). ``median_step``: the index of the summarised step whose length is
+    nearest ``step_ms``, the one ``plot`` draws (None when no step is summarised).
     """
 
     steps: int
@@ -422,6 +440,13 @@ class Report:
     t0s: list = field(repr=False, default_factory=list)
     advice: List[Advice] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    median_step: Optional[int] = None
+
+    @property
+    def emulated(self):
+        """Whether the replicas are emulated on the host ('cpu' devices): they take turns, where GPUs run side by
+        side."""
+        return bool(self.devices) and all(d == "cpu" for d in self.devices)
 
     # -- plain text and notebooks --
 
@@ -438,41 +463,69 @@ class Report:
             phases.append((p.phase, _fmt_ms(p.ms), _fmt_bytes(p.bytes) if p.bytes else "-"))
         return rows, phases
 
-    def headline(self):
-        """The report's first line: how many steps, how long one takes."""
+    def covers(self):
+        """Which steps the numbers are: "medians over 12 training steps", or "1 training step"."""
         kind = "training" if self.training else "evaluation"
-        text = f"fastdp report: {self.steps} {kind} step(s) on {len(self.devices)} replicas"
+        if self.steps == 1:
+            return f"1 {kind} step"
+        return f"medians over {self.steps} {kind} steps"
+
+    def headline(self):
+        """The report's first line: which steps the numbers cover, and how long a step takes."""
+        n = len(self.devices)
+        replicas = f"{n} {'emulated ' if self.emulated else ''}replica{'' if n == 1 else 's'}"
+        if not self.steps:
+            return f"fastdp report on {replicas}: no step to summarise yet"
+        text = f"fastdp report, {self.covers()}, on {replicas}"
         if self.step_ms is not None:
             end = "backward end" if self.training else "gather end"
-            text += f"; a step takes {self.step_ms:.2f} ms (median, forward start to {end})"
+            text += f": a step takes {self.step_ms:.2f} ms (forward start to {end})"
         if self.period_ms is not None:
             text += f", one starts every {self.period_ms:.2f} ms"
         return text
 
-    def __str__(self):
-        rows, phases = self._tables()
-        lines = [self.headline(), ""]
-        lines += _aligned(rows) + [""] + _aligned(phases) + ["", "memory (now):", str(self.memory), ""]
-        if self.advice:
-            lines.append("advice:")
-            lines += [f"  - {a.text}" for a in self.advice]
+    def _sections(self):
+        """The report's parts in reading order, for the text and the HTML alike: (caption, table rows or None, lines
+        of text, whether those lines are preformatted). The notes follow the replicas' table they explain; the
+        advice comes last."""
+        parts = []
+        if self.steps:
+            rows, phases = self._tables()
+            parts += [(f"per replica ({self.covers()}):", rows, self.notes, False),
+                      (f"per phase ({self.covers()}):", phases, [], False)]
         else:
-            lines.append("advice: none (no rule's threshold was reached; docs/report.md lists them)")
-        lines += self.notes
+            parts.append((None, None, self.notes, False))
+        parts.append(("memory now, by what holds it (fastdp.memory_report):", None, str(self.memory).splitlines(),
+                      True))
+        if self.advice:
+            parts.append(("advice:", None, [f"  - {a.text}" for a in self.advice], False))
+        elif self.steps:
+            parts.append(("advice: none (no rule's threshold was reached; docs/report.md lists them)", None, [], False))
+        else:
+            parts.append(("advice: none yet (no step measured)", None, [], False))
+        return parts
+
+    def __str__(self):
+        lines = [self.headline()]
+        for caption, table, text, _ in self._sections():
+            lines += [""] + ([caption] if caption else []) + (_aligned(table) if table else []) + text
         return "\n".join(lines)
 
     def _repr_html_(self):
-        rows, phases = self._tables()
-
         def table(rs):
             head = "".join(f"<th>{html.escape(c)}</th>" for c in rs[0])
             body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rs[1:])
             return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
-        advice = "".join(f"<li>{html.escape(a.text)}</li>" for a in self.advice) or "<li>none</li>"
-        notes = "".join(f"<p><i>{html.escape(n)}</i></p>" for n in self.notes)
-        return (f"<div><p><b>{html.escape(self.headline())}</b></p>{table(rows)}{table(phases)}"
-                f"<pre>{html.escape(str(self.memory))}</pre><p>advice:</p><ul>{advice}</ul>{notes}</div>")
+        out = [f"<p><b>{html.escape(self.headline())}</b></p>"]
+        for caption, rows, text, preformatted in self._sections():
+            out.append(f"<p>{html.escape(caption)}</p>" if caption else "")
+            out.append(table(rows) if rows else "")
+            if preformatted:
+                out.append(f"<pre>{html.escape(chr(10).join(text))}</pre>")
+            else:
+                out += [f"<p><i>{html.escape(line)}</i></p>" for line in text]
+        return "<div>" + "".join(out) + "</div>"
 
     # -- numbers --
 
@@ -485,7 +538,7 @@ class Report:
             "phases": [asdict(p) for p in self.phases],
             "memory": [asdict(d) for d in self.memory.devices],
             "advice": [asdict(a) for a in self.advice],
-            "notes": list(self.notes),
+            "notes": list(self.notes), "median_step": self.median_step,
             "ranges": [{"step": r.index, "training": r.training, "phase": phase, "replica": replica,
                         "start_ms": _ms(start), "end_ms": _ms(end), "bytes": nbytes,
                         **{k: v for k, v in extra.items() if isinstance(v, (int, float, str))}}

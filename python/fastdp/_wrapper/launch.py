@@ -11,7 +11,7 @@ from collections import namedtuple
 import torch.distributed as dist
 
 __all__ = ["MODES", "LaunchEnv", "LAUNCH_VARS", "LAUNCH_HINT", "launch_env", "is_distributed", "check_mode",
-           "group_initialized", "int_var"]
+           "group_initialized", "int_var", "choose_class"]
 
 MODES = ("auto", "single", "distributed")
 
@@ -97,3 +97,21 @@ def check_mode(mode):
     """``mode=`` must be one of MODES (a ValueError naming them otherwise)."""
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(repr(m) for m in MODES)}; got {mode!r}")
+
+
+def choose_class(cls, mode, single, distributed):
+    """The class ``single(..., mode=mode)`` builds when called as ``cls``: ``cls``, or ``distributed`` (the class a
+    distributed launch builds, None while it is not defined) in a distributed launch."""
+    check_mode(mode)
+    if mode == "single" or (distributed is not None and issubclass(cls, distributed)):
+        return cls
+    if mode == "auto" and not is_distributed():
+        return cls
+    if cls is not single:
+        # A subclass overrides the single-process pipeline (scatter, gather…), which DDP does not run.
+        raise RuntimeError(
+            f"{cls.__name__} subclasses fastdp.DataParallel and cannot be switched to torch.distributed "
+            f"(mode={mode!r} in a distributed launch). Pass mode=\"single\" to run it as a single-process "
+            "DataParallel in each process, or wrap the model with fastdp.DataParallel itself."
+        )
+    return distributed

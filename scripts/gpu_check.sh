@@ -276,7 +276,7 @@ export_for_steps() {
   export -f step_env step_build step_info step_helpers c_env step_nccl_selftest step_copy_paths step_dp_repeated \
     step_pytest_gpu step_c_gpu_ops step_c_sanitizer step_c_memcheck step_c_racecheck step_bench_comm step_bench_train \
     cuda_branch_check step_sync_debug step_alloc_expandable step_alloc_async step_caller_stream step_cpu_batch \
-    step_output_cpu step_syncbn_dtypes step_graph_capture step_overlap step_map_report
+    step_output_cpu step_syncbn_dtypes step_graph_capture step_oom_rescue step_overlap step_map_report
 }
 
 main() {

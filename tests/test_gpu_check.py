@@ -126,6 +126,21 @@ summary; echo "summary rc=$?"
     assert "summary rc=1" in res.stdout  # a step that could not run is a failure
 
 
+def test_every_step_function_reaches_the_step_shells(tmp_path):
+    """A step runs its function in a child bash, which sees only exported functions: one left out of
+    export_for_steps would fail on the GPU machine alone (the dry run skips GPU steps before they start)."""
+    with open(SCRIPT) as f:
+        body = f.read().split("\nmain() {", 1)[1].split("\n}", 1)[0]
+    functions = re.findall(r"^\s*step \S+ \d+ \S+ (\S+)", body, re.M)
+    assert len(functions) == len(NON_GPU_STEPS + GPU_STEPS + LAST_STEPS)
+    res = run_helper(tmp_path, f"""
+PY=python3; WORK="{tmp_path}"; SANITIZER=""
+export_for_steps
+for f in {' '.join(functions)}; do bash -c "declare -F $f >/dev/null" || echo "not exported: $f"; done
+""")
+    assert res.returncode == 0 and "not exported" not in res.stdout, res.stdout + res.stderr
+
+
 def test_gpu_ops_step_skips_while_build_py_lacks_the_option(tmp_path):
     res = run_helper(tmp_path, """
 GPU_COUNT=1

@@ -215,6 +215,54 @@ def test_dp_repeated_helper_catches_wrong_gradients(monkeypatch, capsys):
     assert "FAILED" in capsys.readouterr().out
 
 
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_findings_helper_on_host(tmp_path, capsys):
+    """scripts/gpu/findings.py's three measurements on emulated replicas: each runs through, prints its table and
+    writes its CSV; the lockstep model finds its replica (the slowed ones show their delay), and the exposed table has
+    a row per step and their medians."""
+    mod = load_helper("findings")
+    for what in ("memory", "lockstep", "exposed"):
+        assert mod.main([what, "--device", "cpu", "--out", str(tmp_path)]) == 0, what
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and "failed:" not in out
+    memory = read_csv(tmp_path / "findings-memory.csv")
+    assert [r["config"] for r in memory] == ["bare"] * 2 + ['fastdp ["cpu"] * 2'] * 2 + ["fastdp, swept"] * 2
+    assert all(r["held_after_step_mb"] == "" for r in memory if r["config"] == "bare")
+    assert all(float(r["held_after_step_mb"]) == 0 for r in memory if r["config"] != "bare")  # host: no streams
+    lockstep = read_csv(tmp_path / "findings-lockstep.csv")
+    assert [r["busy"] for r in lockstep] == ["0", "1", "4"]
+    assert [r["layers"] for r in lockstep] == ["-", "7", "7,5,3,1"]
+    assert all(float(r["slowest_other_ms"]) >= 1.0 for r in lockstep[1:])  # the 1 ms sleep reached its replica
+    assert "replica 0's backward with 4 slowed replicas over 1:" in out
+    exposed = read_csv(tmp_path / "findings-exposed.csv")
+    assert [r["step"] for r in exposed] == ["1", "2", "3", "median"]
+    assert all(r["report_exposed_ms"] != "" and r["direct_tail_ms"] != "" for r in exposed)
+
+
+def test_findings_count_each_held_storage_once():
+    """The memory measurement's count of what the reduction holds: every tensor of every held group, each storage
+    once (a bucket's views share one), nothing for a wrapper without a reducer."""
+    import collections
+    import types
+
+    import torch
+
+    mod = load_helper("findings")
+    flat, other = torch.zeros(256), torch.zeros(3, dtype=torch.float64)
+    held = collections.deque([(None, ((flat[:10], None, flat[10:]), None, other)), (None, [flat])])
+    ledger = types.SimpleNamespace(_held=held)
+    wrapped = types.SimpleNamespace(_replica_set=types.SimpleNamespace(reducer=types.SimpleNamespace(ledger=ledger)))
+    assert mod.ledger_bytes(wrapped) == 256 * 4 + 3 * 8
+    assert mod.ledger_bytes(torch.nn.Linear(2, 2)) is None
+    # each slowed replica sleeps before a layer of its own, the same one whatever the number slowed
+    assert mod.slowed_layers(4, 4, 8) == {1: 14, 2: 10, 3: 6, 4: 2}
+    assert mod.slowed_layers(1, 4, 8) == {1: 14}
+
+
 @pytest.mark.sim
 def test_nccl_selftest_on_the_simulated_gpu(tmp_path):
     """The C self-test against tests/sim's libcuda.so.1/libnccl.so.2, found by the production lookup (by name,

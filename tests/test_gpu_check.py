@@ -21,7 +21,8 @@ HELPERS = os.path.join(ROOT, "scripts", "gpu")
 NON_GPU_STEPS = ["env", "build", "info", "helpers"]
 GPU_STEPS = ["nccl-selftest", "copy-paths", "dp-repeated", "sync-debug", "alloc-expandable", "alloc-async",
              "caller-stream", "cpu-batch", "output-cpu", "syncbn-dtypes", "graph-capture", "oom-rescue", "pytest-gpu",
-             "c-gpu-ops", "c-memcheck", "c-racecheck", "bench-comm", "bench-train", "overlap"]
+             "c-gpu-ops", "c-memcheck", "c-racecheck", "bench-comm", "bench-train", "overlap", "memory-across-step",
+             "lockstep", "report-exposed"]
 LAST_STEPS = ["map-report"]  # runs everywhere: on a CPU it lists every entry of the map as not run
 # Where an index or any network use would go: nowhere (a closed local port), so a step that tried would fail.
 NO_NETWORK = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "http_proxy": "http://127.0.0.1:9",
@@ -330,6 +331,25 @@ summary
     assert rows["map-report"]["result"] == "ok" and "python entries that ran: 0 of " in res.stdout
     assert rows["nccl-selftest"]["result"] == "FAILED rc=127" and "work/bin/nccl_selftest" in res.stderr
     assert rows["overlap"]["result"] == "FAILED rc=1" and "no GPU: nothing to measure" in res.stdout
+
+
+def test_findings_steps_commands_run_here(tmp_path):
+    """The findings' steps, forced to run here: each starts scripts/gpu/findings.py with its measurement, finds no
+    CUDA device and writes no CSV."""
+    res = run_helper(tmp_path, f"""
+PY="{sys.executable}"; WORK="{tmp_path}/work"; SANITIZER=""; GPU_COUNT=1
+mkdir -p "$WORK/site"
+export_for_steps
+step memory-across-step 50 gpu step_memory_across_step
+step lockstep 50 gpu step_lockstep
+step report-exposed 50 gpu step_report_exposed
+summary
+""", CUDA_VISIBLE_DEVICES="")
+    rows = read_summary(str(tmp_path))
+    for name in ("memory-across-step", "lockstep", "report-exposed"):
+        assert rows[name]["result"] == "FAILED rc=2", res.stdout[-3000:] + res.stderr[-2000:]
+    assert res.stdout.count("no CUDA device") == 3
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("findings-")]
 
 
 def test_cuda_branch_steps_commands_run_here(tmp_path):

@@ -19,8 +19,8 @@ replica 0's later kernels queue behind the slowest replica at each bucket. Each 
 stream (``torch.cuda._sleep``, no compute taken) before the backward of a layer of its own: if the waits add up (a
 sum of per-bucket maxima) replica 0's backward grows with the number of slowed replicas; if not, with the slowest
 one alone (one maximum). With one GPU the replicas after the first run their forward (and so their backward) on
-side streams of their own, standing in for devices of their own; with as many GPUs as replicas they run on their own
-devices.
+side streams of their own, standing in for devices of their own; with two GPUs or more each replica runs on a device
+of its own (as many replicas as GPUs, up to ``--replicas``).
 
 exposed: the report's "wait: reduce" (how far the last bucket's reduction ends past the replicas' backward, from its
 CUDA events) next to the same steps timed with ``torch.cuda.synchronize()``: fastdp's backward until every reduction

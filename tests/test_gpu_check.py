@@ -246,7 +246,8 @@ def test_findings_helper_on_host(tmp_path, capsys):
 
 def test_findings_count_each_held_storage_once():
     """The memory measurement's count of what the reduction holds: every tensor of every held group, each storage
-    once (a bucket's views share one), nothing for a wrapper without a reducer."""
+    once (a bucket's views share one), less the storage a master's .grad uses; nothing for a wrapper without a
+    reducer."""
     import collections
     import types
 
@@ -258,6 +259,11 @@ def test_findings_count_each_held_storage_once():
     ledger = types.SimpleNamespace(_held=held)
     wrapped = types.SimpleNamespace(_replica_set=types.SimpleNamespace(reducer=types.SimpleNamespace(ledger=ledger)))
     assert mod.ledger_bytes(wrapped) == 256 * 4 + 3 * 8
+    wrapped.module = torch.nn.Linear(3, 1, bias=False)
+    wrapped.module.weight.grad = other.float().view(1, 3)  # a storage of its own: nothing held is it
+    assert mod.ledger_bytes(wrapped) == 256 * 4 + 3 * 8
+    wrapped.module.weight.grad = flat[20:23].view(1, 3)  # the held flat buffer is this .grad's storage
+    assert mod.ledger_bytes(wrapped) == 3 * 8
     assert mod.ledger_bytes(torch.nn.Linear(2, 2)) is None
     # each slowed replica sleeps before a layer of its own, the same one whatever the number slowed
     assert mod.slowed_layers(4, 4, 8) == {1: 14, 2: 10, 3: 6, 4: 2}

@@ -173,13 +173,18 @@ def _storages(obj, seen):
 
 
 def ledger_bytes(wrapped):
-    """The bytes fastdp's reduction still holds for its streams (each storage once); None for other wrappers."""
+    """The bytes only fastdp's reduction keeps alive for its streams: the storages its ledger holds, each once, less
+    those the master's gradients use (a bucket's sum is its members' .grad); None for other wrappers."""
     replica_set = getattr(wrapped, "_replica_set", None)
     if replica_set is None:
         return None
     seen = {}
     for _, held in list(replica_set.reducer.ledger._held):
         _storages(held, seen)
+    module = getattr(wrapped, "module", None)
+    for p in module.parameters() if module is not None else ():
+        if p.grad is not None:
+            seen.pop(p.grad.untyped_storage().data_ptr(), None)
     return sum(seen.values())
 
 
@@ -248,7 +253,8 @@ def run_memory(args):
           f"{args.steps} steps (step 1 allocates Adam's state); torch {torch.__version__}")
     print("MB on device 0: model = allocated before the first forward (model and batch); after bwd / after step = "
           "allocated then; bwd peak, step peak = the high since the counter was reset just before backward, just "
-          "before optimizer.step(); held = what fastdp's reduction still holds for its streams (its ledger); "
+          "before optimizer.step(); held = what only fastdp's reduction still holds for its streams (its ledger, less "
+          "the .grad storages); "
           "kept = the replicas' parameter buffers fastdp keeps between steps (upstream copies them each step). "
           "'fastdp, swept' waits for the reduction and releases what it held before the step.")
     rows, failed = [], False

@@ -89,11 +89,11 @@ record() {
 # Prints the table and writes $OUT/summary.csv; returns 1 when a step that ran failed.
 summary() {
   local i
-  printf '\n%-16s %-32s %7s %7s\n' "step" "result" "seconds" "budget"
-  printf '%-16s %-32s %7s %7s\n' "----" "------" "-------" "------"
+  printf '\n%-18s %-32s %7s %7s\n' "step" "result" "seconds" "budget"
+  printf '%-18s %-32s %7s %7s\n' "----" "------" "-------" "------"
   echo "step,result,seconds,budget_s" >"$OUT/summary.csv"
   for i in "${!STEP_NAMES[@]}"; do
-    printf '%-16s %-32s %7s %7s\n' "${STEP_NAMES[$i]}" "${STEP_RESULTS[$i]}" "${STEP_SECONDS[$i]}" "${STEP_BUDGETS[$i]}"
+    printf '%-18s %-32s %7s %7s\n' "${STEP_NAMES[$i]}" "${STEP_RESULTS[$i]}" "${STEP_SECONDS[$i]}" "${STEP_BUDGETS[$i]}"
     echo "${STEP_NAMES[$i]},${STEP_RESULTS[$i]},${STEP_SECONDS[$i]},${STEP_BUDGETS[$i]}" >>"$OUT/summary.csv"
   done
   local verdict="all ran steps ok"

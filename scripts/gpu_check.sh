@@ -9,10 +9,11 @@
 #   GPU_CHECK_STEPS=copy-paths,pytest-gpu bash scripts/gpu_check.sh  # a rerun: these (env, build, helpers always)
 #
 # Budget (seconds; each is the step's hard timeout, together at most GPU_CHECK_TOTAL_S = 450, i.e. 7.5 min):
-#   env 10 · build 40 · info 10 · helpers 15 · nccl-selftest 20 · copy-paths 25 · dp-repeated 17 ·
+#   env 8 · build 36 · info 10 · helpers 8 · nccl-selftest 20 · copy-paths 25 · dp-repeated 15 ·
 #   sync-debug 14 · alloc-expandable 14 · alloc-async 14 · caller-stream 14 · cpu-batch 10 · output-cpu 8 ·
 #   syncbn-dtypes 14 · graph-capture 10 · oom-rescue 8 · pytest-gpu 52 · c-gpu-ops 30 · c-memcheck 45 ·
-#   c-racecheck 32 · bench-comm 12 · bench-train 20 · overlap 12 · map-report 4
+#   c-racecheck 32 · bench-comm 12 · bench-train 14 · overlap 12 · memory-across-step 8 · lockstep 8 ·
+#   report-exposed 7 · map-report 2
 # A step never runs past the total: it gets what is left, and is "skipped: out of time" (a failure) under 5 s.
 # GPU_CHECK_TIME_SCALE (an integer, default 1) multiplies every limit, for slow shared machines (the CPU dry run).
 #
@@ -88,11 +89,11 @@ record() {
 # Prints the table and writes $OUT/summary.csv; returns 1 when a step that ran failed.
 summary() {
   local i
-  printf '\n%-16s %-32s %7s %7s\n' "step" "result" "seconds" "budget"
-  printf '%-16s %-32s %7s %7s\n' "----" "------" "-------" "------"
+  printf '\n%-18s %-32s %7s %7s\n' "step" "result" "seconds" "budget"
+  printf '%-18s %-32s %7s %7s\n' "----" "------" "-------" "------"
   echo "step,result,seconds,budget_s" >"$OUT/summary.csv"
   for i in "${!STEP_NAMES[@]}"; do
-    printf '%-16s %-32s %7s %7s\n' "${STEP_NAMES[$i]}" "${STEP_RESULTS[$i]}" "${STEP_SECONDS[$i]}" "${STEP_BUDGETS[$i]}"
+    printf '%-18s %-32s %7s %7s\n' "${STEP_NAMES[$i]}" "${STEP_RESULTS[$i]}" "${STEP_SECONDS[$i]}" "${STEP_BUDGETS[$i]}"
     echo "${STEP_NAMES[$i]},${STEP_RESULTS[$i]},${STEP_SECONDS[$i]},${STEP_BUDGETS[$i]}" >>"$OUT/summary.csv"
   done
   local verdict="all ran steps ok"
@@ -251,6 +252,17 @@ step_bench_train() {
   cd "$WORK" && "$PY" -m fastdp.bench train --rounds 2 --steps 6 --out "$OUT"
 }
 
+# What only a GPU can say about the gradient reduction (scripts/gpu/findings.py; docs/benchmarks.md, "To be measured
+# on the first GPU"): device 0's memory across optimizer.step() against the bare model and upstream, replica 0's
+# backward with slowed replicas, and the report's exposed reduction against a synchronised timing. Each prints its
+# comparison and writes $OUT/findings-<name>.csv.
+findings() {
+  cd "$WORK" && FASTDP_STRICT=1 "$PY" "$ROOT/scripts/gpu/findings.py" "$1" --device cuda --out "$OUT"
+}
+step_memory_across_step() { findings memory; }
+step_lockstep() { findings lockstep; }
+step_report_exposed() { findings exposed; }
+
 # The shim's CUDA-only branches (docs/gpu-verification.md): one check of scripts/gpu/cuda_branches.py per step,
 # each tracing which entries of the map it ran into $OUT/map-trace/<name>.txt for map-report.
 cuda_branch_check() {
@@ -276,7 +288,8 @@ export_for_steps() {
   export -f step_env step_build step_info step_helpers c_env step_nccl_selftest step_copy_paths step_dp_repeated \
     step_pytest_gpu step_c_gpu_ops step_c_sanitizer step_c_memcheck step_c_racecheck step_bench_comm step_bench_train \
     cuda_branch_check step_sync_debug step_alloc_expandable step_alloc_async step_caller_stream step_cpu_batch \
-    step_output_cpu step_syncbn_dtypes step_graph_capture step_overlap step_map_report
+    step_output_cpu step_syncbn_dtypes step_graph_capture step_oom_rescue step_overlap step_map_report \
+    findings step_memory_across_step step_lockstep step_report_exposed
 }
 
 main() {
@@ -293,13 +306,13 @@ main() {
   export_for_steps
   echo "fastdp GPU check: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), GPUs: $GPU_COUNT, out: $OUT"
 
-  step env 10 - step_env
-  step build 40 - step_build
+  step env 8 - step_env
+  step build 36 - step_build
   step info 10 - step_info
-  step helpers 15 - step_helpers
+  step helpers 8 - step_helpers
   step nccl-selftest 20 gpu step_nccl_selftest
   step copy-paths 25 gpu step_copy_paths
-  step dp-repeated 17 gpu step_dp_repeated
+  step dp-repeated 15 gpu step_dp_repeated
   step sync-debug 14 gpu step_sync_debug
   step alloc-expandable 14 gpu step_alloc_expandable
   step alloc-async 14 gpu step_alloc_async
@@ -314,9 +327,12 @@ main() {
   step c-memcheck 45 gpu,gpu-ops step_c_memcheck
   step c-racecheck 32 gpu,gpu-ops step_c_racecheck
   step bench-comm 12 gpu step_bench_comm
-  step bench-train 20 gpu step_bench_train
+  step bench-train 14 gpu step_bench_train
   step overlap 12 gpu step_overlap
-  step map-report 4 - step_map_report
+  step memory-across-step 8 gpu step_memory_across_step
+  step lockstep 8 gpu step_lockstep
+  step report-exposed 7 gpu step_report_exposed
+  step map-report 2 - step_map_report
   summary
 }
 

@@ -21,7 +21,8 @@ HELPERS = os.path.join(ROOT, "scripts", "gpu")
 NON_GPU_STEPS = ["env", "build", "info", "helpers"]
 GPU_STEPS = ["nccl-selftest", "copy-paths", "dp-repeated", "sync-debug", "alloc-expandable", "alloc-async",
              "caller-stream", "cpu-batch", "output-cpu", "syncbn-dtypes", "graph-capture", "oom-rescue", "pytest-gpu",
-             "c-gpu-ops", "c-memcheck", "c-racecheck", "bench-comm", "bench-train", "overlap"]
+             "c-gpu-ops", "c-memcheck", "c-racecheck", "bench-comm", "bench-train", "overlap", "memory-across-step",
+             "lockstep", "report-exposed"]
 LAST_STEPS = ["map-report"]  # runs everywhere: on a CPU it lists every entry of the map as not run
 # Where an index or any network use would go: nowhere (a closed local port), so a step that tried would fail.
 NO_NETWORK = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "http_proxy": "http://127.0.0.1:9",
@@ -126,6 +127,21 @@ summary; echo "summary rc=$?"
     assert "summary rc=1" in res.stdout  # a step that could not run is a failure
 
 
+def test_every_step_function_reaches_the_step_shells(tmp_path):
+    """A step runs its function in a child bash, which sees only exported functions: one left out of
+    export_for_steps would fail on the GPU machine alone (the dry run skips GPU steps before they start)."""
+    with open(SCRIPT) as f:
+        body = f.read().split("\nmain() {", 1)[1].split("\n}", 1)[0]
+    functions = re.findall(r"^\s*step \S+ \d+ \S+ (\S+)", body, re.M)
+    assert len(functions) == len(NON_GPU_STEPS + GPU_STEPS + LAST_STEPS)
+    res = run_helper(tmp_path, f"""
+PY=python3; WORK="{tmp_path}"; SANITIZER=""
+export_for_steps
+for f in {' '.join(functions)}; do bash -c "declare -F $f >/dev/null" || echo "not exported: $f"; done
+""")
+    assert res.returncode == 0 and "not exported" not in res.stdout, res.stdout + res.stderr
+
+
 def test_gpu_ops_step_skips_while_build_py_lacks_the_option(tmp_path):
     res = run_helper(tmp_path, """
 GPU_COUNT=1
@@ -200,6 +216,60 @@ def test_dp_repeated_helper_catches_wrong_gradients(monkeypatch, capsys):
     assert "FAILED" in capsys.readouterr().out
 
 
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_findings_helper_on_host(tmp_path, capsys):
+    """scripts/gpu/findings.py's three measurements on emulated replicas: each runs through, prints its table and
+    writes its CSV; the lockstep model finds its replica (the slowed ones show their delay), and the exposed table has
+    a row per step and their medians."""
+    mod = load_helper("findings")
+    for what in ("memory", "lockstep", "exposed"):
+        assert mod.main([what, "--device", "cpu", "--out", str(tmp_path)]) == 0, what
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and "failed:" not in out
+    memory = read_csv(tmp_path / "findings-memory.csv")
+    assert [r["config"] for r in memory] == ["bare"] * 2 + ['fastdp ["cpu"] * 2'] * 2 + ["fastdp, swept"] * 2
+    assert all(r["held_after_step_mb"] == "" for r in memory if r["config"] == "bare")
+    assert all(float(r["held_after_step_mb"]) == 0 for r in memory if r["config"] != "bare")  # host: no streams
+    lockstep = read_csv(tmp_path / "findings-lockstep.csv")
+    assert [r["busy"] for r in lockstep] == ["0", "1", "4"]
+    assert [r["layers"] for r in lockstep] == ["-", "7", "7,5,3,1"]
+    assert all(float(r["slowest_other_ms"]) >= 1.0 for r in lockstep[1:])  # the 1 ms sleep reached its replica
+    assert "replica 0's backward with 4 slowed replicas over 1:" in out
+    exposed = read_csv(tmp_path / "findings-exposed.csv")
+    assert [r["step"] for r in exposed] == ["1", "2", "3", "median"]
+    assert all(r["report_exposed_ms"] != "" and r["direct_tail_ms"] != "" for r in exposed)
+
+
+def test_findings_count_each_held_storage_once():
+    """The memory measurement's count of what the reduction holds: every tensor of every held group, each storage
+    once (a bucket's views share one), less the storage a master's .grad uses; nothing for a wrapper without a
+    reducer."""
+    import collections
+    import types
+
+    import torch
+
+    mod = load_helper("findings")
+    flat, other = torch.zeros(256), torch.zeros(3, dtype=torch.float64)
+    held = collections.deque([(None, ((flat[:10], None, flat[10:]), None, other)), (None, [flat])])
+    ledger = types.SimpleNamespace(_held=held)
+    wrapped = types.SimpleNamespace(_replica_set=types.SimpleNamespace(reducer=types.SimpleNamespace(ledger=ledger)))
+    assert mod.ledger_bytes(wrapped) == 256 * 4 + 3 * 8
+    wrapped.module = torch.nn.Linear(3, 1, bias=False)
+    wrapped.module.weight.grad = other.float().view(1, 3)  # a storage of its own: nothing held is it
+    assert mod.ledger_bytes(wrapped) == 256 * 4 + 3 * 8
+    wrapped.module.weight.grad = flat[20:23].view(1, 3)  # the held flat buffer is this .grad's storage
+    assert mod.ledger_bytes(wrapped) == 3 * 8
+    assert mod.ledger_bytes(torch.nn.Linear(2, 2)) is None
+    # each slowed replica sleeps before a layer of its own, the same one whatever the number slowed
+    assert mod.slowed_layers(4, 4, 8) == {1: 14, 2: 10, 3: 6, 4: 2}
+    assert mod.slowed_layers(1, 4, 8) == {1: 14}
+
+
 @pytest.mark.sim
 def test_nccl_selftest_on_the_simulated_gpu(tmp_path):
     """The C self-test against tests/sim's libcuda.so.1/libnccl.so.2, found by the production lookup (by name,
@@ -267,6 +337,25 @@ summary
     assert rows["map-report"]["result"] == "ok" and "python entries that ran: 0 of " in res.stdout
     assert rows["nccl-selftest"]["result"] == "FAILED rc=127" and "work/bin/nccl_selftest" in res.stderr
     assert rows["overlap"]["result"] == "FAILED rc=1" and "no GPU: nothing to measure" in res.stdout
+
+
+def test_findings_steps_commands_run_here(tmp_path):
+    """The findings' steps, forced to run here: each starts scripts/gpu/findings.py with its measurement, finds no
+    CUDA device and writes no CSV."""
+    res = run_helper(tmp_path, f"""
+PY="{sys.executable}"; WORK="{tmp_path}/work"; SANITIZER=""; GPU_COUNT=1
+mkdir -p "$WORK/site"
+export_for_steps
+step memory-across-step 50 gpu step_memory_across_step
+step lockstep 50 gpu step_lockstep
+step report-exposed 50 gpu step_report_exposed
+summary
+""", CUDA_VISIBLE_DEVICES="")
+    rows = read_summary(str(tmp_path))
+    for name in ("memory-across-step", "lockstep", "report-exposed"):
+        assert rows[name]["result"] == "FAILED rc=2", res.stdout[-3000:] + res.stderr[-2000:]
+    assert res.stdout.count("no CUDA device") == 3
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("findings-")]
 
 
 def test_cuda_branch_steps_commands_run_here(tmp_path):

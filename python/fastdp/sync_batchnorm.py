@@ -29,9 +29,17 @@ __all__ = ["convert_sync_batchnorm"]
 # variance in its own thread (_Local); the last replica to arrive runs one autograd node (_SyncNorm) over every
 # replica's input: the chunks' statistics are gathered onto device_ids[0] through fastdp.comm, combined there (Chan's
 # formula, float64, each replica weighted by its count, so uneven chunk sizes give the full-batch result) and
-# broadcast back; the node's backward sees every replica's gradient at once, sums (sum dy, sum dy * x_hat) onto
-# device_ids[0] and broadcasts them back. Per layer: one small exchange (3 x C values) in forward and one (2 x C) in
-# backward. On CUDA the exchange, forward and backward, runs on the caller's current stream of every device
+# broadcast back; each replica's output is torch's batch-norm kernel on its chunk with those statistics and its own
+# weight and bias; the node's backward sees every replica's gradient at once, sums (sum dy, sum dy * x_hat) onto
+# device_ids[0] and broadcasts them back, and gives each replica's weight and bias its chunk's share. Per layer: one
+# small exchange (3 x C values) in forward and one (2 x C) in backward.
+#
+# Dtypes. batch_norm has no autocast rule on CPU or CUDA (it is in neither the lower-precision nor the float32 list):
+# it runs in its input's dtype, float16 or bfloat16 included, with float32 statistics and parameters, and returns
+# that dtype. A synced layer does the same: its statistics are float32 for a low-precision input (float64 stays
+# float64), and its output comes from torch's own batch-norm kernel under the caller's autocast state, so it has the
+# dtype torch's BatchNorm would return on that device, and the layers after it run in the same precision as the bare
+# model's. On CUDA the exchange, forward and backward, runs on the caller's current stream of every device
 # (captured by begin() in the caller's thread): the replicas' inputs and gradients were made there, and the thread
 # that runs it (the last arriver, or autograd's) would otherwise use its own streams. The last arriver then waits
 # until the others hold their outputs: otherwise it would keep the GIL and each woken replica would wait up to
@@ -276,15 +284,15 @@ class _Session:
                 node.metadata[_ANCHOR] = self.recording
 
     def meet(self, j, r, x, stats, layer):
-        """Replica r's normalised input at layer j (this call): (x_hat, (mean, biased var, unbiased var) on its
-        device), once every replica has brought its input and its chunk's statistics."""
+        """Replica r's output at layer j (this call) and the whole batch's (mean, biased var, unbiased var) on its
+        device, once every replica has brought its input, its chunk's statistics and its layer."""
         key = (j, self.calls[r][j])
         self.calls[r][j] += 1
         with self.cond:
             slot = self.slots.get(key)
             if slot is None:
                 slot = self.slots[key] = _Slot(self.n)
-            slot.inputs[r] = (x, stats)
+            slot.inputs[r] = (x, stats, layer)
             slot.arrived += 1
             last = slot.arrived == self.n
             if not last:
@@ -321,15 +329,18 @@ class _Session:
     def _exchange(self, slot, r, j, eps):
         """The last arriver (replica r): runs the node over every replica's input, hands out the outputs and waits
         until the others hold theirs."""
-        xs = [x for x, _ in slot.inputs]
-        stats = [s for _, s in slot.inputs]
+        xs = [x for x, _, _ in slot.inputs]
+        stats = [s for _, s, _ in slot.inputs]
+        weights = [layer.weight for _, _, layer in slot.inputs]
+        biases = [layer.bias for _, _, layer in slot.inputs]
         try:
             # Entered around apply: autograd notes each output's stream as this call returns, and its backward
             # hands the gradients over on those streams. The node's own saves bypass this thread's saved-tensor
             # hooks: they belong to one replica's checkpoint, not to every replica's (NOTE [synced layers]).
             with _streams.entered(self.streams):
                 with torch.autograd.graph.saved_tensors_hooks(_same, _same):
-                    outs = _SyncNorm.apply(self.devices, self.streams, eps, self.recording, stats, *xs)
+                    outs = _SyncNorm.apply(self.devices, self.streams, eps, self.recording, stats, *xs, *weights,
+                                           *biases)
         except BaseException as e:
             with self.cond:
                 slot.error = f"{type(e).__name__}: {e}"
@@ -418,12 +429,6 @@ def _update_running(layer, owner, pack):
         owner.running_var.mul_(1 - factor).add_(unbiased.to(owner.running_var.dtype), alpha=factor)
 
 
-def _affine(layer, x_hat):
-    if layer.weight is None:
-        return x_hat
-    return x_hat * layer.weight.view(_shape(x_hat)) + layer.bias.view(_shape(x_hat))
-
-
 def _synced_forward(session, j, r, layer, input):
     """SyncBatchNorm.forward for replica r of synced layer j (torch's steps, the statistics exchanged)."""
     layer._check_input_dim(input)
@@ -434,9 +439,9 @@ def _synced_forward(session, j, r, layer, input):
         return F.batch_norm(input, layer.running_mean, layer.running_var, layer.weight, layer.bias, False, factor,
                             layer.eps)
     stats = _chunk_stats(input)
-    x_hat, pack = session.meet(j, r, input, stats, layer)
+    out, pack = session.meet(j, r, input, stats, layer)
     _update_running(layer, layer, pack)
-    return _affine(layer, x_hat)
+    return out
 
 
 # How far a recomputed chunk's statistics may lie from its forward's (in standard deviations of each channel) and
@@ -505,21 +510,31 @@ def _recomputed_forward(layer, input, rec, r, j, call):
         _update_running(layer, master, call.pack)
     _chunk_stats(input)  # saves the input as the forward did; its value is the forward's
     with torch.no_grad():
-        x_hat = input.clone() if call.pack is None else _normalise(input, call.pack[0], call.pack[1], layer.eps)
+        out = input.clone() if call.pack is None else _output(input, call.pack, layer.weight, layer.bias, layer.eps)
     if call.grad:
-        x_hat.requires_grad_()  # the forward's output took part in autograd: the affine step saves alike
-    return _affine(layer, x_hat)
+        out.requires_grad_()  # the forward's output took part in autograd: the layers after it save alike
+    return out
 
 
 _graph_task_id = torch._C._current_graph_task_id  # the backward running in this thread, -1 outside (torch 2.1+)
 
 
-def _normalise(x, mean, var, eps):
-    """(x - mean) / sqrt(var + eps) per channel, with torch's batch-norm kernel where the dtypes allow."""
+def _output(x, pack, weight, bias, eps):
+    """A replica's output: torch's batch-norm kernel on its chunk with the whole batch's statistics (``pack``) and
+    its weight and bias, in the dtype torch's BatchNorm gives ``x`` (see Dtypes in NOTE [synced layers]). The
+    parameters are taken in the statistics' dtype, the form torch's kernels accept for every input dtype."""
+    dtype = pack.dtype
+    weight = None if weight is None else weight.detach().to(dtype)
+    bias = None if bias is None else bias.detach().to(dtype)
+    return F.batch_norm(x, pack[0], pack[1], weight, bias, False, 0.0, eps)
+
+
+def _normalised(x, mean, var, eps):
+    """(x - mean) / sqrt(var + eps) per channel, in the statistics' dtype."""
     if x.dtype == mean.dtype:
         return F.batch_norm(x, mean, var, None, None, False, 0.0, eps)
     shape = _shape(x)
-    return ((x.to(mean.dtype) - mean.view(shape)) * (var + eps).rsqrt().view(shape)).to(x.dtype)
+    return (x.to(mean.dtype) - mean.view(shape)) * (var + eps).rsqrt().view(shape)
 
 
 def _local_stats(x, dtype):
@@ -581,38 +596,25 @@ def _saves_through_hooks():
 
 
 class _SyncNorm(Function):
-    """N replicas' inputs -> N normalised outputs (then N stat packs, not differentiable): one node over all
-    replicas, so its backward sees every replica's gradient at once. ``stats`` are the replicas' _Local outputs."""
+    """N replicas' inputs, then their N weights and N biases (None without affine parameters) -> N outputs (then N
+    stat packs, not differentiable): one node over all replicas, so its backward sees every replica's gradient at
+    once. ``stats`` are the replicas' _Local outputs."""
 
     @staticmethod
-    def forward(ctx, devices, streams, eps, recording, stats, *xs):
-        dest = xs[0].device
-        dtype = stats[0].dtype
+    def forward(ctx, devices, streams, eps, recording, stats, *tensors):
+        n = len(stats)
+        xs, weights, biases = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
         counts = [x.numel() // x.size(1) for x in xs]
         total = sum(counts)
-        if total == 1:  # torch's check: none for a batch with no value at all
-            size = list(xs[0].shape)
-            size[0] = sum(x.size(0) for x in xs)
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
-        if total == 0:  # nothing to normalise; the caller leaves the running statistics as they are, as torch does
-            ones = torch.ones(xs[0].size(1), dtype=dtype, device=dest)
-            pack = torch.stack([torch.zeros_like(ones), ones, ones])
-        else:
-            # (N, 2, C): each replica's mean and variance
-            both = comm.gather([s.detach().unsqueeze(0) for s in stats], 0, dest).to(torch.float64)
-            # Chan et al.: exact for any split. The counts stay Python numbers: a tensor made from them on the
-            # device would be a host-to-device copy that waits for the device in every layer of every step.
-            mean = sum(both[i, 0] * (c / total) for i, c in enumerate(counts))
-            m2 = sum((both[i, 1] + (both[i, 0] - mean).square()) * c for i, c in enumerate(counts))
-            # mean, biased variance (normalisation), unbiased variance (running_var), as BatchNorm uses them.
-            pack = torch.stack([mean, m2 / total, m2 / (total - 1)]).to(dtype)
+        pack = _whole_batch(xs, stats, counts, total)
         packs = comm.broadcast(pack, devices)
-        outs = [_normalise(x, p[0], p[1], eps) for x, p in zip(xs, packs)]
+        outs = [_output(x, p, w, b, eps) for x, p, w, b in zip(xs, packs, weights, biases)]
         # Saved detached: a saved output would hold this node through the hooks' packed value, a cycle that
         # outlives a graph dropped without backward.
         ctx.local = [s.grad_fn is not None for s in stats]  # per replica: its _Local node saved its chunk
         ctx.save_for_backward(*(s if local else x for s, x, local in zip(stats, xs, ctx.local)),
-                              *(p.detach() for p in packs))
+                              *(p.detach() for p in packs), *weights)
+        ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
         ctx.devices, ctx.streams, ctx.total, ctx.eps = devices, streams, total, eps
         ctx.recording = recording  # kept while this graph lives: a recomputation may look for it
         for p in packs:
@@ -624,6 +626,28 @@ class _SyncNorm(Function):
     def backward(ctx, *grads):
         with _streams.entered(ctx.streams):  # autograd's thread: the caller's streams, where the gradients are
             return (None, None, None, None, None) + _sync_backward(ctx, grads)
+
+
+def _whole_batch(xs, stats, counts, total):
+    """The whole batch's (mean, biased variance, unbiased variance) per channel on device_ids[0], in the statistics'
+    dtype, from every replica's chunk statistics and value count."""
+    dest = xs[0].device
+    dtype = stats[0].dtype
+    if total == 1:  # torch's check: none for a batch with no value at all
+        size = list(xs[0].shape)
+        size[0] = sum(x.size(0) for x in xs)
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
+    if total == 0:  # nothing to normalise; the caller leaves the running statistics as they are, as torch does
+        ones = torch.ones(xs[0].size(1), dtype=dtype, device=dest)
+        return torch.stack([torch.zeros_like(ones), ones, ones])
+    # (N, 2, C): each replica's mean and variance
+    both = comm.gather([s.detach().unsqueeze(0) for s in stats], 0, dest).to(torch.float64)
+    # Chan et al.: exact for any split. The counts stay Python numbers: a tensor made from them on the device would
+    # be a host-to-device copy that waits for the device in every layer of every step.
+    mean = sum(both[i, 0] * (c / total) for i, c in enumerate(counts))
+    m2 = sum((both[i, 1] + (both[i, 0] - mean).square()) * c for i, c in enumerate(counts))
+    # mean, biased variance (normalisation), unbiased variance (running_var), as BatchNorm uses them.
+    return torch.stack([mean, m2 / total, m2 / (total - 1)]).to(dtype)
 
 
 def _grad_sums(g, x, mean, var, eps):
@@ -641,24 +665,27 @@ def _grad_sums(g, x, mean, var, eps):
 
 
 def _sync_backward(ctx, grads):
-    """The replicas' input gradients: the per-channel sums of every replica reduced, averaged and broadcast back."""
+    """The replicas' input gradients (the per-channel sums of every replica reduced, averaged and broadcast back),
+    then their weights' and biases' (each replica's own chunk's sums, as its affine step alone would give)."""
     saved = ctx.saved_tensors
-    n = len(saved) // 2
+    n = len(ctx.local)
     # Each chunk as the forward kept it: read back through its replica's _Local node, or kept itself.
     xs = [k.grad_fn.saved_tensors[0] if local else k for k, local in zip(saved[:n], ctx.local)]
-    packs = saved[n:]
+    packs, weights = saved[n:2 * n], saved[2 * n:]
     eps = ctx.eps
-    sums, hats = [], []
+    sums, contiguous = [], []
     for x, g, p in zip(xs, grads[:n], packs):
         g = g.contiguous()
-        hats.append(g)
+        contiguous.append(g)
         sums.append(torch.stack(_grad_sums(g, x, p[0], p[1], eps)))
     total = comm.reduce_add(sums, xs[0].device) / ctx.total
     means = comm.broadcast(total, ctx.devices)
     dxs = []
-    for x, g, m, p in zip(xs, hats, means, packs):
+    for x, g, m, p, w in zip(xs, contiguous, means, packs, weights):
         shape = _shape(x)
-        x_hat = _normalise(x, p[0], p[1], eps)
-        dx = (g.to(p.dtype) - m[0].view(shape)).addcmul_(x_hat.to(p.dtype), m[1].view(shape), value=-1)
-        dxs.append(dx.mul_((p[1] + eps).rsqrt().view(shape)).to(x.dtype))
-    return tuple(dxs)
+        scale = (p[1] + eps).rsqrt() if w is None else (p[1] + eps).rsqrt() * w.to(p.dtype)
+        dx = (g.to(p.dtype) - m[0].view(shape)).addcmul_(_normalised(x, p[0], p[1], eps), m[1].view(shape), value=-1)
+        dxs.append(dx.mul_(scale.view(shape)).to(x.dtype))
+    dws = [None if w is None else s[1].to(w.dtype) for s, w in zip(sums, weights)]
+    dbs = [None if dtype is None else s[0].to(dtype) for s, dtype in zip(sums, ctx.bias_dtypes)]
+    return tuple(dxs) + tuple(dws) + tuple(dbs)

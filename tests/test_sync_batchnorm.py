@@ -496,7 +496,7 @@ def test_checkpointing_still_frees_the_synced_layers_inputs():
 def test_statistics_kept_for_recomputation_live_as_long_as_their_graph(how):
     # What a recomputation would need is kept per forward while its graph lives, never longer: after a backward,
     # a graph dropped without one, and a forward without autograd, nothing stays.
-    kept = fastdp.sync_batchnorm._RECORDINGS
+    kept = fastdp._syncbn.recompute.RECORDINGS
     torch.manual_seed(0)
     model = Checkpointed("checkpoint") if how == "checkpoint" else Net(2, {})
     dp = fastdp.DataParallel(fastdp.convert_sync_batchnorm(model.double()), device_ids=["cpu"] * 3)

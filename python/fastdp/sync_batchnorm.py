@@ -65,10 +65,23 @@ __all__ = ["convert_sync_batchnorm"]
 # the bare model's recomputation does. An input that matches no kept call of the layer (a block whose recomputation
 # differs from its forward) raises rather than normalising with another call's statistics; a layer with no kept call
 # at all (a forward that ran it alone: one replica) runs as torch's. The non-reentrant checkpoint keeps the forward's
-# graph, so the backward is the forward's _SyncNorm node: the gradients are the synced ones. The reentrant checkpoint
-# (use_reentrant=True) instead runs its forward under no_grad and builds a new graph per replica inside backward: a
-# replica's gradient through the whole batch's statistics needs every replica's gradient at that layer, which the
-# others' backward has not computed yet, so a synced layer recomputed that way raises, naming use_reentrant=False.
+# graph, so the backward is the forward's _SyncNorm node: the gradients are the synced ones.
+#
+# Reentrant checkpoints. The reentrant checkpoint (use_reentrant=True, torch's default before 2.9) cannot carry a
+# synced layer as it runs: its forward runs under no_grad, and in backward it recomputes one replica's block and runs
+# that replica's backward through it to the block's input before it returns, and only then can autograd start the
+# next replica's (emulated replicas' backward, and that of replicas sharing a device, runs on one thread; elsewhere a
+# rendezvous would hang on autograd's order of work). A replica's input gradient at a synced layer,
+# w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), takes its means over the whole batch, so it needs every
+# other replica's dy at that layer, which only their recomputations, still to come, compute: no order of the work
+# gives it. What the bare model's reentrant checkpoint computes is what the non-reentrant one computes (the same
+# recomputed forward: its BatchNorm normalises the same batch with the same statistics and counts and updates its
+# running statistics once more, as a recomputed synced call does). So while a replica's forward runs in a synced
+# session, the reentrant checkpoints that torch.utils.checkpoint starts in that replica's thread run as non-reentrant
+# ones (NOTE [reentrant checkpoints in synced replicas] in fastdp/_syncbn/recompute.py), and train as the bare model
+# under its reentrant checkpoint. A reentrant checkpoint fastdp does not see (torch's class applied directly, another
+# library's) still recomputes a synced call under autograd where its forward ran under no_grad: that raises, naming
+# the layer and torch.utils.checkpoint.checkpoint(..., use_reentrant=False).
 #
 # Failures and empty chunks. A replica that raises, or ends without reaching a layer the others wait in, releases them
 # with an error. A layer counts the batch (num_batches_tracked) once every replica has reached it, as the bare model's
@@ -121,7 +134,7 @@ def begin(master, replicas, devices, kept=None):
     masters, rows = _kept_layers(kept, replicas) if known else _walked_layers(master, replicas)
     if not masters:
         return None
-    return _Session(masters, rows, list(devices), _streams.current(devices))
+    return _Session(master, masters, rows, list(devices), _streams.current(devices))
 
 
 def _kept_layers(kept, replicas):
@@ -197,7 +210,7 @@ class _Slot:
 class _Session:
     """The synced layers of one forward: their replica overrides, the rendezvous and who has left."""
 
-    def __init__(self, masters, rows, devices, streams=()):
+    def __init__(self, root, masters, rows, devices, streams=()):
         self.n = len(rows)
         self.devices = devices
         self.streams = streams  # the caller's current stream of each CUDA device: the exchange is ordered there
@@ -206,7 +219,7 @@ class _Session:
         self.left = [None] * self.n  # per replica: None while running, else "" or the error it raised
         self.calls = [[0] * len(masters) for _ in range(self.n)]
         self.names = [type(m).__name__ for m in masters]
-        self.recording = _recompute.Recording(masters, self.names)
+        self.recording = _recompute.Recording(root, masters, self.names)
         self.rows = rows
         self.patched = []  # replica layers given this session's forward
         self.lent = []  # (master layer, its class): a replicate override may hand out the master's own layers
@@ -343,7 +356,8 @@ class _Tracked:
 
     def __call__(self, *args, **kwargs):
         try:
-            out = self.fn(*args, **kwargs)
+            with _recompute.reentrant_checkpoints_redirected():
+                out = self.fn(*args, **kwargs)
         except BaseException as e:
             self.session.leave(self.index, e)
             raise

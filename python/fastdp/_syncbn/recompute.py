@@ -1,17 +1,21 @@
 """A checkpointed block's recomputation, in backward, of a synced BatchNorm call: what each synced forward keeps for
 it while its graph lives, how a recomputed call finds its own, and what the recomputation computes, saves, counts and
-updates. See NOTE [synced layers] in fastdp/sync_batchnorm.py."""
+updates; and the reentrant checkpoints a synced replica starts, which run without reentry. See NOTE [synced layers]
+in fastdp/sync_batchnorm.py."""
 
+import contextlib
 import math
 import threading
 import weakref
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 
 from .._step import step as _step
 from . import chunk as _chunk
 
-__all__ = ["Call", "Recording", "RECORDINGS", "remember", "anchor", "recomputed_call", "recomputed_forward"]
+__all__ = ["Call", "Recording", "RECORDINGS", "remember", "anchor", "recomputed_call", "recomputed_forward",
+           "reentrant_checkpoints_redirected"]
 
 
 class Call:
@@ -30,13 +34,19 @@ class Recording:
     hold it; RECORDINGS only sees it): per (replica, layer) the list of its calls (Call), and for each replica
     layer where it sits."""
 
-    __slots__ = ("calls", "layers", "masters", "names", "__weakref__")
+    __slots__ = ("calls", "layers", "root", "masters", "names", "__weakref__")
 
-    def __init__(self, masters, names):
+    def __init__(self, root, masters, names):
         self.calls = {}  # (replica, layer index) -> [Call]
         self.layers = {}  # id(replica layer) -> (weakref to it, replica, layer index); filled when the forward ends
+        self.root = root  # the wrapped module, where an error finds a layer's name
         self.masters = masters
         self.names = names
+
+    def layer_name(self, j):
+        """Synced layer j as a user finds it: its class and its name in the wrapped module."""
+        path = next((name for name, m in self.root.named_modules() if m is self.masters[j]), None)
+        return f"{self.names[j]} layer {j}" if path is None else f"{self.names[j]} '{path}'"
 
 
 RECORDINGS = weakref.WeakSet()  # every Recording whose graph still lives
@@ -135,11 +145,12 @@ def recomputed_forward(layer, input, rec, r, j, call):
     buffers are the master's, as the bare model's recomputed BatchNorm does (NOTE [synced layers])."""
     if not call.grad_mode and torch.is_grad_enabled():  # a forward under no_grad, recomputed with autograd
         raise RuntimeError(
-            f"fastdp: {rec.names[j]} layer {j} sits in a block checkpointed in reentrant mode "
-            "(torch.utils.checkpoint or checkpoint_sequential with use_reentrant=True, torch's default when it is "
-            "not given; transformers' gradient_checkpointing_kwargs={'use_reentrant': True}): that mode recomputes "
-            "each replica's block alone inside backward, where a synced layer's gradient, which needs every "
-            "replica's, cannot be computed. Pass use_reentrant=False: its gradients equal the bare model's"
+            f"fastdp: {rec.layer_name(j)} sits in a block checkpointed in reentrant mode by a call fastdp does not "
+            "see (torch.utils.checkpoint.CheckpointFunction bound before the forward and applied directly, or "
+            "another library's reentrant checkpoint): that mode recomputes each replica's block alone inside "
+            "backward, where a synced layer's gradient, which needs every replica's, cannot be computed. Checkpoint "
+            "the block with torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False) (or the "
+            "library's non-reentrant mode): its gradients equal the bare model's"
         )
     if r == 0:  # the recomputation's count and update must come first: checkpoint may stop at the next save
         master = rec.masters[j]
@@ -152,3 +163,59 @@ def recomputed_forward(layer, input, rec, r, j, call):
     if call.grad:
         out.requires_grad_()  # the forward's output took part in autograd: the layers after it save alike
     return out
+
+
+# NOTE [reentrant checkpoints in synced replicas]: torch.utils.checkpoint.checkpoint looks its reentrant class up when
+# it is called (``CheckpointFunction.apply``), so while a synced forward runs that name holds a stand-in. In a thread
+# that runs a replica's forward of a synced session, a reentrant checkpoint of inputs that need a gradient (under
+# grad mode) runs as torch's non-reentrant one, whose gradients are the bare model's under the reentrant checkpoint
+# (see Recomputation in NOTE [synced layers]); every other call, in any thread, reaches torch's class unchanged, as
+# does a block none of whose inputs needs a gradient (torch's reentrant checkpoint then gives its parameters no
+# gradient, in the bare model and the replicas alike). The determinism check stays off, as in the reentrant mode.
+# The name is torch's own again once the last synced forward running has ended.
+
+_replica_thread = threading.local()  # .synced: this thread runs a replica's forward in a synced session
+_redirect_lock = threading.Lock()
+_redirect = {"forwards": 0, "stand_in": None}  # synced forwards running, and the stand-in they installed
+
+
+class _ReentrantStandIn:
+    """``torch.utils.checkpoint.CheckpointFunction`` while synced forwards run (NOTE [reentrant checkpoints in synced
+    replicas]); everything but ``apply`` is torch's class."""
+
+    def __init__(self, reentrant):
+        self.reentrant = reentrant
+
+    def apply(self, function, preserve_rng_state, *args):
+        if not (getattr(_replica_thread, "synced", False) and torch.is_grad_enabled()
+                and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            return self.reentrant.apply(function, preserve_rng_state, *args)
+        return _torch_checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                            preserve_rng_state=preserve_rng_state, determinism_check="none")
+
+    def __getattr__(self, name):
+        return getattr(self.reentrant, name)
+
+
+@contextlib.contextmanager
+def reentrant_checkpoints_redirected():
+    """Around a replica's forward in a synced session, in the replica's thread: the reentrant checkpoints it starts
+    run without reentry (NOTE [reentrant checkpoints in synced replicas])."""
+    with _redirect_lock:
+        if _redirect["forwards"] == 0:
+            _redirect["stand_in"] = _ReentrantStandIn(_torch_checkpoint.CheckpointFunction)
+            _torch_checkpoint.CheckpointFunction = _redirect["stand_in"]
+        _redirect["forwards"] += 1
+    outer = getattr(_replica_thread, "synced", False)  # a wrapper called inside a replica's forward
+    _replica_thread.synced = True
+    try:
+        yield
+    finally:
+        _replica_thread.synced = outer
+        with _redirect_lock:
+            _redirect["forwards"] -= 1
+            stand_in = _redirect["stand_in"]
+            if _redirect["forwards"] == 0:
+                if _torch_checkpoint.CheckpointFunction is stand_in:  # left as it is if replaced meanwhile
+                    _torch_checkpoint.CheckpointFunction = stand_in.reentrant
+                _redirect["stand_in"] = None

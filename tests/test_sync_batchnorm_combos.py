@@ -3,12 +3,16 @@
 combination trains as the bare model's BatchNorm on the full batch under the same setting."""
 
 import copy
+import threading
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fastdp
+
+from test_master_storage import add_grads, by_hand
 
 
 def _close(got, expected, tol, what):
@@ -89,3 +93,107 @@ def test_autocast_synced_layers_return_batch_norms_dtype(dtype):
                 _close(bd, bb, tol, f"step {step} buffer {name}")
             else:
                 assert torch.equal(bd, bb), name
+
+
+# ---- quantization-aware training ------------------------------------------------------------------------------------
+
+ao = torch.ao.quantization
+
+
+def _qat_test(test):
+    """Quiet about what torch says of its own quantization API (deprecated in favour of torchao; reduce_range)."""
+    test = pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated")(test)
+    return pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max")(test)
+
+
+class ConvNet(nn.Module):
+    """Convolution, BatchNorm and ReLU, then convolution and BatchNorm, then a head: what quantization fuses into
+    ConvBnReLU2d and ConvBn2d, whose weights pass through per-channel fake quantization (observers that size their
+    statistics per channel in the first forward) and their BatchNorm's running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = ao.QuantStub(), ao.DeQuantStub()
+        self.conv, self.bn, self.relu = nn.Conv2d(2, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU()
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, bias=False), nn.BatchNorm2d(4)
+        self.head = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        h = self.relu(self.bn(self.conv(self.quant(x))))
+        return self.dequant(self.head(self.bn2(self.conv2(h))))
+
+
+def _qat_model(how):
+    """ConvNet prepared for quantization-aware training with fbgemm's defaults: fused in eager mode ("eager", as
+    torchvision's quantizable models' fuse_model(is_qat=True) does) or traced and fused by FX ("fx": a GraphModule,
+    which has its own _replicate_for_data_parallel)."""
+    torch.manual_seed(0)
+    model = ConvNet().train()
+    if how == "fx":
+        from torch.ao.quantization import quantize_fx
+
+        model.quant, model.dequant = nn.Identity(), nn.Identity()
+        return quantize_fx.prepare_qat_fx(model, ao.get_default_qat_qconfig_mapping("fbgemm"),
+                                          (torch.randn(2, 2, 8, 8),))
+    ao.fuse_modules_qat(model, [["conv", "bn", "relu"], ["conv2", "bn2"]], inplace=True)
+    model.qconfig = ao.get_default_qat_qconfig("fbgemm")
+    return ao.prepare_qat(model)
+
+
+def _qat_schedule(step, models):
+    """A QAT recipe's switches between steps: the BatchNorm statistics frozen, then the observers off."""
+    for m in models:
+        if step == 1:
+            m.apply(torch.ao.nn.intrinsic.qat.freeze_bn_stats)
+        elif step == 2:
+            m.apply(ao.disable_observer)
+
+
+def _same_grads_and_state(model, ref, what, tol=1e-5):
+    """Gradients, then parameters and buffers, by name (a copied GraphModule may list them in another order)."""
+    grads = {key: p.grad for key, p in ref.named_parameters()}
+    for key, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[key], rtol=tol, atol=tol, msg=lambda m: f"{what} grad {key}: {m}")
+    state = ref.state_dict()
+    assert model.state_dict().keys() == state.keys()
+    for key, v in model.state_dict().items():
+        torch.testing.assert_close(v, state[key], rtol=tol, atol=tol, msg=lambda m: f"{what} {key}: {m}")
+
+
+def _loss(model, x):
+    return model(x).pow(2).sum()
+
+
+@pytest.mark.parametrize("how, path, chunk_sizes", [
+    ("eager", "wrapper", None),
+    ("eager", "wrapper", [0, 5, 4]),
+    ("eager", "function", None),
+    ("fx", "wrapper", [2, 4, 3]),
+    ("fx", "wrapper", [0, 5, 4]),
+], ids=["eager", "eager-device0-idle", "eager-data_parallel", "fx", "fx-device0-idle"])
+@pytest.mark.usefixtures("cpu_apply")
+@_qat_test
+def test_fused_qat_model_trains_as_upstreams_rule(how, path, chunk_sizes):
+    # Upstream's rule (test_master_storage.by_hand): every replica computes its chunk from the master's state before
+    # the step, the buffers (observers, BatchNorm statistics) are replica 0's, the first running replica's when
+    # device 0 runs no chunk. Replicas made afresh each step ("data_parallel", FX's GraphModule) must not share
+    # storage between buffers, which observers resize in their first forward.
+    ref = _qat_model(how)
+    model = copy.deepcopy(ref)
+    if path == "wrapper":
+        dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, chunk_sizes=chunk_sizes)
+    else:
+        def dp(x):
+            return fastdp.data_parallel(model, x, device_ids=["cpu"] * 3)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (ref, model)]
+    gen = torch.Generator().manual_seed(2)
+    for step in range(3):
+        _qat_schedule(step, (ref, model))
+        x = torch.randn(9, 2, 8, 8, generator=gen)
+        dp(x).pow(2).sum().backward()
+        by_hand(ref, x, _loss, sizes=[c for c in chunk_sizes if c] if chunk_sizes else None)
+        for opt in opts:
+            opt.step()
+        _same_grads_and_state(model, ref, f"step {step}")
+        for opt in opts:
+            opt.zero_grad()

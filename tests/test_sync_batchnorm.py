@@ -394,6 +394,24 @@ def test_checkpointed_synced_layers_equal_the_bare_model(how, momentum, chunk_si
     _train_and_compare(Checkpointed(how, momentum), 3, torch.float64, 2, chunk_sizes=chunk_sizes, steps=3, batch=9)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_synced_layer_followed_by_an_in_place_activation(reentrant):
+    # timm's SyncBatchNormAct applies its activation in place on the norm's output: a recomputed synced call's output
+    # must take that as the forward's did, with affine parameters and without.
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.head = nn.Conv2d(3, 4, 1), nn.Linear(4, 2)
+            self.block = nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3, padding=1),
+                                       nn.BatchNorm2d(4, affine=False), nn.ReLU(inplace=True))
+
+        def forward(self, x):
+            return self.head(checkpoint(self.block, self.stem(x), use_reentrant=reentrant).mean((2, 3)))
+
+    torch.manual_seed(0)
+    _train_and_compare(InPlace(), 3, torch.float64, 2, chunk_sizes=[2, 4, 3], steps=2, batch=9)
+
+
 def _checkpointed_pair(how="checkpoint", reentrant=False, chunk_sizes=None):
     torch.manual_seed(0)
     bare = Checkpointed(how, reentrant=reentrant).double()

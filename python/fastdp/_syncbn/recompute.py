@@ -10,6 +10,7 @@ import weakref
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
+from torch.autograd import Function
 
 from .._step import step as _step
 from . import chunk as _chunk
@@ -157,12 +158,23 @@ def recomputed_forward(layer, input, rec, r, j, call):
         _chunk.count(layer, master)
         _chunk.update_running(layer, master, call.pack)
     _chunk.statistics(input)  # saves the input as the forward did; its value is the forward's
-    with torch.no_grad():
-        out = input.clone() if call.pack is None else _chunk.output(input, call.pack, layer.weight, layer.bias,
-                                                                   layer.eps)
-    if call.grad:
-        out.requires_grad_()  # the forward's output took part in autograd: the layers after it save alike
-    return out
+    # The forward's output took part in autograd or not; the recomputed one alike, so the layers after it save alike.
+    with torch.set_grad_enabled(call.grad):
+        return _Output.apply(input, layer.weight, layer.bias, call.pack, layer.eps)
+
+
+class _Output(Function):
+    """A recomputed synced call's output, made by a node as the exchange's was: the layers after it may change it in
+    place (timm's SyncBatchNormAct applies its activation in place), which a tensor made to require grad by hand
+    would refuse. Its backward never runs: a checkpoint takes only what the recomputation saves."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, pack, eps):
+        return x.clone() if pack is None else _chunk.output(x, pack, weight, bias, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, None, None
 
 
 # NOTE [reentrant checkpoints in synced replicas]: torch.utils.checkpoint.checkpoint looks its reentrant class up when

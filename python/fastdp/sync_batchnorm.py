@@ -194,8 +194,8 @@ def _synced_class(cls):
 
 
 class _Slot:
-    """One layer call's rendezvous: every replica's (input, its statistics), then the node's outputs (or the
-    error)."""
+    """One layer call's rendezvous: every replica's (input, its statistics, its layer), then the node's outputs (or
+    the error)."""
 
     __slots__ = ("inputs", "arrived", "outputs", "error", "taken")
 

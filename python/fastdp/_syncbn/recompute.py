@@ -181,10 +181,10 @@ class _Output(Function):
 # it is called (``CheckpointFunction.apply``), so while a synced forward runs that name holds a stand-in. In a thread
 # that runs a replica's forward of a synced session, a reentrant checkpoint of inputs that need a gradient (under
 # grad mode) runs as torch's non-reentrant one, whose gradients are the bare model's under the reentrant checkpoint
-# (see Recomputation in NOTE [synced layers]); every other call, in any thread, reaches torch's class unchanged, as
-# does a block none of whose inputs needs a gradient (torch's reentrant checkpoint then gives its parameters no
-# gradient, in the bare model and the replicas alike). The determinism check stays off, as in the reentrant mode.
-# The name is torch's own again once the last synced forward running has ended.
+# (see Reentrant checkpoints in NOTE [synced layers]); every other call, in any thread, reaches torch's class
+# unchanged, as does a block none of whose inputs needs a gradient (torch's reentrant checkpoint then gives its
+# parameters no gradient, in the bare model and the replicas alike). The determinism check stays off, as in the
+# reentrant mode. The name is torch's own again once the last synced forward running has ended.
 
 _replica_thread = threading.local()  # .synced: this thread runs a replica's forward in a synced session
 _redirect_lock = threading.Lock()

@@ -22,6 +22,7 @@ from fastdp._platform import devices as _devices
 from fastdp._reduction import reducer as _reducer, host as _host, sums as _sums, cuda as _rcuda
 from fastdp._step import replicas as _replicas
 from fastdp import sync_batchnorm as sbn
+from fastdp._syncbn import chunk as _syncbn_chunk
 
 dp_module = importlib.import_module("fastdp.data_parallel")
 
@@ -70,7 +71,7 @@ def test_syncbn_exchange_runs_on_the_callers_streams(cuda, monkeypatch):
 
     def replica(r):  # a worker: its own device's caller stream only, as parallel_apply enters it
         with cuda.device(r), cuda.stream(caller[r]):
-            stats = sbn._chunk_stats(xs[r])  # the chunk's statistics, in the replica's own thread
+            stats = _syncbn_chunk.statistics(xs[r])  # the chunk's statistics, in the replica's own thread
             outs[r] = session.meet(0, r, xs[r], stats, replicas[r][0])[0]
 
     threads = [threading.Thread(target=replica, args=(r,)) for r in (0, 1)]

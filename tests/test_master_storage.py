@@ -52,21 +52,29 @@ def storage_facts(t):
     return (t.data_ptr(), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.stride(), t.is_shared())
 
 
-def by_hand(model, x, loss=loss_of, nrep=R):
+def by_hand(model, x, loss=loss_of, nrep=R, sizes=None):
     """DataParallel's rule on the host, by hand: replica 0 is the master itself on chunk 0 (its buffers are the
     master's), each other replica a copy of the master made before the step, on its chunk; the copies' gradients
-    are added to the master's."""
-    chunks = x.chunk(nrep)
+    are added to the master's. ``sizes``: the chunks' sizes (the running devices' only), else ``nrep`` chunks."""
+    chunks = x.split(sizes) if sizes else x.chunk(nrep)
     copies = [copy.deepcopy(model) for _ in chunks[1:]]
     total = loss(model, chunks[0])
     for c, chunk in zip(copies, chunks[1:]):
         total = total + loss(c, chunk)
     total.backward()
+    add_grads(model, copies)
+    return total
+
+
+def add_grads(model, copies):
+    """The copies' gradients added to the master's, as the wrapper's reduction adds the replicas' (by name: a copied
+    GraphModule may list its parameters in another order)."""
     for c in copies:
-        for p, q in zip(model.parameters(), c.parameters()):
+        theirs = dict(c.named_parameters())
+        for name, p in model.named_parameters():
+            q = theirs[name]
             if q.grad is not None:
                 p.grad = q.grad.clone() if p.grad is None else p.grad + q.grad
-    return total
 
 
 # ---- the storage the user gave stays -------------------------------------------------------------------------------

@@ -394,6 +394,24 @@ def test_checkpointed_synced_layers_equal_the_bare_model(how, momentum, chunk_si
     _train_and_compare(Checkpointed(how, momentum), 3, torch.float64, 2, chunk_sizes=chunk_sizes, steps=3, batch=9)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_synced_layer_followed_by_an_in_place_activation(reentrant):
+    # timm's SyncBatchNormAct applies its activation in place on the norm's output: a recomputed synced call's output
+    # must take that as the forward's did, with affine parameters and without.
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.head = nn.Conv2d(3, 4, 1), nn.Linear(4, 2)
+            self.block = nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3, padding=1),
+                                       nn.BatchNorm2d(4, affine=False), nn.ReLU(inplace=True))
+
+        def forward(self, x):
+            return self.head(checkpoint(self.block, self.stem(x), use_reentrant=reentrant).mean((2, 3)))
+
+    torch.manual_seed(0)
+    _train_and_compare(InPlace(), 3, torch.float64, 2, chunk_sizes=[2, 4, 3], steps=2, batch=9)
+
+
 def _checkpointed_pair(how="checkpoint", reentrant=False, chunk_sizes=None):
     torch.manual_seed(0)
     bare = Checkpointed(how, reentrant=reentrant).double()
@@ -407,19 +425,77 @@ def _grads_and_buffers_equal(synced, bare, what):
     _buffers_equal(synced, bare, what)
 
 
-@pytest.mark.parametrize("how", ["checkpoint", "sequential"])
-def test_reentrant_checkpoint_raises_naming_the_fix(how):
-    # use_reentrant=True recomputes each replica's block alone inside backward, where a synced layer's gradient
-    # cannot be computed: an error naming the fix, never a silently wrong gradient.
-    bare, synced, dp = _checkpointed_pair(how, reentrant=True)
-    x = torch.randn(9, 3, 6, 6, dtype=torch.float64, requires_grad=True)
-    bare(x).square().mean().backward()
-    loss = dp(x).square().mean()
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")  # "input", in both models
+@pytest.mark.parametrize("chunk_sizes", [None, [0, 5, 4]], ids=["chunk", "device0-idle"])
+@pytest.mark.parametrize("how", ["checkpoint", "sequential", "shared", "input"])
+def test_reentrant_checkpointed_synced_layers_equal_the_bare_model(how, chunk_sizes):
+    # use_reentrant=True (torch's default before 2.9): the bare model's BatchNorm recomputes with the same batch, so
+    # the same statistics, and counts and updates its running statistics once more; the synced layers train alike.
+    # "input": the block's input needs no gradient, so neither the bare model's nor the replicas' block parameters
+    # get one.
+    torch.manual_seed(0)
+    _train_and_compare(Checkpointed(how, reentrant=True), 3, torch.float64, 2, chunk_sizes=chunk_sizes, steps=3,
+                       batch=9)
+
+
+_REENTRANT = torch.utils.checkpoint.CheckpointFunction  # torch's class, bound at import as older code binds it
+
+
+class DirectReentrant(nn.Module):
+    """Calls torch's reentrant checkpoint class itself, as code written before torch.utils.checkpoint.checkpoint
+    took use_reentrant does: a reentrant checkpoint fastdp cannot run in another form."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh())
+
+    def forward(self, x):
+        return self.head(_REENTRANT.apply(self.block, True, self.stem(x)))
+
+
+def test_reentrant_checkpoint_it_cannot_redirect_raises_naming_the_fix():
+    # A synced layer's gradient cannot be computed inside a reentrant recomputation (NOTE [synced layers]): an error
+    # that names the layer and the call to make instead, never a silently wrong gradient.
+    torch.manual_seed(0)
+    dp = fastdp.DataParallel(fastdp.convert_sync_batchnorm(DirectReentrant().double()), device_ids=["cpu"] * 2)
+    loss = dp(torch.randn(8, 4, dtype=torch.float64)).square().mean()
     with pytest.raises(RuntimeError) as info:
         loss.backward()
-    assert str(info.value).startswith("fastdp: SyncBatchNorm layer ") and "sits in a block checkpointed in " \
-        "reentrant mode" in str(info.value) and str(info.value).endswith(
-            "Pass use_reentrant=False: its gradients equal the bare model's"), str(info.value)
+    text = str(info.value)
+    assert text.startswith("fastdp: SyncBatchNorm 'block.1' sits in a block checkpointed in reentrant mode by a "
+                           "call fastdp does not see"), text
+    assert "torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)" in text, text
+
+
+def test_only_synced_replicas_threads_checkpoint_without_reentry():
+    # The replicas' own reentrant checkpoints run without reentry while they run; a thread the forward starts, and
+    # everything after the forward, gets torch's reentrant checkpoint.
+    seen = []
+
+    def reentrant_node(block, h):
+        return type(checkpoint(block, h, use_reentrant=True).grad_fn).__name__
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.lin = nn.BatchNorm1d(4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            seen.append(("replica", reentrant_node(self.bn, h)))
+            other = threading.Thread(target=lambda: seen.append(("other thread", reentrant_node(nn.Tanh(), h))))
+            other.start()
+            other.join()
+            return self.bn(h)
+
+    dp = fastdp.DataParallel(fastdp.convert_sync_batchnorm(Probe()), device_ids=["cpu"] * 2)
+    dp(torch.randn(8, 4)).sum().backward()
+    replicas = [name for who, name in seen if who == "replica"]
+    assert len(replicas) == 2 and "CheckpointFunctionBackward" not in replicas, seen
+    assert [name for who, name in seen if who == "other thread"] == ["CheckpointFunctionBackward"] * 2, seen
+    assert torch.utils.checkpoint.CheckpointFunction is _REENTRANT
+    assert reentrant_node(nn.Tanh(), torch.randn(2, 4, requires_grad=True)) == "CheckpointFunctionBackward"
 
 
 def test_pending_checkpointed_graphs_and_a_graph_backwarded_twice():
@@ -496,7 +572,7 @@ def test_checkpointing_still_frees_the_synced_layers_inputs():
 def test_statistics_kept_for_recomputation_live_as_long_as_their_graph(how):
     # What a recomputation would need is kept per forward while its graph lives, never longer: after a backward,
     # a graph dropped without one, and a forward without autograd, nothing stays.
-    kept = fastdp.sync_batchnorm._RECORDINGS
+    kept = fastdp._syncbn.recompute.RECORDINGS
     torch.manual_seed(0)
     model = Checkpointed("checkpoint") if how == "checkpoint" else Net(2, {})
     dp = fastdp.DataParallel(fastdp.convert_sync_batchnorm(model.double()), device_ids=["cpu"] * 3)

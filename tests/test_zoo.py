@@ -7,7 +7,7 @@ BatchNorm in the bare model. Classifiers train through ``criterion=`` (torch's C
 replica); language models through a shifted causal-LM loss (a function, computed on the gathered output). The
 "-checkpointed" rows turn on the library's own activation checkpointing in both models (transformers'
 ``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``): their synced layers are recomputed in
-backward.
+backward (the "-reentrant" row in torch.utils.checkpoint's reentrant mode).
 
 The libraries are in the ``zoo`` extra (scripts/setup.sh installs them pinned); without one, its rows skip.
 """
@@ -83,12 +83,18 @@ def _hf(config_name, model_name, **config):
     return getattr(t, model_name)(cfg)
 
 
-def _hf_checkpointing(model):
-    """transformers' activation checkpointing with its defaults (``gradient_checkpointing_enable()``, named
-    ``activation_checkpointing_enable()`` from transformers 5)."""
+def _hf_checkpointing(model, **kwargs):
+    """transformers' activation checkpointing (``gradient_checkpointing_enable()``, named
+    ``activation_checkpointing_enable()`` from transformers 5), with its defaults or with torch.utils.checkpoint's
+    keyword arguments ``kwargs`` (``use_reentrant=True``: the reentrant mode, transformers' default before 5)."""
     inner = model.model
-    enable = getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable
-    enable()
+    if not kwargs:
+        enable = getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable
+        enable()
+    elif hasattr(inner, "activation_checkpointing_enable"):
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     assert any(getattr(m, "gradient_checkpointing", False) is True for m in inner.modules())
 
 
@@ -138,6 +144,12 @@ def _image_data(size=32, classes=4, channels=3):
         0, classes, (BATCH,), generator=g)
 
 
+def _mobilevit():
+    return Logits(_hf("MobileViTConfig", "MobileViTForImageClassification", image_size=32, hidden_sizes=[16, 16, 16],
+                      neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32], num_attention_heads=2, hidden_dropout_prob=0.0,
+                      classifier_dropout_prob=0.0, num_labels=4))
+
+
 HF = {
     "bert-encoder": Case(lambda: Logits(_hf("BertConfig", "BertForSequenceClassification", vocab_size=V,
                                             num_labels=3, **TINY, **NO_DROP)), _cls_ids_data,
@@ -171,13 +183,11 @@ HF = {
     "clip-vision": Case(lambda: _hf("CLIPVisionConfig", "CLIPVisionModelWithProjection", image_size=32,
                                     patch_size=8, projection_dim=8, **TINY), _image_data,
                         loss=lambda out, _: out["image_embeds"].square().sum()),
-    "mobilevit-vision-checkpointed": Case(
-        _checkpointed(lambda: Logits(_hf("MobileViTConfig", "MobileViTForImageClassification", image_size=32,
-                                         hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32],
-                                         num_attention_heads=2, hidden_dropout_prob=0.0,
-                                         classifier_dropout_prob=0.0, num_labels=4)),
-                      _hf_checkpointing),
-        _image_data, criterion=nn.CrossEntropyLoss(), sync_bn=lambda m: fastdp.convert_sync_batchnorm(m)),
+    "mobilevit-vision-checkpointed": Case(_checkpointed(_mobilevit, _hf_checkpointing), _image_data,
+                                          criterion=nn.CrossEntropyLoss(), sync_bn=fastdp.convert_sync_batchnorm),
+    "mobilevit-vision-checkpointed-reentrant": Case(
+        _checkpointed(_mobilevit, functools.partial(_hf_checkpointing, use_reentrant=True)), _image_data,
+        criterion=nn.CrossEntropyLoss(), sync_bn=fastdp.convert_sync_batchnorm),
     "convnext-vision": Case(lambda: Logits(_hf("ConvNextConfig", "ConvNextForImageClassification",
                                                num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=4,
                                                image_size=32)),

@@ -1,7 +1,8 @@
 """``replicate(network, devices, detach=False)``: per-device copies of a module tree, as torch.nn.parallel builds them.
 
 Each replica is a shallow copy (``Module._replicate_for_data_parallel``) whose parameters and buffers are
-broadcast copies: replica 0 shares storage with the master, the others have their own. With ``detach=False``
+broadcast copies: replica 0 shares storage with the master, the others have their own (a buffer each on storage of
+its own). With ``detach=False``
 parameters (and buffers that require grad) come from one ``Broadcast`` node, so gradients are summed back onto
 the master. Deliberate difference: a replica's ``parameters()`` yields its parameter copies (upstream: nothing).
 """
@@ -108,6 +109,15 @@ def _broadcast(tensors, devices, detach):
     return [list(flat[k * n : (k + 1) * n]) for k in range(len(devices))]
 
 
+def _own_storage(rows):
+    """``rows`` (per device, the broadcast copies of the buffers; entry 0 the master's own) with every other device's
+    copy on storage of its own, where the broadcast gives views of one flat buffer (as upstream's does): a forward
+    that resizes a buffer in place (a quantization observer sizing its statistics per channel in its first forward,
+    a lazily sized module) then grows that replica's buffer alone, as a kept replica's, instead of writing across the
+    buffers next to it."""
+    return [rows[0]] + [[t if t is None or t.is_sparse else t.clone() for t in row] for row in rows[1:]]
+
+
 def _set_parameter(replica, key, value):
     """Registers a parameter copy so that replica.parameters() and RNN flat-weight lists see it."""
     if _is_script_module(replica):
@@ -164,7 +174,7 @@ def replicate(network, devices, detach=False):
     index = {id(t): i for i, t in enumerate(grad_tensors)}
     other_index = {id(t): i for i, t in enumerate(other_buffers)}
     copies = _broadcast(grad_tensors, devices, detach)
-    other_copies = _broadcast(other_buffers, devices, True)
+    other_copies = _own_storage(_broadcast(other_buffers, devices, True))
 
     modules = list(network.modules())
     module_copies = skeletons(modules, num_replicas)

@@ -5,9 +5,7 @@ so training equals the bare model's ``BatchNorm`` on the full batch whatever the
 """
 
 import functools
-import math
 import threading
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +13,8 @@ from torch.autograd import Function
 from torch._utils import ExceptionWrapper
 from torch.autograd.function import once_differentiable
 
-from ._step import step as _step
 from ._platform import streams as _streams
+from ._syncbn import chunk as _chunk, recompute as _recompute
 from . import comm
 
 __all__ = ["convert_sync_batchnorm"]
@@ -26,41 +24,64 @@ __all__ = ["convert_sync_batchnorm"]
 # around it) meets, during that forward, the other replicas' calls of the same layer at a rendezvous (one per layer
 # and call number); a replica layer keeps that class after the forward, which then behaves as described below for
 # recomputations and as torch's SyncBatchNorm otherwise. Each replica computes its chunk's per-channel mean and
-# variance in its own thread (_Local); the last replica to arrive runs one autograd node (_SyncNorm) over every
-# replica's input: the chunks' statistics are gathered onto device_ids[0] through fastdp.comm, combined there (Chan's
-# formula, float64, each replica weighted by its count, so uneven chunk sizes give the full-batch result) and
-# broadcast back; the node's backward sees every replica's gradient at once, sums (sum dy, sum dy * x_hat) onto
-# device_ids[0] and broadcasts them back. Per layer: one small exchange (3 x C values) in forward and one (2 x C) in
-# backward. On CUDA the exchange, forward and backward, runs on the caller's current stream of every device
-# (captured by begin() in the caller's thread): the replicas' inputs and gradients were made there, and the thread
-# that runs it (the last arriver, or autograd's) would otherwise use its own streams. The last arriver then waits
-# until the others hold their outputs: otherwise it would keep the GIL and each woken replica would wait up to
-# sys.getswitchinterval() (5 ms) per layer. Replicas must run at the same time: emulated "cpu" replicas then run on
-# worker threads (parallel_apply asks needs_threads).
+# variance in its own thread (fastdp._syncbn.chunk); the last replica to arrive runs one autograd node (_SyncNorm)
+# over every replica's input: the chunks' statistics are gathered onto device_ids[0] through fastdp.comm, combined
+# there (Chan's formula, float64, each replica weighted by its count, so uneven chunk sizes give the full-batch
+# result) and broadcast back; each replica's output is torch's batch-norm kernel on its chunk with those statistics
+# and its own weight and bias. The node's backward sees every replica's gradient at once, sums (sum dy,
+# sum dy * x_hat) onto device_ids[0] and broadcasts them back, and gives each replica's weight and bias its chunk's
+# share. Per layer: one small exchange (3 x C values) in forward and one (2 x C) in backward. On CUDA the exchange,
+# forward and backward, runs on the caller's current stream of every device (captured by begin() in the caller's
+# thread): the replicas' inputs and gradients were made there, and the thread that runs it (the last arriver, or
+# autograd's) would otherwise use its own streams. The last arriver then waits until the others hold their outputs:
+# otherwise it would keep the GIL and each woken replica would wait up to sys.getswitchinterval() (5 ms) per layer.
+# Replicas must run at the same time: emulated "cpu" replicas then run on worker threads (parallel_apply asks
+# needs_threads).
+#
+# Dtypes. batch_norm has no autocast rule on CPU or CUDA (it is in neither the lower-precision nor the float32 list):
+# it runs in its input's dtype, float16 or bfloat16 included, with float32 statistics and parameters, and returns
+# that dtype. A synced layer does the same: its statistics are float32 for a low-precision input (float64 stays
+# float64), and its output comes from torch's own batch-norm kernel under the caller's autocast state, so it has the
+# dtype torch's BatchNorm would return on that device, and the layers after it run in the same precision as the bare
+# model's.
 #
 # Saved tensors. Saved-tensor hooks are per thread, and activation checkpointing (torch.utils.checkpoint with
 # use_reentrant=False) is such hooks: what a replica's block saves must be saved in that replica's thread, so that its
 # own checkpoint drops it and recomputes it. So where a replica's thread saves through hooks, its chunk is saved by a
-# _Local node of its own, made in that thread; _SyncNorm, which runs in whichever thread arrived last, saves only
-# those nodes' outputs (or, where no thread has hooks, the chunks themselves) and the statistics, under hooks of its
-# own that keep them as they are, and its backward reads each chunk back through the replica's _Local.
+# node of its own, made in that thread (fastdp._syncbn.chunk.statistics); _SyncNorm, which runs in whichever thread
+# arrived last, saves only those nodes' outputs (or, where no thread has hooks, the chunks themselves), the
+# statistics and the weights, under hooks of its own that keep them as they are, and its backward reads each chunk
+# back through the replica's node.
 #
-# Recomputation. A checkpointed block runs its forward again inside backward, one replica at a time, long after the
-# rendezvous: the replicas cannot meet there. The bare model's recomputed BatchNorm sees the same full batch as its
-# forward did, so it normalises with the same statistics, and it counts the batch and updates its running statistics a
-# second time (torch's BatchNorm does that in every forward it runs, a recomputation included). So every synced call
-# keeps, for as long as its graph lives (anchored on the _SyncNorm node and on the replica's outputs), its chunk's own
-# statistics and the whole batch's (_Recording). A replica layer called in backward outside a forward finds its call
-# among them by the chunk's statistics (the recomputation sees the input the forward saw), normalises with the whole
-# batch's statistics, saves what the forward saved, and, for the replica whose buffers are the master's, counts and
-# updates the master's running statistics once more, as the bare model's recomputation does. An input that matches no
-# kept call of the layer (a block whose recomputation differs from its forward) raises rather than normalising with
-# another call's statistics; a layer with no kept call at all (a forward that ran it alone: one replica) runs as
-# torch's. The non-reentrant checkpoint keeps the forward's graph, so the backward is the forward's _SyncNorm node:
-# the gradients are the synced ones. The reentrant checkpoint (use_reentrant=True) instead runs its forward under
-# no_grad and builds a new graph per replica inside backward: a replica's gradient through the whole batch's
-# statistics needs every replica's gradient at that layer, which the others' backward has not computed yet, so a
-# synced layer recomputed that way raises, naming use_reentrant=False.
+# Recomputation (fastdp._syncbn.recompute). A checkpointed block runs its forward again inside backward, one replica
+# at a time, long after the rendezvous: the replicas cannot meet there. The bare model's recomputed BatchNorm sees the
+# same full batch as its forward did, so it normalises with the same statistics, and it counts the batch and updates
+# its running statistics a second time (torch's BatchNorm does that in every forward it runs, a recomputation
+# included). So every synced call keeps, for as long as its graph lives (anchored on the _SyncNorm node and on the
+# replica's outputs), its chunk's own statistics and the whole batch's (a Recording). A replica layer called in
+# backward outside a forward finds its call among them by the chunk's statistics (the recomputation sees the input
+# the forward saw), gives the forward's output with the whole batch's statistics, saves what the forward saved, and,
+# for the replica whose buffers are the master's, counts and updates the master's running statistics once more, as
+# the bare model's recomputation does. An input that matches no kept call of the layer (a block whose recomputation
+# differs from its forward) raises rather than normalising with another call's statistics; a layer with no kept call
+# at all (a forward that ran it alone: one replica) runs as torch's. The non-reentrant checkpoint keeps the forward's
+# graph, so the backward is the forward's _SyncNorm node: the gradients are the synced ones.
+#
+# Reentrant checkpoints. The reentrant checkpoint (use_reentrant=True, torch's default before 2.9) cannot carry a
+# synced layer as it runs: its forward runs under no_grad, and in backward it recomputes one replica's block and runs
+# that replica's backward through it to the block's input before it returns, and only then can autograd start the
+# next replica's (emulated replicas' backward, and that of replicas sharing a device, runs on one thread; elsewhere a
+# rendezvous would hang on autograd's order of work). A replica's input gradient at a synced layer,
+# w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), takes its means over the whole batch, so it needs every
+# other replica's dy at that layer, which only their recomputations, still to come, compute: no order of the work
+# gives it. What the bare model's reentrant checkpoint computes is what the non-reentrant one computes (the same
+# recomputed forward: its BatchNorm normalises the same batch with the same statistics and counts and updates its
+# running statistics once more, as a recomputed synced call does). So while a replica's forward runs in a synced
+# session, the reentrant checkpoints that torch.utils.checkpoint starts in that replica's thread run as non-reentrant
+# ones (NOTE [reentrant checkpoints in synced replicas] in fastdp/_syncbn/recompute.py), and train as the bare model
+# under its reentrant checkpoint. A reentrant checkpoint fastdp does not see (torch's class applied directly, another
+# library's) still recomputes a synced call under autograd where its forward ran under no_grad: that raises, naming
+# the layer and torch.utils.checkpoint.checkpoint(..., use_reentrant=False).
 #
 # Failures and empty chunks. A replica that raises, or ends without reaching a layer the others wait in, releases them
 # with an error. A layer counts the batch (num_batches_tracked) once every replica has reached it, as the bare model's
@@ -113,7 +134,7 @@ def begin(master, replicas, devices, kept=None):
     masters, rows = _kept_layers(kept, replicas) if known else _walked_layers(master, replicas)
     if not masters:
         return None
-    return _Session(masters, rows, list(devices), _streams.current(devices))
+    return _Session(master, masters, rows, list(devices), _streams.current(devices))
 
 
 def _kept_layers(kept, replicas):
@@ -140,7 +161,6 @@ def _walked_layers(master, replicas):
 
 
 _SYNCED = "_fastdp_synced_forward"  # a replica layer's entry: its SyncBatchNorm.forward in this synced forward
-_ANCHOR = "fastdp_synced_layers"  # the key of a replica output's autograd node metadata that keeps a _Recording
 
 
 class _SyncedLayer(torch.nn.SyncBatchNorm):
@@ -156,10 +176,10 @@ class _SyncedLayer(torch.nn.SyncBatchNorm):
         synced = self.__dict__.get(_SYNCED)
         if synced is not None:
             return synced(input)
-        call = _recomputed_call(self, input)
+        call = _recompute.recomputed_call(self, input)
         if call is None:
             return super().forward(input)
-        return _recomputed_forward(self, input, *call)
+        return _recompute.recomputed_forward(self, input, *call)
 
 
 _SYNCED_CLASSES = {torch.nn.SyncBatchNorm: _SyncedLayer}
@@ -174,8 +194,8 @@ def _synced_class(cls):
 
 
 class _Slot:
-    """One layer call's rendezvous: every replica's (input, its statistics), then the node's outputs (or the
-    error)."""
+    """One layer call's rendezvous: every replica's (input, its statistics, its layer), then the node's outputs (or
+    the error)."""
 
     __slots__ = ("inputs", "arrived", "outputs", "error", "taken")
 
@@ -187,39 +207,10 @@ class _Slot:
         self.error = None
 
 
-class _Call:
-    """One replica's share of one synced call, as a recomputation needs it: its chunk's statistics (mean and biased
-    variance; how the call is found again), the whole batch's (mean, biased and unbiased variance, on the replica's
-    device), the input's shape, whether grad mode was on and whether the normalised input took part in autograd."""
-
-    __slots__ = ("local", "pack", "shape", "grad_mode", "grad")
-
-    def __init__(self, local, pack, shape, grad_mode, grad):
-        self.local, self.pack, self.shape, self.grad_mode, self.grad = local, pack, shape, grad_mode, grad
-
-
-class _Recording:
-    """The synced calls of one forward, kept while its graph lives (the _SyncNorm nodes and the replicas' outputs
-    hold it; _RECORDINGS only sees it): per (replica, layer) the list of its calls (_Call), and for each replica
-    layer where it sits. See NOTE [synced layers]."""
-
-    __slots__ = ("calls", "layers", "masters", "names", "__weakref__")
-
-    def __init__(self, masters, names):
-        self.calls = {}  # (replica, layer index) -> [_Call]
-        self.layers = {}  # id(replica layer) -> (weakref to it, replica, layer index); filled when the forward ends
-        self.masters = masters
-        self.names = names
-
-
-_RECORDINGS = weakref.WeakSet()  # every _Recording whose graph still lives
-_RECORDINGS_LOCK = threading.Lock()
-
-
 class _Session:
     """The synced layers of one forward: their replica overrides, the rendezvous and who has left."""
 
-    def __init__(self, masters, rows, devices, streams=()):
+    def __init__(self, root, masters, rows, devices, streams=()):
         self.n = len(rows)
         self.devices = devices
         self.streams = streams  # the caller's current stream of each CUDA device: the exchange is ordered there
@@ -228,7 +219,7 @@ class _Session:
         self.left = [None] * self.n  # per replica: None while running, else "" or the error it raised
         self.calls = [[0] * len(masters) for _ in range(self.n)]
         self.names = [type(m).__name__ for m in masters]
-        self.recording = _Recording(masters, self.names)
+        self.recording = _recompute.Recording(root, masters, self.names)
         self.rows = rows
         self.patched = []  # replica layers given this session's forward
         self.lent = []  # (master layer, its class): a replicate override may hand out the master's own layers
@@ -256,13 +247,8 @@ class _Session:
             layer.__class__ = cls
         self.patched = []
         self.lent = []
-        recording = self.recording
-        if recording.calls:
-            for r, row in enumerate(self.rows):
-                for j, layer in enumerate(row):
-                    recording.layers.setdefault(id(layer), (weakref.ref(layer), r, j))
-            with _RECORDINGS_LOCK:
-                _RECORDINGS.add(recording)
+        if self.recording.calls:
+            _recompute.remember(self.recording, self.rows)
 
     def leave(self, r, error):
         with self.cond:
@@ -272,26 +258,25 @@ class _Session:
     def anchor(self, output):
         """Keeps this forward's recording alive as long as the autograd graph of a replica's output."""
         if self.recording.calls:
-            for node in _graph_nodes(output, []):
-                node.metadata[_ANCHOR] = self.recording
+            _recompute.anchor(self.recording, output)
 
     def meet(self, j, r, x, stats, layer):
-        """Replica r's normalised input at layer j (this call): (x_hat, (mean, biased var, unbiased var) on its
-        device), once every replica has brought its input and its chunk's statistics."""
+        """Replica r's output at layer j (this call) and the whole batch's (mean, biased var, unbiased var) on its
+        device, once every replica has brought its input, its chunk's statistics and its layer."""
         key = (j, self.calls[r][j])
         self.calls[r][j] += 1
         with self.cond:
             slot = self.slots.get(key)
             if slot is None:
                 slot = self.slots[key] = _Slot(self.n)
-            slot.inputs[r] = (x, stats)
+            slot.inputs[r] = (x, stats, layer)
             slot.arrived += 1
             last = slot.arrived == self.n
             if not last:
                 self._await(slot, j, key[1])
         # Every replica reached this call: the bare model's layer ran, and counted the batch, even where the
         # exchange then fails (torch counts it before normalising).
-        _count(layer, layer)
+        _chunk.count(layer, layer)
         if last:
             self._exchange(slot, r, j, layer.eps)
         elif slot.error is not None:
@@ -321,15 +306,18 @@ class _Session:
     def _exchange(self, slot, r, j, eps):
         """The last arriver (replica r): runs the node over every replica's input, hands out the outputs and waits
         until the others hold theirs."""
-        xs = [x for x, _ in slot.inputs]
-        stats = [s for _, s in slot.inputs]
+        xs = [x for x, _, _ in slot.inputs]
+        stats = [s for _, s, _ in slot.inputs]
+        weights = [layer.weight for _, _, layer in slot.inputs]
+        biases = [layer.bias for _, _, layer in slot.inputs]
         try:
             # Entered around apply: autograd notes each output's stream as this call returns, and its backward
             # hands the gradients over on those streams. The node's own saves bypass this thread's saved-tensor
             # hooks: they belong to one replica's checkpoint, not to every replica's (NOTE [synced layers]).
             with _streams.entered(self.streams):
                 with torch.autograd.graph.saved_tensors_hooks(_same, _same):
-                    outs = _SyncNorm.apply(self.devices, self.streams, eps, self.recording, stats, *xs)
+                    outs = _SyncNorm.apply(self.devices, self.streams, eps, self.recording, stats, *xs, *weights,
+                                           *biases)
         except BaseException as e:
             with self.cond:
                 slot.error = f"{type(e).__name__}: {e}"
@@ -341,7 +329,7 @@ class _Session:
         calls = self.recording.calls
         grad_mode, grad = torch.is_grad_enabled(), outs[0].requires_grad
         for q in range(n):
-            call = _Call(stats[q].detach(), packs[q], tuple(xs[q].shape), grad_mode, grad)
+            call = _recompute.Call(stats[q].detach(), packs[q], tuple(xs[q].shape), grad_mode, grad)
             calls.setdefault((q, j), []).append(call)
         with self.cond:
             slot.outputs = outs[:n] + tuple(packs)
@@ -358,20 +346,6 @@ def _same(t):
     return t
 
 
-def _graph_nodes(obj, found):
-    """The autograd nodes of the tensors in ``obj`` (nested tuples, lists and dicts), appended to ``found``."""
-    if isinstance(obj, torch.Tensor):
-        if obj.grad_fn is not None:
-            found.append(obj.grad_fn)
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            _graph_nodes(x, found)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _graph_nodes(x, found)
-    return found
-
-
 class _Tracked:
     """One replica's callable for parallel_apply; tells the session when the replica's forward ends."""
 
@@ -382,46 +356,14 @@ class _Tracked:
 
     def __call__(self, *args, **kwargs):
         try:
-            out = self.fn(*args, **kwargs)
+            with _recompute.reentrant_checkpoints_redirected():
+                out = self.fn(*args, **kwargs)
         except BaseException as e:
             self.session.leave(self.index, e)
             raise
         self.session.leave(self.index, None)
         self.session.anchor(out)
         return out
-
-
-def _shape(x):
-    return (1, -1) + (1,) * (x.dim() - 2)
-
-
-def _stat_dtype(x):
-    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def _count(layer, owner):
-    """Counts a batch in ``owner``'s num_batches_tracked, as torch's BatchNorm does on entering a training forward
-    (``layer`` has the settings: the replica layer itself, or its master's buffers for a recomputation)."""
-    if layer.training and layer.track_running_stats and owner.num_batches_tracked is not None:
-        owner.num_batches_tracked.add_(1)
-
-
-def _update_running(layer, owner, pack):
-    """``owner``'s running statistics moved towards the whole batch's mean and unbiased variance in ``pack`` (None:
-    the batch had no value, and they stay)."""
-    if pack is None or not (layer.training and layer.track_running_stats) or owner.running_mean is None:
-        return
-    factor = 1.0 / owner.num_batches_tracked.item() if layer.momentum is None else layer.momentum
-    with torch.no_grad():
-        mean, unbiased = pack[0], pack[2]
-        owner.running_mean.mul_(1 - factor).add_(mean.to(owner.running_mean.dtype), alpha=factor)
-        owner.running_var.mul_(1 - factor).add_(unbiased.to(owner.running_var.dtype), alpha=factor)
-
-
-def _affine(layer, x_hat):
-    if layer.weight is None:
-        return x_hat
-    return x_hat * layer.weight.view(_shape(x_hat)) + layer.bias.view(_shape(x_hat))
 
 
 def _synced_forward(session, j, r, layer, input):
@@ -433,186 +375,32 @@ def _synced_forward(session, j, r, layer, input):
         factor = 0.0 if layer.momentum is None else layer.momentum
         return F.batch_norm(input, layer.running_mean, layer.running_var, layer.weight, layer.bias, False, factor,
                             layer.eps)
-    stats = _chunk_stats(input)
-    x_hat, pack = session.meet(j, r, input, stats, layer)
-    _update_running(layer, layer, pack)
-    return _affine(layer, x_hat)
-
-
-# How far a recomputed chunk's statistics may lie from its forward's (in standard deviations of each channel) and
-# still be that call: a recomputation on the same input gives the same values; a kernel that adds in a varying
-# order (atomics) moves them by rounding only. Another batch lies about 1 / sqrt(samples per channel) away.
-_SAME_CALL = {torch.float64: 1e-9, torch.float32: 1e-5}
-
-
-def _recomputed_call(layer, input):
-    """(recording, replica, layer index, _Call) when this call of a replica layer is a checkpointed block's
-    recomputation, in backward, of a synced call whose graph lives; None when torch's SyncBatchNorm runs it (a
-    forward the layer runs alone: one replica, a process group; eval with running statistics; no such call)."""
-    if _step.running.steps or _graph_task_id() == -1:
-        return None  # in a forward, or outside any backward
-    if not (layer.training or (layer.running_mean is None and layer.running_var is None)):
-        return None  # eval with running statistics: the forward's computation, whatever thread runs it
-    with _RECORDINGS_LOCK:
-        recordings = list(_RECORDINGS)
-    shape = tuple(input.shape)
-    found = []
-    for rec in recordings:
-        where = rec.layers.get(id(layer))
-        if where is not None and where[0]() is layer:
-            _, r, j = where
-            found.extend((rec, r, j, call) for call in rec.calls.get((r, j), ()) if call.shape == shape)
-    if not found:
-        return None
-    dtype = _stat_dtype(input)
-    with torch.no_grad():
-        mean, var = _local_stats(input, dtype)
-        best, distance = None, math.inf
-        for entry in found:
-            local = entry[3].local
-            scale = (local[1] + layer.eps).sqrt()
-            d = max(((mean - local[0]).abs() / scale).max().item(),
-                    ((var - local[1]).abs() / scale.square()).max().item())
-            if d < distance:
-                best, distance = entry, d
-    if distance > _SAME_CALL[dtype]:
-        rec, _, j, _ = best
-        raise RuntimeError(
-            f"fastdp: {rec.names[j]} layer {j} of a replica runs again in backward (a checkpointed block's "
-            "recomputation) on an input whose statistics differ from every call its forward made: a "
-            "checkpointed block must recompute what its forward computed (keep checkpoint's preserve_rng_state=True "
-            "when the block draws random numbers), and a graph must be backwarded before another forward on fewer "
-            "replicas recomputes the same layers"
-        )
-    return best
-
-
-def _recomputed_forward(layer, input, rec, r, j, call):
-    """A checkpointed block's recomputation of a synced call: the forward's normalisation with the forward's
-    whole-batch statistics, the same tensors saved, and the master's buffers counted and updated once more by the
-    replica whose buffers are the master's, as the bare model's recomputed BatchNorm does (NOTE [synced layers])."""
-    if not call.grad_mode and torch.is_grad_enabled():  # a forward under no_grad, recomputed with autograd
-        raise RuntimeError(
-            f"fastdp: {rec.names[j]} layer {j} sits in a block checkpointed in reentrant mode "
-            "(torch.utils.checkpoint or checkpoint_sequential with use_reentrant=True, torch's default when it is "
-            "not given; transformers' gradient_checkpointing_kwargs={'use_reentrant': True}): that mode recomputes "
-            "each replica's block alone inside backward, where a synced layer's gradient, which needs every "
-            "replica's, cannot be computed. Pass use_reentrant=False: its gradients equal the bare model's"
-        )
-    if r == 0:  # the recomputation's count and update must come first: checkpoint may stop at the next save
-        master = rec.masters[j]
-        _count(layer, master)
-        _update_running(layer, master, call.pack)
-    _chunk_stats(input)  # saves the input as the forward did; its value is the forward's
-    with torch.no_grad():
-        x_hat = input.clone() if call.pack is None else _normalise(input, call.pack[0], call.pack[1], layer.eps)
-    if call.grad:
-        x_hat.requires_grad_()  # the forward's output took part in autograd: the affine step saves alike
-    return _affine(layer, x_hat)
-
-
-_graph_task_id = torch._C._current_graph_task_id  # the backward running in this thread, -1 outside (torch 2.1+)
-
-
-def _normalise(x, mean, var, eps):
-    """(x - mean) / sqrt(var + eps) per channel, with torch's batch-norm kernel where the dtypes allow."""
-    if x.dtype == mean.dtype:
-        return F.batch_norm(x, mean, var, None, None, False, 0.0, eps)
-    shape = _shape(x)
-    return ((x.to(mean.dtype) - mean.view(shape)) * (var + eps).rsqrt().view(shape)).to(x.dtype)
-
-
-def _local_stats(x, dtype):
-    """This replica's per-channel mean and biased variance: sums of (x - k) and (x - k)^2 with k one sample of each
-    channel, so no cancellation unless that sample lies many standard deviations from the mean. Measured 5 times
-    faster on the CPU than torch.var_mean or the batch-norm statistics kernel (16 x 16 x 16 x 16 float32)."""
-    count = x.numel() // x.size(1)
-    if count == 0:  # no value in this chunk (no sample, or an empty spatial extent): it weighs nothing
-        zeros = x.new_zeros(x.size(1), dtype=dtype)
-        return zeros, zeros.clone()
-    dims = [d for d in range(x.dim()) if d != 1]
-    x = x.to(dtype)
-    shape = _shape(x)
-    k = x.select(0, 0).reshape(x.size(1), -1)[:, 0].reshape(shape)
-    shifted = x - k
-    s1 = shifted.sum(dims)
-    s2 = shifted.square_().sum(dims)
-    mean = s1 / count
-    return k.view(-1) + mean, (s2 / count - mean * mean).clamp_(min=0)
-
-
-class _Local(Function):
-    """One replica's chunk -> its per-channel (mean, biased variance), computed in the replica's own thread. The node
-    saves the chunk for _SyncNorm's backward (its own backward never runs: its output feeds no loss), so the chunk
-    goes through that replica's saved-tensor hooks (NOTE [synced layers])."""
-
-    @staticmethod
-    def forward(ctx, x, dtype):
-        ctx.save_for_backward(x)
-        return torch.stack(_local_stats(x, dtype))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None
-
-
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # this thread's innermost
-
-
-def _chunk_stats(x):
-    """This replica's per-channel (mean, biased variance) of its chunk ``x``: through a _Local node, which saves the
-    chunk, where this thread saves tensors through hooks (activation checkpointing, offloading) and the chunk takes
-    part in autograd; computed plainly otherwise (the exchange then keeps the chunk itself, at no node's cost)."""
-    dtype = _stat_dtype(x)
-    if x.requires_grad and torch.is_grad_enabled() and _saves_through_hooks():
-        return _Local.apply(x, dtype)
-    with torch.no_grad():
-        return torch.stack(_local_stats(x, dtype))
-
-
-def _saves_through_hooks():
-    """Whether this thread's saved tensors go through saved-tensor hooks; True where torch cannot tell."""
-    if _top_hooks is None:
-        return True
-    try:
-        return _top_hooks(False) is not None
-    except (TypeError, RuntimeError):
-        return True
+    stats = _chunk.statistics(input)
+    out, pack = session.meet(j, r, input, stats, layer)
+    _chunk.update_running(layer, layer, pack)
+    return out
 
 
 class _SyncNorm(Function):
-    """N replicas' inputs -> N normalised outputs (then N stat packs, not differentiable): one node over all
-    replicas, so its backward sees every replica's gradient at once. ``stats`` are the replicas' _Local outputs."""
+    """N replicas' inputs, then their N weights and N biases (None without affine parameters) -> N outputs (then N
+    stat packs, not differentiable): one node over all replicas, so its backward sees every replica's gradient at
+    once. ``stats`` are the replicas' _Local outputs."""
 
     @staticmethod
-    def forward(ctx, devices, streams, eps, recording, stats, *xs):
-        dest = xs[0].device
-        dtype = stats[0].dtype
+    def forward(ctx, devices, streams, eps, recording, stats, *tensors):
+        n = len(stats)
+        xs, weights, biases = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
         counts = [x.numel() // x.size(1) for x in xs]
         total = sum(counts)
-        if total == 1:  # torch's check: none for a batch with no value at all
-            size = list(xs[0].shape)
-            size[0] = sum(x.size(0) for x in xs)
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
-        if total == 0:  # nothing to normalise; the caller leaves the running statistics as they are, as torch does
-            ones = torch.ones(xs[0].size(1), dtype=dtype, device=dest)
-            pack = torch.stack([torch.zeros_like(ones), ones, ones])
-        else:
-            # (N, 2, C): each replica's mean and variance
-            both = comm.gather([s.detach().unsqueeze(0) for s in stats], 0, dest).to(torch.float64)
-            # Chan et al.: exact for any split. The counts stay Python numbers: a tensor made from them on the
-            # device would be a host-to-device copy that waits for the device in every layer of every step.
-            mean = sum(both[i, 0] * (c / total) for i, c in enumerate(counts))
-            m2 = sum((both[i, 1] + (both[i, 0] - mean).square()) * c for i, c in enumerate(counts))
-            # mean, biased variance (normalisation), unbiased variance (running_var), as BatchNorm uses them.
-            pack = torch.stack([mean, m2 / total, m2 / (total - 1)]).to(dtype)
+        pack = _whole_batch(xs, stats, counts, total)
         packs = comm.broadcast(pack, devices)
-        outs = [_normalise(x, p[0], p[1], eps) for x, p in zip(xs, packs)]
+        outs = [_chunk.output(x, p, w, b, eps) for x, p, w, b in zip(xs, packs, weights, biases)]
         # Saved detached: a saved output would hold this node through the hooks' packed value, a cycle that
         # outlives a graph dropped without backward.
         ctx.local = [s.grad_fn is not None for s in stats]  # per replica: its _Local node saved its chunk
         ctx.save_for_backward(*(s if local else x for s, x, local in zip(stats, xs, ctx.local)),
-                              *(p.detach() for p in packs))
+                              *(p.detach() for p in packs), *weights)
+        ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
         ctx.devices, ctx.streams, ctx.total, ctx.eps = devices, streams, total, eps
         ctx.recording = recording  # kept while this graph lives: a recomputation may look for it
         for p in packs:
@@ -624,6 +412,28 @@ class _SyncNorm(Function):
     def backward(ctx, *grads):
         with _streams.entered(ctx.streams):  # autograd's thread: the caller's streams, where the gradients are
             return (None, None, None, None, None) + _sync_backward(ctx, grads)
+
+
+def _whole_batch(xs, stats, counts, total):
+    """The whole batch's (mean, biased variance, unbiased variance) per channel on device_ids[0], in the statistics'
+    dtype, from every replica's chunk statistics and value count."""
+    dest = xs[0].device
+    dtype = stats[0].dtype
+    if total == 1:  # torch's check: none for a batch with no value at all
+        size = list(xs[0].shape)
+        size[0] = sum(x.size(0) for x in xs)
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
+    if total == 0:  # nothing to normalise; the caller leaves the running statistics as they are, as torch does
+        ones = torch.ones(xs[0].size(1), dtype=dtype, device=dest)
+        return torch.stack([torch.zeros_like(ones), ones, ones])
+    # (N, 2, C): each replica's mean and variance
+    both = comm.gather([s.detach().unsqueeze(0) for s in stats], 0, dest).to(torch.float64)
+    # Chan et al.: exact for any split. The counts stay Python numbers: a tensor made from them on the device would
+    # be a host-to-device copy that waits for the device in every layer of every step.
+    mean = sum(both[i, 0] * (c / total) for i, c in enumerate(counts))
+    m2 = sum((both[i, 1] + (both[i, 0] - mean).square()) * c for i, c in enumerate(counts))
+    # mean, biased variance (normalisation), unbiased variance (running_var), as BatchNorm uses them.
+    return torch.stack([mean, m2 / total, m2 / (total - 1)]).to(dtype)
 
 
 def _grad_sums(g, x, mean, var, eps):
@@ -641,24 +451,28 @@ def _grad_sums(g, x, mean, var, eps):
 
 
 def _sync_backward(ctx, grads):
-    """The replicas' input gradients: the per-channel sums of every replica reduced, averaged and broadcast back."""
+    """The replicas' input gradients (the per-channel sums of every replica reduced, averaged and broadcast back),
+    then their weights' and biases' (each replica's own chunk's sums, as its affine step alone would give)."""
     saved = ctx.saved_tensors
-    n = len(saved) // 2
+    n = len(ctx.local)
     # Each chunk as the forward kept it: read back through its replica's _Local node, or kept itself.
     xs = [k.grad_fn.saved_tensors[0] if local else k for k, local in zip(saved[:n], ctx.local)]
-    packs = saved[n:]
+    packs, weights = saved[n:2 * n], saved[2 * n:]
     eps = ctx.eps
-    sums, hats = [], []
+    sums, contiguous = [], []
     for x, g, p in zip(xs, grads[:n], packs):
         g = g.contiguous()
-        hats.append(g)
+        contiguous.append(g)
         sums.append(torch.stack(_grad_sums(g, x, p[0], p[1], eps)))
     total = comm.reduce_add(sums, xs[0].device) / ctx.total
     means = comm.broadcast(total, ctx.devices)
     dxs = []
-    for x, g, m, p in zip(xs, hats, means, packs):
-        shape = _shape(x)
-        x_hat = _normalise(x, p[0], p[1], eps)
-        dx = (g.to(p.dtype) - m[0].view(shape)).addcmul_(x_hat.to(p.dtype), m[1].view(shape), value=-1)
-        dxs.append(dx.mul_((p[1] + eps).rsqrt().view(shape)).to(x.dtype))
-    return tuple(dxs)
+    for x, g, m, p, w in zip(xs, contiguous, means, packs, weights):
+        shape = _chunk.channel_shape(x)
+        x_hat = _chunk.normalised(x, p[0], p[1], eps)
+        scale = (p[1] + eps).rsqrt() if w is None else (p[1] + eps).rsqrt() * w.to(p.dtype)
+        dx = (g.to(p.dtype) - m[0].view(shape)).addcmul_(x_hat, m[1].view(shape), value=-1)
+        dxs.append(dx.mul_(scale.view(shape)).to(x.dtype))
+    dws = [None if w is None else s[1].to(w.dtype) for s, w in zip(sums, weights)]
+    dbs = [None if dtype is None else s[0].to(dtype) for s, dtype in zip(sums, ctx.bias_dtypes)]
+    return tuple(dxs) + tuple(dws) + tuple(dbs)

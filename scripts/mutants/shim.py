@@ -19,8 +19,8 @@ MUTANTS = [
          replace="            seen[d] = torch.cuda.default_stream(d)",
          what="the streams captured for the exchange and the kept nodes are the default ones, not the caller's"),
     dict(name="syncbn-session-no-streams", file="python/fastdp/sync_batchnorm.py",
-         find="    return _Session(masters, rows, list(devices), _streams.current(devices))",
-         replace="    return _Session(masters, rows, list(devices))",
+         find="    return _Session(master, masters, rows, list(devices), _streams.current(devices))",
+         replace="    return _Session(master, masters, rows, list(devices))",
          what="SyncBatchNorm's session never captures the caller's streams, so its exchange uses the thread's own"),
     dict(name="apply-autocast-dtype", file="python/fastdp/parallel_apply.py",
          find="state.append((device_type, torch.get_autocast_dtype(device_type)))",
@@ -132,9 +132,9 @@ MUTANTS = [
          replace="        g, x, None, mean, var, None, None, False, eps, [False, True, True])",
          what="SyncBatchNorm's backward passes no saved statistics (torch's CUDA kernel asserts)"),
     dict(name="syncbn-counts-host-sync", file="python/fastdp/sync_batchnorm.py",
-         find="            mean = sum(both[i, 0] * (c / total) for i, c in enumerate(counts))",
-         replace="            weights = torch.tensor(counts, dtype=torch.float64, device=dest)\n"
-                 "            mean = sum(both[i, 0] * (weights[i] / total) for i in range(len(counts)))",
+         find="    mean = sum(both[i, 0] * (c / total) for i, c in enumerate(counts))",
+         replace="    weights = torch.tensor(counts, dtype=torch.float64, device=dest)\n"
+                 "    mean = sum(both[i, 0] * (weights[i] / total) for i in range(len(counts)))",
          what="SyncBatchNorm builds its count weights from a list on the device (a host sync per layer)"),
     # ---- the stream and the device of every call into torch.cuda, and of every stream list handed to the core ----
     dict(name="coalesced-broadcast-root-stream-only", file="python/fastdp/comm.py",

@@ -8,21 +8,34 @@ __all__ = ["BufferWatch"]
 
 class BufferWatch:
     """When device 0 has no chunk, the first running replica plays chunk 0's part: its buffers (BatchNorm running
-    stats, num_batches_tracked) are copied back to the master's after the forward, as upstream keeps replica 0's.
+    stats, num_batches_tracked, quantization observers) are copied back to the master's after the forward, as
+    upstream keeps replica 0's.
 
     All of them are copied: BatchNorm updates its running stats inside the kernel without bumping their version
-    counters, so changed buffers cannot be told apart cheaply; unchanged ones hold the master's values anyway.
+    counters, so changed buffers cannot be told apart cheaply; unchanged ones hold the master's values anyway. Each is
+    read from the replica's module when the forward has ended, and a master buffer whose replica the forward resized
+    (an observer sizing its statistics per channel in its first forward, a lazily sized module) takes that size
+    first, as the bare model's forward would have resized it.
     """
 
     def __init__(self, master, replica):
-        theirs = dict(replica.named_buffers())
-        self.pairs = []
-        for name, b in master.named_buffers():
-            r = theirs.get(name)
-            if r is not None and r is not b and not b.requires_grad and r.shape == b.shape:
-                self.pairs.append((b, r))
+        theirs = dict(replica.named_modules())
+        self.pairs = []  # (master buffer, replica module, key)
+        for name, module in master.named_modules():
+            other = theirs.get(name)
+            if other is None or other is module:
+                continue
+            for key, b in module._buffers.items():
+                r = other._buffers.get(key)
+                if b is not None and r is not None and r is not b and not b.requires_grad and r.shape == b.shape:
+                    self.pairs.append((b, other, key))
 
     def copy_back(self):
         with torch.no_grad():
-            for b, r in self.pairs:
+            for b, module, key in self.pairs:
+                r = module._buffers.get(key)
+                if r is None or r is b:
+                    continue
+                if r.shape != b.shape:
+                    b.resize_(r.shape)
                 b.copy_(r)

@@ -10,6 +10,7 @@ when the report is read, so nothing in the step waits for a device. Records arri
 """
 
 import collections
+import contextlib
 import threading
 import time
 import weakref
@@ -323,14 +324,14 @@ class ReplicaSite:
 
     def __call__(self, index, module, args, kwargs, device):
         position = self.positions[index]
-        if self.inject is not None:
-            self.inject.forward(position, args, kwargs)
-        if self.recorder is None:
-            out = module(*args, **kwargs)
-        else:
-            out = self._timed(position, module, args, kwargs, device)
-        if self.inject is not None:
-            self.inject.backward(position, args, kwargs, out)
+        inject = self.inject
+        with contextlib.nullcontext() if inject is None else inject.forward(position, args, kwargs):
+            if self.recorder is None:
+                out = module(*args, **kwargs)
+            else:
+                out = self._timed(position, module, args, kwargs, device)
+        if inject is not None:
+            inject.backward(position, args, kwargs, out)
         return out
 
     def _timed(self, position, module, args, kwargs, device):

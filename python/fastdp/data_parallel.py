@@ -251,12 +251,14 @@ class DataParallel(_UPSTREAM):
                 step.recorder.discard_open()  # the failed attempt is not a step of the report
             return self._run_step(self._new_step(step.loss, step.avoided_gather_bytes), inputs, kwargs)
 
-        return self._oom.run(self._rescue_context(step, inputs, kwargs),
-                             lambda: self._run_step(step, inputs, kwargs), retry)
+        return self._oom.run(self._rescue_context(inputs, kwargs), lambda: self._run_step(step, inputs, kwargs), retry)
 
-    def _rescue_context(self, step, inputs, kwargs):
+    def _rescue_context(self, inputs, kwargs):
+        """What the out-of-memory rescue of one step needs (NOTE [out-of-memory rescue]): what the failed attempt ran
+        is the Outcome its forward published (its step has ended by the time the rescue asks)."""
         return _rescue.Context(self.module, self.device_ids, self.dim, self.__dict__.get("_criterion") is None,
-                            lambda: self.__dict__.get("_split"), self._set_split, step, inputs, kwargs)
+                               lambda: self.__dict__.get("_split"), self._set_split,
+                               lambda: self.__dict__.get("_last_step"), inputs, kwargs)
 
     def _set_split(self, rule):
         self.__dict__["_split"] = rule
@@ -555,7 +557,7 @@ class DataParallel(_UPSTREAM):
         failed attempt (docs/balance.md)."""
         rescue = self._oom if self._sync_enabled else None  # no_sync's per-replica sums cannot be rolled back
         return _rescue.train_step(lambda: self(*inputs, **kwargs), loss_fn, rescue,
-                               self._rescue_context(None, inputs, kwargs))
+                                  self._rescue_context(inputs, kwargs))
 
     def __getstate__(self):
         state = self.__dict__.copy()

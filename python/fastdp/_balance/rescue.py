@@ -31,11 +31,12 @@ _GPU = re.compile(r"GPU (\d+)")
 _POSITION = re.compile(r"position (\d+)")
 
 Context = collections.namedtuple(
-    "Context", ["module", "device_ids", "dim", "gathers_outputs", "split", "set_split", "step", "inputs", "kwargs"])
+    "Context", ["module", "device_ids", "dim", "gathers_outputs", "split", "set_split", "failed", "inputs", "kwargs"])
 Context.__doc__ = """What the rescue of one step needs from the wrapper: its ``module`` (whose buffers are put back),
 ``device_ids`` and ``dim``; ``gathers_outputs``: whether the outputs are gathered on device 0 (no ``criterion=``);
-``split()`` and ``set_split(rule)``: read and replace the wrapper's split rule; the failed ``step`` (None for
-``train_step``, whose forward makes its own) and its ``inputs`` and ``kwargs``."""
+``split()`` and ``set_split(rule)``: read and replace the wrapper's split rule; ``failed()``: what the failed
+attempt's forward ran (the wrapper's last fastdp._step.Outcome: its chunk sizes and the positions that ran a
+replica), read once it has failed; the step's ``inputs`` and ``kwargs``."""
 
 
 def parse(oom):
@@ -113,10 +114,10 @@ def failed_position(ctx, error):
     """The device_ids position that ran out of memory: the failing replica's (parallel_apply says which), the
     injected one's, the GPU the message names, else device_ids[0] (it holds the gathered outputs, the loss and the
     reduced gradients)."""
-    step = ctx.step
+    failed = ctx.failed()
     index = getattr(error, "_fastdp_replica", None)
-    if index is not None and step is not None and step.run is not None and index < len(step.run):
-        return step.run[index]
+    if index is not None and failed is not None and failed.run is not None and index < len(failed.run):
+        return failed.run[index]
     position = getattr(error, "_fastdp_position", None)
     if position is not None:
         return position
@@ -131,9 +132,11 @@ def failed_position(ctx, error):
 
 
 def _rows(ctx):
-    """Rows per position of the failed attempt (torch.chunk's rule when no split was given)."""
-    if ctx.step is not None and ctx.step.chunk_sizes is not None:
-        return list(ctx.step.chunk_sizes)
+    """Rows per position of the failed attempt: the split its forward ran (torch.chunk's rule when the wrapper has
+    no split rule)."""
+    failed = ctx.failed()
+    if failed is not None and failed.chunk_sizes is not None:
+        return list(failed.chunk_sizes)
     batch = _split.batch_size(ctx.inputs, ctx.kwargs, ctx.dim) or 0
     n = len(ctx.device_ids)
     sizes = [c.shape[0] for c in torch.empty(batch, 0).chunk(n)] if batch else []

@@ -1,0 +1,111 @@
+"""A rescued step is an ordinary step: ``dp.train_step(...)`` and the out-of-memory rescue (``oom="rebalance"``)
+keep ``loss.backward()``'s contract whether or not a rescue happens (docs/balance.md, "What a rescued step keeps").
+
+Each observable is compared with the same step on the bare model (a deep copy run without the wrapper on the full
+batch), by both routes (``dp(...)`` then ``loss.backward()``, and ``dp.train_step``), without an out-of-memory
+error and with one injected once (``fastdp.inject_oom``) in a replica's forward or, for ``train_step``, its
+backward. The injected position is 1 by default: replica 0, which runs on the master's own buffers, has run its
+forward when it fails. float64, within 1e-10.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fastdp
+
+from _reference import TOL
+from _report_cases import data, mlp
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+R = 3
+# (how the step runs, the phase an out-of-memory error is injected in, or None). loss.backward() is the user's:
+# only train_step rescues a backward.
+ROUTES = [("train_step", None), ("train_step", "forward"), ("train_step", "backward"),
+          ("loss.backward", None), ("loss.backward", "forward")]
+ROUTE_IDS = [f"{route}-{phase or 'no-oom'}" for route, phase in ROUTES]
+
+
+def wrapped(bare, convert=None, **options):
+    """A rescuing wrapper over a deep copy of `bare` (R emulated replicas, `convert` applied to the copy), and the
+    copy."""
+    model = copy.deepcopy(bare)
+    if convert is not None:
+        model = convert(model)
+    return fastdp.DataParallel(model, device_ids=["cpu"] * R, oom="rebalance", **options), model
+
+
+def wrapper_step(dp, route, phase, inputs, loss_fn=None, position=1, **kwargs):
+    """One training step of `dp` by `route`, with an out-of-memory error injected once at `position` in `phase`
+    (None: none); checks that the error fired and was rescued once. Returns the loss."""
+    injection = None if phase is None else fastdp.inject_oom(dp, position, phase=phase, times=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if route == "train_step":
+            loss = dp.train_step(*inputs, loss_fn=loss_fn, **kwargs)
+        else:
+            out = dp(*inputs, **kwargs)
+            loss = out if loss_fn is None else loss_fn(out)
+            loss.backward()
+    rescues = [w for w in caught if "oom='rebalance'" in str(w.message)]
+    if injection is not None:
+        injection.remove()
+        assert injection.fired == 1
+    assert len(rescues) == (phase is not None), [str(w.message) for w in caught]
+    return loss.detach()
+
+
+def bare_step(model, inputs, loss_fn):
+    loss = loss_fn(model(*inputs))
+    loss.backward()
+    return loss.detach()
+
+
+def assert_close(actual, expected, what):
+    assert (actual is None) == (expected is None), what
+    if expected is not None:
+        assert actual.shape == expected.shape, what
+        torch.testing.assert_close(actual, expected, rtol=0, atol=TOL, msg=lambda m: f"{what}: {m}")
+
+
+def assert_grads(model, bare):
+    for (name, p), q in zip(model.named_parameters(), bare.parameters()):
+        assert_close(p.grad, q.grad, f".grad of {name}")
+
+
+def assert_buffers(model, bare):
+    for (name, b), c in zip(model.named_buffers(), bare.buffers()):
+        assert_close(b, c, f"buffer {name}")
+
+
+# ---- where the rows go ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_sizes", [[0, 9, 9], [2, 8, 8], [1.0, 2.0, 2.0]], ids=["idle-device-0", "sizes",
+                                                                                      "weights"])
+@pytest.mark.parametrize("route, phase", [r for r in ROUTES if r[1]], ids=[i for r, i in zip(ROUTES, ROUTE_IDS)
+                                                                             if r[1]])
+def test_rows_move_from_the_split_the_failed_attempt_ran(route, phase, chunk_sizes):
+    """The failing position gives up rows of the split the failed attempt ran (the user's, not torch.chunk's), and
+    they go to the others in proportion to their rows: a device the split leaves idle stays idle, no device gets
+    fewer rows than it had, none more than its share of the moved rows (and one for rounding)."""
+    bare = mlp()
+    x, y = data(18)
+    ref, _ = wrapped(bare, chunk_sizes=chunk_sizes)
+    ref(x)
+    before = ref._last_step.chunk_sizes
+    dp, model = wrapped(bare, chunk_sizes=chunk_sizes)
+    wrapper_step(dp, route, phase, (x,), lambda out: F.cross_entropy(out, y), position=2)
+    bare_step(bare, (x,), lambda out: F.cross_entropy(out, y))
+    after = dp._last_step.chunk_sizes
+    assert sum(after) == sum(before) and after[2] < before[2], (before, after)
+    others = sum(before) - after[2]  # the rows the other positions take now
+    for i in (0, 1):
+        share = before[i] * others / (sum(before) - before[2])
+        assert before[i] <= after[i] <= share + 1, (i, before, after)
+    assert_grads(model, bare)

@@ -83,6 +83,74 @@ def assert_buffers(model, bare):
         assert_close(b, c, f"buffer {name}")
 
 
+# ---- every .grad loss.backward() fills ---------------------------------------------------------------------------
+
+
+class TemperedLoss(nn.Module):
+    """A criterion with learnable tensors of its own: a temperature, and penalties whose gradients autograd hands
+    over as one tensor for two parameters (``a + b``) and as an expanded one (``c.sum()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+        self.a, self.b, self.c = (nn.Parameter(torch.full((4,), v, dtype=torch.float64)) for v in (0.1, 0.2, 0.3))
+
+    def forward(self, out, target):
+        return F.cross_entropy(out / self.temperature, target) + 1e-3 * ((self.a + self.b).pow(2).sum() + self.c.sum())
+
+
+@pytest.mark.parametrize("where", ["loss_fn", "criterion", "criterion-per-replica"])
+@pytest.mark.parametrize("route, phase", ROUTES, ids=ROUTE_IDS)
+def test_gradients_outside_the_module_are_filled_as_loss_backward_fills_them(route, phase, where):
+    """The loss's own learnable tensors (in loss_fn, in a criterion on the gathered output, in a criterion run on
+    every replica) and an input that requires grad get the bare model's .grad, over two steps (the second
+    accumulates onto the first's)."""
+    bare = mlp()
+    criterion = TemperedLoss()
+    options = {}
+    if where != "loss_fn":
+        options = {"criterion": copy.deepcopy(criterion)}
+        if where == "criterion-per-replica":
+            options["criterion_reduction"] = "mean"
+    dp, model = wrapped(bare, **options)
+    theirs = options.get("criterion", copy.deepcopy(criterion))
+    for s in range(2):
+        x, y = data(18, seed=s)
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        bare_step(bare, (xs[0],), lambda out: criterion(out, y))
+        if where == "loss_fn":
+            wrapper_step(dp, route, phase if s else None, (xs[1],), lambda out: theirs(out, y))
+        else:
+            wrapper_step(dp, route, phase if s else None, (xs[1],), target=y)
+        assert_close(xs[1].grad, xs[0].grad, f"step {s}: the input's .grad")
+    assert_grads(model, bare)
+    assert_grads(theirs, criterion)
+
+
+@pytest.mark.parametrize("route, phase", ROUTES, ids=ROUTE_IDS)
+def test_a_no_sync_window_closed_by_either_route_reduces_what_no_sync_kept(route, phase):
+    """Micro-batches under no_sync(), then the synchronising step by `route`: .grad holds every micro-batch's
+    gradients, as loss.backward() accumulates them on the bare model; the next window starts from nothing kept."""
+    bare = mlp()
+    dp, model = wrapped(bare)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, bare)]
+    seed = 0
+    for window in range(2):
+        for n in (7, 5):
+            seed += 1
+            x, y = data(n, seed=seed)
+            with dp.no_sync():
+                F.cross_entropy(dp(x), y).backward()
+            F.cross_entropy(bare(x), y).backward()
+        x, y = data(12, seed=100 + window)
+        wrapper_step(dp, route, phase, (x,), lambda out: F.cross_entropy(out, y))
+        bare_step(bare, (x,), lambda out: F.cross_entropy(out, y))
+        assert_grads(model, bare)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
 # ---- where the rows go ---------------------------------------------------------------------------------------------
 
 

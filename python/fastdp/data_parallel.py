@@ -258,7 +258,12 @@ class DataParallel(_UPSTREAM):
         is the Outcome its forward published (its step has ended by the time the rescue asks)."""
         return _rescue.Context(self.module, self.device_ids, self.dim, self.__dict__.get("_criterion") is None,
                                lambda: self.__dict__.get("_split"), self._set_split,
-                               lambda: self.__dict__.get("_last_step"), inputs, kwargs)
+                               lambda: self.__dict__.get("_last_step"), inputs, kwargs, self._reduce_unsynced)
+
+    def _reduce_unsynced(self):
+        """What no_sync() kept reaches the master's .grad now (train_step's rescue, before its first attempt)."""
+        if self._replica_set is not None:
+            self._replica_set.reduce_pending()
 
     def _set_split(self, rule):
         self.__dict__["_split"] = rule

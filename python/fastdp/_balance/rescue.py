@@ -31,12 +31,14 @@ _GPU = re.compile(r"GPU (\d+)")
 _POSITION = re.compile(r"position (\d+)")
 
 Context = collections.namedtuple(
-    "Context", ["module", "device_ids", "dim", "gathers_outputs", "split", "set_split", "failed", "inputs", "kwargs"])
+    "Context", ["module", "device_ids", "dim", "gathers_outputs", "split", "set_split", "failed", "inputs", "kwargs",
+                "reduce_unsynced"])
 Context.__doc__ = """What the rescue of one step needs from the wrapper: its ``module`` (whose buffers are put back),
 ``device_ids`` and ``dim``; ``gathers_outputs``: whether the outputs are gathered on device 0 (no ``criterion=``);
 ``split()`` and ``set_split(rule)``: read and replace the wrapper's split rule; ``failed()``: what the failed
 attempt's forward ran (the wrapper's last fastdp._step.Outcome: its chunk sizes and the positions that ran a
-replica), read once it has failed; the step's ``inputs`` and ``kwargs``."""
+replica), read once it has failed; the step's ``inputs`` and ``kwargs``; ``reduce_unsynced()``: reduces into
+``.grad`` what no_sync() kept (train_step, whose gradients autograd returns rather than accumulates)."""
 
 
 def parse(oom):
@@ -199,33 +201,71 @@ def _loss_of(out, loss_fn):
     return loss
 
 
-def _forward_backward(forward, loss_fn, params):
-    """One attempt; ``.grad`` is written only once every gradient exists."""
-    loss = _loss_of(forward(), loss_fn)
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
+def _leaves(loss):
+    """Every tensor whose ``.grad`` ``loss.backward()`` accumulates: the leaves of the loss's graph (the module's
+    parameters, and whatever else the loss depends on: a criterion's parameters, a tensor used in ``loss_fn``,
+    inputs that require grad), found from their AccumulateGrad nodes."""
+    root = loss.grad_fn
+    if root is None:
+        return [loss] if loss.requires_grad else []
+    seen, stack, found = {root}, [root], []
+    while stack:
+        node = stack.pop()
+        if type(node).__name__ == "AccumulateGrad":
+            found.append(node.variable)
+        for following, _ in node.next_functions:
+            if following is not None and following not in seen:
+                seen.add(following)
+                stack.append(following)
+    return found
+
+
+def _accumulate(tensors, grads):
+    """Adds each gradient to its tensor's ``.grad`` as autograd's AccumulateGrad does: an in-place sum where there is
+    a ``.grad`` (out of place onto a sparse one from a dense gradient); else the gradient itself, or a copy in the
+    tensor's layout where it is not laid out as the tensor (an expanded gradient) or was handed to another tensor
+    already (autograd returns one tensor for both operands of a sum)."""
+    given = set()
     with torch.no_grad():
-        for p, g in zip(params, grads):
+        for t, g in zip(tensors, grads):
             if g is None:
                 continue
-            if p.grad is None:
-                p.grad = g
+            if t.grad is None:
+                if id(g) in given or g.stride() != t.stride():
+                    g = torch.empty_like(t, memory_format=torch.preserve_format).copy_(g)
+                given.add(id(g))
+                t.grad = g
+            elif t.grad.is_sparse and not g.is_sparse:
+                t.grad = t.grad + g
             else:
-                p.grad += g
+                t.grad += g
+
+
+def _forward_backward(forward, loss_fn):
+    """One attempt; ``.grad`` is written only once every gradient exists."""
+    loss = _loss_of(forward(), loss_fn)
+    tensors = _leaves(loss)
+    if tensors:
+        _accumulate(tensors, torch.autograd.grad(loss, tensors, allow_unused=True))
+    else:
+        loss.backward()  # torch's own error: nothing in the loss requires grad
     return loss.detach()
 
 
 def train_step(forward, loss_fn, rescue, ctx):
     """``dp.train_step``: ``forward()``, the loss and backward in one call, rescued as a whole by `rescue` (None:
-    no rescue, or none possible: no_sync()'s per-replica sums, which a failed backward leaves partial)."""
+    no rescue, or none possible: no_sync()'s per-replica sums, which a failed backward leaves partial). Rescued,
+    its gradients are taken with ``torch.autograd.grad``, which accumulates nothing: what no_sync() kept is reduced
+    into ``.grad`` first, as the first backward after no_sync() would (and a failed attempt cannot touch it)."""
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"dp.train_step: loss_fn must be callable (output -> loss), got {type(loss_fn).__name__}")
     if rescue is None:
         loss = _loss_of(forward(), loss_fn)
         loss.backward()
         return loss.detach()
-    params = [p for p in ctx.module.parameters() if p.requires_grad]
+    ctx.reduce_unsynced()
 
     def attempt():
-        return _forward_backward(forward, loss_fn, params)
+        return _forward_backward(forward, loss_fn)
 
     return rescue.run(ctx, attempt, attempt)

@@ -151,6 +151,21 @@ def test_a_no_sync_window_closed_by_either_route_reduces_what_no_sync_kept(route
             opt.zero_grad()
 
 
+# ---- the report ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route, phase", ROUTES, ids=ROUTE_IDS)
+def test_a_rescued_step_is_one_step_of_the_report(route, phase):
+    bare = mlp()
+    dp, model = wrapped(bare, report=True)
+    for s in range(3):
+        x, y = data(18, seed=s)
+        wrapper_step(dp, route, phase if s == 1 else None, (x,), lambda out: F.cross_entropy(out, y))
+        bare_step(bare, (x,), lambda out: F.cross_entropy(out, y))
+    assert dp.report().steps == 3
+    assert_grads(model, bare)
+
+
 # ---- where the rows go ---------------------------------------------------------------------------------------------
 
 

@@ -227,10 +227,10 @@ class DataParallel(_UPSTREAM):
                 "transform to the wrapped module (dp.module), or take gradients with torch.autograd.grad or "
                 "backward(inputs=...), which work through the wrapper."
             )
-        step = self._new_step(loss, avoided_gather_bytes)
         if self.__dict__.get("_oom") is not None:
-            return self._rescued(step, inputs, kwargs)
-        return self._run_step(step, inputs, kwargs)
+            return self._oom.run(self._rescue_context(inputs, kwargs),
+                                 lambda: self._run_step(self._new_step(loss, avoided_gather_bytes), inputs, kwargs))
+        return self._run_step(self._new_step(loss, avoided_gather_bytes), inputs, kwargs)
 
     def _new_step(self, loss, avoided_gather_bytes):
         step = _step.Step(self, loss, self._keep_outcome)
@@ -242,23 +242,13 @@ class DataParallel(_UPSTREAM):
         """What a forward found (fastdp._step.step.Outcome), kept until the next one: the step publishes it."""
         self.__dict__["_last_step"] = _step.merged(self.__dict__.get("_last_step"), outcome)
 
-    def _rescued(self, step, inputs, kwargs):
-        """The forward under ``oom="rebalance"``: the step, and once more on a new step when the rescue has moved
-        rows away from a device that ran out of memory (NOTE [out-of-memory rescue])."""
-
-        def retry():
-            if step.recorder is not None:
-                step.recorder.discard_open()  # the failed attempt is not a step of the report
-            return self._run_step(self._new_step(step.loss, step.avoided_gather_bytes), inputs, kwargs)
-
-        return self._oom.run(self._rescue_context(inputs, kwargs), lambda: self._run_step(step, inputs, kwargs), retry)
-
     def _rescue_context(self, inputs, kwargs):
         """What the out-of-memory rescue of one step needs (NOTE [out-of-memory rescue]): what the failed attempt ran
         is the Outcome its forward published (its step has ended by the time the rescue asks)."""
         return _rescue.Context(self.module, self.device_ids, self.dim, self.__dict__.get("_criterion") is None,
                                lambda: self.__dict__.get("_split"), self._set_split,
-                               lambda: self.__dict__.get("_last_step"), inputs, kwargs, self._reduce_unsynced)
+                               lambda: self.__dict__.get("_last_step"), inputs, kwargs, self._recording.mark,
+                               self._reduce_unsynced)
 
     def _reduce_unsynced(self):
         """What no_sync() kept reaches the master's .grad now (train_step's rescue, before its first attempt)."""

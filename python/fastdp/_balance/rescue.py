@@ -1,6 +1,6 @@
 """The out-of-memory rescue of ``fastdp.DataParallel(..., oom="rebalance")``: the forward's (``Rescue.run``) and
-``dp.train_step``'s (``train_step``). The wrapper hands it what one step needs (a :class:`Context`) and two
-callables, the attempt and the retry; the rescue decides what is put back and where the rows go.
+``dp.train_step``'s (``train_step``). The wrapper hands it what one step needs (a :class:`Context`) and the attempt,
+a callable; the rescue decides what is put back, where the rows go, and runs the attempt again.
 
 NOTE [out-of-memory rescue]: what fastdp runs itself, it can run again. A forward over several devices is fastdp's
 from scatter to gather: when a replica (or the gather) raises ``torch.OutOfMemoryError``, the wrapper puts the
@@ -32,12 +32,13 @@ _POSITION = re.compile(r"position (\d+)")
 
 Context = collections.namedtuple(
     "Context", ["module", "device_ids", "dim", "gathers_outputs", "split", "set_split", "failed", "inputs", "kwargs",
-                "reduce_unsynced"])
+                "mark_records", "reduce_unsynced"])
 Context.__doc__ = """What the rescue of one step needs from the wrapper: its ``module`` (whose buffers are put back),
 ``device_ids`` and ``dim``; ``gathers_outputs``: whether the outputs are gathered on device 0 (no ``criterion=``);
 ``split()`` and ``set_split(rule)``: read and replace the wrapper's split rule; ``failed()``: what the failed
 attempt's forward ran (the wrapper's last fastdp._step.Outcome: its chunk sizes and the positions that ran a
-replica), read once it has failed; the step's ``inputs`` and ``kwargs``; ``reduce_unsynced()``: reduces into
+replica), read once it has failed; the step's ``inputs`` and ``kwargs``; ``mark_records()``: a callable that
+forgets the steps the report recorded since (those of a failed attempt); ``reduce_unsynced()``: reduces into
 ``.grad`` what no_sync() kept (train_step, whose gradients autograd returns rather than accumulates)."""
 
 
@@ -59,10 +60,12 @@ class Rescue:
     def __init__(self):
         self.rescues = []
 
-    def run(self, ctx, attempt, retry):
+    def run(self, ctx, attempt):
         """``attempt()``; on an out-of-memory error, the buffers put back, rows moved away from the failing device
-        and ``retry()`` once; a second failure raises the first error with advice (NOTE [out-of-memory rescue])."""
+        and ``attempt()`` once more; a second failure raises the first error with advice (NOTE [out-of-memory
+        rescue])."""
         buffers = _Buffers(ctx.module)
+        forget_records = ctx.mark_records()
         try:
             return attempt()
         except OOM as error:
@@ -75,9 +78,10 @@ class Rescue:
             if moved is None:
                 _advise(error, ctx, position, None)
                 raise
+            forget_records()  # the failed attempt is not a step of the report
             self._note(position, moved)
             try:
-                return retry()
+                return attempt()
             except OOM as again:
                 _free(again)
                 buffers.restore()
@@ -264,8 +268,4 @@ def train_step(forward, loss_fn, rescue, ctx):
         loss.backward()
         return loss.detach()
     ctx.reduce_unsynced()
-
-    def attempt():
-        return _forward_backward(forward, loss_fn)
-
-    return rescue.run(ctx, attempt, attempt)
+    return rescue.run(ctx, lambda: _forward_backward(forward, loss_fn))

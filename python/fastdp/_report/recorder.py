@@ -33,6 +33,10 @@ _now = time.perf_counter_ns
 _thread_cpu = time.thread_time_ns
 
 
+def _nothing():
+    pass
+
+
 def parse_steps(report, name="report"):
     """The number of steps kept for ``report=`` (True: the default; an int: that many), or None when off."""
     if report is None or report is False:
@@ -90,6 +94,14 @@ class Recording:
         if rec is not None:
             rec.inject = self.injection
         self.recorder = rec
+
+    def mark(self):
+        """A callable that forgets the steps recorded from now on (those of an attempt that failed and runs again)."""
+        rec = self.recorder
+        if rec is None:
+            return _nothing
+        opened = rec.opened()
+        return lambda: rec.discard_after(opened)
 
     def scattered(self, step, rows, scattered_bytes, samplers, timings_wanted):
         """After the scatter: the rows each position got (`rows`), the scatter's range and bytes, and the site that
@@ -222,9 +234,14 @@ class Recorder:
         if self.memory is not None:
             self.memory.sample()
 
-    def discard_open(self):
-        """Forgets the step opened last (a forward that failed and runs again): it never ran whole."""
-        if self.open is not None and self.steps and self.steps[-1] is self.open:
+    def opened(self):
+        """How many steps were opened so far (``discard_after`` forgets those opened after)."""
+        return self._count
+
+    def discard_after(self, opened):
+        """Forgets the steps opened after ``opened()`` returned `opened` (an attempt that failed and runs again: it
+        never ran whole)."""
+        while self.steps and self.steps[-1].index > opened:
             self.steps.pop()
         self.open = self.steps[-1] if self.steps else None
 

@@ -151,6 +151,143 @@ def test_a_no_sync_window_closed_by_either_route_reduces_what_no_sync_kept(route
             opt.zero_grad()
 
 
+# ---- buffers, running statistics and counters ----------------------------------------------------------------------
+
+
+def bn_net(momentum=0.1):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=momentum), nn.Tanh(),
+                         nn.Linear(16, 3)).double()
+
+
+def set_mode(model, mode):
+    """"train", or "re-estimate": the model in eval() with its BatchNorm layers in train(), as BatchNorm
+    re-estimation (after SWA, after pruning) runs it."""
+    model.train(mode == "train")
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.train()
+
+
+def one_sample_repeated(n, seed):
+    """A batch of one sample n times: every chunk has the full batch's statistics, so the buffers DataParallel's
+    rule computes from replica 0's chunk (BatchNorm, observers) are the bare model's, whatever the split."""
+    x, y = data(1, seed=seed)
+    return x.expand(n, -1).contiguous(), y.expand(n).contiguous()
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+@pytest.mark.parametrize("mode", ["train", "re-estimate"])
+@pytest.mark.parametrize("layers", ["synced", "chunk-0"])
+@pytest.mark.parametrize("route, phase", ROUTES, ids=ROUTE_IDS)
+def test_running_statistics_and_counters_count_the_batch_once(route, phase, layers, mode, momentum):
+    """BatchNorm's running statistics and num_batches_tracked after a rescued step are the bare model's, in
+    training and with only the BatchNorm layers training. "synced": SyncBatchNorm across the replicas (the full
+    batch's statistics); "chunk-0": BatchNorm, statistics from replica 0's chunk (upstream's rule), which runs
+    before the failing replica, on one sample repeated."""
+    bare = bn_net(momentum)
+    dp, model = wrapped(bare, convert=fastdp.convert_sync_batchnorm if layers == "synced" else None)
+    for m in (bare, model):
+        set_mode(m, mode)
+    for s in range(2):
+        x, y = data(18, seed=s) if layers == "synced" else one_sample_repeated(18, s)
+        wrapper_step(dp, route, phase, (x,), lambda out: F.cross_entropy(out, y))
+        bare_step(bare, (x,), lambda out: F.cross_entropy(out, y))
+        assert_buffers(model, bare)
+    assert_grads(model, bare)
+
+
+class LazyTotal(nn.Module):
+    """A buffer sized by the first forward (``how``: resize_, resize_as_ or set_ from a one-element placeholder
+    that holds 1), zeroed then, and added to by every forward: a value of the parameters only, so every replica
+    and the bare model add the same."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 3).double()
+        self.register_buffer("total", torch.ones(1, dtype=torch.float64))
+
+    def forward(self, x):
+        value = self.lin.weight.detach().abs().mean(1)
+        if self.total.shape != value.shape:
+            if self.how == "resize_":
+                self.total.resize_(value.shape)
+            elif self.how == "resize_as_":
+                self.total.resize_as_(value)
+            else:
+                self.total.set_(torch.empty_like(value))
+            self.total.zero_()
+        self.total += value
+        return self.lin(x) * self.total
+
+
+@pytest.mark.parametrize("how", ["resize_", "resize_as_", "set_"])
+@pytest.mark.parametrize("route, phase", ROUTES, ids=ROUTE_IDS)
+def test_buffers_sized_by_the_forward_are_put_back_with_their_size(route, phase, how):
+    bare = LazyTotal(how)
+    dp, model = wrapped(bare)
+    for s in range(2):
+        x, y = data(18, seed=s)
+        wrapper_step(dp, route, phase, (x,), lambda out: F.cross_entropy(out, y))
+        bare_step(bare, (x,), lambda out: F.cross_entropy(out, y))
+        assert_buffers(model, bare)
+    assert_grads(model, bare)
+
+
+def qat_net():
+    ao = pytest.importorskip("torch.ao.quantization")
+    torch.manual_seed(0)
+    m = nn.Sequential(ao.QuantStub(), nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3), ao.DeQuantStub())
+    m.train()
+    m.qconfig = ao.get_default_qat_qconfig("fbgemm")
+    return ao.prepare_qat(m)
+
+
+@pytest.mark.parametrize("route, phase", ROUTES, ids=ROUTE_IDS)
+def test_quantization_observers_sized_and_updated_by_the_forward(route, phase):
+    """Quantization-aware training: the per-channel observers size their buffers in the first forward and every
+    observer updates a moving average in each (from replica 0's chunk, upstream's rule: one sample repeated)."""
+    bare = qat_net()
+    dp, model = wrapped(bare)
+    for s in range(3):
+        x, y = one_sample_repeated(18, s)
+        wrapper_step(dp, route, phase, (x.float(),), lambda out: F.cross_entropy(out, y))
+        bare_step(bare, (x.float(),), lambda out: F.cross_entropy(out, y))
+        for (name, b), c in zip(model.named_buffers(), bare.buffers()):
+            assert b.shape == c.shape, (s, name)
+            torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {s}, {name}: {m}")
+
+
+# ---- random draws --------------------------------------------------------------------------------------------------
+
+
+def dropout_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.3), nn.Tanh(), nn.Linear(32, 3)).double()
+
+
+@pytest.mark.parametrize("route, phase", ROUTES, ids=ROUTE_IDS)
+def test_a_rescued_step_draws_what_the_same_step_draws_when_nothing_fails(route, phase):
+    """Each replica draws its own chunk's dropout mask, so no split draws the bare model's masks (with or without a
+    rescue). What the rescue keeps: the random generators are put back before the step runs again, so the step
+    draws, computes and leaves the generators as the same step, on the split it ran with, does when nothing fails."""
+    bare = dropout_net()
+    dp, model = wrapped(bare)
+    x, y = data(18)
+    torch.manual_seed(5)
+    loss = wrapper_step(dp, route, phase, (x,), lambda out: F.cross_entropy(out, y))
+    state = torch.get_rng_state()
+    ref, ref_model = wrapped(bare, chunk_sizes=dp._last_step.chunk_sizes)
+    torch.manual_seed(5)
+    ref_loss = wrapper_step(ref, route, None, (x,), lambda out: F.cross_entropy(out, y))
+    assert ref._last_step.chunk_sizes == dp._last_step.chunk_sizes
+    assert_close(loss, ref_loss, "the loss")
+    assert_grads(model, ref_model)
+    assert torch.equal(state, torch.get_rng_state())
+
+
 # ---- the report ----------------------------------------------------------------------------------------------------
 
 
@@ -192,3 +329,31 @@ def test_rows_move_from_the_split_the_failed_attempt_ran(route, phase, chunk_siz
         share = before[i] * others / (sum(before) - before[2])
         assert before[i] <= after[i] <= share + 1, (i, before, after)
     assert_grads(model, bare)
+
+
+# ---- a step that fails twice ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route, phase", [r for r in ROUTES if r[1]], ids=[i for r, i in zip(ROUTES, ROUTE_IDS)
+                                                                             if r[1]])
+@pytest.mark.parametrize("how", ["resize_", "set_"])
+def test_failing_twice_leaves_every_observable_as_before_the_step(route, phase, how):
+    """Every attempt runs out of memory: the first error is raised, and .grad, the buffers (sized by the forward
+    here: their values, sizes and the bytes their storage holds) and the random generators are as before the step,
+    as the bare model's that never ran it."""
+    bare = LazyTotal(how)
+    dp, model = wrapped(bare)
+    x, y = data(18)
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    injection = fastdp.inject_oom(dp, 1, phase=phase)
+    with pytest.warns(RuntimeWarning), pytest.raises(torch.OutOfMemoryError):
+        if route == "train_step":
+            dp.train_step(x, loss_fn=lambda out: F.cross_entropy(out, y))
+        else:
+            F.cross_entropy(dp(x), y).backward()
+    assert injection.fired == 2
+    assert_grads(model, bare)
+    assert_buffers(model, bare)
+    assert model.total.untyped_storage().nbytes() == bare.total.untyped_storage().nbytes()
+    assert torch.equal(state, torch.get_rng_state())

@@ -2,19 +2,25 @@
 ``dp.train_step``'s (``train_step``). The wrapper hands it what one step needs (a :class:`Context`) and the attempt,
 a callable; the rescue decides what is put back, where the rows go, and runs the attempt again.
 
-NOTE [out-of-memory rescue]: what fastdp runs itself, it can run again. A forward over several devices is fastdp's
-from scatter to gather: when a replica (or the gather) raises ``torch.OutOfMemoryError``, the wrapper puts the
-master's buffers back as they were before the step (BatchNorm counts the batch once), lets go of everything the
-failed attempt held, moves half of that device's rows to the others (for good: the next steps use the new split)
-and runs the forward once more with the same batch. The backward is the user's (``loss.backward()``): once it has
-failed, what it wrote cannot be told apart from what was there. So ``dp.train_step(...)`` runs forward and
-backward for the user: its backward computes the gradients with ``torch.autograd.grad`` and adds them to ``.grad``
-only when all of them exist, so a failed backward leaves ``.grad`` as it was; then it moves rows and runs forward and
-backward once more. A second failure raises the first error, with advice. See docs/balance.md.
+NOTE [out-of-memory rescue]: what fastdp runs itself, it can run again, and a rescued step is an ordinary step. A
+forward over several devices is fastdp's from scatter to gather: when a replica (or the gather) raises
+``torch.OutOfMemoryError``, the rescue puts back what the failed attempt changed (every buffer of the module, in
+whatever mode its layers ran, with its size and storage; the random generators; the report's record of the
+attempt), lets go of everything the attempt held, moves half of that device's rows (of the split the attempt ran)
+to the others, for good, and runs the forward once more with the same batch. The backward is the user's
+(``loss.backward()``): once it has failed, what it wrote cannot be told apart from what was there. So
+``dp.train_step(...)`` runs forward and backward for the user: its backward takes the gradients of every leaf of
+the loss's graph (what ``loss.backward()`` would fill: parameters of the module and of the loss, inputs) with
+``torch.autograd.grad`` and adds them to ``.grad`` only when all of them exist, so a failed backward leaves
+``.grad`` as it was; what ``no_sync()`` kept is reduced into ``.grad`` before the first attempt. Then it moves rows
+and runs forward and backward once more. A second failure raises the first error, with advice. One rescue per
+step: train_step's forward is rescued by train_step's rescue, as part of the whole step. See docs/balance.md,
+"What a rescued step keeps".
 """
 
 import collections
 import re
+import threading
 import traceback
 import warnings
 
@@ -61,30 +67,40 @@ class Rescue:
         self.rescues = []
 
     def run(self, ctx, attempt):
-        """``attempt()``; on an out-of-memory error, the buffers put back, rows moved away from the failing device
-        and ``attempt()`` once more; a second failure raises the first error with advice (NOTE [out-of-memory
-        rescue])."""
-        buffers = _Buffers(ctx.module)
-        forget_records = ctx.mark_records()
+        """``attempt()``; on an out-of-memory error, what the attempt changed put back (:class:`_Before`), rows moved
+        away from the failing device and ``attempt()`` once more; a second failure raises the first error with
+        advice (NOTE [out-of-memory rescue]). Inside this rescue's own attempt (train_step's forward), the attempt
+        runs as it is: the outer rescue puts back and runs again the whole step."""
+        outer = getattr(_running, "rescues", ())
+        if any(r is self for r in outer):
+            return attempt()
+        _running.rescues = outer + (self,)
+        try:
+            return self._run(ctx, attempt)
+        finally:
+            _running.rescues = outer
+
+    def _run(self, ctx, attempt):
+        before = _Before(ctx)
         try:
             return attempt()
         except OOM as error:
             if getattr(error, "_fastdp_rescued", False):
-                raise  # a rescue inside (the forward's own) already ran it twice
+                raise  # a rescue inside (a nested wrapper's) already ran it twice
             _free(error)
-            buffers.restore()
+            before.restore()
             position = failed_position(ctx, error)
             moved = move_rows(ctx, position)
             if moved is None:
                 _advise(error, ctx, position, None)
                 raise
-            forget_records()  # the failed attempt is not a step of the report
+            before.forget_records()  # the failed attempt is not a step of the report
             self._note(position, moved)
             try:
                 return attempt()
             except OOM as again:
                 _free(again)
-                buffers.restore()
+                before.restore()
                 _advise(error, ctx, position, moved, again)
             raise error
 
@@ -93,20 +109,71 @@ class Rescue:
         warnings.warn(
             f"fastdp (oom='rebalance'): out of memory at position {position}; its rows {moved[0][position]} -> "
             f"{moved[1][position]} for this and the next steps (split {moved[0]} -> {moved[1]}), and the step ran "
-            "again", RuntimeWarning, stacklevel=4)
+            "again", RuntimeWarning, stacklevel=5)
+
+
+_running = threading.local()  # per thread: the rescues whose attempt runs now, innermost last
+
+
+class _Before:
+    """What an attempt can change, as it was before it, put back after it failed (docs/balance.md, "What a rescued
+    step keeps"): the module's buffers, the random generators the replicas draw from, and the report's records
+    (``forget_records``, before the step runs again; a step that fails twice keeps the record of its last
+    attempt)."""
+
+    def __init__(self, ctx):
+        self.buffers = _Buffers(ctx.module)
+        self.generators = _Generators(ctx.device_ids)
+        self.forget_records = ctx.mark_records()
+
+    def restore(self):
+        self.buffers.restore()
+        self.generators.restore()
 
 
 class _Buffers:
-    """The master's buffers before a step (what a forward changes: BatchNorm statistics), to put back after a
-    failed attempt."""
+    """Every buffer of the module before a step, whatever the modes of its layers (a forward writes buffers in eval()
+    too: BatchNorm layers left training for re-estimation, quantization observers, caches): the tensor each module
+    holds under each name, its storage, its place there and its values, so that what a failed attempt wrote (in
+    place or through ``.data``), resized, moved to other memory (``set_``) or rebound is put back as it was. The
+    values are written back without a version bump (through ``.data``): a graph of an earlier forward that saved
+    a buffer the attempt left alone stays valid, as on the bare model."""
 
     def __init__(self, module):
-        self.saved = [(b, b.clone()) for b in module.buffers() if not b.requires_grad] if module.training else []
+        with torch.no_grad():
+            self.saved = [(m, name, b, b.untyped_storage(), _place(b), b.clone(memory_format=torch.preserve_format))
+                          for m in module.modules() for name, b in m.named_buffers(recurse=False)]
 
     def restore(self):
         with torch.no_grad():
-            for b, copy in self.saved:
-                b.copy_(copy)
+            for m, name, b, storage, place, values in self.saved:
+                if getattr(m, name, None) is not b:
+                    setattr(m, name, b)
+                if _place(b) != place:
+                    if storage.nbytes() != place[1]:
+                        storage.resize_(place[1])  # grown in place by the attempt
+                    b.set_(storage, place[2], place[3], place[4])
+                b.data.copy_(values)
+
+
+def _place(b):
+    """Where a tensor's values are: (its storage's address and bytes, its offset, size and strides there)."""
+    storage = b.untyped_storage()
+    return storage.data_ptr(), storage.nbytes(), b.storage_offset(), b.size(), b.stride()
+
+
+class _Generators:
+    """The default random generators the replicas draw from (the host's, and each CUDA device's of device_ids)
+    before a step, put back after a failed attempt: the step run again draws what the failed attempt drew."""
+
+    def __init__(self, device_ids):
+        self.host = torch.get_rng_state()
+        self.devices = {d: torch.cuda.get_rng_state(d) for d in set(device_ids) if d != _devices.CPU}
+
+    def restore(self):
+        torch.set_rng_state(self.host)
+        for d, state in self.devices.items():
+            torch.cuda.set_rng_state(state, d)
 
 
 def _free(error):

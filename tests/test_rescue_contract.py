@@ -311,9 +311,9 @@ def test_a_rescued_step_is_one_step_of_the_report(route, phase):
 @pytest.mark.parametrize("route, phase", [r for r in ROUTES if r[1]], ids=[i for r, i in zip(ROUTES, ROUTE_IDS)
                                                                              if r[1]])
 def test_rows_move_from_the_split_the_failed_attempt_ran(route, phase, chunk_sizes):
-    """The failing position gives up rows of the split the failed attempt ran (the user's, not torch.chunk's), and
-    they go to the others in proportion to their rows: a device the split leaves idle stays idle, no device gets
-    fewer rows than it had, none more than its share of the moved rows (and one for rounding)."""
+    """The failing position runs fewer rows than it ran in the failed attempt (the user's split, not torch.chunk's),
+    and its rows go to the others in proportion to theirs: a device the split leaves idle stays idle, no device
+    gets fewer rows than it had, none more than its share of the moved rows (and one for rounding)."""
     bare = mlp()
     x, y = data(18)
     ref, _ = wrapped(bare, chunk_sizes=chunk_sizes)
@@ -328,6 +328,23 @@ def test_rows_move_from_the_split_the_failed_attempt_ran(route, phase, chunk_siz
     for i in (0, 1):
         share = before[i] * others / (sum(before) - before[2])
         assert before[i] <= after[i] <= share + 1, (i, before, after)
+    assert_grads(model, bare)
+
+
+@pytest.mark.parametrize("route, phase", [r for r in ROUTES if r[1]], ids=[i for r, i in zip(ROUTES, ROUTE_IDS)
+                                                                             if r[1]])
+def test_a_device_a_small_batch_left_without_rows_keeps_its_share(route, phase):
+    """torch.chunk's rule runs a batch smaller than the devices on the first ones only: a rescue of such a batch
+    halves the failing device's share of every batch and leaves the others theirs, so the next, larger batch runs
+    on every device again, the failing one with fewer rows than the others."""
+    bare = mlp()
+    dp, model = wrapped(bare)
+    for s, n in enumerate((2, 18)):
+        x, y = data(n, seed=s)
+        wrapper_step(dp, route, phase if s == 0 else None, (x,), lambda out: F.cross_entropy(out, y), position=0)
+        bare_step(bare, (x,), lambda out: F.cross_entropy(out, y))
+    rows = dp._last_step.chunk_sizes
+    assert 0 < rows[0] < min(rows[1:]), rows
     assert_grads(model, bare)
 
 

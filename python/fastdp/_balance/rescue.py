@@ -6,8 +6,8 @@ NOTE [out-of-memory rescue]: what fastdp runs itself, it can run again, and a re
 forward over several devices is fastdp's from scatter to gather: when a replica (or the gather) raises
 ``torch.OutOfMemoryError``, the rescue puts back what the failed attempt changed (every buffer of the module, in
 whatever mode its layers ran, with its size and storage; the random generators; the report's record of the
-attempt), lets go of everything the attempt held, moves half of that device's rows (of the split the attempt ran)
-to the others, for good, and runs the forward once more with the same batch. The backward is the user's
+attempt), lets go of everything the attempt held, halves that device's weight in the split, for good (again until
+it runs fewer rows than the attempt ran), and runs the forward once more with the same batch. The backward is the user's
 (``loss.backward()``): once it has failed, what it wrote cannot be told apart from what was there. So
 ``dp.train_step(...)`` runs forward and backward for the user: its backward takes the gradients of every leaf of
 the loss's graph (what ``loss.backward()`` would fill: parameters of the module and of the loss, inputs) with
@@ -217,8 +217,8 @@ def _rows(ctx):
 
 
 def move_rows(ctx, position):
-    """Halves ``position``'s rows for this and the next steps; (rows before, rows after), or None when it has no
-    row left to give."""
+    """Moves rows away from ``position`` for this and the next steps: its weight in the split halved (AutoSplit's
+    ``avoid``); (rows before, rows after), or None when it has no row to give or no other device takes rows."""
     before = _rows(ctx)
     if before[position] < 1 or len(before) < 2:
         return None
@@ -226,13 +226,29 @@ def move_rows(ctx, position):
     if isinstance(rule, _split.AutoSplit):
         rule.avoid(position)
     else:
-        weights = [float(n) for n in before]
-        weights[position] /= 2
-        rule = _split.parse_chunk_sizes(weights, len(ctx.device_ids))
+        rule = _halved(rule, position, before)
+        if rule is None:
+            return None
         ctx.set_split(rule)
     batch = sum(before)
     after = _split.split_for(rule, (torch.empty(batch, 0),), {}, 0, len(before))
     return before, after
+
+
+def _halved(rule, position, before):
+    """The rule's weights (torch.chunk's rule: equal ones) with ``position``'s halved, again until it runs fewer rows
+    of this batch than the failed attempt's ``before``: the other devices keep their proportions for batches of any
+    size (a device left without rows by a small batch is not left out for good, one the rule gives no weight stays
+    idle). None when no other device has weight."""
+    weights = _split.weights_of(rule, len(before))
+    if not any(w > 0 for i, w in enumerate(weights) if i != position):
+        return None
+    batch = sum(before)
+    while True:
+        weights[position] /= 2
+        halved = _split.parse_chunk_sizes(weights, len(before))
+        if halved.split(batch, 0)[position] < before[position]:
+            return halved
 
 
 def _advise(error, ctx, position, moved, again=None):
@@ -240,7 +256,7 @@ def _advise(error, ctx, position, moved, again=None):
     device = ctx.device_ids[position]
     name = "cpu" if device == _devices.CPU else f"cuda:{device}"
     if moved is None:
-        what = f"{name} (position {position}) had no rows left to give"
+        what = f"{name} (position {position}) could give no rows away (it ran none, or no other device takes rows)"
     else:
         what = (f"moved rows away from {name} (position {position}: {moved[0][position]} -> {moved[1][position]} "
                 f"rows of {sum(moved[0])}) and ran the step once more with the same batch")

@@ -16,8 +16,8 @@ from torch.nn.utils.rnn import PackedSequence
 from .._platform import devices as _devices
 from . import memory as _memory
 
-__all__ = ["AutoSplit", "largest_remainder", "parse_chunk_sizes", "begin_forward", "split_for", "check_target",
-           "parse_broadcast"]
+__all__ = ["AutoSplit", "largest_remainder", "parse_chunk_sizes", "begin_forward", "split_for", "weights_of",
+           "check_target", "parse_broadcast"]
 
 
 def largest_remainder(weights, total):
@@ -249,6 +249,16 @@ def split_for(rule, inputs, kwargs, dim, ndev):
     if isinstance(rule, AutoSplit):
         return rule.split(batch, dim, ndev)
     return rule.split(batch, dim)
+
+
+def weights_of(rule, ndev):
+    """Each device's relative weight under a sizes or weights rule (None, torch.chunk's rule: equal weights; sizes:
+    the sizes), as a new list of floats."""
+    if rule is None:
+        return [1.0] * ndev
+    if isinstance(rule, _Explicit):
+        return [float(n) for n in rule.sizes]
+    return [float(w) for w in rule.weights]
 
 
 def check_target(inputs, kwargs, target, dim):

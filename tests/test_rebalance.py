@@ -22,7 +22,7 @@ from fastdp._balance import memory as _memory
 
 from _fake_cuda import FakeCuda
 from _reference import TOL, params_close
-from _report_cases import data, mlp, sleep_in_forward, train
+from _report_cases import bn_model, data, mlp, sleep_in_forward, train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -116,11 +116,6 @@ def test_peak_window_sees_device_0s_backward_high_and_never_resets_the_users_cou
 
 
 # ---- out-of-memory rescue ----------------------------------------------------------------------------------------
-
-
-def bn_model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3)).double()
 
 
 def test_forward_oom_moves_rows_and_counts_the_batch_once():

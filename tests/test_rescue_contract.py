@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import fastdp
 
 from _reference import TOL
-from _report_cases import data, mlp
+from _report_cases import bn_model, data, mlp
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,6 +29,8 @@ R = 3
 ROUTES = [("train_step", None), ("train_step", "forward"), ("train_step", "backward"),
           ("loss.backward", None), ("loss.backward", "forward")]
 ROUTE_IDS = [f"{route}-{phase or 'no-oom'}" for route, phase in ROUTES]
+RESCUED = [route for route in ROUTES if route[1]]  # the routes with an injected error
+RESCUED_IDS = [i for route, i in zip(ROUTES, ROUTE_IDS) if route[1]]
 
 
 def wrapped(bare, convert=None, **options):
@@ -154,12 +156,6 @@ def test_a_no_sync_window_closed_by_either_route_reduces_what_no_sync_kept(route
 # ---- buffers, running statistics and counters ----------------------------------------------------------------------
 
 
-def bn_net(momentum=0.1):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=momentum), nn.Tanh(),
-                         nn.Linear(16, 3)).double()
-
-
 def set_mode(model, mode):
     """"train", or "re-estimate": the model in eval() with its BatchNorm layers in train(), as BatchNorm
     re-estimation (after SWA, after pruning) runs it."""
@@ -185,7 +181,7 @@ def test_running_statistics_and_counters_count_the_batch_once(route, phase, laye
     training and with only the BatchNorm layers training. "synced": SyncBatchNorm across the replicas (the full
     batch's statistics); "chunk-0": BatchNorm, statistics from replica 0's chunk (upstream's rule), which runs
     before the failing replica, on one sample repeated."""
-    bare = bn_net(momentum)
+    bare = bn_model(momentum=momentum)
     dp, model = wrapped(bare, convert=fastdp.convert_sync_batchnorm if layers == "synced" else None)
     for m in (bare, model):
         set_mode(m, mode)
@@ -308,8 +304,7 @@ def test_a_rescued_step_is_one_step_of_the_report(route, phase):
 
 @pytest.mark.parametrize("chunk_sizes", [[0, 9, 9], [2, 8, 8], [1.0, 2.0, 2.0]], ids=["idle-device-0", "sizes",
                                                                                       "weights"])
-@pytest.mark.parametrize("route, phase", [r for r in ROUTES if r[1]], ids=[i for r, i in zip(ROUTES, ROUTE_IDS)
-                                                                             if r[1]])
+@pytest.mark.parametrize("route, phase", RESCUED, ids=RESCUED_IDS)
 def test_rows_move_from_the_split_the_failed_attempt_ran(route, phase, chunk_sizes):
     """The failing position runs fewer rows than it ran in the failed attempt (the user's split, not torch.chunk's),
     and its rows go to the others in proportion to theirs: a device the split leaves idle stays idle, no device
@@ -331,8 +326,7 @@ def test_rows_move_from_the_split_the_failed_attempt_ran(route, phase, chunk_siz
     assert_grads(model, bare)
 
 
-@pytest.mark.parametrize("route, phase", [r for r in ROUTES if r[1]], ids=[i for r, i in zip(ROUTES, ROUTE_IDS)
-                                                                             if r[1]])
+@pytest.mark.parametrize("route, phase", RESCUED, ids=RESCUED_IDS)
 def test_a_device_a_small_batch_left_without_rows_keeps_its_share(route, phase):
     """torch.chunk's rule runs a batch smaller than the devices on the first ones only: a rescue of such a batch
     halves the failing device's share of every batch and leaves the others theirs, so the next, larger batch runs
@@ -351,8 +345,7 @@ def test_a_device_a_small_batch_left_without_rows_keeps_its_share(route, phase):
 # ---- a step that fails twice ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("route, phase", [r for r in ROUTES if r[1]], ids=[i for r, i in zip(ROUTES, ROUTE_IDS)
-                                                                             if r[1]])
+@pytest.mark.parametrize("route, phase", RESCUED, ids=RESCUED_IDS)
 @pytest.mark.parametrize("how", ["resize_", "set_"])
 def test_failing_twice_leaves_every_observable_as_before_the_step(route, phase, how):
     """Every attempt runs out of memory: the first error is raised, and .grad, the buffers (sized by the forward

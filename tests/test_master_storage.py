@@ -346,19 +346,22 @@ class LazyStats(nn.Module):
         return h * (self.hi - self.lo) + self.mean
 
 
+@pytest.mark.parametrize("device0", ["runs", "idle"])
 @pytest.mark.parametrize("how", ["resize_", "resize_as_", "set_"])
-def test_buffers_sized_in_forward(how):
+def test_buffers_sized_in_forward(how, device0):
     """Each replica's buffer grows on its own (the other replicas' buffers are not views of one flat buffer, which
-    growing in place would write across); the master's grows as the bare model's does."""
+    growing in place would write across); the master's grows as the bare model's does, and when device 0 runs no
+    chunk it takes the first running replica's size with its values."""
     model, ref = LazyStats(how), LazyStats(how)
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    idle = device0 == "idle"
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R, chunk_sizes=[0.0] + [1.0] * (R - 1) if idle else None)
     torch.manual_seed(1)
     for _ in range(3):
-        x = torch.randn(9, 6, dtype=torch.float64)
+        x = torch.randn(9 - 3 * idle, 6, dtype=torch.float64)
         for m in (model, ref):
             m.zero_grad()
         loss_of(dp, x).backward()
-        by_hand(ref, x)
+        by_hand(ref, x, nrep=R - idle)
         assert_same_grads(model, ref)
         assert_same_state(model, ref)
 

@@ -25,4 +25,6 @@ class BufferWatch:
     def copy_back(self):
         with torch.no_grad():
             for b, r in self.pairs:
+                if b.shape != r.shape:  # sized by the forward (a lazily sized buffer, an observer): the size too
+                    b.resize_(r.shape)
                 b.copy_(r)

@@ -11,7 +11,9 @@ class BufferWatch:
     stats, num_batches_tracked) are copied back to the master's after the forward, as upstream keeps replica 0's.
 
     All of them are copied: BatchNorm updates its running stats inside the kernel without bumping their version
-    counters, so changed buffers cannot be told apart cheaply; unchanged ones hold the master's values anyway.
+    counters, so changed buffers cannot be told apart cheaply; unchanged ones hold the master's values anyway. The
+    master's version counter moves only where the replica's did (a write the master's own forward would have
+    counted): a pending graph that saved a master buffer the forward left alone stays valid, as on the bare model.
     """
 
     def __init__(self, master, replica):
@@ -20,11 +22,11 @@ class BufferWatch:
         for name, b in master.named_buffers():
             r = theirs.get(name)
             if r is not None and r is not b and not b.requires_grad and r.shape == b.shape:
-                self.pairs.append((b, r))
+                self.pairs.append((b, r, r._version))
 
     def copy_back(self):
         with torch.no_grad():
-            for b, r in self.pairs:
+            for b, r, version in self.pairs:
                 if b.shape != r.shape:  # sized by the forward (a lazily sized buffer, an observer): the size too
                     b.resize_(r.shape)
-                b.copy_(r)
+                (b if r._version != version else b.data).copy_(r)

@@ -1,5 +1,6 @@
 """The model, data and injections the tests of ``dp.report()`` and of rebalancing share (tests/test_report_*.py,
-test_rebalance.py): a float64 MLP, seeded batches, a sleep injected in one replica's forward, and a training loop."""
+test_rebalance.py, test_rescue_contract.py): a float64 MLP (and one with a BatchNorm), seeded batches, a sleep
+injected in one replica's forward, and a training loop."""
 
 import time
 
@@ -15,6 +16,13 @@ def mlp(seed=0, width=32):
     torch.manual_seed(seed)
     layers = [nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 3)]
     return nn.Sequential(*layers).double()
+
+
+def bn_model(seed=0, momentum=0.1):
+    """The MLP's shape with a BatchNorm (running statistics, num_batches_tracked) after its first layer."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=momentum), nn.Tanh(),
+                         nn.Linear(16, 3)).double()
 
 
 def data(n, seed=1):

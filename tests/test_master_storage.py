@@ -354,21 +354,58 @@ class LazyStats(nn.Module):
         return h * (self.hi - self.lo) + self.mean
 
 
+@pytest.mark.parametrize("device0", ["runs", "idle"])
 @pytest.mark.parametrize("how", ["resize_", "resize_as_", "set_"])
-def test_buffers_sized_in_forward(how):
+def test_buffers_sized_in_forward(how, device0):
     """Each replica's buffer grows on its own (the other replicas' buffers are not views of one flat buffer, which
-    growing in place would write across); the master's grows as the bare model's does."""
+    growing in place would write across); the master's grows as the bare model's does, and when device 0 runs no
+    chunk it takes the first running replica's size with its values."""
     model, ref = LazyStats(how), LazyStats(how)
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    idle = device0 == "idle"
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R, chunk_sizes=[0.0] + [1.0] * (R - 1) if idle else None)
     torch.manual_seed(1)
     for _ in range(3):
-        x = torch.randn(9, 6, dtype=torch.float64)
+        x = torch.randn(9 - 3 * idle, 6, dtype=torch.float64)
         for m in (model, ref):
             m.zero_grad()
         loss_of(dp, x).backward()
-        by_hand(ref, x)
+        by_hand(ref, x, nrep=R - idle)
         assert_same_grads(model, ref)
         assert_same_state(model, ref)
+
+
+class ParamScaled(nn.Module):
+    """A buffer computed from the parameters and written by a forward only when it changes; the forward's graph
+    saves it (it scales the output)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6).double()
+        self.register_buffer("scale", torch.zeros(6, dtype=torch.float64))
+
+    def forward(self, x):
+        value = self.lin.weight.detach().abs().mean(1) + 1
+        if not torch.equal(self.scale, value):
+            self.scale.copy_(value)
+        return self.lin(x) * self.scale
+
+
+def test_a_forward_without_device_0_keeps_a_pending_graph_valid():
+    """A forward whose batch runs without device 0 (a small one under weights that give device 0 the smallest
+    share) between a training forward that saved a master buffer and its backward: the buffer copied back is the
+    one the master holds, written without a version bump, so the backward runs as the bare model's."""
+    model, ref = ParamScaled(), ParamScaled()
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R, chunk_sizes=[0.5] + [1.0] * (R - 1))
+    torch.manual_seed(1)
+    x, small = torch.randn(9, 6, dtype=torch.float64), torch.randn(1, 6, dtype=torch.float64)
+    loss = loss_of(dp, x)
+    with torch.no_grad():
+        dp(small)
+    loss.backward()
+    loss_of(ref, x).backward()
+    assert_same_grads(model, ref)
+    assert_same_state(model, ref)
 
 
 def test_quantization_aware_training_with_per_channel_observers():

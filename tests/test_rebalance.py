@@ -9,6 +9,7 @@ Timings only against injected sleeps, with generous bounds (never a speed), on o
 """
 
 import copy
+import threading
 import weakref
 
 import pytest
@@ -21,7 +22,7 @@ from fastdp._balance import memory as _memory
 
 from _fake_cuda import FakeCuda
 from _reference import TOL, params_close
-from _report_cases import data, mlp, sleep_in_forward, train
+from _report_cases import bn_model, data, mlp, sleep_in_forward, train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -117,11 +118,6 @@ def test_peak_window_sees_device_0s_backward_high_and_never_resets_the_users_cou
 # ---- out-of-memory rescue ----------------------------------------------------------------------------------------
 
 
-def bn_model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3)).double()
-
-
 def test_forward_oom_moves_rows_and_counts_the_batch_once():
     model = bn_model()
     bare = copy.deepcopy(model)
@@ -158,6 +154,21 @@ def test_forward_oom_rescue_equals_the_bare_model():
     params_close(model, bare)
     assert dp._split.settled and dp._last_step.chunk_sizes[0] < 7
     assert dp.report().steps == 3  # the failed attempt is not a step
+
+
+def test_an_injected_forward_oom_ends_the_replica_where_synced_layers_see_it():
+    """The injected error is raised inside the replica's own forward, as a failing allocation is: the replicas
+    waiting for it in a synced layer are released, and the step is rescued instead of hanging."""
+    model = fastdp.convert_sync_batchnorm(bn_model())
+    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, oom="rebalance")
+    injection = fastdp.inject_oom(dp, 1, times=1)
+    x = data(18)[0]
+    done = []
+    worker = threading.Thread(target=lambda: done.append(dp(x).shape), daemon=True)
+    with pytest.warns(RuntimeWarning, match="position 1"):
+        worker.start()
+        worker.join(60)
+    assert done == [(18, 3)] and injection.fired == 1
 
 
 def test_the_failed_attempt_leaves_nothing_alive_before_the_retry():

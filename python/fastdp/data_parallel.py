@@ -238,10 +238,10 @@ class DataParallel(_upstream.UPSTREAM):
                 "transform to the wrapped module (dp.module), or take gradients with torch.autograd.grad or "
                 "backward(inputs=...), which work through the wrapper."
             )
-        step = self._new_step(loss, avoided_gather_bytes)
         if self.__dict__.get("_oom") is not None:
-            return self._rescued(step, inputs, kwargs)
-        return self._run_step(step, inputs, kwargs)
+            return self._oom.run(self._rescue_context(inputs, kwargs),
+                                 lambda: self._run_step(self._new_step(loss, avoided_gather_bytes), inputs, kwargs))
+        return self._run_step(self._new_step(loss, avoided_gather_bytes), inputs, kwargs)
 
     def _new_step(self, loss, avoided_gather_bytes):
         step = _step.Step(self, loss, self._keep_outcome)
@@ -253,23 +253,23 @@ class DataParallel(_upstream.UPSTREAM):
         """What a forward found (fastdp._step.step.Outcome), kept until the next one: the step publishes it."""
         self.__dict__["_last_step"] = _step.merged(self.__dict__.get("_last_step"), outcome)
 
-    def _rescued(self, step, inputs, kwargs):
-        """The forward under ``oom="rebalance"``: the step, and once more on a new step when the rescue has moved
-        rows away from a device that ran out of memory (NOTE [out-of-memory rescue])."""
-
-        def retry():
-            if step.recorder is not None:
-                step.recorder.discard_open()  # the failed attempt is not a step of the report
-            if self._replica_set is not None:
-                self._replica_set.reducer.settle()  # the failed attempt's reductions leave their memory
-            return self._run_step(self._new_step(step.loss, step.avoided_gather_bytes), inputs, kwargs)
-
-        return self._oom.run(self._rescue_context(step, inputs, kwargs),
-                             lambda: self._run_step(step, inputs, kwargs), retry)
-
-    def _rescue_context(self, step, inputs, kwargs):
+    def _rescue_context(self, inputs, kwargs):
+        """What the out-of-memory rescue of one step needs (NOTE [out-of-memory rescue]): what the failed attempt ran
+        is the Outcome its forward published (its step has ended by the time the rescue asks)."""
         return _rescue.Context(self.module, self.device_ids, self.dim, self.__dict__.get("_criterion") is None,
-                               lambda: self.__dict__.get("_split"), self._set_split, step, inputs, kwargs)
+                               lambda: self.__dict__.get("_split"), self._set_split,
+                               lambda: self.__dict__.get("_last_step"), inputs, kwargs, self._recording.mark,
+                               self._reduce_unsynced, self._settle_reductions)
+
+    def _reduce_unsynced(self):
+        """What no_sync() kept reaches the master's .grad now (train_step's rescue, before its first attempt)."""
+        if self._replica_set is not None:
+            self._replica_set.flush_unsynced()
+
+    def _settle_reductions(self):
+        """The reductions a failed attempt left in flight leave their memory before the step runs again."""
+        if self._replica_set is not None:
+            self._replica_set.reducer.settle()
 
     def _set_split(self, rule):
         self.__dict__["_split"] = rule
@@ -580,7 +580,7 @@ class DataParallel(_upstream.UPSTREAM):
         failed attempt (docs/balance.md)."""
         rescue = self._oom if self._sync_enabled else None  # no_sync's per-replica sums cannot be rolled back
         return _rescue.train_step(lambda: self(*inputs, **kwargs), loss_fn, rescue,
-                                  self._rescue_context(None, inputs, kwargs))
+                                  self._rescue_context(inputs, kwargs))
 
     def __getstate__(self):
         state = self.__dict__.copy()

@@ -1,6 +1,11 @@
 """``fastdp.inject_oom``: the test hook of the out-of-memory rescue, for emulated replicas, where no allocation can
 fail. The injection runs where the step's recording runs each replica (fastdp._report.recorder.ReplicaSite)."""
 
+import contextlib
+import threading
+
+import torch
+
 from .._platform import devices as _devices
 from .._report import recorder as _recorder
 from . import split as _split
@@ -30,11 +35,27 @@ class Injection:
         error._fastdp_position = self.position
         return error
 
+    @contextlib.contextmanager
     def forward(self, position, args, kwargs):
-        if self.phase == "forward":
-            rows = self._due(position, args, kwargs)
-            if rows is not None:
+        """Around the replica's call: the error, when due, is raised by the first module forward this thread enters,
+        the replica's own, as a real allocation failing there is (what wraps the replica, the synced layers' session
+        among them, sees it end with the error)."""
+        rows = self._due(position, args, kwargs) if self.phase == "forward" else None
+        if rows is None:
+            yield
+            return
+        thread = threading.get_ident()
+
+        def fail(module, inputs):
+            if threading.get_ident() == thread:
+                handle.remove()
                 raise self._error(rows)
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(fail)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def backward(self, position, args, kwargs, output):
         if self.phase != "backward":

@@ -18,7 +18,7 @@ from .._platform import devices as _devices
 from . import memory as _memory
 
 __all__ = ["AutoSplit", "BatchSplit", "largest_remainder", "parse_chunk_sizes", "begin_forward", "split_for",
-           "check_target", "parse_broadcast", "describe"]
+           "weights_of", "check_target", "parse_broadcast", "describe"]
 
 BatchSplit = collections.namedtuple("BatchSplit", ["chunk_sizes", "rule"])
 BatchSplit.__doc__ = """What ``dp.batch_split`` returns: how a ``fastdp.DataParallel`` splits its batch.
@@ -258,6 +258,16 @@ def split_for(rule, inputs, kwargs, dim, ndev):
     if isinstance(rule, AutoSplit):
         return rule.split(batch, dim, ndev)
     return rule.split(batch, dim)
+
+
+def weights_of(rule, ndev):
+    """Each device's relative weight under a sizes or weights rule (None, torch.chunk's rule: equal weights; sizes:
+    the sizes), as a new list of floats."""
+    if rule is None:
+        return [1.0] * ndev
+    if isinstance(rule, _Explicit):
+        return [float(n) for n in rule.sizes]
+    return [float(w) for w in rule.weights]
 
 
 def check_target(inputs, kwargs, target, dim):

@@ -10,6 +10,7 @@ when the report is read, so nothing in the step waits for a device. Records arri
 """
 
 import collections
+import contextlib
 import threading
 import time
 import weakref
@@ -30,6 +31,10 @@ PHASES = ("scatter", "replicate", "forward", "apply", "gather", "backward", "red
 
 _now = time.perf_counter_ns
 _thread_cpu = time.thread_time_ns
+
+
+def _nothing():
+    pass
 
 
 def parse_steps(report, name="report"):
@@ -89,6 +94,14 @@ class Recording:
         if rec is not None:
             rec.inject = self.injection
         self.recorder = rec
+
+    def mark(self):
+        """A callable that forgets the steps recorded from now on (those of an attempt that failed and runs again)."""
+        rec = self.recorder
+        if rec is None:
+            return _nothing
+        opened = rec.opened()
+        return lambda: rec.discard_after(opened)
 
     def scattered(self, step, rows, scattered_bytes, samplers, timings_wanted):
         """After the scatter: the rows each position got (`rows`), the scatter's range and bytes, and the site that
@@ -222,9 +235,14 @@ class Recorder:
         if self.memory is not None:
             self.memory.sample()
 
-    def discard_open(self):
-        """Forgets the step opened last (a forward that failed and runs again): it never ran whole."""
-        if self.open is not None and self.steps and self.steps[-1] is self.open:
+    def opened(self):
+        """How many steps were opened so far (``discard_after`` forgets those opened after)."""
+        return self._count
+
+    def discard_after(self, opened):
+        """Forgets the steps opened after ``opened()`` returned `opened` (an attempt that failed and runs again: it
+        never ran whole)."""
+        while self.steps and self.steps[-1].index > opened:
             self.steps.pop()
         self.open = self.steps[-1] if self.steps else None
 
@@ -324,14 +342,14 @@ class ReplicaSite:
 
     def __call__(self, index, module, args, kwargs, device):
         position = self.positions[index]
-        if self.inject is not None:
-            self.inject.forward(position, args, kwargs)
-        if self.recorder is None:
-            out = module(*args, **kwargs)
-        else:
-            out = self._timed(position, module, args, kwargs, device)
-        if self.inject is not None:
-            self.inject.backward(position, args, kwargs, out)
+        inject = self.inject
+        with contextlib.nullcontext() if inject is None else inject.forward(position, args, kwargs):
+            if self.recorder is None:
+                out = module(*args, **kwargs)
+            else:
+                out = self._timed(position, module, args, kwargs, device)
+        if inject is not None:
+            inject.backward(position, args, kwargs, out)
         return out
 
     def _timed(self, position, module, args, kwargs, device):

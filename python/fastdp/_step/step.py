@@ -54,7 +54,7 @@ class Step:
 
     def __exit__(self, *exc):
         running.steps = self._outer
-        self.publish(Outcome(self.chunk_sizes, self.avoided_gather_bytes))
+        self.publish(Outcome(self.chunk_sizes, self.avoided_gather_bytes, self.run))
         return False
 
     def plan(self, nchunks, device_ids):
@@ -76,11 +76,12 @@ class Step:
         return tuple(per_chunk[i] for i in self.run)
 
 
-Outcome = collections.namedtuple("Outcome", ["chunk_sizes", "avoided_gather_bytes"])
+Outcome = collections.namedtuple("Outcome", ["chunk_sizes", "avoided_gather_bytes", "run"], defaults=(None,))
 Outcome.__doc__ = """What a wrapper's forwards found, kept after them by the wrapper:
 ``chunk_sizes``, the split of the last forward that split the batch (None: torch.chunk's rule);
 ``avoided_gather_bytes``, the outputs the last forward with a criterion did not gather (0 when the criterion ran on
-the gathered output). Plain values: no reference to a step's objects."""
+the gathered output); ``run``, the positions whose replica that forward ran (None before its plan). Plain values:
+no reference to a step's objects."""
 
 
 def merged(last, outcome):

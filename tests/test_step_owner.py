@@ -129,7 +129,7 @@ def test_the_last_step_survives_pickling_under_every_protocol():
     dp(torch.randn(8, 4))
     for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
         clone = pickle.loads(pickle.dumps(dp, protocol=protocol))
-        assert clone._last_step == dp._last_step == ([2, 2, 4], None), protocol
+        assert clone._last_step == dp._last_step == ([2, 2, 4], None, [0, 1, 2]), protocol
 
 
 def test_a_failing_step_ends_and_the_next_one_runs():

@@ -172,9 +172,12 @@ def _loss(model, x):
     ("fx", "wrapper", [2, 4, 3]),
     ("fx", "wrapper", [0, 5, 4]),
 ], ids=["eager", "eager-device0-idle", "eager-data_parallel", "fx", "fx-device0-idle"])
-@pytest.mark.usefixtures("cpu_apply")
 @_qat_test
 def test_fused_qat_model_trains_as_upstreams_rule(how, path, chunk_sizes):
+    # The replicas run in the calling thread: on worker threads a convolution may round its last bit otherwise than
+    # the reference's in this thread (each thread keeps its own OpenMP settings), and fake quantization turns such a
+    # bit into a whole quantization step. What this test guards, buffers of fresh replicas and of an idle device 0,
+    # does not depend on the thread.
     # Upstream's rule (test_master_storage.by_hand): every replica computes its chunk from the master's state before
     # the step, the buffers (observers, BatchNorm statistics) are replica 0's, the first running replica's when
     # device 0 runs no chunk. Replicas made afresh each step ("data_parallel", FX's GraphModule) must not share

@@ -165,6 +165,23 @@ def _loss(model, x):
     return model(x).pow(2).sum()
 
 
+def _train_against_upstreams_rule(dp, model, ref, chunk_sizes, steps, shape):
+    """`steps` SGD steps of `dp` (over `model`) and of `ref` by upstream's rule by hand, on the same batches, the
+    QAT schedule applied to both; gradients, parameters and buffers compared after each."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (ref, model)]
+    gen = torch.Generator().manual_seed(2)
+    for step in range(steps):
+        _qat_schedule(step, (ref, model))
+        x = torch.randn(*shape, generator=gen)
+        dp(x).pow(2).sum().backward()
+        by_hand(ref, x, _loss, sizes=[c for c in chunk_sizes if c] if chunk_sizes else None)
+        for opt in opts:
+            opt.step()
+        _same_grads_and_state(model, ref, f"step {step}")
+        for opt in opts:
+            opt.zero_grad()
+
+
 @pytest.mark.parametrize("how, path, chunk_sizes", [
     ("eager", "wrapper", None),
     ("eager", "wrapper", [0, 5, 4]),
@@ -189,18 +206,7 @@ def test_fused_qat_model_trains_as_upstreams_rule(how, path, chunk_sizes):
     else:
         def dp(x):
             return fastdp.data_parallel(model, x, device_ids=["cpu"] * 3)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (ref, model)]
-    gen = torch.Generator().manual_seed(2)
-    for step in range(3):
-        _qat_schedule(step, (ref, model))
-        x = torch.randn(9, 2, 8, 8, generator=gen)
-        dp(x).pow(2).sum().backward()
-        by_hand(ref, x, _loss, sizes=[c for c in chunk_sizes if c] if chunk_sizes else None)
-        for opt in opts:
-            opt.step()
-        _same_grads_and_state(model, ref, f"step {step}")
-        for opt in opts:
-            opt.zero_grad()
+    _train_against_upstreams_rule(dp, model, ref, chunk_sizes, steps=3, shape=(9, 2, 8, 8))
 
 
 @pytest.mark.parametrize("chunk_sizes", [None, [0, 5, 4]], ids=["chunk", "device0-idle"])
@@ -222,18 +228,7 @@ def test_torchvisions_quantizable_mobilenet_trains_as_upstreams_rule(chunk_sizes
 
     ref, model = build(), build()
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, chunk_sizes=chunk_sizes)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (ref, model)]
-    gen = torch.Generator().manual_seed(2)
-    for step in range(2):
-        _qat_schedule(step, (ref, model))
-        x = torch.randn(9, 3, 32, 32, generator=gen)
-        dp(x).pow(2).sum().backward()
-        by_hand(ref, x, _loss, sizes=[c for c in chunk_sizes if c] if chunk_sizes else None)
-        for opt in opts:
-            opt.step()
-        _same_grads_and_state(model, ref, f"step {step}")
-        for opt in opts:
-            opt.zero_grad()
+    _train_against_upstreams_rule(dp, model, ref, chunk_sizes, steps=2, shape=(9, 3, 32, 32))
 
 
 def _whole_batch_rule(model, x, loss, sizes):

@@ -50,6 +50,17 @@ static inline uint64_t fdp__dict_tag(PyObject *d) {
 }
 #endif
 
+/* NOTE [no lost interrupt]: where the binding drops an error (a fact it can do without), the failed call may have run
+ * Python code (a property, a tensor subclass's __torch_function__, an import), and Ctrl-C is raised as
+ * KeyboardInterrupt in whatever Python code the main thread runs next: dropping it would lose the interrupt. So the
+ * error is dropped and an interrupt re-armed (PyErr_SetInterrupt, as a new SIGINT would), and the interpreter raises
+ * it to the caller at its next check. */
+static inline void fdp__drop_error(void) {
+  int interrupted = PyErr_ExceptionMatches(PyExc_KeyboardInterrupt);
+  PyErr_Clear();
+  if (interrupted) PyErr_SetInterrupt();
+}
+
 /* ---- entry points: each file's table, added to the module by module.c ---- */
 extern PyMethodDef fdp__ops_methods[];       /* ops.c: copy, broadcast, reduce, scatter, gather, plan, ... */
 extern PyMethodDef fdp__refresh_methods[];   /* refresh.c: the kept replicas' per-step refresh */

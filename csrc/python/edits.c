@@ -248,7 +248,7 @@ static int moved_one(watch_object *w, module_state *st, Py_ssize_t i) {
   fdp_tensor_t now;
   int32_t code;
   if (read_now(w, st, i, &now, &code) < 0) {
-    PyErr_Clear();
+    fdp__drop_error(); /* NOTE [no lost interrupt] in binding.h */
     return 1;
   }
   if (!same_tensor(&now, &w->seen[i]) || code != w->codes[i]) return 1;

@@ -32,10 +32,11 @@ static int names_init(PyObject **key) {
   return 0;
 }
 
-/* Whether `entry` is a tuple of ENTRY_ITEMS dicts; TypeError naming its index when not. */
-static int entry_ok(PyObject *entry, Py_ssize_t i) {
+/* Whether `entry` is a tuple of ENTRY_ITEMS whose items from `first` to `last` are dicts; TypeError naming its index
+ * when not. The records need only the replica's own dicts (1 to 4), which is all a step with nothing changed reads. */
+static int entry_ok(PyObject *entry, Py_ssize_t i, int first, int last) {
   int ok = PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == ENTRY_ITEMS;
-  for (Py_ssize_t k = 0; ok && k < ENTRY_ITEMS; k++)
+  for (Py_ssize_t k = first; ok && k <= last; k++)
     ok = PyDict_Check(PyTuple_GET_ITEM(entry, k));
   if (!ok) PyErr_Format(PyExc_TypeError, "entries[%zd] must be a tuple of %d dicts", i, ENTRY_ITEMS);
   return ok;
@@ -86,7 +87,7 @@ static int same_structure(PyObject *entry, PyObject *const *own, PyObject *const
  * change to an owned dict moved its tag, and a __dict__ whose tag moved is asked whether it still holds them (a plain
  * attribute changes it too); without one (the first time, or no tags from CPython 3.12) only the structure can be
  * compared: the caller then reinstalls every value itself. */
-static int entry_edited(PyObject *entry, const uint64_t *rec, PyObject *const *key) {
+static int entry_edited(PyObject *entry, Py_ssize_t i, const uint64_t *rec, PyObject *const *key) {
   PyObject *replica = PyTuple_GET_ITEM(entry, 1);
   PyObject *own[K_COUNT] = {PyTuple_GET_ITEM(entry, 2), PyTuple_GET_ITEM(entry, 3), PyTuple_GET_ITEM(entry, 4)};
   int same;
@@ -95,7 +96,7 @@ static int entry_edited(PyObject *entry, const uint64_t *rec, PyObject *const *k
       if (fdp__dict_tag(own[k]) != rec[1 + k]) return 1;
     same = fdp__dict_tag(replica) == rec[0] ? 1 : holds_own_dicts(replica, own, key);
   } else {
-    same = same_structure(entry, own, key);
+    same = entry_ok(entry, i, 0, ENTRY_ITEMS - 1) ? same_structure(entry, own, key) : -1;
   }
   return same < 0 ? -1 : !same;
 }
@@ -117,7 +118,7 @@ static int find_edits(PyObject *entries, const uint64_t *rec, PyObject *edits) {
   int rc = names_init(key);
   for (Py_ssize_t i = 0; rc == 0 && i < PySequence_Fast_GET_SIZE(entries); i++) {
     PyObject *entry = PySequence_Fast_GET_ITEM(entries, i);
-    int edited = entry_ok(entry, i) ? entry_edited(entry, rec + i * OWNED_RECORD, key) : -1;
+    int edited = entry_ok(entry, i, 1, OWNED_RECORD) ? entry_edited(entry, i, rec + i * OWNED_RECORD, key) : -1;
     PyObject *index = edited == 1 ? PyLong_FromSsize_t(i) : NULL;
     rc = edited < 0 || (edited == 1 && (!index || PyList_Append(edits, index) < 0)) ? -1 : 0;
     Py_XDECREF(index);
@@ -133,7 +134,7 @@ static int record_entry(PyObject *entries, uint64_t *rec, Py_ssize_t i) {
     return -1;
   }
   PyObject *entry = PySequence_Fast_GET_ITEM(entries, i);
-  if (!entry_ok(entry, i)) return -1;
+  if (!entry_ok(entry, i, 1, OWNED_RECORD)) return -1;
   uint64_t *r = rec + i * OWNED_RECORD;
   for (int k = 0; k < OWNED_RECORD; k++)
     r[k] = fdp__dict_tag(PyTuple_GET_ITEM(entry, 1 + k));

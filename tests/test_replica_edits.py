@@ -265,6 +265,16 @@ class ParametersReordered(Base):
         return y
 
 
+class FrozenMadeTrainable(Base):
+    """A frozen parameter made to require grad inside forward (on replica 0's alias with autograd, on the master's own
+    without), read by the next forward."""
+
+    def forward(self, x):
+        y = self.lin(x) * (2 if self.mu.requires_grad else 1)
+        self.mu.requires_grad_(True)
+        return y
+
+
 class ShapeChangedInPlace(Base):
     """A frozen parameter reshaped in place (under no_grad: its metadata only) after its use."""
 
@@ -294,7 +304,7 @@ class BufferGrownInPlace(nn.Module):
 EDITS = [FrozenDataRebound, TrainableDataRebound, DataReboundOffTheMaster, BufferDataRebound, BufferAssigned,
          ParameterAssigned, TrainableParameterAssigned, PlainAttribute, BufferRegistered, ParameterRegistered,
          ModuleRegistered, ModuleSwapped, AttributeDeleted, TrainableParameterDeleted, ParametersReordered,
-         ShapeChangedInPlace]
+         FrozenMadeTrainable, ShapeChangedInPlace]
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])

@@ -466,7 +466,9 @@ class _Kept:
         watch = self.watches.get(grad_enabled)
         if watch is None:  # no forward of this mode has had them yet: they are as made
             installed = self.outs if grad_enabled else self.plain[len(self.got) - len(self.outs):]
-            self.watches[grad_enabled] = _C.TensorWatch(list(chain.from_iterable(self.flats)) + installed)
+            # Without autograd they are leaves, whose requires_grad a forward can set (the outputs' it cannot).
+            self.watches[grad_enabled] = _C.TensorWatch(list(chain.from_iterable(self.flats)) + installed,
+                                                        leaves=not grad_enabled)
             return True
         return watch.moved() is None
 

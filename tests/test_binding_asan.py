@@ -34,6 +34,21 @@ for step in range(4):
         opt.zero_grad()
     if step == 2:
         model.append(torch.nn.Identity())  # the structure check fails in C, the replicas are rebuilt
+def edit(m, args, out):  # a forward changing its replica: undone before the next forward
+    m.register_buffer("seen", out.detach())
+    m.weight.data = m.weight.data.clone()
+model[3].register_forward_hook(edit)
+class Grow(torch.nn.Module):  # replicas 1 and 2 grow their buffer past its memory every step
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(1))
+    def forward(self, x):
+        self.b.resize_(x.shape[0] * 100).fill_(1.0)
+        return x
+grow = fastdp.DataParallel(Grow(), device_ids=["cpu"] * 3, chunk_sizes=[1, 4, 4])
+for step in range(3):
+    dp(torch.randn(9, 5)).sum().backward()
+    grow(torch.randn(9, 5))
 from collections import OrderedDict
 odd = torch.nn.Linear(2, 2)
 odd._parameters = OrderedDict(odd._parameters)  # read through items() by walk and matches

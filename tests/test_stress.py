@@ -401,6 +401,115 @@ print("OK", flush=True)
     assert p.returncode == 0, (p.returncode, "".join(errors)[-3000:])
 
 
+SIGNALS = int(os.environ.get("FASTDP_STRESS_SIGNALS", "50"))  # per kind of moment; hundreds for a long run
+
+_INTERRUPTS_BODY = """
+import random
+from fastdp._step import step as running_steps
+N = int(os.environ["FASTDP_STRESS_SIGNALS"])
+rng = random.Random(0)
+net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+dp = fastdp.DataParallel(net, device_ids=["cpu"] * 2)
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+x = torch.randn(8, 8)
+x[:4, 0], x[4:, 0] = 0, 1  # the chunk of replica r has r in column 0
+sleeping, sent = threading.Event(), threading.Event()
+target = [None]  # the replica whose forward hook sleeps until the interrupt is sent
+
+def hook(module, args, out):
+    if target[0] is not None and int(args[0][0, 0]) == target[0]:
+        target[0] = None
+        sleeping.set()
+        wait_for(sent)
+    return out
+
+net[0].register_forward_hook(hook)
+
+def interrupt(after):
+    # A real SIGINT, from a thread that is not the main one, once `after` is set (then a random instant later).
+    def send():
+        after.wait()
+        time.sleep(rng.choice((0, 0, 0.0002, 0.001, 0.003)))
+        os.kill(os.getpid(), signal.SIGINT)
+        sent.set()
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    return sender
+
+def good_step():
+    net.zero_grad()
+    y = dp(x)
+    y.sum().backward()
+    g = grads(net)
+    net.zero_grad()
+    ref = net(x)
+    ref.sum().backward()
+    close(y, ref)
+    for a, b in zip(g, grads(net)):
+        close(a, b)
+
+def wait_for(event):
+    while not event.is_set():  # however late the sender runs on a loaded machine (interruptible where it runs)
+        time.sleep(0.001)
+
+def iteration(k, kind):
+    # 'hook': the interrupt is sent while a replica's forward hook sleeps and must come out of dp(x);
+    # 'anywhere': at a random instant of a training step, and must come out of that step.
+    sleeping.clear(), sent.clear()
+    start = threading.Event()
+    if kind == "hook":
+        target[0] = k % 2
+    sender = interrupt(sleeping if kind == "hook" else start)
+    try:
+        start.set()
+        y = dp(x)
+        if kind == "anywhere":
+            y.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            wait_for(sent)  # the step lasts until the interrupt is sent
+        outcome = "returned"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    sender.join()
+    return outcome
+
+counts = {}
+for kind in ("hook", "anywhere"):
+    for k in range(N):
+        try:
+            outcome = iteration(k, kind)
+        except KeyboardInterrupt:
+            outcome = "late"  # arrived after the call it was sent into had returned
+        counts[(kind, outcome)] = counts.get((kind, outcome), 0) + 1
+        # An interrupted step leaves no step open on the thread (the next would take itself for a re-entered one).
+        assert running_steps.running.steps == (), (kind, k, outcome)
+        if k % 10 == 9:
+            good_step()  # the interrupted steps left nothing behind
+print(sorted(counts.items()), flush=True)
+assert counts == {("hook", "interrupted"): N, ("anywhere", "interrupted"): N}, counts
+print("OK")
+"""
+
+
+def test_real_interrupts_under_load_always_reach_the_caller():
+    """Real SIGINTs sent from another thread while the machine is busy: while a replica's forward hook sleeps (in
+    the calling thread, or on a worker thread while the caller waits), the interrupt comes out of dp(x); at any
+    instant of a training step, out of that step. Never swallowed, never late. FASTDP_STRESS_SIGNALS sets how many
+    of each (50 here; a few hundred for a long run)."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        env = dict(os.environ, FASTDP_STRESS_SIGNALS=str(SIGNALS))
+        code = PRELUDE + _INTERRUPTS_BODY
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60 + SIGNALS,
+                           env={**_env(), **env})
+    finally:
+        busy.kill()
+        busy.wait()
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
+    assert r.stdout.strip().splitlines()[-1] == "OK", r.stdout[-3000:]
+
+
 def test_overlap_matrix():
     run_case("""
     def raised(fn):

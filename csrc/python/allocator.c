@@ -25,9 +25,11 @@ static void exception_text(char *err, size_t len) {
   PyObject *str = exc ? PyObject_Str(exc) : NULL;
   const char *text = str ? PyUnicode_AsUTF8(str) : NULL;
   snprintf(err, len, "%s%s%s", exc ? Py_TYPE(exc)->tp_name : "error", text ? ": " : "", text ? text : "");
+  int interrupted = exc && PyErr_GivenExceptionMatches(exc, PyExc_KeyboardInterrupt);
   Py_XDECREF(str);
   Py_XDECREF(exc);
   PyErr_Clear();
+  if (interrupted) PyErr_SetInterrupt(); /* the failure reaches the core as text; Ctrl-C reaches the caller too */
 }
 
 static int scratch_alloc_cb(void *ctx, int device, size_t bytes, void *stream, void **ptr, void **handle, char *err,

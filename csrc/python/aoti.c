@@ -306,6 +306,48 @@ int fdp__aoti_facts(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t
   return read_handles(st, items, ts, codes);
 }
 
+void fdp__aoti_release(void **handles, Py_ssize_t n) {
+  for (Py_ssize_t i = 0; i < n; i++)
+    if (handles[i]) shim.delete_tensor(handles[i]);
+}
+
+int fdp__aoti_hold(module_state *st, PyObject *items, void **handles) {
+  if (g_path != FDP_TENSOR_PATH_AOTI || !plain_tensors(st, items)) return 1;
+  PyObject *list = PyObject_CallOneArg(st->to_handles, items);
+  if (!list) return -1;
+  Py_ssize_t n = PyTuple_GET_SIZE(items);
+  if (!PyList_Check(list) || PyList_GET_SIZE(list) != n) {
+    Py_DECREF(list);
+    PyErr_SetString(PyExc_RuntimeError, "torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors returned no handle list; "
+                                        "set FASTDP_TENSOR_PATH=python");
+    return -1;
+  }
+  int rc = 0;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    handles[i] = handle_of(PyList_GET_ITEM(list, i));
+    if (!handles[i]) rc = 1;
+  }
+  Py_DECREF(list);
+  if (rc) fdp__aoti_release(handles, n); /* not every item became a handle: the Python path reads these tensors */
+  return rc;
+}
+
+int fdp__aoti_read(void *handle, fdp_tensor_t *t, int32_t *code) {
+  int64_t ndim, *sizes, *strides;
+  void *data;
+  memset(t, 0, sizeof *t);
+  if (shim.data_ptr(handle, &data) || shim.dim(handle, &ndim) || ndim < 0 || ndim > FDP_MAX_DIMS ||
+      shim.sizes(handle, &sizes) || shim.strides(handle, &strides) || shim.dtype(handle, code))
+    return 1;
+  t->data = data;
+  t->ndim = (int)ndim;
+  if (ndim > 0) {
+    memcpy(t->sizes, sizes, (size_t)ndim * sizeof *sizes);
+    memcpy(t->strides, strides, (size_t)ndim * sizeof *strides);
+  }
+  return 0;
+}
+
 /* ---- views of a flat buffer ---- */
 
 /* The handle of `flat` when it is a plain, dense, 1-D CPU or CUDA tensor at storage offset 0 (its element count into

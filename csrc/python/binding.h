@@ -35,6 +35,32 @@ static inline int fdp__finalizing(void) {
 #endif
 }
 
+/* A dict's version tag (PEP 509: globally unique, new on every change), up to CPython 3.11; 0 from 3.12, where it
+ * is deprecated (PEP 699) and FDP_DICT_TAGS is 0: callers then compare contents (NOTE [refresh records]). */
+#if PY_VERSION_HEX < 0x030C0000
+#define FDP_DICT_TAGS 1
+static inline uint64_t fdp__dict_tag(PyObject *d) {
+  return ((PyDictObject *)d)->ma_version_tag;
+}
+#else
+#define FDP_DICT_TAGS 0
+static inline uint64_t fdp__dict_tag(PyObject *d) {
+  (void)d;
+  return 0;
+}
+#endif
+
+/* NOTE [no lost interrupt]: where the binding drops an error (a fact it can do without), the failed call may have run
+ * Python code (a property, a tensor subclass's __torch_function__, an import), and Ctrl-C is raised as
+ * KeyboardInterrupt in whatever Python code the main thread runs next: dropping it would lose the interrupt. So the
+ * error is dropped and an interrupt re-armed (PyErr_SetInterrupt, as a new SIGINT would), and the interpreter raises
+ * it to the caller at its next check. */
+static inline void fdp__drop_error(void) {
+  int interrupted = PyErr_ExceptionMatches(PyExc_KeyboardInterrupt);
+  PyErr_Clear();
+  if (interrupted) PyErr_SetInterrupt();
+}
+
 /* ---- entry points: each file's table, added to the module by module.c ---- */
 extern PyMethodDef fdp__ops_methods[];       /* ops.c: copy, broadcast, reduce, scatter, gather, plan, ... */
 extern PyMethodDef fdp__refresh_methods[];   /* refresh.c: the kept replicas' per-step refresh */
@@ -44,9 +70,12 @@ extern PyMethodDef fdp__facts_methods[];     /* facts.c: info, usable, kernels, 
 extern PyMethodDef fdp__errors_methods[];    /* errors.c: set_oom_error */
 extern PyMethodDef fdp__allocator_methods[]; /* allocator.c: set_device_allocator */
 extern PyMethodDef fdp__fence_methods[];     /* fence.c: order */
-/* fence.c, prepared.c: add the Fence and PreparedCopy types to the module; -1 with an error set. */
+extern PyMethodDef fdp__edits_methods[];     /* edits.c: what a forward changed on the kept replicas */
+/* fence.c, prepared.c, edits.c: add the Fence, PreparedCopy and TensorWatch types (and edits.c its DICT_TAGS flag) to
+ * the module; -1 with an error set. */
 int fdp__fence_type_add(PyObject *module);
 int fdp__prepared_type_add(PyObject *module);
+int fdp__edits_add(PyObject *module);
 
 /* ---- errors (errors.c): the one way a core result becomes an exception ----
  * Failures of the binding's own argument checks raise TypeError / ValueError naming the argument, as the
@@ -122,6 +151,15 @@ int fdp__aoti_try_describe(module_state *st, PyObject *items, fdp_tensor_t *ts);
  * dtype code (c10::ScalarType) into codes[i], -1 where the shim cannot read it as plain strided CPU/CUDA memory.
  * 0 done, 1 nothing done (the Python path is in use, or an item is of another type), -1 with an error set. */
 int fdp__aoti_facts(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes);
+/* Handles of the tensors of the tuple `items` (exact torch.Tensor / Parameter objects) kept past this call, so that
+ * the same tensors are read again later with no conversion (fdp__aoti_read): a handle holds its tensor's TensorImpl,
+ * whose storage, sizes and strides it reads as they are then. 0 done, 1 nothing done (the Python path is in use, or
+ * an item is of another type), -1 with an error set. The caller deletes them with fdp__aoti_release. */
+int fdp__aoti_hold(module_state *st, PyObject *items, void **handles);
+/* What tells one held handle's tensor from another: its data pointer, sizes and strides into t (the rest of t zeroed)
+ * and its shim dtype code into *code; 1 when the shim failed to read them, else 0. */
+int fdp__aoti_read(void *handle, fdp_tensor_t *t, int32_t *code);
+void fdp__aoti_release(void **handles, Py_ssize_t n);
 /* A new list of tensors over the memory of `flat` (a dense 1-D tensor at storage offset 0): for each entry of `spec`
  * (n int64 values: ndim, then ndim sizes, per entry), a contiguous tensor of those sizes, the entries back to back
  * from element 0. They share flat's storage (each holds a reference to it) but are not autograd views of it: each

@@ -10,7 +10,7 @@ static PyObject *lookup(const char *module, const char *name) {
   PyObject *m = PyImport_ImportModule(module);
   PyObject *v = m ? PyObject_GetAttrString(m, name) : NULL;
   Py_XDECREF(m);
-  if (!v) PyErr_Clear();
+  if (!v) fdp__drop_error(); /* NOTE [no lost interrupt] in binding.h */
   return v;
 }
 
@@ -19,13 +19,13 @@ static void init_tensor_path(module_state *st) {
   Py_XSETREF(st->parameter_type, lookup("torch.nn.parameter", "Parameter"));
   PyObject *aoti = lookup("torch._C", "_aoti");
   Py_XSETREF(st->to_handles, aoti ? PyObject_GetAttrString(aoti, "unsafe_alloc_void_ptrs_from_tensors") : NULL);
-  PyErr_Clear();
+  fdp__drop_error();
   Py_XSETREF(st->from_handles, aoti ? PyObject_GetAttrString(aoti, "alloc_tensors_by_stealing_from_void_ptrs") : NULL);
-  PyErr_Clear();
+  fdp__drop_error();
   Py_XDECREF(aoti);
   PyObject *file = lookup("torch._C", "__file__");
   const char *path = file && PyUnicode_Check(file) ? PyUnicode_AsUTF8(file) : NULL;
-  PyErr_Clear();
+  fdp__drop_error();
   fdp__aoti_init(st, path);
   Py_XDECREF(file);
 }

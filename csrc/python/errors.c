@@ -25,7 +25,7 @@ static PyObject *exception_type(module_state *st, fdp_result_t r, int status) {
 
 /* exc.name = value (a new reference, NULL allowed); a failure here loses only the attribute. */
 static void set_attr(PyObject *exc, const char *name, PyObject *value) {
-  if (!value || PyObject_SetAttrString(exc, name, value) < 0) PyErr_Clear();
+  if (!value || PyObject_SetAttrString(exc, name, value) < 0) fdp__drop_error();
   Py_XDECREF(value);
 }
 

@@ -187,18 +187,6 @@ static int refresh_pair(PyObject *pair, owned_keys_t *ok, Py_ssize_t i) {
  * addresses), and skips the pair while all of them are the same. A hook dict's address is followed only after its
  * owner's tag matched: the owner then still holds it. From 3.12 the tag is deprecated (PEP 699), and every pair is
  * walked. */
-#if PY_VERSION_HEX < 0x030C0000
-#define FDP_DICT_TAGS 1
-static uint64_t dict_tag(PyObject *d) {
-  return ((PyDictObject *)d)->ma_version_tag;
-}
-#else
-#define FDP_DICT_TAGS 0
-static uint64_t dict_tag(PyObject *d) {
-  (void)d;
-  return 0;
-}
-#endif
 
 /* uint64 values per pair in refresh()'s records: both __dict__ tags, then per mirrored key the master's hook dict
  * (address, tag) and the replica's. */
@@ -206,10 +194,10 @@ static uint64_t dict_tag(PyObject *d) {
 
 /* Whether the pair's record says nothing changed. */
 static int unchanged(PyObject *master, PyObject *replica, const uint64_t *rec, Py_ssize_t nmirrored) {
-  if (!FDP_DICT_TAGS || rec[0] == 0 || rec[0] != dict_tag(master) || rec[1] != dict_tag(replica)) return 0;
+  if (!FDP_DICT_TAGS || rec[0] == 0 || rec[0] != fdp__dict_tag(master) || rec[1] != fdp__dict_tag(replica)) return 0;
   for (Py_ssize_t k = 0; k < 2 * nmirrored; k++) {
     const uint64_t *hook = &rec[2 + 2 * k];
-    if (hook[0] && dict_tag((PyObject *)(uintptr_t)hook[0]) != hook[1]) return 0;
+    if (hook[0] && fdp__dict_tag((PyObject *)(uintptr_t)hook[0]) != hook[1]) return 0;
   }
   return 1;
 }
@@ -224,11 +212,11 @@ static int remember(PyObject *master, PyObject *replica, uint64_t *rec, const ow
       if (!d && PyErr_Occurred()) return -1;
       if (d && !PyDict_Check(d)) return 0;
       rec[2 + 4 * k + 2 * side] = (uint64_t)(uintptr_t)d;
-      rec[3 + 4 * k + 2 * side] = d ? dict_tag(d) : 0;
+      rec[3 + 4 * k + 2 * side] = d ? fdp__dict_tag(d) : 0;
     }
   }
-  rec[1] = dict_tag(replica);
-  rec[0] = dict_tag(master);
+  rec[1] = fdp__dict_tag(replica);
+  rec[0] = fdp__dict_tag(master);
   return 0;
 }
 

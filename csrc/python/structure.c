@@ -48,7 +48,7 @@ static PyObject *shared_device(walk_t *w, PyObject *v) {
   if (!v) return NULL;
   if (w->device && v != w->device) {
     int eq = PyObject_RichCompareBool(v, w->device, Py_EQ);
-    if (eq < 0) PyErr_Clear(); /* a comparison that failed only loses the sharing */
+    if (eq < 0) fdp__drop_error(); /* a comparison that failed only loses the sharing */
     if (eq == 1) {
       Py_SETREF(v, Py_NewRef(w->device));
       return v;
@@ -70,7 +70,7 @@ static int append(walk_t *w, PyObject *entry) {
 static PyObject *memory_fact(PyObject *t, PyObject *name) {
   PyObject *v = PyObject_CallMethodNoArgs(t, name);
   if (!v) {
-    PyErr_Clear();
+    fdp__drop_error(); /* NOTE [no lost interrupt] in binding.h */
     v = Py_NewRef(Py_None);
   }
   return v;
@@ -301,7 +301,7 @@ static int entry_device(match_t *mt, PyObject *device) {
   }
   Py_XDECREF(type);
   Py_XDECREF(index);
-  PyErr_Clear(); /* an unreadable device is only unknown: the Python path compares that tensor */
+  fdp__drop_error(); /* an unreadable device is only unknown: the Python path compares that tensor */
   Py_XSETREF(mt->device, Py_NewRef(device));
   mt->device_kind = kind;
   return kind;
@@ -314,7 +314,7 @@ static int same_sizes(PyObject *shape, const fdp_tensor_t *t) {
   for (int d = 0; d < t->ndim; d++) {
     long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
     if (v == -1 && PyErr_Occurred()) {
-      PyErr_Clear();
+      fdp__drop_error();
       return -1;
     }
     if (v != t->sizes[d]) return 0;
@@ -329,7 +329,7 @@ static int same_memory(PyObject *ptr, PyObject *strides, const fdp_tensor_t *t) 
   for (int d = 0; same_ptr && d < t->ndim; d++)
     same_ptr = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, d)) == t->strides[d];
   if (PyErr_Occurred()) {
-    PyErr_Clear();
+    fdp__drop_error();
     return 0;
   }
   return same_ptr;

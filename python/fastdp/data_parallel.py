@@ -283,10 +283,19 @@ class DataParallel(_upstream.UPSTREAM):
         lock = self.__dict__.get("_forward_lock")
         step.fresh = bool(self.__dict__.get("_is_replica")) or _step.is_running(self)
         if step.fresh or lock is None:
-            with step:
-                return self._four_steps(step, inputs, kwargs)
-        with lock, step:
+            return self._stepped(step, inputs, kwargs)
+        with lock:
+            return self._stepped(step, inputs, kwargs)
+
+    def _stepped(self, step, inputs, kwargs):
+        """The four steps with ``step`` on this thread's stack of running steps, taken off however they end (an
+        interrupt included: NOTE [an interrupt as a step ends] in fastdp/_step/step.py)."""
+        outer = step.push()
+        try:
             return self._four_steps(step, inputs, kwargs)
+        finally:
+            _step.running.steps = outer  # first, with no call before it
+            step.finish()
 
     def _four_steps(self, step, inputs, kwargs):
         """scatter -> replicate -> parallel_apply -> gather (or combine the replicas' losses), as upstream. Each step's

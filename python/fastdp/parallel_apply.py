@@ -181,7 +181,8 @@ def _release(worker):
 
 class _HoldSigint:
     """In the main thread, defers SIGINT (while Python's default handler is installed) to the end of the block,
-    where it is raised as KeyboardInterrupt; elsewhere, or under another handler, it does nothing."""
+    where it is raised as KeyboardInterrupt (also when the block raised: the interrupt then reaches the caller with
+    that error as its context); elsewhere, or under another handler, it does nothing."""
 
     __slots__ = ("previous", "held")
 
@@ -202,7 +203,7 @@ class _HoldSigint:
     def __exit__(self, exc_type, exc, tb):
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
-            if self.held and exc_type is None:
+            if self.held:
                 raise KeyboardInterrupt
 
 
@@ -237,10 +238,13 @@ def _wait(done, workers, finished):
             interrupted = e
             continue
         if dead:
-            raise RuntimeError(
+            error = RuntimeError(
                 f"fastdp: the worker thread(s) running replica(s) {dead} ended without reporting a result "
                 "(interpreter shutting down?)"
-            ) from interrupted
+            )
+            if interrupted is None:
+                raise error
+            raise interrupted from error  # Ctrl-C reaches the caller as itself
     if interrupted is not None:
         raise interrupted
 

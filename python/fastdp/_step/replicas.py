@@ -48,6 +48,25 @@ double backward). Two things keep it honest:
   (replica 0's aliases share the master's counters already); an unchanged master is copied to equal values;
 - hooks registered on a replica tensor during forward belong to that step on a fresh replica: the kept tensors'
   hook dicts are emptied before each forward.
+
+NOTE [a forward's own edits]
+Upstream's replicas are made afresh every forward, so what a forward does to the replica it runs on ends with the
+step. A kept replica must end it too. A forward can change its replica's own dicts (assign a tensor, a Parameter, a
+buffer or a module to an attribute, register one, swap a submodule, delete an attribute: each replica module owns
+its parameter, buffer and child dicts) or a kept tensor in place (rebind its ``.data``, ``set_``, ``resize_``,
+``t_``, ``requires_grad_``; a running statistic kept as a frozen parameter is the common case). Plain attributes and
+hook dicts are refilled from the master every step anyway (_C.refresh). Before each forward:
+- the owned dicts: each replica module's dicts are compared with what the last step left in them (CPython's dict
+  version tags up to 3.11: a few loads per module; from 3.12 their keys with the master's, and every grad slot is
+  installed again each step), and a changed one gets the master's keys back, in its order, and the children as
+  built; the step then installs every tensor into them;
+- the kept tensors: a _C.TensorWatch notes each one's memory, shape, strides and dtype (holding a handle of its
+  own, so reading them again costs no conversion); kept nodes whose tensors a forward changed are made again (a
+  graph still waiting for backward keeps the ones it saw, as it would keep upstream's), a changed frozen alias of
+  replica 0 is made again alone, and a pooled buffer whose memory moved (a view of it grown in place) is dropped,
+  since its prepared copy would write where that memory was.
+Replica 0's buffers, and without autograd its parameters, are the master's own tensors, as upstream's are: what a
+forward does to them is done to the master, on both.
 """
 
 import operator
@@ -151,9 +170,9 @@ _PACK_MEAN = 4096  # values per member, on average, up to which a bucket's gradi
 class _Entry:
     """One pooled set of a bucket's tensors on one device (one flat buffer, or one tensor per member) and the
     prepared copy of the master into them (valid while the master's tensors stay where they were: see
-    _State.generation)."""
+    _State.generation, and while their own memory stays where it was: `watch`)."""
 
-    __slots__ = ("pooled", "storages", "members", "refs", "copy", "generation")
+    __slots__ = ("pooled", "storages", "members", "refs", "copy", "generation", "watch")
 
     def __init__(self, pooled, members):
         self.pooled = pooled  # the tensors the pool made
@@ -161,6 +180,7 @@ class _Entry:
         self.members = members  # the members' tensors over them (views of the flat buffer, or the pooled ones)
         self.refs = []  # weak references of the views handed out, where the storage use count is missing
         self.copy = self.generation = None
+        self.watch = _C.TensorWatch(pooled)  # a view handed out and grown in place moves their storage
 
     def free(self):
         if _use_count is not None:
@@ -188,7 +208,7 @@ class _Pool:
     def take(self, bucket, own_versions=True):
         """A free entry and fresh views of its tensors, shaped like the bucket's members; `own_versions`: each
         view with a version counter of its own."""
-        entry = next((e for e in self.entries if e.free()), None)
+        entry = self._free_entry()
         if entry is None:
             # Never an inference tensor: buffers made under inference_mode are reused by training forwards.
             with torch.inference_mode(False):
@@ -209,6 +229,18 @@ class _Pool:
         if _use_count is None:  # liveness by weak references only where the storage use count is missing
             entry.refs = [weakref.ref(v) for v in views]
         return entry, views
+
+    def _free_entry(self):
+        """A kept entry no view handed out still uses. One whose storage a forward moved (a view of it grown in place
+        past its memory) is dropped: its prepared copy would write where that memory was (NOTE [a forward's own
+        edits])."""
+        for entry in list(self.entries):
+            if not entry.free():
+                continue
+            if entry.watch.moved() is None:
+                return entry
+            self.entries.remove(entry)
+        return None
 
 
 class _State:
@@ -297,15 +329,16 @@ def _buckets(state, tensors, indices, bucket_bytes, separate=False):
 
 def _slots(modules, replicas, tensors):
     """Where each replica keeps each tensor (its _parameters / _buffers dicts, RNN flat-weight lists): parallel
-    lists of containers, keys and (replica, tensor index) references."""
+    lists of containers, keys and (replica, tensor index) references. Every slot is made here, in the master's
+    order, the tensors installed later by each step; so a replica's dicts list their keys as the master's do."""
     tindex = {id(t): i for i, t in enumerate(tensors)}
     containers, keys, refs = [], [], []
     for r, row in enumerate(replicas):
         for m, replica in zip(modules, row):
             names = replica.__dict__.get("_flat_weights_names")
             for key, p in m._parameters.items():
+                replica._parameters[key] = None
                 if p is None:
-                    replica._parameters[key] = None
                     continue
                 t = tindex[id(p)]
                 containers += [replica._parameters, replica._former_parameters]
@@ -340,9 +373,10 @@ def _layout(state, params, buffers, bucket_bytes):
 class _Skeletons:
     """One set of replica skeletons (per replica, one module per master module, in walk order) and what is
     installed in them: their ``__dict__`` refresh records, their tensor slots (those of grad-bucket members, and
-    the rest) and the kept nodes whose tensors the grad slots hold."""
+    the rest), the kept nodes whose tensors the grad slots hold, and the dicts each replica owns as built."""
 
-    __slots__ = ("replicas", "pairs", "seen", "kept_containers", "rest_containers", "kept")
+    __slots__ = ("replicas", "pairs", "seen", "kept_containers", "rest_containers", "kept", "owned", "owned_seen",
+                 "rest_owned")
 
     def __init__(self, modules, replicas, containers, kept_index, rest_index):
         self.replicas = replicas
@@ -355,6 +389,33 @@ class _Skeletons:
         self.kept_containers = [containers[j] for j in kept_index]
         self.rest_containers = [containers[j] for j in rest_index]
         self.kept = None  # the _Kept whose tensors the grad slots hold
+        # Per replica module: (master __dict__, its own __dict__, parameter, buffer and child dicts, the children
+        # as built), and what the last step left in them (NOTE [a forward's own edits]).
+        self.owned = [(m.__dict__, r.__dict__, r._parameters, r._buffers, r._modules, dict(r._modules))
+                      for row in replicas for m, r in zip(modules, row) if not is_compiled(m)]
+        self.owned_seen = _C.owned_records(len(self.owned))
+        rest = {id(c) for c in self.rest_containers}
+        self.rest_owned = [e for e, o in enumerate(self.owned) if id(o[2]) in rest or id(o[3]) in rest]
+
+    def undo_edits(self):
+        """Puts back the dicts a forward changed in its replica modules: the master's keys in its order (this step
+        installs the tensors into them: every grad slot too, as after a change nothing tells which of them a forward
+        replaced) and the children as built."""
+        edited = _C.owned_edits(self.owned, self.owned_seen)
+        for e in edited:
+            master, replica, params, buffers, children, built = self.owned[e]
+            replica["_parameters"], replica["_buffers"], replica["_modules"] = params, buffers, children
+            for mine, theirs in ((params, master["_parameters"]), (buffers, master["_buffers"]), (children, built)):
+                mine.clear()
+                mine.update(theirs if mine is children else dict.fromkeys(theirs))
+        if edited or not _C.DICT_TAGS:  # without dict tags a tensor put in a grad slot's place cannot be seen
+            self.kept = None
+        return bool(edited)
+
+    def note_installed(self, every):
+        """What this step installed in the owned dicts, for the next step's undo_edits: in every replica module
+        (`every`: the grad slots were installed), or in those whose slots every step installs."""
+        _C.owned_record(self.owned, self.owned_seen, None if every else self.rest_owned)
 
 
 class _Kept:
@@ -363,7 +424,7 @@ class _Kept:
     every node's outputs)."""
 
     __slots__ = ("buckets", "state", "flats", "views", "outs", "got", "plain", "masters", "stamp", "streams",
-                 "devices", "copy")
+                 "devices", "copy", "watches")
 
     def __init__(self, buckets, reduced, tensors, state):
         self.buckets, self.state = buckets, state
@@ -394,11 +455,22 @@ class _Kept:
         self.copy = None if state.collective else _C.PreparedCopy(
             [v for views in self.views for vs in views for v in vs],
             [t for b, views in zip(buckets, self.views) for _ in views for t in b.master])
+        self.watches = {}  # grad mode -> _C.TensorWatch over the flat buffers and the tensors that mode installs
 
-    def valid(self):
-        """Whether the kept nodes were made on this forward's streams (they are dropped when the master's memory
-        moves under their aliases: ReplicaSet.matches)."""
-        return not self.streams or _streams.current(self.devices) == self.streams
+    def usable(self, grad_enabled):
+        """Whether the kept nodes serve this forward: made on its streams, and no forward of its grad mode changed
+        the tensors they install in place (NOTE [a forward's own edits]). They are dropped when the master's memory
+        moves under their aliases too (ReplicaSet.matches)."""
+        if self.streams and _streams.current(self.devices) != self.streams:
+            return False
+        watch = self.watches.get(grad_enabled)
+        if watch is None:  # no forward of this mode has had them yet: they are as made
+            installed = self.outs if grad_enabled else self.plain[len(self.got) - len(self.outs):]
+            # Without autograd they are leaves, whose requires_grad a forward can set (the outputs' it cannot).
+            self.watches[grad_enabled] = _C.TensorWatch(list(chain.from_iterable(self.flats)) + installed,
+                                                        leaves=not grad_enabled)
+            return True
+        return watch.moved() is None
 
     def refresh(self):
         """Copies the master into the kept buffers; bumps their version counters where the master's moved."""
@@ -452,7 +524,7 @@ class ReplicaSet:
         # Replica 0's frozen parameters in forwards with autograd: detached aliases of the master's (see NOTE [the
         # master's tensors stay the user's]), remade when a master's data pointer changes.
         self.frozen = [i for b in frozen for i in b.members]
-        self.frozen_aliases = None
+        self.frozen_aliases = self.frozen_watch = None
         layout = self.layout
         # The reducer owns each grad bucket's reduction; the set keeps the reducer's side of its buckets alive.
         self.reducer = Reducer(devices, self.state.tdevs, network)
@@ -556,6 +628,7 @@ class ReplicaSet:
         self.reducer.sweep()
         grad_enabled = torch.is_grad_enabled()
         skel = self._skeletons((grad_enabled, self.network.training))
+        every = skel.undo_edits()
         _C.refresh(skel.pairs, _KEPT, len(_MIRRORED), skel.seen)
         grad_buckets, rest_buckets = self.layout
         if grad_buckets:
@@ -563,7 +636,7 @@ class ReplicaSet:
             if skel.kept is not kept:
                 _C.rebind(skel.kept_containers, self.kept_keys,
                           self.pick_outs(kept.got) if grad_enabled else self.pick_plain(kept.plain))
-                skel.kept = kept
+                skel.kept, every = kept, True
         if skel.rest_containers:
             # Last step's views released first: their buffers can be reused.
             _C.rebind(skel.rest_containers, self.rest_keys, self.rest_nones)
@@ -576,6 +649,7 @@ class ReplicaSet:
                     for vs in bucket.fill():
                         got.extend(vs)
             _C.rebind(skel.rest_containers, self.rest_keys, self.pick_rest(got))
+        skel.note_installed(every)
         self.replicas = skel.replicas
         return [row[0] for row in skel.replicas]
 
@@ -585,14 +659,23 @@ class ReplicaSet:
         autograd hold their outputs; the others, as upstream's detached replicate, the master tensors on replica 0
         and plain aliases of the kept buffers on the others.)"""
         kept = self.kept
-        if kept is None or not kept.valid():
+        grad_enabled = torch.is_grad_enabled()
+        if kept is None or not kept.usable(grad_enabled):
             kept = self.kept = _Kept(grad_buckets, self.reduced, self.tensors, self.state)
+            kept.usable(grad_enabled)  # watched from now on
         kept.refresh()
         return kept
 
     def _frozen_aliases(self):
         """Replica 0's frozen parameters for a forward with autograd: detached aliases of the master's (made again
-        when the master's memory moves, see matches)."""
-        if self.frozen_aliases is None:
-            self.frozen_aliases = [self.tensors[i].detach() for i in self.frozen]
-        return self.frozen_aliases
+        when the master's memory moves, see matches), each made again after a forward changed it in place (NOTE [a
+        forward's own edits]: a running statistic kept as a frozen parameter, its ``.data`` rebound)."""
+        aliases = self.frozen_aliases
+        moved = range(len(self.frozen)) if aliases is None else self.frozen_watch.moved()
+        if moved is not None:
+            if aliases is None:
+                aliases = self.frozen_aliases = [None] * len(self.frozen)
+            for k in moved:
+                aliases[k] = self.tensors[self.frozen[k]].detach()
+            self.frozen_watch = _C.TensorWatch(aliases, leaves=True)
+        return aliases

@@ -1,7 +1,8 @@
 """One forward of a ``fastdp.DataParallel``: the state that belongs to it and to no other call.
 
-``forward`` makes a :class:`Step` and runs it inside ``with step:``, which puts it on this thread's stack of running
-steps; the step is handed down through scatter, replicate, parallel_apply and gather. The overridable methods keep
+``forward`` makes a :class:`Step` and runs it on this thread's stack of running steps (``push``, and the stack put
+back when it ends: NOTE [an interrupt as a step ends]); the step is handed down through scatter, replicate,
+parallel_apply and gather. The overridable methods keep
 upstream's signatures, so when ``forward`` calls them through ``self`` they find their step with :func:`current`. A
 step is seen only by the thread that runs it and by the workers running its replicas (which inherit the stack: a
 wrapper called again from inside a replica knows it is re-entered); another thread's forward, or a nested or
@@ -33,7 +34,7 @@ class Step:
     """
 
     __slots__ = ("wrapper", "fresh", "loss", "chunk_sizes", "run", "positions", "replicated", "skip", "devices",
-                 "avoided_gather_bytes", "recorder", "site", "publish", "_outer")
+                 "avoided_gather_bytes", "recorder", "site", "publish")
 
     def __init__(self, wrapper, loss, publish):
         self.wrapper = wrapper
@@ -45,17 +46,25 @@ class Step:
         self.skip = 0
         self.avoided_gather_bytes = None
         self.recorder = self.site = None
-        self._outer = None
 
-    def __enter__(self):
-        self._outer = running.steps
-        running.steps = self._outer + (self,)
-        return self
+    def push(self):
+        """Puts the step on this thread's stack of running steps; returns the stack as it was, for the caller to
+        put back itself when the step ends.
 
-    def __exit__(self, *exc):
-        running.steps = self._outer
+        NOTE [an interrupt as a step ends]
+        Ctrl-C is raised in whatever Python code the main thread runs next, the first line of a function included:
+        a ``with`` block's ``__exit__`` can be interrupted before its first statement runs. A step taken off the
+        stack there would stay on it, and every later forward of its wrapper would take itself for a re-entered
+        call (replicating afresh, without the wrapper's lock). So the caller puts the stack back in its own
+        ``finally``, as that block's first statement, with no call before it (``running.steps = outer``), then
+        calls ``finish``."""
+        outer = running.steps
+        running.steps = outer + (self,)
+        return outer
+
+    def finish(self):
+        """Hands what the step found to the wrapper, once it is off the stack."""
         self.publish(Outcome(self.chunk_sizes, self.avoided_gather_bytes, self.run))
-        return False
 
     def plan(self, nchunks, device_ids):
         """Which devices run a replica: those with a non-empty chunk (all ``nchunks`` under torch.chunk's rule)."""

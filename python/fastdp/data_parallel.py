@@ -259,17 +259,14 @@ class DataParallel(_upstream.UPSTREAM):
         return _rescue.Context(self.module, self.device_ids, self.dim, self.__dict__.get("_criterion") is None,
                                lambda: self.__dict__.get("_split"), self._set_split,
                                lambda: self.__dict__.get("_last_step"), inputs, kwargs, self._recording.mark,
-                               self._reduce_unsynced, self._settle_reductions)
+                               lambda: self._on_kept(lambda kept: kept.flush_unsynced()),
+                               lambda: self._on_kept(lambda kept: kept.reducer.settle()))
 
-    def _reduce_unsynced(self):
-        """What no_sync() kept reaches the master's .grad now (train_step's rescue, before its first attempt)."""
+    def _on_kept(self, action):
+        """``action(replica set)`` where kept replicas exist: the rescue's reach into the reduction (what no_sync
+        kept, before train_step's first attempt; the reductions a failed attempt left in flight, before a retry)."""
         if self._replica_set is not None:
-            self._replica_set.flush_unsynced()
-
-    def _settle_reductions(self):
-        """The reductions a failed attempt left in flight leave their memory before the step runs again."""
-        if self._replica_set is not None:
-            self._replica_set.reducer.settle()
+            action(self._replica_set)
 
     def _set_split(self, rule):
         self.__dict__["_split"] = rule

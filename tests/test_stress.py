@@ -510,6 +510,65 @@ def test_real_interrupts_under_load_always_reach_the_caller():
     assert r.stdout.strip().splitlines()[-1] == "OK", r.stdout[-3000:]
 
 
+def test_an_interrupt_a_finalizer_swallows_still_ends_the_forward():
+    """Ctrl-C landing in a finalizer (a weakref callback, a ``__del__``, one the garbage collector runs), which Python
+    reports as "Exception ignored" and drops, still comes out of dp(x); other errors there are still only reported,
+    to the hook the user installed, and that hook is in place again after every forward."""
+    run_case("""
+    import gc, weakref
+    reported = []
+    user_hook = lambda unraisable: reported.append(unraisable.exc_type)
+    sys.unraisablehook = user_hook
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    dp = fastdp.DataParallel(net, device_ids=["cpu"] * 2)
+    x = torch.randn(6, 4)
+    error = [None]  # what the finalizer of the next forward raises
+
+    class Doomed:
+        def __del__(self):
+            if error[0] is not None:
+                raise error[0]
+
+    def by_refcount():
+        Doomed()
+
+    def by_weakref_callback():
+        def callback(ref):
+            raise error[0]
+        obj = Doomed.__new__(Doomed)
+        keep = weakref.ref(obj, callback)
+        del obj
+        return keep
+
+    def by_collector():
+        a, b = Doomed(), Doomed()
+        a.other, b.other = b, a
+        del a, b
+        gc.collect()
+
+    def hook(module, args, out):
+        kill()
+        return out
+
+    net[0].register_forward_hook(hook)
+    for kill in (by_refcount, by_weakref_callback, by_collector):
+        error[0] = KeyboardInterrupt("landed in a finalizer")
+        try:
+            dp(x)
+            raise AssertionError(f"{kill.__name__}: the interrupt was lost")
+        except KeyboardInterrupt:
+            pass
+        assert sys.unraisablehook is user_hook
+        error[0] = ValueError("not an interrupt")
+        before = len(reported)
+        close(dp(x), net(x))  # only reported, as without the wrapper
+        assert reported[before:] and all(t is ValueError for t in reported[before:]), reported
+        assert sys.unraisablehook is user_hook
+    error[0] = None
+    print("OK")
+    """)
+
+
 def test_overlap_matrix():
     run_case("""
     def raised(fn):

@@ -7,6 +7,7 @@ both forms; attributes the wrapper lacks are read from the wrapped module.
 """
 
 import contextlib
+import sys
 import threading
 import warnings
 
@@ -15,7 +16,7 @@ from torch.nn.modules import Module
 
 from ._wrapper import checkpoint as _checkpoint, checks as _checks, launch as _launch, upstream as _upstream
 from ._native import fallback as _fallback
-from ._platform import devices as _devices, streams as _streams
+from ._platform import devices as _devices, interrupts as _interrupts, streams as _streams
 from ._step import idle_master as _idle_master, replicas as _replicas, step as _step
 from ._balance import memory as _memory, rescue as _rescue, replica_loss as _replica_loss, split as _split
 from ._report import recorder as _recorder, report as _report
@@ -178,6 +179,7 @@ class DataParallel(_upstream.UPSTREAM):
         """``dp(*inputs, **kwargs)``: splits the inputs across ``device_ids``, runs each replica on its chunk and
         returns the outputs gathered on ``output_device``; with ``criterion=`` and ``target=``, the loss instead."""
         grad_enabled = torch.is_grad_enabled()
+        watch = _interrupts.watch()  # NOTE [an interrupt a finalizer swallowed] in fastdp/_platform/interrupts.py
         try:
             if _profiler_flag() or _profiler_enabled():
                 with torch.autograd.profiler.record_function("DataParallel.forward"):
@@ -188,6 +190,10 @@ class DataParallel(_upstream.UPSTREAM):
             # which would leave the caller's thread without autograd: the caller's mode is put back.
             torch.set_grad_enabled(grad_enabled)
             raise
+        finally:
+            if watch is not None:
+                sys.unraisablehook = watch.previous  # first, with no call before it
+                watch.raise_swallowed()
 
     def _forward(self, inputs, kwargs):
         """Upstream's forward: no devices, pass through; one device with the inputs there, call the module; else
@@ -279,20 +285,13 @@ class DataParallel(_upstream.UPSTREAM):
         both replicate afresh and take no lock."""
         lock = self.__dict__.get("_forward_lock")
         step.fresh = bool(self.__dict__.get("_is_replica")) or _step.is_running(self)
-        if step.fresh or lock is None:
-            return self._stepped(step, inputs, kwargs)
-        with lock:
-            return self._stepped(step, inputs, kwargs)
-
-    def _stepped(self, step, inputs, kwargs):
-        """The four steps with ``step`` on this thread's stack of running steps, taken off however they end (an
-        interrupt included: NOTE [an interrupt as a step ends] in fastdp/_step/step.py)."""
-        outer = step.push()
-        try:
-            return self._four_steps(step, inputs, kwargs)
-        finally:
-            _step.running.steps = outer  # first, with no call before it
-            step.finish()
+        with contextlib.nullcontext() if step.fresh or lock is None else lock:
+            outer = step.push()
+            try:
+                return self._four_steps(step, inputs, kwargs)
+            finally:  # NOTE [an interrupt as a step ends] in fastdp/_step/step.py
+                _step.running.steps = outer  # first, with no call before it
+                step.finish()
 
     def _four_steps(self, step, inputs, kwargs):
         """scatter -> replicate -> parallel_apply -> gather (or combine the replicas' losses), as upstream. Each step's

@@ -1,14 +1,13 @@
 """One forward of a ``fastdp.DataParallel``: the state that belongs to it and to no other call.
 
-``forward`` makes a :class:`Step` and runs it on this thread's stack of running steps (``push``, and the stack put
-back when it ends: NOTE [an interrupt as a step ends]); the step is handed down through scatter, replicate,
-parallel_apply and gather. The overridable methods keep
-upstream's signatures, so when ``forward`` calls them through ``self`` they find their step with :func:`current`. A
-step is seen only by the thread that runs it and by the workers running its replicas (which inherit the stack: a
-wrapper called again from inside a replica knows it is re-entered); another thread's forward, or a nested or
-re-entrant call, has a step of its own. When the step ends (inside the wrapper's forward lock, so before the next
-forward of the wrapper starts), what it found is handed to the wrapper as an :data:`Outcome` (``publish``), for
-``fastdp.memory_report`` and for the next forward's ``chunk_sizes="auto"`` reader.
+``forward`` makes a :class:`Step` and runs it on this thread's stack of running steps (``push``, and the stack put back
+when it ends: NOTE [an interrupt as a step ends]); the step is handed down through scatter, replicate, parallel_apply
+and gather. The overridable methods keep upstream's signatures, so when ``forward`` calls them through ``self`` they
+find their step with :func:`current`. A step is seen only by the thread that runs it and by the workers running its
+replicas (which inherit the stack: a wrapper called again from inside a replica knows it is re-entered); another
+thread's forward, or a nested or re-entrant call, has a step of its own. When the step ends (inside the wrapper's
+forward lock, so before the next forward of the wrapper starts), what it found is handed to the wrapper as an
+:data:`Outcome` (``publish``), for ``fastdp.memory_report`` and for the next forward's ``chunk_sizes="auto"`` reader.
 """
 
 import collections

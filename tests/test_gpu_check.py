@@ -256,7 +256,7 @@ def test_findings_count_each_held_storage_once():
     mod = load_helper("findings")
     flat, other = torch.zeros(256), torch.zeros(3, dtype=torch.float64)
     held = collections.deque([(None, ((flat[:10], None, flat[10:]), None, other)), (None, [flat])])
-    ledger = types.SimpleNamespace(_held=held)
+    ledger = types.SimpleNamespace(held=lambda: [tensors for _, tensors in held])  # the reducer's ledger, as read
     wrapped = types.SimpleNamespace(_replica_set=types.SimpleNamespace(reducer=types.SimpleNamespace(ledger=ledger)))
     assert mod.ledger_bytes(wrapped) == 256 * 4 + 3 * 8
     wrapped.module = torch.nn.Linear(3, 1, bias=False)

@@ -179,7 +179,7 @@ def ledger_bytes(wrapped):
     if replica_set is None:
         return None
     seen = {}
-    for _, held in list(replica_set.reducer.ledger._held):
+    for held in replica_set.reducer.ledger.held():
         _storages(held, seen)
     module = getattr(wrapped, "module", None)
     for p in module.parameters() if module is not None else ():

@@ -66,3 +66,33 @@ def test_params_sweep_rejects_bad_counts(tmp_path):
     assert proc.returncode == 2 and "--params takes positive tensor counts" in proc.stderr, proc.stderr
     proc = _bench(["--device", "cpu", "--threads", "-1", "--out", str(tmp_path)], tmp_path)
     assert proc.returncode == 2 and "--threads" in proc.stderr, proc.stderr
+
+
+def _growth(args, cwd):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(fastdp.__file__))] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    return subprocess.run([sys.executable, "-m", "fastdp.bench", "growth", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_growth_table_covers_every_configuration_for_both_trees(tmp_path):
+    # --against names the same interpreter: the comparison machinery runs, both columns from one fastdp.
+    proc = _growth(["--tensors", "6,12", "--buckets", "1,3", "--replicas", "2,3", "--steps", "1", "--warmup", "0",
+                    "--rounds", "2", "--against", sys.executable, "--out", str(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(tmp_path / "growth.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    keys = {(r["tree"], r["tensors"], r["buckets"], r["replicas"]) for r in rows}
+    assert keys == {(tree, t, b, r) for tree in ("this tree", "release") for t in ("6", "12") for b in ("1", "3")
+                    for r in ("2", "3")}
+    for r in rows:
+        assert float(r["host_ms"]) > 0
+        # The bucket size the benchmark chose gives the bucket count the table is labelled with.
+        assert r["buckets_made"] == r["buckets"], r
+
+
+def test_growth_rejects_bad_counts(tmp_path):
+    proc = _growth(["--buckets", "1,none"], tmp_path)
+    assert proc.returncode == 2 and "--buckets takes positive integers" in proc.stderr, proc.stderr
+    proc = _growth(["--replicas", "1,2"], tmp_path)
+    assert proc.returncode == 2 and "--replicas" in proc.stderr and "at least 2" in proc.stderr, proc.stderr

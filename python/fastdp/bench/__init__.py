@@ -4,6 +4,7 @@ python -m fastdp.bench comm [--sizes-mb 1,4,16,32] [--replicas 4] [--out bench-o
 python -m fastdp.bench train [--models mlp,cnn,transformer] [--replicas 4] [--rounds 5] [--threads 1] [--split]
                              [--params 10,100,1000] [--out bench-out]
 python -m fastdp.bench report [--models mlp,cnn,transformer] [--replicas 4] [--rounds 30] [--steps 5]
+python -m fastdp.bench growth [--tensors 100,1000,10000] [--buckets 1,10,100] [--replicas 2,4,8] [--against PYTHON]
 """
 
 import argparse
@@ -11,8 +12,13 @@ import sys
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["growth"]:  # its own parser: its child processes run the same module as a script
+        from .growth import main as growth
+
+        return growth(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m fastdp.bench")
-    sub = parser.add_subparsers(dest="which", metavar="{comm,train,report}")
+    sub = parser.add_subparsers(dest="which", metavar="{comm,train,report,growth}")
     p = sub.add_parser("comm", help="GB/s per operation and backend next to the copy limit of the same run")
     p.add_argument("--sizes-mb", default=None,
                    help="buffer sizes in MB, comma-separated (default 1,4,16,32: about 1 GB of memory; each size "
@@ -51,6 +57,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds; their 10th percentile is reported")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--out", default="bench-out", help="folder for report_cost.csv")
+    sub.add_parser("growth", help="host cost per step against tensors, buckets and replicas, against another "
+                   "tree's fastdp with --against PYTHON (its own options: growth --help)")
     args = parser.parse_args(argv)
     if args.which is None:  # argparse alone would say "arguments are required: which"
         parser.error("choose a benchmark: 'comm' (GB/s per operation) or 'train' (training steps/s), e.g. "

@@ -50,7 +50,7 @@ def test_params_sweep_prints_per_tensor_cost_and_writes_csv(tmp_path):
     proc = _bench(["--device", "cpu", "--params", "3,12", "--replicas", "2", "--steps", "2", "--warmup", "1",
                    "--rounds", "1", "--threads", "2", "--out", str(tmp_path)], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 torch threads" in proc.stdout and "only fastdp is measured" in proc.stdout
+    assert "2 torch threads" in proc.stdout and "torch.nn.DataParallel cannot run on the CPU" in proc.stdout
     with open(tmp_path / "params.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["tensors"], r["wrapper"]) for r in rows] == [("3", "fastdp"), ("12", "fastdp")]
@@ -96,3 +96,16 @@ def test_growth_rejects_bad_counts(tmp_path):
     assert proc.returncode == 2 and "--buckets takes positive integers" in proc.stderr, proc.stderr
     proc = _growth(["--replicas", "1,2"], tmp_path)
     assert proc.returncode == 2 and "--replicas" in proc.stderr and "at least 2" in proc.stderr, proc.stderr
+
+
+def test_params_sweep_with_ddp_measures_ddp_against_the_bare_module(tmp_path):
+    proc = _bench(["--device", "cpu", "--params", "5", "--replicas", "2", "--steps", "2", "--warmup", "1",
+                   "--rounds", "2", "--ddp", "--out", str(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(tmp_path / "params.csv", newline="") as f:
+        rows = {r["wrapper"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"fastdp", "ddp", "bare"} and not any(r["error"] for r in rows.values()), rows
+    # fastdp stays the single-process wrapper although DDP's one-process group exists: it replicates.
+    assert rows["fastdp"]["replicas"] == "2" and float(rows["fastdp"]["replicate_ms"]) > 0
+    assert rows["ddp"]["replicas"] == "1" and float(rows["ddp"]["replicate_ms"]) == 0
+    assert float(rows["bare"]["step_ms"]) > 0 and "(the reference step)" in proc.stdout

@@ -41,6 +41,8 @@ def main(argv=None):
                    help="instead of the models: per parameter tensor and step, the cost of replicate and of the "
                    "gradient reduction for N x Linear(8, 8) (fastdp, and torch.nn.DataParallel on a GPU); "
                    "writes params.csv and params.png")
+    p.add_argument("--ddp", action="store_true",
+                   help="with --params: also DistributedDataParallel in one process and the bare module")
     p.add_argument("--sync-bn", default="", metavar="N[,N...]",
                    help="instead of the models: the CNN's training step with nn.SyncBatchNorm (statistics "
                    "exchanged across replicas) against BatchNorm, for N replicas each; writes syncbn.csv")

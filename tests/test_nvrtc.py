@@ -262,6 +262,9 @@ def claimed(tmp_path_factory):
     return info, named, dict(zip(targets, results))
 
 
+# Part of the simulated-GPU checks (scripts/sim_tests.sh, which the mutation runs use): what NVRTC accepts and produces
+# is a rule of the GPU path that the simulator, which runs the kernels as host C++, cannot see.
+@pytest.mark.sim
 def test_every_claimed_target_compiles_through_fastdp(claimed):
     """fastdp's own path (its loader, its options, its cache) gives a cubin for the exact architecture of every
     target it claims; one this NVRTC cannot build is named here, not on a user's GPU."""
@@ -276,6 +279,7 @@ def test_every_claimed_target_compiles_through_fastdp(claimed):
     print("targets: " + ", ".join(f"sm_{cc}" for cc in results))
 
 
+@pytest.mark.sim
 def test_nvrtc_verdict_log_and_code_for_every_claimed_target(claimed):
     """The same source with exactly the options fastdp passed (as it reports them): NVRTC accepts them without a
     word in its log, and the code it produces has every kernel fastdp binds, each bounded to the block size every

@@ -70,7 +70,7 @@ def launch_bounds(paths=KERNELS):
     return out
 
 
-def _write_bounds_header(folder):
+def write_bounds_header(folder):
     """launch_bounds.h for sim_launch.c: the table of launch_bounds(), so that the simulated driver refuses a block
     larger than the kernel's own bound, as the real one does."""
     rows = "".join(f'  {{"{n}", {int(p)}, {t}}},\n' for n, p, t in launch_bounds())
@@ -98,7 +98,7 @@ def build(sanitize=False, for_tsan=False):
         return paths
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(out))
-    _write_bounds_header(tmp)
+    write_bounds_header(tmp)
     includes = ["-I" + os.path.join(ROOT, "csrc"), "-I" + os.path.join(ROOT, "csrc", "backend", "cuda"), "-I" + HERE,
                 "-I" + tmp]
     objects, cmds = [], []

@@ -330,4 +330,8 @@ MUTANTS = [
          find="    FDP_CHECK(launch_sum(cu, dev, stream, m, fn, in, 1 + more, i == n ? out : acc, numel));",
          replace="    FDP_CHECK(launch_sum(cu, dev, stream, m, fn, in, 1 + more, acc, numel));",
          what="a sum of more than 32 inputs leaves its last pass in scratch: the output is never written"),
+    dict(name="rows-pitch-past-max", file=LAYOUT,
+         find="  if (sp < w || dp < w || sp > FDP_PAIR_MAX_PITCH || dp > FDP_PAIR_MAX_PITCH) return 0;",
+         replace="  if (sp < w || dp < w) return 0;",
+         what="rows with a pitch past the driver's maximum go to cuMemcpy2DAsync, which refuses them"),
 ]

@@ -321,6 +321,7 @@ typedef struct fdp_kernels_image_info {
   double seconds;
   char file[1024];
   char note[256];
+  char options[256]; /* every option NVRTC compiled it with, space-separated */
 } fdp_kernels_image_info_t;
 fdp_result_t fdp_kernels_image(int cc, int forget, fdp_kernels_image_info_t *out);
 

@@ -32,12 +32,21 @@ def _suites():
     return names, ""
 
 
+# Suites that are part of the simulated-GPU checks (scripts/sim_tests.sh, which the mutation runs use): the kernel
+# cache's key is a GPU-path rule whose bugs only the C suite sees.
+SIM_SUITES = {"kernel_cache"}
+
+
+def _with_marks(name):
+    return pytest.param(name, marks=pytest.mark.sim) if name in SIM_SUITES else name
+
+
 def pytest_generate_tests(metafunc):
     if "c_suite" not in metafunc.fixturenames:
         return
     names = _suites()[0]
     # Without a program there is one item that says why: skipped (no compiler) or failing (a broken build).
-    params = names or [pytest.param(None, id="build")]
+    params = [_with_marks(n) for n in names] if names else [pytest.param(None, id="build")]
     metafunc.parametrize("c_suite", params)
 
 

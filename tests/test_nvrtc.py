@@ -182,3 +182,136 @@ def test_every_kernel_the_backend_binds_is_in_the_image(compiled):
         cubin = _payload(compiled[cc])
         missing = [n for n in sorted(names) if n.encode() + b"\0" not in cubin]
         assert not missing, f"sm_{cc} image lacks {missing}"
+
+
+# ---- every target fastdp claims, with the real NVRTC and exactly fastdp's options ----
+
+def _claimed_targets(nvrtc_archs):
+    """The architectures fastdp claims: those the build's fatbin names (cuda/build_kernels.py's DEFAULT_ARCHS), and
+    every one NVRTC knows from the oldest of them on (its compute_ PTX is documented to serve them all)."""
+    sys.path.insert(0, str(ROOT / "cuda"))
+    try:
+        from build_kernels import DEFAULT_ARCHS, _parse_archs
+    finally:
+        sys.path.pop(0)
+    named = sorted({int(num) for _, num in _parse_archs(DEFAULT_ARCHS)})
+    return named, sorted(set(named) | {a for a in nvrtc_archs if a >= named[0]})
+
+
+def _launch_bound():
+    """FDP_KERNEL_THREADS: the block size every launch of the backend uses (csrc/backend/cuda/kernel_module.h)."""
+    import re
+
+    text = (ROOT / "csrc" / "backend" / "cuda" / "kernel_module.h").read_text()
+    return int(re.search(r"#define FDP_KERNEL_THREADS (\d+)", text).group(1))
+
+
+def _bound_names():
+    import re
+
+    table = (ROOT / "csrc" / "backend" / "cuda" / "kernel_module.c").read_text()
+    return sorted(set(re.findall(r'"(fdp_(?:sum|copy)_\w+)"', table)))
+
+
+class _Nvrtc:
+    """The library the core loaded, driven directly: a compile's verdict, its log and its PTX."""
+
+    def __init__(self, path):
+        for builtins in sorted(Path(path).parent.glob("libnvrtc-builtins.so.*")):
+            if builtins.name.count(".") >= 4:  # libnvrtc-builtins.so.MAJOR.MINOR, as NVRTC opens it
+                ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+        self.lib = ctypes.CDLL(path)
+
+    def compile(self, source, options):
+        lib, prog, n = self.lib, ctypes.c_void_p(), ctypes.c_size_t()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"fastdp_kernels.cu", 0, None, None) == 0
+        try:
+            argv = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+            verdict = lib.nvrtcCompileProgram(prog, len(options), argv)
+            assert lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n)) == 0
+            log = ctypes.create_string_buffer(max(n.value, 1))
+            assert lib.nvrtcGetProgramLog(prog, log) == 0
+            ptx = ""
+            if verdict == 0 and lib.nvrtcGetPTXSize(prog, ctypes.byref(n)) == 0 and n.value > 1:
+                buf = ctypes.create_string_buffer(n.value)
+                assert lib.nvrtcGetPTX(prog, buf) == 0
+                ptx = buf.value.decode()
+            return verdict, log.value.decode(errors="replace").strip(), ptx
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _entries(ptx):
+    """{kernel name: its .maxntid (x, y, z), or None when it has none} for every .entry of a PTX text."""
+    import re
+
+    out = {}
+    for chunk in ptx.split(".entry ")[1:]:
+        name = chunk.split("(", 1)[0].strip()
+        head = chunk.split("{", 1)[0]
+        m = re.search(r"\.maxntid\s+(\d+)(?:,\s*(\d+))?(?:,\s*(\d+))?", head)  # newer NVVM omits y and z
+        out[name] = tuple(int(v or 1) for v in m.groups()) if m else None
+    return out
+
+
+@pytest.fixture(scope="module")
+def claimed(tmp_path_factory):
+    info = nvrtc_or_skip()
+    named, targets = _claimed_targets(_supported_archs(info["nvrtc_library"]))
+    results = run_images(targets, {"FASTDP_CACHE_DIR": str(tmp_path_factory.mktemp("claimed"))})
+    return info, named, dict(zip(targets, results))
+
+
+# Part of the simulated-GPU checks (scripts/sim_tests.sh, which the mutation runs use): what NVRTC accepts and produces
+# is a rule of the GPU path that the simulator, which runs the kernels as host C++, cannot see.
+@pytest.mark.sim
+def test_every_claimed_target_compiles_through_fastdp(claimed):
+    """fastdp's own path (its loader, its options, its cache) gives a cubin for the exact architecture of every
+    target it claims; one this NVRTC cannot build is named here, not on a user's GPU."""
+    info, named, results = claimed
+    archs = _supported_archs(info["nvrtc_library"])
+    missing = [cc for cc in named if cc not in archs]
+    assert not missing, f"the build claims sm_{missing} but NVRTC {info['nvrtc_version']} cannot compile for them"
+    for cc, r in results.items():
+        assert "error" not in r, (cc, r)
+        assert (r["target"], r["arch"]) == ("cubin", cc), r
+        assert f"sm_{cc}" in r["options"].split()[0], r["options"]
+    print("targets: " + ", ".join(f"sm_{cc}" for cc in results))
+
+
+@pytest.mark.sim
+def test_nvrtc_verdict_log_and_code_for_every_claimed_target(claimed):
+    """The same source with exactly the options fastdp passed (as it reports them): NVRTC accepts them without a
+    word in its log, and the code it produces has every kernel fastdp binds, each bounded to the block size every
+    launch uses (its .maxntid), which is also the bound the simulated driver enforces."""
+    info, _, results = claimed
+    nvrtc = _Nvrtc(info["nvrtc_library"])
+    sys.path.insert(0, str(ROOT / "cuda"))
+    try:
+        from build_kernels import kernel_source
+    finally:
+        sys.path.pop(0)
+    source = kernel_source(ROOT / "cuda").encode()
+    threads, names = _launch_bound(), _bound_names()
+    sim_bounds = _sim_launch_bounds()
+    for cc, r in results.items():
+        verdict, log, ptx = nvrtc.compile(source, r["options"].split())
+        assert verdict == 0, f"sm_{cc}: NVRTC refuses {r['options']!r}: {log}"
+        assert log == "", f"sm_{cc}: NVRTC's log is not empty with {r['options']!r}:\n{log}"
+        assert f".target sm_{cc}" in ptx
+        entries = _entries(ptx)
+        for name in names:
+            assert name in entries, f"sm_{cc}: no kernel {name} in NVRTC's code"
+            assert entries[name] == (threads, 1, 1), \
+                f"sm_{cc}: {name} is bounded to {entries[name]} threads, every launch uses {threads}"
+            assert sim_bounds(name) == threads, f"the simulated driver bounds {name} to {sim_bounds(name)}"
+
+
+def _sim_launch_bounds():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fastdp_sim_build", ROOT / "tests" / "sim" / "build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    table = mod.launch_bounds()
+    return lambda name: next(t for n, prefix, t in table if (name.startswith(n) if prefix else name == n))

@@ -198,7 +198,7 @@ def _toolkit_cuda_h():
     return None
 
 
-def test_simulator_signatures_match_the_toolkit():
+def test_simulator_signatures_match_the_toolkit(tmp_path):
     """The simulated GPU's C files (build.py's SOURCES: the driver's files, NCCL, host memory) compiled with the
     toolkit's cuda.h in scope: every entry point they define must have the real prototype (a conflicting type is a
     compile error). Skipped where no toolkit header is found."""
@@ -207,8 +207,10 @@ def test_simulator_signatures_match_the_toolkit():
     if cuda_h is None:
         pytest.skip("no CUDA toolkit cuda.h (CUDA_HOME, CUDA_PATH, /usr/local/cuda) to compare with")
     root = os.path.dirname(HERE)
+    _simbuild.write_bounds_header(str(tmp_path))  # the launch bounds table build.py generates
     cmd = [_cbuild.compiler(), "-std=c11", "-D_GNU_SOURCE", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
-           "-I" + os.path.join(root, "csrc"), "-I" + os.path.join(HERE, "sim"), "-include", cuda_h,
+           "-I" + os.path.join(root, "csrc"), "-I" + os.path.join(HERE, "sim"), "-I" + str(tmp_path),
+           "-include", cuda_h,
            *[os.path.join(HERE, "sim", src) for src in _simbuild.SOURCES]]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout

@@ -201,31 +201,56 @@ static fdp_result_t compile_fail(const fdp_nvrtc_t *nv, nvrtcProgram prog, nvrtc
   return nvrtc_fail(nv, e, "nvrtcCompileProgram", arch);
 }
 
-fdp_result_t fdp__nvrtc_compile(const char *source, int cc, unsigned char **image, size_t *size, int *target,
-                                int *ptx) {
+/* Appends the space-separated options of `words` to plan's text and argv. */
+static fdp_result_t add_options(fdp_nvrtc_plan_t *plan, const char *words) {
+  size_t used = strlen(plan->text);
+  int n = snprintf(plan->text + used, sizeof plan->text - used, "%s%s", used ? " " : "", words);
+  if (n < 0 || (size_t)n >= sizeof plan->text - used)
+    return fdp__fail(FDP_INVALID, "NVRTC options too long: %s", words);
+  memcpy(plan->words, plan->text, sizeof plan->words);
+  plan->argc = 0;
+  for (char *save = NULL, *w = strtok_r(plan->words, " ", &save); w; w = strtok_r(NULL, " ", &save)) {
+    if (plan->argc == FDP_NVRTC_MAX_OPTIONS)
+      return fdp__fail(FDP_INVALID, "more than %d NVRTC options: %s", FDP_NVRTC_MAX_OPTIONS, plan->text);
+    plan->argv[plan->argc++] = w;
+  }
+  return FDP_OK;
+}
+
+fdp_result_t fdp__nvrtc_plan(int cc, const char *extra, fdp_nvrtc_plan_t *plan) {
   const fdp_nvrtc_t *nv;
   FDP_CHECK(fdp__nvrtc_load(&nv, NULL));
-  int arch = pick_arch(nv, cc, ptx);
-  if (arch == 0)
+  memset(plan, 0, sizeof *plan);
+  plan->arch = pick_arch(nv, cc, &plan->ptx);
+  if (plan->arch == 0)
     return fdp__fail(FDP_UNAVAILABLE,
                      "NVRTC %d.%d cannot compile for sm_%d (its oldest architecture is sm_%d): install an older "
                      "nvidia-cuda-nvrtc (e.g. nvidia-cuda-nvrtc-cu12) or a fastdp build whose fatbin covers sm_%d",
                      nv->major, nv->minor, cc, nv->archs[0], cc);
-  char opt_arch[64];
-  snprintf(opt_arch, sizeof opt_arch, "--gpu-architecture=%s_%d", *ptx ? "compute" : "sm", arch);
-  const char *opts[] = {opt_arch, "--std=c++14"};
+  char target[64];
+  snprintf(target, sizeof target, "--gpu-architecture=%s_%d --std=c++14", plan->ptx ? "compute" : "sm", plan->arch);
+  FDP_CHECK(add_options(plan, target));
+  if (extra && *extra) FDP_CHECK(add_options(plan, extra));
+  return FDP_OK;
+}
+
+fdp_result_t fdp__nvrtc_compile(const char *source, const fdp_nvrtc_plan_t *plan, unsigned char **image,
+                                size_t *size) {
+  const fdp_nvrtc_t *nv;
+  FDP_CHECK(fdp__nvrtc_load(&nv, NULL));
+  int arch = plan->arch;
   nvrtcProgram prog = NULL;
   nvrtcResult e = nv->CreateProgram(&prog, source, "fastdp_kernels.cu", 0, NULL, NULL);
   if (e != NVRTC_SUCCESS) return nvrtc_fail(nv, e, "nvrtcCreateProgram", arch);
   fdp_result_t r = FDP_OK;
   size_t n = 0;
   unsigned char *buf = NULL;
-  e = nv->CompileProgram(prog, 2, opts);
+  e = nv->CompileProgram(prog, plan->argc, plan->argv);
   if (e != NVRTC_SUCCESS) {
     r = compile_fail(nv, prog, e, arch);
     goto done;
   }
-  e = *ptx ? nv->GetPTXSize(prog, &n) : nv->GetCUBINSize(prog, &n);
+  e = plan->ptx ? nv->GetPTXSize(prog, &n) : nv->GetCUBINSize(prog, &n);
   if (e != NVRTC_SUCCESS || n == 0) {
     r = e != NVRTC_SUCCESS ? nvrtc_fail(nv, e, "reading the image size", arch)
                            : fdp__fail(FDP_INTERNAL, "NVRTC produced an empty image for sm_%d", arch);
@@ -236,7 +261,7 @@ fdp_result_t fdp__nvrtc_compile(const char *source, int cc, unsigned char **imag
     r = fdp__fail(FDP_NOMEM, "no host memory for a %zu-byte kernel image", n);
     goto done;
   }
-  e = *ptx ? nv->GetPTX(prog, (char *)buf) : nv->GetCUBIN(prog, (char *)buf);
+  e = plan->ptx ? nv->GetPTX(prog, (char *)buf) : nv->GetCUBIN(prog, (char *)buf);
   if (e != NVRTC_SUCCESS) {
     r = nvrtc_fail(nv, e, "reading the image", arch);
     free(buf);
@@ -246,7 +271,6 @@ fdp_result_t fdp__nvrtc_compile(const char *source, int cc, unsigned char **imag
   buf[n] = '\0';
   *image = buf;
   *size = n;
-  *target = arch;
 done:
   e = nv->DestroyProgram(&prog);
   if (e != NVRTC_SUCCESS) fdp__log("nvrtcDestroyProgram: %d", (int)e);

@@ -48,13 +48,29 @@ fdp_result_t fdp__nvrtc_set_dirs(const char *dirs);
  * FDP_UNAVAILABLE when FASTDP_DISABLE_NVRTC is set or no usable library is found; *why (static) says which. */
 fdp_result_t fdp__nvrtc_load(const fdp_nvrtc_t **out, const char **why);
 
-/* A compiled image for the GPU architecture `cc` (major * 10 + minor, e.g. 90): a cubin when NVRTC knows
- * sm_<cc>, else PTX of the newest virtual architecture at or below it (the driver compiles that for a GPU
- * newer than NVRTC). *image is malloc'ed and owned by the caller, NUL-terminated after *size bytes (PTX is
- * loaded as a string); *target is the architecture compiled for and *ptx says which kind. Thread-safe.
- * Errors: FDP_UNAVAILABLE (no NVRTC, or `cc` older than every architecture it knows), FDP_NOMEM, and
- * FDP_INTERNAL for a compile failure (the detail holds NVRTC's log). */
-fdp_result_t fdp__nvrtc_compile(const char *source, int cc, unsigned char **image, size_t *size, int *target,
-                                int *ptx);
+/* What one compilation is: the target NVRTC compiles for and every option passed to it. Its text is part of the
+ * kernel cache's key (kernel_image.c), so that an image is never served for other options or another target. */
+#define FDP_NVRTC_MAX_OPTIONS 8
+typedef struct fdp_nvrtc_plan {
+  int arch;                                 /* the architecture compiled for */
+  int ptx;                                  /* 1: PTX for compute_<arch>; 0: a cubin for sm_<arch> */
+  int argc;                                 /* options in argv */
+  const char *argv[FDP_NVRTC_MAX_OPTIONS]; /* each points into words */
+  char text[256];                           /* the options, space-separated, as passed */
+  char words[256];                          /* the same, NUL-separated */
+} fdp_nvrtc_plan_t;
+
+/* The plan for GPU architecture `cc` (major * 10 + minor, e.g. 90): a cubin when NVRTC knows sm_<cc>, else PTX of
+ * the newest virtual architecture at or below it (the driver compiles that for a GPU newer than NVRTC); fastdp's
+ * options, then `extra` (space-separated, NULL for none: what fastdp itself compiles with). Loads NVRTC.
+ * Errors: FDP_UNAVAILABLE (no NVRTC, or `cc` older than every architecture it knows), FDP_INVALID (extra too long
+ * or too many options). */
+fdp_result_t fdp__nvrtc_plan(int cc, const char *extra, fdp_nvrtc_plan_t *plan);
+
+/* Compiles `source` as `plan` says. *image is malloc'ed and owned by the caller, NUL-terminated after *size bytes
+ * (PTX is loaded as a string). Thread-safe. Errors: FDP_UNAVAILABLE (no NVRTC), FDP_NOMEM, and FDP_INTERNAL for
+ * a compile failure (the detail holds NVRTC's log). */
+fdp_result_t fdp__nvrtc_compile(const char *source, const fdp_nvrtc_plan_t *plan, unsigned char **image,
+                                size_t *size);
 
 #endif

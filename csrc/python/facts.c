@@ -141,9 +141,9 @@ static PyObject *py_kernels_image(PyObject *module, PyObject *args) {
   Py_END_ALLOW_THREADS
   if (r != FDP_OK) return fdp__raise(fdp__state(module), r);
   static const char *const origins[] = {"disk", "compiled", "memory"};
-  return Py_BuildValue("{s:n,s:s,s:i,s:s,s:d,s:s,s:s}", "bytes", (Py_ssize_t)info.bytes, "target",
+  return Py_BuildValue("{s:n,s:s,s:i,s:s,s:d,s:s,s:s,s:s}", "bytes", (Py_ssize_t)info.bytes, "target",
                        info.ptx ? "ptx" : "cubin", "arch", info.arch, "origin", origins[info.origin], "seconds",
-                       info.seconds, "file", info.file, "note", info.note);
+                       info.seconds, "file", info.file, "note", info.note, "options", info.options);
 }
 
 /* ---- route: which backend the core picks ---- */

@@ -15,6 +15,8 @@ COPY = "cuda/copy.cu"
 LAYOUT = "csrc/backend/cuda/layout.c"
 OPS = "csrc/core/ops.c"
 IMAGES = "csrc/backend/cuda/kernel_image.c"
+MODULE_H = "csrc/backend/cuda/kernel_module.h"
+NVRTC = "csrc/dl/nvrtc.c"
 
 MUTANTS = [
     # ---- stream ordering ----
@@ -294,4 +296,42 @@ MUTANTS = [
          find="      CUresult es = cu->StreamSynchronize(s->stream);\n      if (es == CUDA_SUCCESS) es = cu->MemFree(s->ptr);",
          replace="      CUresult es = cu->MemFree(s->ptr);",
          what="after a failed cuMemFreeAsync the buffer is freed with cuMemFree without waiting for its users"),
+    # ---- the driver's and NVRTC's own rules (launch geometry, copy descriptors, options, the kernel cache's key,
+    # memory nobody wrote) ----
+    dict(name="launch-block-over-bound", file=MODULE_H,
+         find="#define FDP_KERNEL_THREADS 256",
+         replace="#define FDP_KERNEL_THREADS 512",
+         what="launches use blocks of 512 threads, beyond the kernels' __launch_bounds__(256): the driver refuses"),
+    dict(name="memcpy3d-depth-unset", file=COPIES,
+         find="    c.Depth = 1;\n",
+         replace="",
+         what="the 3D peer copy's Depth is left 0 by the memset: the driver copies nothing"),
+    dict(name="memcpy2d-dst-pitch-unset", file=COPIES,
+         find="      c.dstPitch = dpitch;\n",
+         replace="",
+         what="the 2D copy's destination pitch is left 0, below the row width: the driver refuses it"),
+    dict(name="memcpy3d-slice-height-unset", file=COPIES,
+         find="    c.srcHeight = height;\n",
+         replace="",
+         what="the 3D peer copy's source slice height is left 0"),
+    dict(name="nvrtc-arch-option-typo", file=NVRTC,
+         find='"--gpu-architecture=%s_%d --std=c++14"',
+         replace='"--gpu-architecture=%s%d --std=c++14"',
+         what="the target option reads sm90, which NVRTC rejects: no kernels on any GPU without the fatbin"),
+    dict(name="kernel-key-drops-options", file=IMAGES,
+         find="  unsigned long long opt = fnv1a(rc->plan.text, strlen(rc->plan.text));",
+         replace="  unsigned long long opt = 0;",
+         what="the kernel cache's key leaves out the options and target: an image built for others is served"),
+    dict(name="kernel-key-drops-source", file=IMAGES,
+         find="  unsigned long long src = fnv1a(rc->source, rc->source_size);",
+         replace="  unsigned long long src = 0;",
+         what="the kernel cache's key leaves out the source: an image of older kernels is served"),
+    dict(name="sum-last-pass-unwritten", file=SUMS,
+         find="    FDP_CHECK(launch_sum(cu, dev, stream, m, fn, in, 1 + more, i == n ? out : acc, numel));",
+         replace="    FDP_CHECK(launch_sum(cu, dev, stream, m, fn, in, 1 + more, acc, numel));",
+         what="a sum of more than 32 inputs leaves its last pass in scratch: the output is never written"),
+    dict(name="rows-pitch-past-max", file=LAYOUT,
+         find="  if (sp < w || dp < w || sp > FDP_PAIR_MAX_PITCH || dp > FDP_PAIR_MAX_PITCH) return 0;",
+         replace="  if (sp < w || dp < w) return 0;",
+         what="rows with a pitch past the driver's maximum go to cuMemcpy2DAsync, which refuses them"),
 ]

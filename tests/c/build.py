@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -88,7 +89,9 @@ def kernel_blob(simulated):
 # The C files of each test program: its main file, the files of its suites, what they share, and the checks both
 # programs count with.
 CORE_PROGRAM = ["test_core.c", "core_harness.c", "core_errors.c", "core_backends.c", "core_layout.c", "core_plan.c",
-                "core_copy.c", "core_collectives.c", "core_reduce.c", "check.c"]
+                "core_copy.c", "core_collectives.c", "core_reduce.c", "core_kernel_cache.c", "check.c"]
+# The NVRTC that core_kernel_cache.c compiles with: a stand-in whose images say what they were built from.
+FAKE_NVRTC = os.path.join(BUILD, "libfake_nvrtc.so")
 GPU_OPS_PROGRAM = ["test_gpu_ops.c", "gpu_ops_harness.c", "gpu_ops_copy.c", "gpu_ops_reduce.c", "gpu_ops_threads.c",
                    "gpu_ops_kernels.c", "gpu_ops_nccl.c", "gpu_ops_sweep.c", "check.c"]
 
@@ -112,7 +115,11 @@ def build(cc, gpu_ops=False, simulated=False, sanitize=True, tsan=False):
     cmd = [cc, *flags, "-I" + os.path.join(ROOT, "csrc"), *sources(gpu_ops, simulated), "-o", exe, "-lm", "-pthread",
            "-ldl"]
     print("+ " + " ".join(os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in cmd), flush=True)
-    return subprocess.call(cmd, cwd=ROOT)
+    rc = subprocess.call(cmd, cwd=ROOT)
+    if rc == 0 and not gpu_ops:
+        rc = subprocess.call([cc, "-std=c11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
+                              os.path.join(HERE, "fake_nvrtc.c"), "-o", FAKE_NVRTC], cwd=ROOT)
+    return rc
 
 
 def run(detect_leaks, exe=EXE, args=()):
@@ -121,7 +128,11 @@ def run(detect_leaks, exe=EXE, args=()):
     env["ASAN_OPTIONS"] = f"detect_leaks={detect_leaks}:abort_on_error=0:halt_on_error=1:protect_shadow_gap=0"
     env["UBSAN_OPTIONS"] = UBSAN_OPTIONS
     env["TSAN_OPTIONS"] = TSAN_OPTIONS
-    proc = subprocess.run([exe, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with tempfile.TemporaryDirectory(prefix="fastdp-kcache-") as cache:
+        if exe == EXE:  # core_kernel_cache.c: the fake NVRTC, and a kernel cache of its own
+            env.update(FASTDP_NVRTC_LIBRARY=FAKE_NVRTC, FASTDP_CACHE_DIR=cache)
+        proc = subprocess.run([exe, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
     return proc.returncode, proc.stdout
 
 

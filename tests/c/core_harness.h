@@ -67,6 +67,7 @@ void test_route(void);
 void test_tensor_helpers(void);
 void test_devices(void);
 void test_torch_shim(void);
+void test_kernel_cache(void); /* core_kernel_cache.c */
 void test_layout(void); /* core_layout.c */
 void test_plan(void);   /* core_plan.c */
 void test_copy(void);   /* core_copy.c */

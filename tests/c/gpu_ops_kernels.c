@@ -9,25 +9,19 @@
 
 /* ---- the kernels at their limits ---- */
 
-/* Element offsets beyond 2^31 (the strided-copy kernel must index in 64 bits): two rows 2^31 + 8 bytes apart in one
- * allocation, copied to a dense 2 x 3 byte tensor. */
-void test_kernel_wide_offsets(void) {
-  const long long stride = (1ll << 31) + 8;
-  CUdeviceptr big = 0;
-  push(0);
-  CUresult e = D.MemAlloc(&big, (size_t)stride + 64);
-  if (e != CUDA_SUCCESS) { /* a real GPU with less than 2 GiB free */
-    pop(0);
-    printf("  (skipped: no 2 GiB allocation on device 0)\n");
-    return;
-  }
-  unsigned char rows[2][3] = {{1, 2, 3}, {4, 5, 6}};
+/* Two rows of `width` bytes 2^31 + 512 bytes apart in `big`, copied to a dense 2 x width byte tensor. */
+static void copy_far_rows(CUdeviceptr big, long long stride, int width, const char *what) {
+  unsigned char rows[2][512];
   for (int r = 0; r < 2; r++)
-    dev_call(0, D.HtoD(big + (CUdeviceptr)(r * stride), rows[r], 3, NULL), "cuMemcpyHtoDAsync");
+    for (int i = 0; i < width; i++)
+      rows[r][i] = (unsigned char)(r * 100 + i * 7 + 1);
+  push(0);
+  for (int r = 0; r < 2; r++)
+    dev_call(0, D.HtoD(big + (CUdeviceptr)(r * stride), rows[r], (size_t)width, NULL), "cuMemcpyHtoDAsync");
   dev_call(0, D.StreamSynchronize(NULL), "cuStreamSynchronize");
   pop(0);
-  buf_t db = buf_new(0, 6);
-  int64_t sz[2] = {2, 3}, st[2] = {stride, 1}, dst_st[2] = {3, 1};
+  buf_t db = buf_new(0, (size_t)(2 * width));
+  int64_t sz[2] = {2, width}, st[2] = {stride, 1}, dst_st[2] = {width, 1};
   fdp_tensor_t src;
   memset(&src, 0, sizeof src);
   src.data = (char *)(uintptr_t)big;
@@ -38,11 +32,30 @@ void test_kernel_wide_offsets(void) {
   memcpy(src.sizes, sz, sizeof sz);
   memcpy(src.strides, st, sizeof st);
   view_t dv = view(&db, FDP_DTYPE_U8, 1, 2, sz, dst_st, 0);
-  memcpy(db.ref, rows, 6);
+  for (int r = 0; r < 2; r++)
+    memcpy((unsigned char *)db.ref + r * width, rows[r], (size_t)width);
   fdp_streams_t fs = all_streams(g_stream);
   OK(fdp_op_copy(&dv.t, &src, 1, &fs));
-  buf_matches(&db, "copy of rows 2^31 + 8 bytes apart");
+  buf_matches(&db, what);
   buf_free(&db);
+}
+
+/* Element offsets beyond 2^31 (the strided-copy kernel must index in 64 bits): rows 2^31 + 512 bytes apart in one
+ * allocation. Short rows go to the kernel anyway; rows wide enough for the copy engines have a pitch past the
+ * driver's maximum (CU_DEVICE_ATTRIBUTE_MAX_PITCH, 2^31 - 1), which the driver refuses: they must go to the kernel
+ * too. */
+void test_kernel_wide_offsets(void) {
+  const long long stride = (1ll << 31) + 512;
+  CUdeviceptr big = 0;
+  push(0);
+  CUresult e = D.MemAlloc(&big, (size_t)stride + 512);
+  pop(0);
+  if (e != CUDA_SUCCESS) { /* a real GPU with less than 2 GiB free */
+    printf("  (skipped: no 2 GiB allocation on device 0)\n");
+    return;
+  }
+  copy_far_rows(big, stride, 3, "copy of 3-byte rows 2^31 + 512 bytes apart");
+  copy_far_rows(big, stride, 512, "copy of 512-byte rows 2^31 + 512 bytes apart (a pitch past the driver's maximum)");
   push(0);
   dev_call(0, D.CtxSynchronize(), "cuCtxSynchronize");
   dev_call(0, D.MemFree(big), "cuMemFree");

@@ -39,6 +39,7 @@ static const suite_t k_suites[] = {
     {"reduce_rows", test_reduce_rows},
     {"devices", test_devices},
     {"torch_shim", test_torch_shim},
+    {"kernel_cache", test_kernel_cache},
 };
 #define NSUITES (sizeof k_suites / sizeof k_suites[0])
 

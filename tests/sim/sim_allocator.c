@@ -59,7 +59,10 @@ int simgpu_cache_alloc(void *ctx, int device, size_t bytes, void *stream, void *
     if (a->cached && a->cache_stream == s && a->size >= want && (best == NULL || a->size < best->size)) best = a;
   }
   if (best != NULL) {
+    /* A real caching allocator hands the block out with whatever its last user left, which may well look like a
+     * right answer (zeros, last step's values): poisoned again, it cannot. */
     best->cached = 0;
+    sim_poison(best);
     g_cache_reuses++;
   } else {
     CUdeviceptr p;

@@ -169,6 +169,60 @@ static CUresult rows_copy(sim_op_t *op, side_t *s, side_t *d, size_t width, size
   return CUDA_SUCCESS;
 }
 
+/* NOTE [copy descriptors]: the fields of CUDA_MEMCPY2D / CUDA_MEMCPY3D_PEER that the driver refuses or reads,
+ * checked as the driver does (CUDA_ERROR_INVALID_VALUE, recorded as misuse): each side's memory type is one the
+ * driver knows (a zero is a field left unset), each pitch at least the row width and at most the device's
+ * CU_DEVICE_ATTRIBUTE_MAX_PITCH, the levels of detail zero (arrays only). An extent of zero rows, bytes or slices
+ * copies nothing on a real GPU: fastdp never asks for an empty copy, so such a descriptor is a field left unset
+ * and is recorded (nothing is copied). The 3D copy's slice heights must hold Height rows; the simulator asks it at
+ * any depth, stricter than the driver (which reads them from two slices on), so that a height left unset is seen
+ * on the one-slice copies fastdp makes. Every offset (srcXInBytes, srcY, srcZ and the destination's) is applied. */
+#define MAX_PITCH 2147483647u
+
+static int memtype_ok(const sim_op_t *op, CUmemorytype t, const char *side) {
+  if (t == CU_MEMORYTYPE_HOST || t == CU_MEMORYTYPE_DEVICE || t == CU_MEMORYTYPE_UNIFIED) return 1;
+  if (t == CU_MEMORYTYPE_ARRAY)
+    sim_misuse("%s: the %s is a CUDA array, which the simulator does not have", op->name, side);
+  else
+    sim_misuse("%s: the %s memory type is %d, not one the driver knows (a field left unset?)", op->name, side, (int)t);
+  return 0;
+}
+
+static int pitch_ok(const sim_op_t *op, size_t pitch, size_t width, const char *side) {
+  if (pitch >= width && pitch <= MAX_PITCH) return 1;
+  sim_misuse("%s: the %s pitch %zu is %s", op->name, side, pitch,
+             pitch < width ? "smaller than WidthInBytes" : "larger than the device's maximum pitch (2^31-1)");
+  return 0;
+}
+
+static int extent_ok(const sim_op_t *op, size_t width, size_t height, size_t depth) {
+  if (width > 0 && height > 0 && depth > 0) return 1;
+  sim_misuse("%s: an empty extent (WidthInBytes %zu, Height %zu, Depth %zu): a field left unset?", op->name, width,
+             height, depth);
+  return 0;
+}
+
+static int memcpy2d_ok(const sim_op_t *op, const CUDA_MEMCPY2D *p) {
+  return memtype_ok(op, p->srcMemoryType, "source") && memtype_ok(op, p->dstMemoryType, "destination") &&
+         pitch_ok(op, p->srcPitch, p->WidthInBytes, "source") && pitch_ok(op, p->dstPitch, p->WidthInBytes, "destination");
+}
+
+static int memcpy3d_peer_ok(const sim_op_t *op, const CUDA_MEMCPY3D_PEER *p) {
+  if (!memtype_ok(op, p->srcMemoryType, "source") || !memtype_ok(op, p->dstMemoryType, "destination") ||
+      !pitch_ok(op, p->srcPitch, p->WidthInBytes, "source") || !pitch_ok(op, p->dstPitch, p->WidthInBytes, "destination"))
+    return 0;
+  if (p->srcLOD != 0 || p->dstLOD != 0) {
+    sim_misuse("%s: srcLOD %zu / dstLOD %zu must be 0", op->name, p->srcLOD, p->dstLOD);
+    return 0;
+  }
+  if (p->srcHeight < p->Height || p->dstHeight < p->Height) {
+    sim_misuse("%s: srcHeight %zu / dstHeight %zu hold fewer than the %zu rows copied per slice", op->name,
+               p->srcHeight, p->dstHeight, p->Height);
+    return 0;
+  }
+  return 1;
+}
+
 CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *p, CUstream stream) {
   ENTER(cuMemcpy2DAsync_v2);
   CUresult err = CUDA_SUCCESS;
@@ -176,8 +230,11 @@ CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *p, CUstream stream) {
   if (!c) RETURN(err);
   sim_stream_t *s = sim_resolve_stream(stream, c, "cuMemcpy2DAsync", &err);
   if (!s) RETURN(err);
+  if (!p) RETURN(CUDA_ERROR_INVALID_VALUE);
   sim_op_t op;
   sim_op_begin(&op, s, "cuMemcpy2DAsync", c->dev);
+  if (!memcpy2d_ok(&op, p)) RETURN(CUDA_ERROR_INVALID_VALUE);
+  if (!extent_ok(&op, p->WidthInBytes, p->Height, 1)) RETURN(CUDA_SUCCESS);
   /* Only the current context's device: cross-context 2D copies are not documented (peer copies go through
    * cuMemcpy3DPeerAsync). */
   side_t a = {0}, b = {0};
@@ -198,20 +255,24 @@ CUresult cuMemcpy3DPeerAsync(const CUDA_MEMCPY3D_PEER *p, CUstream stream) {
   if (!c) RETURN(err);
   sim_stream_t *s = sim_resolve_stream(stream, c, "cuMemcpy3DPeerAsync", &err);
   if (!s) RETURN(err);
+  if (!p) RETURN(CUDA_ERROR_INVALID_VALUE);
   sim_ctx_t *dc = peer_ctx(p->dstContext, "cuMemcpy3DPeerAsync"), *sc = peer_ctx(p->srcContext, "cuMemcpy3DPeerAsync");
   if (!dc || !sc) RETURN(CUDA_ERROR_INVALID_CONTEXT);
   sim_op_t op;
   sim_op_begin(&op, s, "cuMemcpy3DPeerAsync", c->dev);
   op.any_peer = 1;
+  if (!memcpy3d_peer_ok(&op, p)) RETURN(CUDA_ERROR_INVALID_VALUE);
   if (p->srcMemoryType != CU_MEMORYTYPE_DEVICE || p->dstMemoryType != CU_MEMORYTYPE_DEVICE) {
     sim_misuse("cuMemcpy3DPeerAsync: only device memory on both sides is simulated");
     RETURN(CUDA_ERROR_INVALID_VALUE);
   }
+  if (!extent_ok(&op, p->WidthInBytes, p->Height, p->Depth)) RETURN(CUDA_SUCCESS);
   if (!ptr_on(&op, p->srcDevice, sc, "source") || !ptr_on(&op, p->dstDevice, dc, "destination"))
     RETURN(CUDA_ERROR_INVALID_VALUE);
   peer_direction(&op, c, sc, dc);
-  size_t sh = p->srcHeight ? p->srcHeight : p->Height, dh = p->dstHeight ? p->dstHeight : p->Height;
-  side_t a = {0, (uintptr_t)p->srcDevice + (p->srcZ * sh + p->srcY) * p->srcPitch + p->srcXInBytes, p->srcPitch, sh};
-  side_t b = {0, (uintptr_t)p->dstDevice + (p->dstZ * dh + p->dstY) * p->dstPitch + p->dstXInBytes, p->dstPitch, dh};
-  RETURN(rows_copy(&op, &a, &b, p->WidthInBytes, p->Height, p->Depth ? p->Depth : 1));
+  side_t a = {0, (uintptr_t)p->srcDevice + (p->srcZ * p->srcHeight + p->srcY) * p->srcPitch + p->srcXInBytes,
+              p->srcPitch, p->srcHeight};
+  side_t b = {0, (uintptr_t)p->dstDevice + (p->dstZ * p->dstHeight + p->dstY) * p->dstPitch + p->dstXInBytes,
+              p->dstPitch, p->dstHeight};
+  RETURN(rows_copy(&op, &a, &b, p->WidthInBytes, p->Height, p->Depth));
 }

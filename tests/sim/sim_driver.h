@@ -36,6 +36,10 @@
 /* Device memory starts aligned to DEVICE_ALIGN; the bytes between a block's end and its guard page hold CANARY. */
 #define DEVICE_ALIGN 256
 #define CANARY 0x5a
+/* What fresh device memory holds until something writes it: all bits set is a NaN in every floating type (half,
+ * bfloat16, float, double) and -1 in every integer type, so memory nobody wrote never passes for zeros and a NaN
+ * spreads through every sum that reads it. */
+#define POISON 0xff
 
 /* ---- state (sim_state.c) ---- */
 
@@ -154,6 +158,8 @@ sim_alloc_t *sim_find_alloc(CUdeviceptr p, int *dev);
 int sim_in_device_range(const void *host);
 /* Whether anything wrote past the end of allocation `a` (into its canary). */
 int sim_mem_overrun(const sim_alloc_t *a);
+/* Fills a block with POISON, as fresh memory (the head and tail only of a huge one). */
+void sim_poison(sim_alloc_t *a);
 CUresult sim_alloc_new(int dev, size_t bytes, int async, CUdeviceptr *out);
 void sim_alloc_free(sim_alloc_t *a);
 /* The allocation a free of p releases; NULL after a misuse (not the start of one, the caching allocator's, freed). */

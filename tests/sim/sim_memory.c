@@ -13,7 +13,10 @@
 
 #define GAP 256
 #define PAGE 4096
-#define HUGE_BYTES (256u << 20) /* allocations from this size on start zeroed: filling them would cost real memory */
+/* Allocations from this size on are poisoned only in their first and last POISON_EDGE bytes (filling them whole
+ * would cost real memory): the rest starts zeroed. */
+#define HUGE_BYTES (256u << 20)
+#define POISON_EDGE (1u << 20)
 
 sim_alloc_t *sim_find_alloc(CUdeviceptr p, int *dev) {
   for (int d = 0; d < g_ndev; d++) {
@@ -157,6 +160,15 @@ static unsigned char *mem_new(size_t bytes, void **map, size_t *maplen) {
   return mem;
 }
 
+void sim_poison(sim_alloc_t *a) {
+  if (a->size < HUGE_BYTES) {
+    memset(a->mem, POISON, a->size);
+    return;
+  }
+  memset(a->mem, POISON, POISON_EDGE);
+  memset(a->mem + a->size - POISON_EDGE, POISON, POISON_EDGE);
+}
+
 /* Whether anything wrote past the end of allocation `a` (into its canary). */
 int sim_mem_overrun(const sim_alloc_t *a) {
   size_t span = (a->size + DEVICE_ALIGN - 1) & ~(size_t)(DEVICE_ALIGN - 1);
@@ -208,9 +220,9 @@ CUresult sim_alloc_new(int dev, size_t bytes, int async, CUdeviceptr *out) {
     free(a);
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
-  if (bytes < HUGE_BYTES) memset(a->mem, 0xa5, bytes); /* uninitialised device memory is never accidentally zero */
   a->base = D->next;
   a->size = bytes;
+  sim_poison(a);
   a->dev = dev;
   a->async = async;
   D->next = (D->next + bytes + GAP + 255) & ~(CUdeviceptr)255;

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
-/* NVRTC kernel images, once per process and cached on disk: one file per (source hash, NVRTC version,
- * architecture), written atomically (temporary file + rename) and checked on read (header with key, length
- * and checksum), so a torn, corrupt or foreign file is rebuilt rather than handed to the driver. */
+/* NVRTC kernel images, once per process and cached on disk: one file per (source, options and target, NVRTC
+ * version, architecture), written atomically (temporary file + rename) and checked on read (header with key, length
+ * and checksum), so a torn, corrupt or foreign file is rebuilt rather than handed to the driver. The same key finds
+ * an image in memory: an image is never served for other source, other options or another target. */
 #include "backend/cuda/kernel_image.h"
 
 #include "fastdp.h"
@@ -21,15 +22,16 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_ARCHS 32
+#define MAX_IMAGES 32
 #define MAGIC "FDPKIMG1"
-/* Part of every key: bump it when fdp__nvrtc_compile's options change, so that old entries read as stale. */
-#define KEY_FORMAT "fastdp-kernels/1"
+/* Part of every key: bump it when the layout of an entry changes. The options and target are in the key itself. */
+#define KEY_FORMAT "fastdp-kernels/2"
+#define KEY_BYTES 112
 
 /* The on-disk header, followed by `size` bytes of image. Native byte order: the cache is per machine. */
 typedef struct header {
   char magic[8];
-  char key[112];
+  char key[KEY_BYTES];
   uint64_t size;
   uint64_t checksum;
   uint32_t arch;
@@ -43,8 +45,8 @@ typedef struct shared_bytes {
 } shared_bytes_t;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static fdp_kimage_t g_images[MAX_ARCHS]; /* each holds the cache's own reference */
-static int g_cc[MAX_ARCHS];
+static fdp_kimage_t g_images[MAX_IMAGES]; /* each holds the cache's own reference */
+static char g_keys[MAX_IMAGES][KEY_BYTES]; /* what each was built from */
 static int g_count;
 static atomic_uint g_tmp_serial;
 
@@ -181,21 +183,41 @@ static int cache_write(const char *dir, const char *file, const char *key, fdp_k
   return 0;
 }
 
-/* Disk, then NVRTC, for one architecture; fills *img (data malloc'ed) on success. */
-static fdp_result_t produce(int cc, fdp_kimage_t *img) {
+/* What an image is built from: the source, NVRTC's version, the options and target, the device's architecture.
+ * `key` gets the text a cache entry carries; `name` the file name it is stored under. */
+typedef struct recipe {
+  const char *source;
+  size_t source_size;
+  int cc;
+  const char *extra; /* options beyond fastdp's own; NULL for none */
+  fdp_nvrtc_plan_t plan;
+  char key[KEY_BYTES];
+  char name[128];
+} recipe_t;
+
+static fdp_result_t recipe_init(recipe_t *rc) {
   const fdp_nvrtc_t *nv;
-  char dir[1024], key[sizeof((header_t *)0)->key];
   FDP_CHECK(fdp__nvrtc_load(&nv, NULL));
+  FDP_CHECK(fdp__nvrtc_plan(rc->cc, rc->extra, &rc->plan));
+  unsigned long long src = fnv1a(rc->source, rc->source_size);
+  unsigned long long opt = fnv1a(rc->plan.text, strlen(rc->plan.text));
+  snprintf(rc->key, sizeof rc->key, KEY_FORMAT " src=%016llx opt=%016llx nvrtc=%d.%d cc=%d", src, opt, nv->major,
+           nv->minor, rc->cc);
+  snprintf(rc->name, sizeof rc->name, "%016llx-%016llx-nvrtc%d.%d-cc%d.bin", src, opt, nv->major, nv->minor, rc->cc);
+  return FDP_OK;
+}
+
+/* Disk, then NVRTC, for one recipe; fills *img (data malloc'ed) on success. */
+static fdp_result_t produce(const recipe_t *rc, fdp_kimage_t *img) {
+  char dir[1024], file[sizeof img->file];
   memset(img, 0, sizeof *img);
   double t0 = now();
-  uint64_t src = fnv1a(fdp__kernels_source, fdp__kernels_source_size);
-  snprintf(key, sizeof key, KEY_FORMAT " src=%016llx nvrtc=%d.%d cc=%d", (unsigned long long)src, nv->major,
-           nv->minor, cc);
+  snprintf(img->options, sizeof img->options, "%s", rc->plan.text);
   fdp__kimage_cache_dir(dir, sizeof dir);
   if (dir[0]) {
-    snprintf(img->file, sizeof img->file, "%.900s/%016llx-nvrtc%d.%d-cc%d.bin", dir, (unsigned long long)src, nv->major,
-             nv->minor, cc);
-    if (cache_read(img->file, key, img) == 1) {
+    snprintf(file, sizeof file, "%.880s/%s", dir, rc->name);
+    snprintf(img->file, sizeof img->file, "%s", file);
+    if (cache_read(file, rc->key, img) == 1) {
       img->origin = FDP_KIMAGE_DISK;
       img->seconds = now() - t0;
       return FDP_OK;
@@ -206,11 +228,13 @@ static fdp_result_t produce(int cc, fdp_kimage_t *img) {
                                                 : "FASTDP_KERNEL_CACHE=0");
   }
   unsigned char *data = NULL;
-  FDP_CHECK(fdp__nvrtc_compile(fdp__kernels_source, cc, &data, &img->size, &img->arch, &img->ptx));
+  FDP_CHECK(fdp__nvrtc_compile(rc->source, &rc->plan, &data, &img->size));
   img->data = data;
+  img->arch = rc->plan.arch;
+  img->ptx = rc->plan.ptx;
   img->seconds = now() - t0;
   img->origin = FDP_KIMAGE_COMPILED;
-  if (dir[0] && cache_write(dir, img->file, key, img) != 0) {
+  if (dir[0] && cache_write(dir, file, rc->key, img) != 0) {
     fdp__log("kernel cache: %s", img->note);
     img->origin = FDP_KIMAGE_MEMORY;
     img->file[0] = '\0';
@@ -234,19 +258,27 @@ static fdp_result_t share(fdp_kimage_t *img) {
   return FDP_OK;
 }
 
-fdp_result_t fdp__kimage_get(int cc, fdp_kimage_t *out) {
+fdp_result_t fdp__kimage_get_for(const char *source, size_t source_size, int cc, const char *extra,
+                                 fdp_kimage_t *out) {
+  recipe_t rc;
+  memset(&rc, 0, sizeof rc);
+  rc.source = source;
+  rc.source_size = source_size;
+  rc.cc = cc;
+  rc.extra = extra;
+  FDP_CHECK(recipe_init(&rc));
   fdp_result_t r = FDP_OK;
   pthread_mutex_lock(&g_lock);
   int i = 0;
-  while (i < g_count && g_cc[i] != cc)
+  while (i < g_count && strcmp(g_keys[i], rc.key) != 0)
     i++;
   if (i == g_count) {
-    if (g_count == MAX_ARCHS) {
-      r = fdp__fail(FDP_INTERNAL, "more than %d GPU architectures in one process", MAX_ARCHS);
+    if (g_count == MAX_IMAGES) {
+      r = fdp__fail(FDP_INTERNAL, "more than %d kernel images in one process", MAX_IMAGES);
     } else {
-      r = produce(cc, &g_images[i]);
+      r = produce(&rc, &g_images[i]);
       if (r == FDP_OK) r = share(&g_images[i]);
-      if (r == FDP_OK) g_cc[g_count++] = cc;
+      if (r == FDP_OK) snprintf(g_keys[g_count++], KEY_BYTES, "%s", rc.key);
     }
   }
   if (r == FDP_OK) {
@@ -256,6 +288,10 @@ fdp_result_t fdp__kimage_get(int cc, fdp_kimage_t *out) {
   }
   pthread_mutex_unlock(&g_lock);
   return r;
+}
+
+fdp_result_t fdp__kimage_get(int cc, fdp_kimage_t *out) {
+  return fdp__kimage_get_for(fdp__kernels_source, fdp__kernels_source_size, cc, NULL, out);
 }
 
 void fdp__kimage_put(fdp_kimage_t *img) {
@@ -310,6 +346,7 @@ fdp_result_t fdp_kernels_image(int cc, int forget, fdp_kernels_image_info_t *out
   out->ptx = img.ptx;
   out->origin = (int)img.origin;
   out->seconds = img.seconds;
+  snprintf(out->options, sizeof out->options, "%s", img.options);
   snprintf(out->file, sizeof out->file, "%s", img.file);
   snprintf(out->note, sizeof out->note, "%s", img.note);
   return FDP_OK;

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* Kernel images compiled at run time: NVRTC's output for one GPU architecture, made once per process and kept
- * on disk across processes (keyed by kernel source hash, NVRTC version and architecture). Needs no GPU. */
+ * on disk across processes (keyed by the kernel source, the options and target, NVRTC's version and the
+ * architecture). Needs no GPU. */
 #ifndef FASTDP_BACKEND_CUDA_KERNEL_IMAGE_H
 #define FASTDP_BACKEND_CUDA_KERNEL_IMAGE_H
 
@@ -21,6 +22,7 @@ typedef struct fdp_kimage {
   int ptx;                    /* 1: PTX for compute_<arch> (the driver finishes it); 0: a cubin for sm_<arch> */
   fdp_kimage_origin_t origin; /* how this process first got it */
   double seconds;             /* what getting it first cost (disk read or compilation) */
+  char options[256];          /* every option NVRTC compiled it with, space-separated */
   char file[1024];            /* the cache file ("" when memory only) */
   char note[256];             /* why memory only, or why a cache entry was rebuilt ("" otherwise) */
   void *shared;               /* the reference that keeps `data` alive (kernel_image.c's) */
@@ -33,6 +35,11 @@ typedef struct fdp_kimage {
  * is done reading them (a driver's module load): fdp__kimage_forget never frees bytes a caller still holds.
  * Errors are fdp__nvrtc_compile's; a failure is not remembered (the next call tries again). */
 fdp_result_t fdp__kimage_get(int cc, fdp_kimage_t *out);
+
+/* The same for any source and options beyond fastdp's own (`extra`, space-separated, NULL for none): the image
+ * built from exactly these, never one built from other source, options or target. */
+fdp_result_t fdp__kimage_get_for(const char *source, size_t source_size, int cc, const char *extra,
+                                 fdp_kimage_t *out);
 
 /* Gives back the reference fdp__kimage_get handed out with *img (its data is not to be read after); a no-op for an
  * image that holds none. Thread-safe. */

@@ -26,6 +26,7 @@ import warnings
 
 import torch
 
+from .. import _C
 from .._platform import devices as _devices
 from . import split as _split
 
@@ -66,6 +67,12 @@ class Rescue:
 
     def __init__(self):
         self.rescues = []
+        self.buffers = None  # the module's buffers as before the step now running (_Buffers), kept across steps
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["buffers"] = None  # a cache of the module's buffers: a copied or unpickled wrapper takes its own
+        return state
 
     def run(self, ctx, attempt):
         """``attempt()``; on an out-of-memory error, what the attempt changed put back (:class:`_Before`), rows moved
@@ -82,7 +89,8 @@ class Rescue:
             _running.rescues = outer
 
     def _run(self, ctx, attempt):
-        before = _Before(ctx)
+        self.buffers = _Buffers.taken(self.buffers, ctx.module)
+        before = _Before(ctx, self.buffers)
         try:
             return attempt()
         except OOM as error:
@@ -123,8 +131,8 @@ class _Before:
     (``forget_records``, before the step runs again; a step that fails twice keeps the record of its last
     attempt)."""
 
-    def __init__(self, ctx):
-        self.buffers = _Buffers(ctx.module)
+    def __init__(self, ctx, buffers):
+        self.buffers = buffers
         self.generators = _Generators(ctx.device_ids)
         self.forget_records = ctx.mark_records()
 
@@ -139,16 +147,40 @@ class _Buffers:
     holds under each name, its storage, its place there and its values, so that what a failed attempt wrote (in
     place or through ``.data``), resized, moved to other memory (``set_``) or rebound is put back as it was. The
     values are written back without a version bump (through ``.data``): a graph of an earlier forward that saved
-    a buffer the attempt left alone stays valid, as on the bare model."""
+    a buffer the attempt left alone stays valid, as on the bare model.
+
+    Kept from step to step, so that a step that does not fail pays little: the copies are made once and refreshed
+    by one fused copy per step, and the tensors, storages and places are noted once, while the module's structure
+    signature (fastdp._C.walk: per buffer slot its tensor, shape, strides and data pointer) stays the same; a
+    changed structure (a buffer rebound, resized or registered between steps) takes them anew. Which buffers a
+    forward writes cannot be learned cheaply instead: BatchNorm writes its running statistics inside its kernel,
+    without a version bump."""
 
     def __init__(self, module):
+        self.module = module
+        self.modules, self.signature = _C.walk(module)
+        self.saved = [(m, name, b, b.untyped_storage(), _place(b)) for m in module.modules()
+                      for name, b in m.named_buffers(recurse=False)]
+        self.tensors = [b for _, _, b, _, _ in self.saved]
         with torch.no_grad():
-            self.saved = [(m, name, b, b.untyped_storage(), _place(b), b.clone(memory_format=torch.preserve_format))
-                          for m in module.modules() for name, b in m.named_buffers(recurse=False)]
+            self.values = [b.clone(memory_format=torch.preserve_format) for b in self.tensors]
+
+    @classmethod
+    def taken(cls, kept, module):
+        """The buffers of `module` now: `kept` (the last step's) with its values refreshed where the structure is
+        unchanged, else taken anew."""
+        if kept is None or kept.module is not module or _C.matches(kept.modules, kept.signature) != 1:
+            return cls(module)
+        try:
+            with torch.no_grad():
+                torch._foreach_copy_(kept.values, kept.tensors)
+        except (RuntimeError, TypeError, ValueError):  # a buffer the fused copy does not take (an uninitialized one)
+            return cls(module)
+        return kept
 
     def restore(self):
         with torch.no_grad():
-            for m, name, b, storage, place, values in self.saved:
+            for (m, name, b, storage, place), values in zip(self.saved, self.values):
                 if getattr(m, name, None) is not b:
                     setattr(m, name, b)
                 if _place(b) != place:

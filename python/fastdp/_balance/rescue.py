@@ -3,8 +3,8 @@
 a callable; the rescue decides what is put back, where the rows go, and runs the attempt again.
 
 NOTE [out-of-memory rescue]: what fastdp runs itself, it can run again, and a rescued step is an ordinary step. A
-forward over several devices is fastdp's from scatter to gather: when a replica (or the gather) raises
-``torch.OutOfMemoryError``, the rescue puts back what the failed attempt changed (every buffer of the module, in
+forward over several devices is fastdp's from scatter to gather: when a replica (or the gather) runs out of memory
+(``torch.OutOfMemoryError``, or another library's allocation failure: :func:`out_of_memory`), the rescue puts back what the failed attempt changed (every buffer of the module, in
 whatever mode its layers ran, with its size and storage; the random generators; the report's record of the
 attempt), lets go of everything the attempt held, halves that device's weight in the split, for good (again until
 it runs fewer rows than the attempt ran), and runs the forward once more with the same batch. The backward is the user's
@@ -30,9 +30,19 @@ from .. import _C
 from .._platform import devices as _devices
 from . import split as _split
 
-__all__ = ["parse", "Rescue", "Context", "train_step", "OOM"]
+__all__ = ["parse", "Rescue", "Context", "train_step", "OOM", "out_of_memory"]
 
 OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+# Allocation failures in other libraries' words, raised as RuntimeError (or fastdp.NcclError) rather than
+# torch.OutOfMemoryError: CUDA's own ("CUDA error: out of memory": memory taken outside PyTorch's allocator, a
+# context), the CUDA libraries' handles and workspaces (cuBLAS's CUBLAS_STATUS_ALLOC_FAILED, cuDNN's, cuSOLVER's,
+# cuSPARSE's, cuFFT's CUFFT_ALLOC_FAILED), and NCCL's communicator set-up, whose last error names the allocation
+# ("Failed to CUDA calloc ...", "Cuda failure 'out of memory'", "posix_fallocate failed: No space left on device").
+# An NCCL system error that names no allocation is not one: it is as likely a socket or a missing /dev/shm.
+_ALLOCATION_FAILED = re.compile(
+    r"\bout of memory\b|_ALLOC_FAILED\b|fail\w*\s+to\s+(?:cuda\s+)?(?:c|m|re|f)?alloc|"
+    r"\b(?:c|m|re|posix_f)alloc\w*\s+failed|no space left on device", re.IGNORECASE)
 
 _GPU = re.compile(r"GPU (\d+)")
 _POSITION = re.compile(r"position (\d+)")
@@ -48,6 +58,16 @@ replica), read once it has failed; the step's ``inputs`` and ``kwargs``; ``mark_
 forgets the steps the report recorded since (those of a failed attempt); ``reduce_unsynced()``: reduces into
 ``.grad`` what no_sync() kept (train_step, whose gradients autograd returns rather than accumulates); ``settle()``:
 waits for the reductions the failed attempt left in flight and releases their memory, before the step runs again."""
+
+
+def out_of_memory(error):
+    """Whether `error` says an allocation failed, whoever raised it: torch.OutOfMemoryError (fastdp's core raises
+    fastdp.CudaOutOfMemoryError, one of them), MemoryError (the host's; fastdp's core raises it when its own
+    allocations fail), and a RuntimeError in the words of a library that allocates for itself (_ALLOCATION_FAILED).
+    Other errors are the step's own: rows moved elsewhere would not help."""
+    if isinstance(error, (OOM, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and _ALLOCATION_FAILED.search(str(error)) is not None
 
 
 def parse(oom):
@@ -93,9 +113,9 @@ class Rescue:
         before = _Before(ctx, self.buffers)
         try:
             return attempt()
-        except OOM as error:
-            if getattr(error, "_fastdp_rescued", False):
-                raise  # a rescue inside (a nested wrapper's) already ran it twice
+        except Exception as error:
+            if not out_of_memory(error) or getattr(error, "_fastdp_rescued", False):
+                raise  # not an allocation failure; or a rescue inside (a nested wrapper's) already ran it twice
             _free(error)
             before.restore()
             position = failed_position(ctx, error)
@@ -108,7 +128,9 @@ class Rescue:
             ctx.settle()
             try:
                 return attempt()
-            except OOM as again:
+            except Exception as again:
+                if not out_of_memory(again):
+                    raise
                 _free(again)
                 before.restore()
                 _advise(error, ctx, position, moved, again)

@@ -20,35 +20,43 @@ from fastdp._report import recorder as _recorder, report as _report
 
 from _fake_cuda import FakeCuda, FakeEvent
 
+pytestmark = pytest.mark.sim  # the CUDA path on the recording fake (tests/_fake_cuda.py), as the other fake-CUDA tests
+
 MS = 1_000_000
 
 
 class LateEvent(FakeEvent):
-    """An event that runs (``at``: the device's clock, which the fake makes the host's) when the device's queue
-    reaches it: at the next time the test planned (``LateQueues.plan``), else its stream's lag after it was recorded,
-    and at once on a device whose queue a synchronisation emptied."""
+    """An event that runs (``at``: the device's clock, which the fake makes the host's) when its stream's queue
+    reaches it: at the time the test planned for it (``LateQueues.plan``), else its stream's lag after it was
+    recorded; never before the work queued before it on its stream (a stream runs in order), and at once on a device
+    whose queue a synchronisation emptied."""
 
     def record(self, stream=None):
         super().record(stream)
         stream = stream or self.cuda.current_stream()
-        cuda = self.cuda
-        if stream.device_index in cuda.drained:
-            cuda.drained.discard(stream.device_index)
+        cuda, d = self.cuda, stream.device_index
+        if d in cuda.drained:
+            cuda.drained.discard(d)
         elif cuda.planned:
             self.at = max(self.at, cuda.origin + int(cuda.planned.pop(0) * MS))  # never before it was enqueued
         else:
             self.at += cuda.lag_ns(stream)
+        self.at = max(self.at, cuda.last.get(stream.name, 0))
+        cuda.last[stream.name] = self.at
+        cuda.device_last[d] = max(self.at, cuda.device_last.get(d, 0))
 
 
 class LateQueues(FakeCuda):
     """Fake devices whose streams run behind the host: ``lag_ms[name]`` for a stream of that name, else
-    ``lag_ms[device]``; or at the device times ``plan`` lists, one per event recorded from then on."""
+    ``lag_ms[device]``; or at the device times ``plan`` lists, one per event recorded from then on. A
+    synchronisation of a device returns once everything queued there has run."""
 
     def __init__(self, ndev):
         super().__init__(ndev)
         self.lag_ms = {}
         self.drained = set()
         self.planned, self.origin = [], 0
+        self.last, self.device_last = {}, {}  # per stream name and per device: when its last event runs
 
     def plan(self, *ms):
         """The next events run these many ms after this call, in the order they are recorded (on any device)."""
@@ -62,7 +70,11 @@ class LateQueues(FakeCuda):
 
     def synchronize(self, device=None):
         super().synchronize(device)
-        self.drained.add(self._index(device))
+        d = self._index(device)
+        wait = self.device_last.get(d, 0) - time.perf_counter_ns()
+        if wait > 0:
+            time.sleep(wait / 1e9)  # the host waits for the device's queue to run out
+        self.drained.add(d)
 
 
 def _step(rec, cuda, reduce_stream, tail_ms):

@@ -119,3 +119,18 @@ def test_a_copied_wrapper_keeps_no_copy_of_the_buffers():
     for other in (copy.deepcopy(dp), pickle.loads(pickle.dumps(dp))):
         assert other._oom.buffers is None
         wrapper_step(other, "loss.backward", "forward", (x,), lambda out: F.cross_entropy(out, y))
+
+
+def test_a_module_whose_buffers_cannot_be_taken_raises_what_the_wrapper_raises_without_a_rescue():
+    """Uninitialized lazy layers: nothing can be noted of them, and no forward of the wrapper can run them; the error
+    is the wrapper's own, as with oom=None."""
+    x = torch.randn(6, 3)
+    errors = []
+    for oom in (None, "rebalance"):
+        model = nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d())
+        dp = fastdp.DataParallel(model, device_ids=["cpu"] * 2, oom=oom)
+        with pytest.raises(Exception) as raised:
+            dp(x)
+        errors.append((type(raised.value), str(raised.value)))
+    assert errors[0] == errors[1]
+    assert "LazyModule" in errors[0][1]

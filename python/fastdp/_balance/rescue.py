@@ -109,7 +109,10 @@ class Rescue:
             _running.rescues = outer
 
     def _run(self, ctx, attempt):
-        self.buffers = _Buffers.taken(self.buffers, ctx.module)
+        try:
+            self.buffers = _Buffers.taken(self.buffers, ctx.module)
+        except (RuntimeError, ValueError):  # a module no forward can run (uninitialized lazy layers): its own error
+            return attempt()
         before = _Before(ctx, self.buffers)
         try:
             return attempt()

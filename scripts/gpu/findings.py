@@ -22,9 +22,12 @@ one alone (one maximum). With one GPU the replicas after the first run their for
 side streams of their own, standing in for devices of their own; with two GPUs or more each replica runs on a device
 of its own (as many replicas as GPUs, up to ``--replicas``).
 
-exposed: the report's "wait: reduce" (how far the last bucket's reduction ends past the replicas' backward, from its
-CUDA events) next to the same steps timed with ``torch.cuda.synchronize()``: fastdp's backward until every reduction
-is done, less the bare model's backward over the same chunks.
+exposed: the report's tail (how far the last bucket's reduction ends past the replicas' backward, from its CUDA
+events) over steps run as training runs them (device 0 alone runs the optimizer and starts each step behind the host,
+``--lag-ms``; nothing waits for a device within a step), next to steps timed with ``torch.cuda.synchronize()``:
+fastdp's backward until every reduction is done, less a backward that leaves no reduction behind (the bare model over
+the same chunks; over one chunk where each replica has a GPU of its own). memory and exposed give each replica a GPU
+of its own where there are enough (device_ids=[0] * replicas on one).
 
 ``--device cpu`` runs the same code on emulated replicas (``device_ids=["cpu"] * replicas``: the host reducer, host
 clocks, no allocator figures), a check of this script rather than a measurement. Each prints its table and writes
@@ -63,8 +66,8 @@ DEFAULTS = {
                "cpu": dict(replicas=2, width=64, layers=2, batch=16, steps=2)},
     "lockstep": {"cuda": dict(replicas=5, width=512, layers=8, batch=320, steps=5, delay_ms=2.0),
                  "cpu": dict(replicas=5, width=32, layers=8, batch=20, steps=2, delay_ms=1.0)},
-    "exposed": {"cuda": dict(replicas=4, width=2048, layers=8, batch=512, steps=8),
-                "cpu": dict(replicas=2, width=64, layers=4, batch=16, steps=3)},
+    "exposed": {"cuda": dict(replicas=4, width=2048, layers=8, batch=512, steps=8, lag_ms=20.0),
+                "cpu": dict(replicas=2, width=64, layers=4, batch=16, steps=3, lag_ms=0.0)},
 }
 WARMUP = 2  # steps before any timing: the kept replicas are built, the allocator and the kernels warmed
 
@@ -200,7 +203,7 @@ def kept_bytes(wrapped):
 def _memory_configs(where):
     """(name, wrap(module), sweep before the step) per configuration; upstream only on CUDA."""
     n = len(where.ids)
-    ids = f"[0] * {n}" if where.cuda else f'["cpu"] * {n}'
+    ids = str(where.ids) if where.distinct else f"[0] * {n}" if where.cuda else f'["cpu"] * {n}'
     yield "bare", (lambda m: m), False
     if where.cuda:
         yield f"upstream {ids}", (lambda m: nn.DataParallel(m, device_ids=where.ids)), False
@@ -247,7 +250,7 @@ MEMORY_COLUMNS = [("config", "config", "{}"), ("step", "step", "{}"), ("start_mb
 
 
 def run_memory(args):
-    where = Where(args.device, args.replicas)
+    where = Where(args.device, args.replicas, distinct=True)
     print(f"memory across optimizer.step() (Adam): {where.describe()}; {args.layers} x Linear({args.width}, "
           f"{args.width}) ({args.layers * layer_mb(args.width):.1f} MB of gradients per replica), batch {args.batch}, "
           f"{args.steps} steps (step 1 allocates Adam's state); torch {torch.__version__}")
@@ -269,7 +272,22 @@ def run_memory(args):
     if not where.cuda:
         print("upstream: not run (torch.nn.DataParallel has no CPU replicas)")
     table("memory", MEMORY_COLUMNS, rows, args.out)
+    _memory_verdict(rows)
     return 1 if failed else 0
+
+
+def _memory_verdict(rows):
+    """Device 0's peak across each optimizer.step(), per configuration, and how far each is above upstream's."""
+    peaks = {}
+    for row in rows:
+        if row.get("step_peak_mb") is not None:
+            peaks.setdefault(row["config"], []).append(row["step_peak_mb"])
+    upstream = next((v for k, v in peaks.items() if k.startswith("upstream")), None)
+    for name, values in peaks.items():
+        text = ", ".join(f"{v:.1f}" for v in values)
+        if upstream is not None and len(upstream) == len(values):
+            text += " (against upstream: " + ", ".join(f"{v - u:+.1f}" for v, u in zip(values, upstream)) + ")"
+        print(f"device 0's peak MB across optimizer.step(), per step: {name}: {text}")
 
 
 # ---- lockstep: replica 0's backward against slowed replicas ------------------------------------------------------
@@ -486,68 +504,116 @@ def _report_tails(report):
 
 EXPOSED_COLUMNS = [("step", "step", "{}"), ("report_exposed_ms", "report tail", "{:.3f}"),
                    ("report_reduce_ms", "report reduce", "{:.3f}"), ("fastdp_backward_ms", "fastdp bwd", "{:.3f}"),
-                   ("bare_backward_ms", "bare bwd", "{:.3f}"), ("direct_tail_ms", "synced tail", "{:.3f}"),
+                   ("reference_backward_ms", "ref bwd", "{:.3f}"), ("direct_tail_ms", "synced tail", "{:.3f}"),
                    ("difference_ms", "report - synced", "{:.3f}")]
 
 
+class _Training:
+    """Steps as a training loop runs them, with the report on: forward, backward, ``optimizer.step()`` (on device 0
+    alone, as DataParallel's master) and then `lag_ms` more of device 0's time (a heavier optimizer, a metric), and
+    nothing that waits for a device within a step. The host waits only for the previous step's backward to have
+    ended on device 0 (as a loop that logs the last loss does), so that each step starts with device 0 that far
+    behind the host and the other devices not: the case where an event's enqueue time is not when it ran."""
+
+    def __init__(self, dp, module, x, where, lag_ms):
+        self.dp, self.module, self.x, self.where = dp, module, x, where
+        self.opt = torch.optim.SGD(module.parameters(), lr=1e-9)
+        self.lag, self.lag_ms = (_calibrate_delay(lag_ms, where) if where.cuda and lag_ms else (None, 0.0))
+        self.ended = None
+
+    def step(self):
+        if self.ended is not None:
+            self.ended.synchronize()
+        self.module.zero_grad(set_to_none=True)
+        self.dp(self.x).pow(2).mean().backward()
+        if self.where.cuda:
+            self.ended = torch.cuda.Event()
+            self.ended.record()
+        self.opt.step()
+        if self.lag is not None:
+            self.lag()
+
+
+def _reference(module, x, where):
+    """The backward that leaves no reduction behind, for the synchronised timing: the bare model over the same chunks,
+    one after another as replicas on one device run (device_ids=[0] * n), or over one chunk where each replica has a
+    device of its own and they run side by side."""
+    bare = copy.deepcopy(module)
+    chunks = x.chunk(len(where.ids))  # the wrapper's split: torch.chunk's
+    if where.distinct:
+        return bare, lambda: bare(chunks[0]).pow(2).mean()
+    return bare, lambda: torch.cat([bare(c) for c in chunks]).pow(2).mean()
+
+
 def run_exposed(args):
-    where = Where(args.device, args.replicas)
+    where = Where(args.device, args.replicas, distinct=True)
     torch.manual_seed(0)
     module = mlp(args.width, args.layers).to(where.device)
-    bare = copy.deepcopy(module)
     dp = fastdp.DataParallel(module, device_ids=where.ids, bucket_cap_mb=layer_mb(args.width))
     x = torch.randn(args.batch, args.width, device=where.device)
-    chunks = x.chunk(len(where.ids))  # the wrapper's split: torch.chunk's
+    bare, theirs = _reference(module, x, where)
+    training = _Training(dp, module, x, where, args.lag_ms)
 
     def ours():
         return dp(x).pow(2).mean()
 
-    def theirs():  # the same chunks through the bare model, one after another as the replicas run on one stream
-        return torch.cat([bare(c) for c in chunks]).pow(2).mean()
-
     for _ in range(WARMUP):
+        training.step()
         timed_backward(ours, module, where)
         timed_backward(theirs, bare, where)
+    where.sync()
     dp.enable_report(steps=args.steps)
+    for _ in range(args.steps):  # the report's steps: as in training, nothing waits for a device
+        training.step()
+    report = dp.report()
+    dp.disable_report()
     timed = []
-    for step in range(args.steps):  # alternated, so that neither side always runs first
+    for step in range(args.steps):  # the reference: alternated, so that neither side always runs first
         pair = [(ours, module), (theirs, bare)] if step % 2 == 0 else [(theirs, bare), (ours, module)]
         got = {fn: timed_backward(fn, m, where) for fn, m in pair}
         timed.append((got[ours], got[theirs]))
-    report = dp.report()
-    dp.disable_report()
-    _exposed_intro(args, where)
+    _exposed_intro(args, where, training.lag_ms)
     rows = _exposed_rows(_report_tails(report)[-len(timed):], timed)
     table("exposed", EXPOSED_COLUMNS, rows, args.out)
     r0 = report.replicas[0]
     phases = {p.phase: p.ms for p in report.phases}
-    print(f"dp.report() over these steps: wait: reduce {cell(r0.wait_reduce_ms, '{:.3f}')} ms, reduce (summed "
+    print(f"dp.report() over the training steps: wait: reduce {cell(r0.wait_reduce_ms, '{:.3f}')} ms, reduce (summed "
           f"over buckets) {cell(phases.get('reduce'), '{:.3f}')} ms, backward {cell(phases.get('backward'), '{:.3f}')}"
-          f" ms, step {cell(report.step_ms, '{:.3f}')} ms")
+          f" ms, step {cell(report.step_ms, '{:.3f}')} ms; advice: {[a.rule for a in report.advice] or 'none'}")
+    median = rows[-1]
+    if median.get("difference_ms") is not None:
+        print(f"the report's exposed reduction against synchronize(): {median['report_exposed_ms']:.3f} ms against "
+              f"{median['direct_tail_ms']:.3f} ms (medians; report - synced {median['difference_ms']:+.3f} ms)")
     return 0
 
 
 def _exposed_rows(tails, timed):
     rows = []
-    bare_median = _median([b for _, b in timed])
+    reference = _median([b for _, b in timed])
     for step, ((tail, reduce), (f, b)) in enumerate(zip(tails, timed), start=1):
-        direct = f - bare_median
+        direct = f - reference
         rows.append(dict(step=step, report_exposed_ms=tail, report_reduce_ms=reduce, fastdp_backward_ms=f,
-                         bare_backward_ms=b, direct_tail_ms=direct,
+                         reference_backward_ms=b, direct_tail_ms=direct,
                          difference_ms=None if tail is None else tail - direct))
     medians = {k: _median([r[k] for r in rows]) for k, _, _ in EXPOSED_COLUMNS[1:]}
     rows.append(dict(step="median", **medians))
     return rows
 
 
-def _exposed_intro(args, where):
+def _exposed_intro(args, where, lag_ms):
     print(f"the report's exposed reduction against synchronize(): {where.describe()}; {args.layers} x "
-          f"Linear({args.width}, {args.width}), one bucket per layer, batch {args.batch}, {args.steps} steps, "
-          f"report on; torch {torch.__version__}")
+          f"Linear({args.width}, {args.width}), one bucket per layer, batch {args.batch}, {args.steps} steps; torch "
+          f"{torch.__version__}")
+    print(f"the report's steps run as a training loop: SGD on device 0 and {lag_ms:.1f} ms more of device 0's time "
+          "after each, nothing waited for within a step, so each step starts with device 0 behind the host and the "
+          "others not" + ("" if where.distinct or not where.cuda else
+                          " (one GPU: every replica shares its clock, so only a GPU per replica can show a skew "
+                          "between devices' clocks; here the check is that the two timings agree)"))
     print("ms: report tail = the last bucket's reduction end past the last replica's backward end, report reduce = "
-          "the buckets' reductions summed (both from the report's ranges of that step); fastdp bwd / bare bwd = "
-          "loss.backward() with the devices synchronised around it (bare: the bare model over the same chunks); "
-          "synced tail = fastdp bwd less the median bare bwd")
+          "the buckets' reductions summed (both from the report's ranges of that step); fastdp bwd / ref bwd = "
+          "loss.backward() with the devices synchronised around it, in steps of their own after the report's (ref: "
+          "the bare model over the same chunks one after another, or over one chunk with a GPU per replica); synced "
+          "tail = fastdp bwd less the median ref bwd")
 
 
 # ---- command line ------------------------------------------------------------------------------------------------
@@ -564,6 +630,7 @@ def main(argv=None):
     for name in ("replicas", "width", "layers", "batch", "steps"):
         p.add_argument(f"--{name}", type=int, help="default: the finding's, per device (DEFAULTS)")
     p.add_argument("--delay-ms", type=float, help="lockstep: how long a slowed replica sleeps")
+    p.add_argument("--lag-ms", type=float, help="exposed: how far behind the host device 0 starts each step")
     p.add_argument("--out", default=".", help="folder for findings-<name>.csv")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -3,8 +3,8 @@
 a callable; the rescue decides what is put back, where the rows go, and runs the attempt again.
 
 NOTE [out-of-memory rescue]: what fastdp runs itself, it can run again, and a rescued step is an ordinary step. A
-forward over several devices is fastdp's from scatter to gather: when a replica (or the gather) raises
-``torch.OutOfMemoryError``, the rescue puts back what the failed attempt changed (every buffer of the module, in
+forward over several devices is fastdp's from scatter to gather: when a replica (or the gather) runs out of memory
+(``torch.OutOfMemoryError``, or another library's allocation failure: :func:`out_of_memory`), the rescue puts back what the failed attempt changed (every buffer of the module, in
 whatever mode its layers ran, with its size and storage; the random generators; the report's record of the
 attempt), lets go of everything the attempt held, halves that device's weight in the split, for good (again until
 it runs fewer rows than the attempt ran), and runs the forward once more with the same batch. The backward is the user's
@@ -26,12 +26,23 @@ import warnings
 
 import torch
 
+from .. import _C
 from .._platform import devices as _devices
 from . import split as _split
 
-__all__ = ["parse", "Rescue", "Context", "train_step", "OOM"]
+__all__ = ["parse", "Rescue", "Context", "train_step", "OOM", "out_of_memory"]
 
 OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+# Allocation failures in other libraries' words, raised as RuntimeError (or fastdp.NcclError) rather than
+# torch.OutOfMemoryError: CUDA's own ("CUDA error: out of memory": memory taken outside PyTorch's allocator, a
+# context), the CUDA libraries' handles and workspaces (cuBLAS's CUBLAS_STATUS_ALLOC_FAILED, cuDNN's, cuSOLVER's,
+# cuSPARSE's, cuFFT's CUFFT_ALLOC_FAILED), and NCCL's communicator set-up, whose last error names the allocation
+# ("Failed to CUDA calloc ...", "Cuda failure 'out of memory'", "posix_fallocate failed: No space left on device").
+# An NCCL system error that names no allocation is not one: it is as likely a socket or a missing /dev/shm.
+_ALLOCATION_FAILED = re.compile(
+    r"\bout of memory\b|_ALLOC_FAILED\b|fail\w*\s+to\s+(?:cuda\s+)?(?:c|m|re|f)?alloc|"
+    r"\b(?:c|m|re|posix_f)alloc\w*\s+failed|no space left on device", re.IGNORECASE)
 
 _GPU = re.compile(r"GPU (\d+)")
 _POSITION = re.compile(r"position (\d+)")
@@ -47,6 +58,16 @@ replica), read once it has failed; the step's ``inputs`` and ``kwargs``; ``mark_
 forgets the steps the report recorded since (those of a failed attempt); ``reduce_unsynced()``: reduces into
 ``.grad`` what no_sync() kept (train_step, whose gradients autograd returns rather than accumulates); ``settle()``:
 waits for the reductions the failed attempt left in flight and releases their memory, before the step runs again."""
+
+
+def out_of_memory(error):
+    """Whether `error` says an allocation failed, whoever raised it: torch.OutOfMemoryError (fastdp's core raises
+    fastdp.CudaOutOfMemoryError, one of them), MemoryError (the host's; fastdp's core raises it when its own
+    allocations fail), and a RuntimeError in the words of a library that allocates for itself (_ALLOCATION_FAILED).
+    Other errors are the step's own: rows moved elsewhere would not help."""
+    if isinstance(error, (OOM, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and _ALLOCATION_FAILED.search(str(error)) is not None
 
 
 def parse(oom):
@@ -66,6 +87,12 @@ class Rescue:
 
     def __init__(self):
         self.rescues = []
+        self.buffers = None  # the module's buffers as before the step now running (_Buffers), kept across steps
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["buffers"] = None  # a cache of the module's buffers: a copied or unpickled wrapper takes its own
+        return state
 
     def run(self, ctx, attempt):
         """``attempt()``; on an out-of-memory error, what the attempt changed put back (:class:`_Before`), rows moved
@@ -82,12 +109,16 @@ class Rescue:
             _running.rescues = outer
 
     def _run(self, ctx, attempt):
-        before = _Before(ctx)
+        try:
+            self.buffers = _Buffers.taken(self.buffers, ctx.module)
+        except (RuntimeError, ValueError):  # a module no forward can run (uninitialized lazy layers): its own error
+            return attempt()
+        before = _Before(ctx, self.buffers)
         try:
             return attempt()
-        except OOM as error:
-            if getattr(error, "_fastdp_rescued", False):
-                raise  # a rescue inside (a nested wrapper's) already ran it twice
+        except Exception as error:
+            if not out_of_memory(error) or getattr(error, "_fastdp_rescued", False):
+                raise  # not an allocation failure; or a rescue inside (a nested wrapper's) already ran it twice
             _free(error)
             before.restore()
             position = failed_position(ctx, error)
@@ -100,7 +131,9 @@ class Rescue:
             ctx.settle()
             try:
                 return attempt()
-            except OOM as again:
+            except Exception as again:
+                if not out_of_memory(again):
+                    raise
                 _free(again)
                 before.restore()
                 _advise(error, ctx, position, moved, again)
@@ -123,8 +156,8 @@ class _Before:
     (``forget_records``, before the step runs again; a step that fails twice keeps the record of its last
     attempt)."""
 
-    def __init__(self, ctx):
-        self.buffers = _Buffers(ctx.module)
+    def __init__(self, ctx, buffers):
+        self.buffers = buffers
         self.generators = _Generators(ctx.device_ids)
         self.forget_records = ctx.mark_records()
 
@@ -139,16 +172,40 @@ class _Buffers:
     holds under each name, its storage, its place there and its values, so that what a failed attempt wrote (in
     place or through ``.data``), resized, moved to other memory (``set_``) or rebound is put back as it was. The
     values are written back without a version bump (through ``.data``): a graph of an earlier forward that saved
-    a buffer the attempt left alone stays valid, as on the bare model."""
+    a buffer the attempt left alone stays valid, as on the bare model.
+
+    Kept from step to step, so that a step that does not fail pays little: the copies are made once and refreshed
+    by one fused copy per step, and the tensors, storages and places are noted once, while the module's structure
+    signature (fastdp._C.walk: per buffer slot its tensor, shape, strides and data pointer) stays the same; a
+    changed structure (a buffer rebound, resized or registered between steps) takes them anew. Which buffers a
+    forward writes cannot be learned cheaply instead: BatchNorm writes its running statistics inside its kernel,
+    without a version bump."""
 
     def __init__(self, module):
+        self.module = module
+        self.modules, self.signature = _C.walk(module)
+        self.saved = [(m, name, b, b.untyped_storage(), _place(b)) for m in module.modules()
+                      for name, b in m.named_buffers(recurse=False)]
+        self.tensors = [b for _, _, b, _, _ in self.saved]
         with torch.no_grad():
-            self.saved = [(m, name, b, b.untyped_storage(), _place(b), b.clone(memory_format=torch.preserve_format))
-                          for m in module.modules() for name, b in m.named_buffers(recurse=False)]
+            self.values = [b.clone(memory_format=torch.preserve_format) for b in self.tensors]
+
+    @classmethod
+    def taken(cls, kept, module):
+        """The buffers of `module` now: `kept` (the last step's) with its values refreshed where the structure is
+        unchanged, else taken anew."""
+        if kept is None or kept.module is not module or _C.matches(kept.modules, kept.signature) != 1:
+            return cls(module)
+        try:
+            with torch.no_grad():
+                torch._foreach_copy_(kept.values, kept.tensors)
+        except (RuntimeError, TypeError, ValueError):  # a buffer the fused copy does not take (an uninitialized one)
+            return cls(module)
+        return kept
 
     def restore(self):
         with torch.no_grad():
-            for m, name, b, storage, place, values in self.saved:
+            for (m, name, b, storage, place), values in zip(self.saved, self.values):
                 if getattr(m, name, None) is not b:
                     setattr(m, name, b)
                 if _place(b) != place:

@@ -21,6 +21,8 @@ def bucket_sum(bucket, grads, taken, out):
     `out` (a flat buffer of the bucket on device_ids[0]) or a new one."""
     if out is None:
         out = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.tdevs[0])
+    if not bucket.host:
+        grads = every_device(bucket, grads)
     if bucket.host and taken is None and _C.reduce_rows(grads, len(bucket.members), out):
         return tuple(result_views(out, bucket))  # each member summed in place, nothing packed
     if _packable(bucket, grads, taken):
@@ -28,6 +30,26 @@ def bucket_sum(bucket, grads, taken, out):
         if result is not None:
             return result
     return reduce_members(bucket, replica_rows(bucket, grads, taken), out)
+
+
+def every_device(bucket, grads):
+    """`grads` with zeros, on its replica's device, for each member a replica gave no gradient for while another
+    replica did (a device that ran no rows this step, a parameter its forward skipped): every member is then summed
+    over the replica set's full device list. Across distinct devices a sum is one NCCL collective over the devices
+    of its inputs, and a device list NCCL has not seen would set up a communicator set of its own (memory on every
+    device, and seconds) in the middle of backward. Zeros add nothing to the sum. On the reduction's streams, where
+    the sum reads them."""
+    if all(map(operator.is_not, grads, repeat(None))):
+        return grads
+    k, out = len(bucket.members), list(grads)
+    for j in range(k):
+        present = next((g for g in grads[j::k] if g is not None), None)
+        if present is None or present.is_sparse:
+            continue  # no replica's gradient (the member's .grad stays as it is); or sparse: summed through comm
+        for r in range(bucket.nrep):
+            if out[r * k + j] is None:
+                out[r * k + j] = torch.zeros_like(present, device=bucket.tdevs[r])
+    return out
 
 
 def _packable(bucket, grads, taken):

@@ -21,7 +21,7 @@ from .._platform import devices as _devices
 from .._balance import memory as _memory
 from ..replicate import is_compiled
 
-__all__ = ["Recorder", "StepRecord", "ReplicaSite", "Resolved", "resolve", "parse_steps", "graph_tensors", "nbytes",
+__all__ = ["Recorder", "StepRecord", "ReplicaSite", "Resolved", "resolve", "anchors", "parse_steps", "graph_tensors", "nbytes",
            "module_bytes", "DEFAULT_STEPS", "PHASES"]
 
 DEFAULT_STEPS = 20
@@ -138,7 +138,8 @@ class StepRecord:
     in training mode. ``records``: ``(phase, replica, start, end, nbytes, extra, host_ns)`` tuples, ``host_ns``
     the host clock when the record was made (it places an event pair whose device has no reference). ``memory``:
     per position, the allocator's high over the step (``None`` where it cannot be measured), filled by the next
-    step's start. ``refs``: per CUDA device index, an event recorded at ``t0`` and the host time it was recorded.
+    step's start. ``refs``: per CUDA device index, an event recorded at ``t0`` and the host time it was enqueued (not
+    when it ran: the device's queue runs behind the host; see :func:`anchors`).
     """
 
     __slots__ = ("index", "t0", "devices", "rows", "training", "records", "memory", "memory_exact", "refs",
@@ -295,9 +296,44 @@ def _ready(x):
     return not _is_event(x) or x.query()
 
 
-def resolve(step, wait=True):
+def anchors(devices):
+    """Per CUDA device of `devices`, a point that is on the device's clock and the host's alike: (an event, the host
+    time it ran). Taken after a synchronisation of the device, so that its queue is empty and the event runs as it is
+    recorded; reading a report is the one place that waits for the device anyway (never inside a step)."""
+    out = {}
+    for d in devices:
+        if d == _devices.CPU or d is None or d in out:
+            continue
+        torch.cuda.synchronize(d)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(d))
+        out[d] = (event, _now())
+    return out
+
+
+def _origins(step, anchored):
+    """Per CUDA device of the step, the host time (ns from the step's start) at which its reference event ran.
+
+    A device runs its queue behind the host, by a different amount per device (device 0, which also runs the
+    optimizer, is often the furthest behind), so the host time at which the reference was enqueued is not when it
+    ran. With `anchored` (:func:`anchors`, taken later on an empty queue) the reference is placed by the device's
+    own clock, counted back from the anchor: every device's events then share the host's clock, and a device 0 that
+    runs late shows late. The reference never ran before it was enqueued. Without anchors (the auto split, reading
+    inside a step, needs durations only) the enqueue time stands in."""
+    origins = {}
+    for d, (ref, enqueued) in step.refs.items():
+        at = enqueued
+        anchor = anchored.get(d) if anchored else None
+        if anchor is not None:
+            at = max(enqueued, anchor[1] - int(ref.elapsed_time(anchor[0]) * 1e6))
+        origins[d] = at - step.t0
+    return origins
+
+
+def resolve(step, wait=True, anchored=None):
     """The step's records with every time in ns from its start. CUDA events are read here: with ``wait`` each
-    is waited for (reading a report), else None is returned while any is not complete (inside a step)."""
+    is waited for (reading a report), else None is returned while any is not complete (inside a step).
+    `anchored`: :func:`anchors` of the step's devices, which put every device's events on the host's clock."""
     records = list(step.records)
     events = [x for r in records for x in (r[2], r[3]) if _is_event(x)]
     events += [ev for ev, _ in step.refs.values()]
@@ -306,16 +342,17 @@ def resolve(step, wait=True):
     if wait:
         for ev in events:
             ev.synchronize()
+    origins = _origins(step, anchored)
     ranges = []
     for phase, replica, start, end, nbytes, extra, host in records:
         if not _is_event(start):
             ranges.append((phase, replica, start - step.t0, end - step.t0, nbytes, extra))
             continue
-        ref = step.refs.get(getattr(start, "_fastdp_device", None))
-        if ref is not None:
-            origin = ref[1] - step.t0
-            a = origin + ref[0].elapsed_time(start) * 1e6
-            b = origin + ref[0].elapsed_time(end) * 1e6
+        device = getattr(start, "_fastdp_device", None)
+        if device in origins:
+            ref = step.refs[device][0]
+            a = origins[device] + ref.elapsed_time(start) * 1e6
+            b = origins[device] + ref.elapsed_time(end) * 1e6
         else:  # an event pair of unknown device: placed to end when it was recorded
             b = host - step.t0
             a = b - start.elapsed_time(end) * 1e6

@@ -152,7 +152,8 @@ def build(recorder, setup, memory, steps=None):
     rec = _report_recorder(recorder)
     _check_steps(steps)
     records = _last_records(rec, steps)
-    resolved = [_recorder.resolve(s) for s in records]
+    anchored = _recorder.anchors({d for s in records for d in s.refs})
+    resolved = [_recorder.resolve(s, anchored=anchored) for s in records]
     numbers = [_StepNumbers(r) for r in resolved]
     done = [x for i, x in enumerate(numbers) if x.complete(i == len(numbers) - 1)]
     training = [x for x in done if x.r.training]

@@ -11,9 +11,9 @@
 # Budget (seconds; each is the step's hard timeout, together at most GPU_CHECK_TOTAL_S = 450, i.e. 7.5 min):
 #   env 8 · build 36 · info 10 · helpers 8 · nccl-selftest 20 · copy-paths 25 · dp-repeated 15 ·
 #   sync-debug 14 · alloc-expandable 14 · alloc-async 14 · caller-stream 14 · cpu-batch 10 · output-cpu 8 ·
-#   syncbn-dtypes 14 · graph-capture 10 · oom-rescue 8 · pytest-gpu 52 · c-gpu-ops 30 · c-memcheck 45 ·
-#   c-racecheck 32 · bench-comm 12 · bench-train 14 · overlap 12 · memory-across-step 8 · lockstep 8 ·
-#   report-exposed 7 · map-report 2
+#   syncbn-dtypes 14 · graph-capture 10 · oom-rescue 8 · pytest-gpu 48 · c-gpu-ops 30 · c-memcheck 45 ·
+#   c-racecheck 28 · bench-comm 10 · bench-train 14 · per-tensor 10 · overlap 12 · memory-across-step 8 ·
+#   lockstep 8 · report-exposed 7 · map-report 2
 # A step never runs past the total: it gets what is left, and is "skipped: out of time" (a failure) under 5 s.
 # GPU_CHECK_TIME_SCALE (an integer, default 1) multiplies every limit, for slow shared machines (the CPU dry run).
 #
@@ -252,6 +252,13 @@ step_bench_train() {
   cd "$WORK" && "$PY" -m fastdp.bench train --rounds 2 --steps 6 --out "$OUT"
 }
 
+# The host's cost per parameter tensor and step on a GPU (1000 x Linear(8, 8), 4 replicas): fastdp's replicate and
+# reduction against torch.nn.DataParallel's, and DDP's reducer in one process against the bare model's step.
+step_per_tensor() {
+  cd "$WORK" && "$PY" -m fastdp.bench train --device cuda --params 1000 --replicas 4 --rounds 2 --steps 4 --ddp \
+    --out "$OUT"
+}
+
 # What only a GPU can say about the gradient reduction (scripts/gpu/findings.py; docs/benchmarks.md, "To be measured
 # on the first GPU"): device 0's memory across optimizer.step() against the bare model and upstream, replica 0's
 # backward with slowed replicas, and the report's exposed reduction against a synchronised timing. Each prints its
@@ -287,6 +294,7 @@ export_for_steps() {
   export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   export -f step_env step_build step_info step_helpers c_env step_nccl_selftest step_copy_paths step_dp_repeated \
     step_pytest_gpu step_c_gpu_ops step_c_sanitizer step_c_memcheck step_c_racecheck step_bench_comm step_bench_train \
+    step_per_tensor \
     cuda_branch_check step_sync_debug step_alloc_expandable step_alloc_async step_caller_stream step_cpu_batch \
     step_output_cpu step_syncbn_dtypes step_graph_capture step_oom_rescue step_overlap step_map_report \
     findings step_memory_across_step step_lockstep step_report_exposed
@@ -322,12 +330,13 @@ main() {
   step syncbn-dtypes 14 gpu step_syncbn_dtypes
   step graph-capture 10 gpu step_graph_capture
   step oom-rescue 8 gpu step_oom_rescue
-  step pytest-gpu 52 gpu step_pytest_gpu
+  step pytest-gpu 48 gpu step_pytest_gpu
   step c-gpu-ops 30 gpu,gpu-ops step_c_gpu_ops
   step c-memcheck 45 gpu,gpu-ops step_c_memcheck
-  step c-racecheck 32 gpu,gpu-ops step_c_racecheck
-  step bench-comm 12 gpu step_bench_comm
+  step c-racecheck 28 gpu,gpu-ops step_c_racecheck
+  step bench-comm 10 gpu step_bench_comm
   step bench-train 14 gpu step_bench_train
+  step per-tensor 10 gpu step_per_tensor
   step overlap 12 gpu step_overlap
   step memory-across-step 8 gpu step_memory_across_step
   step lockstep 8 gpu step_lockstep

@@ -21,7 +21,8 @@ HELPERS = os.path.join(ROOT, "scripts", "gpu")
 NON_GPU_STEPS = ["env", "build", "info", "helpers"]
 GPU_STEPS = ["nccl-selftest", "copy-paths", "dp-repeated", "sync-debug", "alloc-expandable", "alloc-async",
              "caller-stream", "cpu-batch", "output-cpu", "syncbn-dtypes", "graph-capture", "oom-rescue", "pytest-gpu",
-             "c-gpu-ops", "c-memcheck", "c-racecheck", "bench-comm", "bench-train", "overlap", "memory-across-step",
+             "c-gpu-ops", "c-memcheck", "c-racecheck", "bench-comm", "bench-train", "per-tensor", "overlap",
+             "memory-across-step",
              "lockstep", "report-exposed"]
 LAST_STEPS = ["map-report"]  # runs everywhere: on a CPU it lists every entry of the map as not run
 # Where an index or any network use would go: nowhere (a closed local port), so a step that tried would fail.
@@ -326,6 +327,7 @@ step copy-paths 60 gpu step_copy_paths
 step dp-repeated 60 gpu step_dp_repeated
 step nccl-selftest 10 gpu step_nccl_selftest
 step overlap 60 gpu step_overlap
+step per-tensor 60 gpu step_per_tensor
 step map-report 60 - step_map_report
 summary
 """, CUDA_VISIBLE_DEVICES="")
@@ -337,6 +339,8 @@ summary
     assert rows["map-report"]["result"] == "ok" and "python entries that ran: 0 of " in res.stdout
     assert rows["nccl-selftest"]["result"] == "FAILED rc=127" and "work/bin/nccl_selftest" in res.stderr
     assert rows["overlap"]["result"] == "FAILED rc=1" and "no GPU: nothing to measure" in res.stdout
+    assert rows["per-tensor"]["result"] == "FAILED rc=2" and "--device cuda: no CUDA device" in res.stderr
+    assert "--params 1000 --ddp" in res.stdout  # the bench took the step's options
 
 
 def test_findings_steps_commands_run_here(tmp_path):

@@ -151,6 +151,8 @@ def command_line(args):
         parts += ["--threads", str(args.threads)]
     if args.params:
         parts += ["--params", args.params]
+    if getattr(args, "ddp", False):
+        parts.append("--ddp")
     if getattr(args, "sync_bn", ""):
         parts += ["--sync-bn", args.sync_bn]
     if args.split:

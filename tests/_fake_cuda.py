@@ -586,7 +586,7 @@ class FakeCuda:
             if device is None or isinstance(device, int):
                 return device
             device = torch.device(device)
-            return None if device.type == "cpu" else cuda._index(device)
+            return cuda._index(device) if device.type == "cuda" else None
 
         def empty(*size, device=None, **kw):
             d = where(device)

@@ -179,7 +179,8 @@ def ledger_bytes(wrapped):
     if replica_set is None:
         return None
     seen = {}
-    for held in replica_set.reducer.ledger.held():
+    ledger = getattr(replica_set.reducer, "ledger", None)  # gone where the reduction frees stream-ordered
+    for held in ledger.held() if ledger is not None else ():
         _storages(held, seen)
     module = getattr(wrapped, "module", None)
     for p in module.parameters() if module is not None else ():
@@ -229,7 +230,7 @@ def _memory_steps(name, wrap, sweep, args, where):
                    backward_peak_mb=_mb(where.peak()), held_after_backward_mb=_mb(ledger_bytes(wrapped)))
         if sweep:  # what the held memory would be with the reduction waited for and released before the step
             where.sync()
-            wrapped._replica_set.reducer.sweep()
+            wrapped._replica_set.reducer.settle()
         where.reset_peak()
         opt.step()
         row.update(step_peak_mb=_mb(where.peak()), after_step_mb=_mb(where.allocated()),

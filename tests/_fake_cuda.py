@@ -565,7 +565,7 @@ class FakeCuda:
 
     def install_memory(self, monkeypatch, poison=True):
         """Makes the tensors of ``tensor`` look like CUDA tensors (``is_cuda``, ``device``, ``get_device``), and
-        torch.empty / empty_like / zeros with a CUDA device allocate such tensors on the host, as blocks of the
+        torch.empty / empty_like / zeros / zeros_like with a CUDA device allocate such tensors on the host, as blocks of the
         modelled caching allocator (poisoned unless ``poison`` is False)."""
         cuda, base = self, torch._C.TensorBase
         self.poison = poison
@@ -606,9 +606,18 @@ class FakeCuda:
                 cuda.use(t, write=True)
             return t
 
+        def zeros_like(t, *, device=None, **kw):
+            out = empty_like(t, device=device, **kw)
+            with torch.no_grad():
+                out.zero_()
+            if cuda.block_of(out) is not None:
+                cuda.use(out, write=True)
+            return out
+
         monkeypatch.setattr(torch, "empty", empty)
         monkeypatch.setattr(torch, "empty_like", empty_like)
         monkeypatch.setattr(torch, "zeros", zeros)
+        monkeypatch.setattr(torch, "zeros_like", zeros_like)
         return self
 
     # ---- autograd's engine on a GPU ----

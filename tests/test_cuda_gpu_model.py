@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fastdp import comm
 from fastdp._platform import devices as _devices
 from fastdp._reduction import reducer as _reducer, sums as _sums, cuda as _rcuda, flat as _flat
 from fastdp._step import replicas as _replicas
@@ -254,5 +255,44 @@ def test_no_sync_then_a_synchronising_backward_equals_the_bare_model(cuda, monke
         rs.reducer.set_sync(i == 2)
         _step(cuda, rs, x, caller)
         (bare(x[:2]).sum() + bare(x[2:]).sum()).backward()
+    for p, q in zip(net.parameters(), bare.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, check_device=False)
+
+
+class _Either(nn.Module):
+    """A replica with two rows of input uses ``a``, the others ``b``: each member has one replica without a
+    gradient for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.a(x) if x.shape[0] == 2 else self.b(x)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_differentiable_sum_counts_a_missing_gradient_as_zero(cuda, monkeypatch):
+    """create_graph=True sums through ReduceAddCoalesced, which stands a zero in for a replica that has no gradient
+    of a member: fresh memory is poisoned, so anything but written zeros shows in the result."""
+    caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
+    _model(cuda, monkeypatch, "canonical", {0: caller[0], 1: caller[1]})
+
+    def host_reduce_add_coalesced(per_device, destination=None, buffer_size=0):
+        for row in per_device:
+            for t in row:
+                cuda.use(t)
+        return [sum(column[1:], column[0]) for column in zip(*per_device)]
+
+    monkeypatch.setattr(comm, "reduce_add_coalesced", host_reduce_add_coalesced)
+    torch.manual_seed(0)
+    net = _Either()
+    bare = copy.deepcopy(net)
+    rs = _replica_set(net, cuda)
+    x = torch.randn(5, 4)
+    with cuda.stream(caller[0]), cuda.stream(caller[1]):
+        roots = rs.refresh()
+        (roots[0](x[:2]).sum() + roots[1](x[2:]).sum()).backward(create_graph=True)
+    (bare(x[:2]).sum() + bare(x[2:]).sum()).backward(create_graph=True)
     for p, q in zip(net.parameters(), bare.parameters()):
         torch.testing.assert_close(p.grad, q.grad, check_device=False)

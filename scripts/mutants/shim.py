@@ -125,6 +125,10 @@ MUTANTS = [
          replace="        pass",
          what="a started sum's buffer is not recorded as used by the reduction stream: a backward that fails frees it "
               "to the consumer's pool while the late reduction still writes it"),
+    dict(name="reduce-missing-column-uninitialised", file="python/fastdp/_step/functions.py",
+         find="                    rows[d][j] = torch.zeros_like(ref, device=_devices.torch_device(target_devices[d]))",
+         replace="                    rows[d][j] = torch.empty_like(ref, device=_devices.torch_device(target_devices[d]))",
+         what="a differentiable sum counts a replica's missing gradient as uninitialised memory, not zeros"),
     dict(name="bucket-node-on-callers-stream", file="python/fastdp/_reduction/reducer.py",
          find="        with node_streams(devices):",
          replace="        if True:",

@@ -66,6 +66,23 @@ def _model(cuda, monkeypatch, rule, producers):
         return tuple(result)
 
     monkeypatch.setattr(_sums, "bucket_sum", host_sum)
+    accumulate = _reducer._accumulate
+
+    def noted_accumulate(bucket, grads, accumulating):  # no_sync: replica 0's passed on, the others' kept
+        for g in grads:
+            if g is not None:
+                cuda.use(g)
+        return accumulate(bucket, grads, accumulating)
+
+    monkeypatch.setattr(_reducer, "_accumulate", noted_accumulate)
+
+    def host_reduce_add_coalesced(per_device, destination=None, buffer_size=0):  # create_graph's sums
+        for row in per_device:
+            for t in row:
+                cuda.use(t)
+        return [sum(column[1:], column[0]) for column in zip(*per_device)]
+
+    monkeypatch.setattr(comm, "reduce_add_coalesced", host_reduce_add_coalesced)
 
 
 def _step(cuda, rs, x, streams):
@@ -155,16 +172,24 @@ def test_device_0_at_optimizer_step_holds_what_upstream_holds_while_the_gpu_is_b
         torch.testing.assert_close(p.grad, want, check_device=False)
 
 
-def test_a_block_the_reduction_still_reads_is_not_handed_out_again(cuda, monkeypatch):
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("mode", ["sync", "no_sync", "create_graph"])
+def test_a_block_the_reduction_still_reads_is_not_handed_out_again(cuda, monkeypatch, mode):
     """The next forward allocates on the caller's streams at once, while the late reduction streams have not read the
-    gradients autograd has already dropped: the allocator must not hand their blocks to it (the fake records a
-    block reused while a stream not ordered before may still read it)."""
+    gradients autograd has already dropped (a started sum, no_sync's shares, create_graph's differentiable sum):
+    the allocator must not hand their blocks to it (the fake records a block reused while a stream not ordered
+    before may still read it)."""
     cuda.late()
     caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
     _model(cuda, monkeypatch, "canonical", {0: caller[0], 1: caller[1]})
     net = nn.Linear(8, 8)
     rs = _replica_set(net, cuda, bucket_bytes=1)
-    _step(cuda, rs, torch.randn(4, 8), caller)
+    rs.reducer.set_sync(mode != "no_sync")
+    x = torch.randn(4, 8)
+    with cuda.stream(caller[0]), cuda.stream(caller[1]):
+        roots = rs.refresh()
+        (roots[0](x[:2]).sum() + roots[1](x[2:]).sum()).backward(create_graph=mode == "create_graph")
+    del roots
     freed = [b for b in cuda.pool if b.device == 1 and b.stream == caller[1]]
     assert freed  # replica 1's gradients, dropped by autograd
     with cuda.stream(caller[1]):
@@ -237,15 +262,6 @@ def test_no_sync_then_a_synchronising_backward_equals_the_bare_model(cuda, monke
     cuda.late()
     caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
     _model(cuda, monkeypatch, engine, {0: caller[0], 1: caller[1]})
-    real = _reducer._accumulate
-
-    def accumulate(bucket, grads, accumulating):
-        for g in grads:
-            if g is not None:
-                cuda.use(g)
-        return real(bucket, grads, accumulating)
-
-    monkeypatch.setattr(_reducer, "_accumulate", accumulate)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
     bare = copy.deepcopy(net)
@@ -277,14 +293,6 @@ def test_a_differentiable_sum_counts_a_missing_gradient_as_zero(cuda, monkeypatc
     of a member: fresh memory is poisoned, so anything but written zeros shows in the result."""
     caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
     _model(cuda, monkeypatch, "canonical", {0: caller[0], 1: caller[1]})
-
-    def host_reduce_add_coalesced(per_device, destination=None, buffer_size=0):
-        for row in per_device:
-            for t in row:
-                cuda.use(t)
-        return [sum(column[1:], column[0]) for column in zip(*per_device)]
-
-    monkeypatch.setattr(comm, "reduce_add_coalesced", host_reduce_add_coalesced)
     torch.manual_seed(0)
     net = _Either()
     bare = copy.deepcopy(net)

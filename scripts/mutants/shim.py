@@ -112,6 +112,11 @@ MUTANTS = [
          replace="        pass",
          what="the gradients the reduction's streams read go back to the allocator unrecorded: the next forward's "
               "allocations on the caller's stream get their blocks while the late reduction still reads them"),
+    dict(name="handover-inputs-released", file="python/fastdp/_reduction/cuda.py",
+         find="        release_after(own, reducer.devices, grads)",
+         replace="        pass",
+         what="the gradients a no_sync or create_graph node reads on the reduction's streams go back to the "
+              "allocator unrecorded"),
     dict(name="reduce-inputs-recorded-on-first", file="python/fastdp/_reduction/cuda.py",
          find="        s = own[d]\n",
          replace="        s = own[devices[0]]\n",

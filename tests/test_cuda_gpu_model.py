@@ -26,6 +26,13 @@ pytestmark = pytest.mark.sim
 CUDA = [torch.device("cuda", 0), torch.device("cuda", 1)]
 
 
+@pytest.fixture(autouse=True)
+def _work_left(cuda):
+    """Every torch operation on fake device memory is noted while a test runs (install_memory(work=True))."""
+    yield
+    cuda.leave()
+
+
 def _replica_set(net, cuda, bucket_bytes=1 << 20):
     """A ReplicaSet over host tensors whose state says CUDA devices 0 and 1; the reducer's sums are allocated in fake
     device memory (their tensors stay on the host)."""
@@ -46,7 +53,7 @@ def _gradient_devices(ctx, n):
 def _model(cuda, monkeypatch, rule, producers):
     """The engine model for the bucket nodes, and the sums on the host with their reads and writes noted on the
     streams current where they run (the reduction's own, if the code under test is right)."""
-    cuda.install_memory(monkeypatch)
+    cuda.install_memory(monkeypatch, work=True)
     monkeypatch.setattr(_reducer, "_ZEROS", {})
     cuda.engine(monkeypatch, _reducer.BucketNode, rule, producers, _gradient_devices)
 
@@ -94,6 +101,12 @@ def _step(cuda, rs, x, streams):
         out.backward()
 
 
+def _synchronized(cuda):
+    """The host waits for every device before it reads results (as a test on a GPU would, before reading them back)."""
+    for d in range(cuda.ndev):
+        cuda.synchronize(d)
+
+
 def _bare_grads(net, x):
     bare = copy.deepcopy(net)
     for p in bare.parameters():
@@ -127,6 +140,7 @@ def test_replica_0s_compute_stream_never_waits_for_another_devices_gradients(cud
     held = [e for e in cuda.log if e[0].startswith("wait") and e[1] == "caller@0"]
     assert held and all(e[2].endswith("@0") or e[2].startswith("f") for e in held), held
     assert cuda.host_syncs() == []
+    _synchronized(cuda)
     for p, want in zip(net.parameters(), _bare_grads(net, x)):
         torch.testing.assert_close(p.grad, want, check_device=False)
 
@@ -168,6 +182,7 @@ def test_device_0_at_optimizer_step_holds_what_upstream_holds_while_the_gpu_is_b
     token = {z.untyped_storage().data_ptr(): z.untyped_storage().nbytes() for z in _reducer._ZEROS.values()}
     assert _live_blocks(cuda, 0) == {**grads, **token}  # upstream's .grad (and the token zero made once)
     assert _live_blocks(cuda, 1) == {} and cuda.allocated == [sum(grads.values()) + sum(token.values()), 0]
+    _synchronized(cuda)
     for p, want in zip(net.parameters(), _bare_grads(net, x)):
         torch.testing.assert_close(p.grad, want, check_device=False)
 
@@ -271,6 +286,7 @@ def test_no_sync_then_a_synchronising_backward_equals_the_bare_model(cuda, monke
         rs.reducer.set_sync(i == 2)
         _step(cuda, rs, x, caller)
         (bare(x[:2]).sum() + bare(x[2:]).sum()).backward()
+    _synchronized(cuda)
     for p, q in zip(net.parameters(), bare.parameters()):
         torch.testing.assert_close(p.grad, q.grad, check_device=False)
 
@@ -302,5 +318,6 @@ def test_a_differentiable_sum_counts_a_missing_gradient_as_zero(cuda, monkeypatc
         roots = rs.refresh()
         (roots[0](x[:2]).sum() + roots[1](x[2:]).sum()).backward(create_graph=True)
     (bare(x[:2]).sum() + bare(x[2:]).sum()).backward(create_graph=True)
+    _synchronized(cuda)
     for p, q in zip(net.parameters(), bare.parameters()):
         torch.testing.assert_close(p.grad, q.grad, check_device=False)

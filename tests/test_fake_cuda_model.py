@@ -126,3 +126,32 @@ def test_the_engine_runs_a_node_on_its_canonical_stream_after_its_rules_waits(cu
     (x.sum() + y.sum()).backward()
     assert _Node.ran == ["made@0"]
     assert [e for e in cuda.log if e[0] == "wait_event"] == waits
+
+
+def test_torch_operations_on_device_memory_run_on_the_current_stream(cuda, monkeypatch):
+    """With operations noted (install_memory(work=True)), a torch operation on a block reads its inputs and writes
+    its output on the current stream of their device: an add on a stream that did not wait for the stream that
+    wrote an input is a misuse; copy_ and fill_ overwrite without reading; views move no data; a result in new
+    memory is a block of the current stream."""
+    cuda.install_memory(monkeypatch, work=True)
+    try:
+        cuda.late()
+        w, r = cuda.stream_on(1, "w@1"), cuda.stream_on(1, "r@1")
+        with cuda.stream(w):
+            a = torch.empty(4, device=CUDA1)
+            a.fill_(1.0)
+            b = a * 2
+        assert cuda.block_of(b).stream == w and _taken(cuda) == []
+        with cuda.stream(r):
+            a.view(2, 2)  # no data moved: no read
+            assert _taken(cuda) == []
+            b.add_(1)
+        assert _taken(cuda)  # r read b before w's write was ordered before it
+        with cuda.stream(r):
+            r.wait_stream(w)
+            c = torch.empty(4, device=CUDA1)
+            c.copy_(a)
+            c += b
+        assert _taken(cuda) == [] and c.tolist() == [4.0] * 4
+    finally:
+        cuda.leave()

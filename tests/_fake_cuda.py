@@ -44,8 +44,9 @@ import types
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import _disable_current_modes
+
+from _fake_work import Work
 
 # What a host synchronisation is called in the log: a step in the steady state must record none of these.
 HOST_SYNCS = ("device_sync", "stream_sync", "event_sync")
@@ -196,50 +197,6 @@ def _poison(t):
             t.fill_(True)
         elif t.numel():
             t.view(-1).fill_(-0x5B if t.dtype.is_signed else 0xA5)
-
-
-# Operations on device memory that read none of their inputs' values: they take only shapes and dtypes from them.
-_NO_READ = {"empty_like", "new_empty", "new_empty_strided", "zeros_like", "ones_like", "full_like", "new_zeros",
-            "new_ones", "new_full", "empty_strided", "fill_", "zero_", "set_"}
-# In-place operations that overwrite their destination without reading it.
-_OVERWRITE = {"copy_", "fill_", "zero_", "set_"}
-
-
-class _Work(TorchDispatchMode):
-    """Every torch operation on tensors in fake device memory, as the GPU would run it: on the current stream of
-    their device, reading its inputs (a misuse where a write to them is not ordered before) and writing what it
-    changes in place; a result in new memory is a block of that device allocated and written on that stream. Views
-    move no data and are left out."""
-
-    def __init__(self, cuda):
-        super().__init__()
-        self.cuda = cuda
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func.is_view:
-            return out
-        cuda = self.cuda
-        ins = [t for t in tree_flatten((args, kwargs))[0] if cuda.block_of(t) is not None]
-        if not ins:
-            return out
-        schema = func._schema
-        written = {id(args[i] if i < len(args) else kwargs.get(a.name)) for i, a in enumerate(schema.arguments)
-                   if a.alias_info is not None and a.alias_info.is_write}
-        name = schema.name.split("::")[-1]
-        for t in ins:
-            if id(t) in written:
-                if name not in _OVERWRITE:
-                    cuda.use(t)
-                cuda.use(t, write=True)
-            elif name not in _NO_READ:
-                cuda.use(t)
-        device = cuda.block_of(ins[0]).device
-        for o in tree_flatten(out)[0]:
-            if isinstance(o, torch.Tensor) and cuda.block_of(o) is None:
-                cuda.adopt(o, device, cuda.current_stream(device))
-        return out
 
 
 class FakeCuda:
@@ -580,7 +537,7 @@ class FakeCuda:
         self._reuse(device, stream, t.untyped_storage().nbytes())
         self._register(t, device, stream)
         if self.poison:
-            with torch.utils._python_dispatch._disable_current_modes():  # stale content, not work on a stream
+            with _disable_current_modes():  # stale content, not work on a stream
                 _poison(t)
         return t
 
@@ -614,7 +571,7 @@ class FakeCuda:
         """Makes the tensors of ``tensor`` look like CUDA tensors (``is_cuda``, ``device``, ``get_device``), and
         torch.empty / empty_like / zeros / zeros_like with a CUDA device allocate such tensors on the host, as blocks
         of the modelled caching allocator (poisoned unless ``poison`` is False). With ``work``, every torch operation
-        on such blocks is noted as the GPU would run it (``_Work``) until the test ends."""
+        on such blocks is noted as the GPU would run it (``Work``) until the test ends."""
         cuda, base = self, torch._C.TensorBase
         self.poison = poison
         real_device, real_is_cuda, real_is_cpu = base.device.__get__, base.is_cuda.__get__, base.is_cpu.__get__
@@ -667,7 +624,7 @@ class FakeCuda:
         monkeypatch.setattr(torch, "zeros", zeros)
         monkeypatch.setattr(torch, "zeros_like", zeros_like)
         if work:
-            mode = _Work(self)
+            mode = Work(self)
             mode.__enter__()
             self._work = mode  # left by ``leave`` (the test's teardown calls it)
         return self

@@ -191,13 +191,6 @@ def _step_and_backward(cuda, rs, x, forward_streams, backward_streams):
     return roots
 
 
-def _ready_waits(own1, rule):
-    """What device 1's reduction stream waits for under each rule of autograd's (caller@0: the node's canonical
-    stream)."""
-    ready = {"canonical": ["caller@0"], "default": ["default@1"], "both": ["caller@0", "default@1"]}[rule]
-    return [("wait", own1, r) for r in ready]
-
-
 @pytest.mark.parametrize("version, rule", [
     ("2.8.0", "canonical"), ("2.8.1+cu128", "canonical"), ("2.9.0.dev20250901+cu129", "canonical"),
     ("2.8.0rc3", "canonical"), ("2.13.0+cpu", "canonical"), ("10.0.0", "canonical"),
@@ -210,13 +203,44 @@ def test_the_stream_rule_follows_what_the_version_can_tell(version, rule):
     assert _rcuda.stream_rule(version) == rule
 
 
-@pytest.mark.parametrize("rule", ["canonical", "default", "both"], ids=["torch>=2.8", "torch<2.8", "unknown"])
-def test_reduction_runs_on_its_own_streams_with_exactly_the_waits_it_needs(cuda, monkeypatch, rule):
-    """Each reduction stream waits for the stream where autograd guarantees the gradients are ready (torch 2.8 and
-    newer: the bucket node's canonical stream for every device; before: that stream for the first device, each other
-    device's default stream), the sum runs on the reduction's streams, and the delivery node's stream waits for a
-    fence behind the first device's reduction stream; the tensors it used are held until a fence behind every
-    reduction stream has passed. Nothing else orders anything, and nothing waits on the host."""
+def _engine(cuda, monkeypatch, rule, producers):
+    """autograd's engine on a GPU (tests/_fake_cuda.py) runs the bucket nodes: replica r's gradients come from
+    ``producers[r]``, on device r."""
+
+    def devices(ctx, n):
+        k = len(ctx.bucket.members)
+        return [ctx.bucket.reducer.devices[i // k] for i in range(n)]
+
+    cuda.engine(monkeypatch, _reducer.BucketNode, rule, producers, devices)
+
+
+def _engine_waits(own0, engine):
+    """What autograd's engine orders before a bucket node of Linear(4, 3) (two members per replica) runs: torch 2.8
+    and newer, the node's canonical stream (the reduction's own on device 0) waits for every gradient; before, it
+    waits for device 0's, and device 1's default stream for device 1's."""
+    other = own0 if engine == "canonical" else "default@1"
+    return [("wait_event", own0, "ready@caller@0")] * 2 + [("wait_event", other, "ready@caller@1")] * 2
+
+
+def _ready_waits(own0, own1, rule):
+    """What device 1's reduction stream waits for under each rule fastdp may choose (own0: the node's canonical
+    stream)."""
+    ready = {"canonical": [own0], "default": ["default@1"], "both": [own0, "default@1"]}[rule]
+    return [("wait", own1, r) for r in ready]
+
+
+_RULES = [("canonical", "canonical"), ("default", "default"), ("both", "canonical"), ("both", "default")]
+_RULE_IDS = ["torch>=2.8", "torch<2.8", "unknown-new-engine", "unknown-old-engine"]
+
+
+@pytest.mark.parametrize("rule, engine", _RULES, ids=_RULE_IDS)
+def test_reduction_runs_on_its_own_streams_with_exactly_the_waits_it_needs(cuda, monkeypatch, rule, engine):
+    """The bucket node runs on device 0's reduction stream (its canonical stream), where autograd's engine orders the
+    gradients (by its rule); each other reduction stream waits for the stream where the rule fastdp chose guarantees
+    them, the sum runs on the reduction's streams, and the delivery node's stream waits for a fence behind the first
+    device's reduction stream. The sum's buffer and each gradient read are recorded as used by the reduction stream
+    of their device, and nothing is held by the host: no fence is ever asked, nothing else orders anything, and
+    nothing waits on the host."""
     monkeypatch.setattr(_rcuda, "_STREAM_RULE", rule)
     torch.manual_seed(0)
     net = nn.Linear(4, 3)
@@ -231,28 +255,28 @@ def test_reduction_runs_on_its_own_streams_with_exactly_the_waits_it_needs(cuda,
 
     monkeypatch.setattr(_sums, "bucket_sum", spy_sum)
     caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
+    _engine(cuda, monkeypatch, engine, caller)
     x = torch.randn(4, 4)
     _step_and_backward(cuda, rs, x, caller, caller)
     own = [_rcuda.own_stream(0).name, _rcuda.own_stream(1).name]
     assert on == [tuple(own)]
-    ordering = [e for e in cuda.log if e[0] in ("wait", "wait_event", "wait_fence", "fence", "record_stream")]
+    ordering = [e for e in cuda.log if e[0] in ("wait", "wait_event", "wait_fence", "fence")]
     fences = [e[1] for e in ordering if e[0] == "fence"]
-    assert ordering == [("wait", own[0], "caller@0")] + _ready_waits(own[1], rule) + [
-                        ("fence", fences[0], own[0]), ("fence", fences[0], own[1]),
-                        ("fence", fences[2], own[0]),
-                        ("wait_fence", "caller@0", fences[2])]
-    assert cuda.host_syncs() == []
+    assert ordering == _engine_waits(own[0], engine) + _ready_waits(own[0], own[1], rule) + [
+                        ("fence", fences[0], own[0]), ("wait_fence", "caller@0", fences[0])]
+    assert [e[2] for e in cuda.entries("record_stream")] == [own[0]] * 3 + [own[1]] * 2  # the sum, then the grads
+    assert cuda.host_syncs() == [] and cuda.entries("query") == []
     net.bias.grad, net.weight.grad = net.bias.grad.clone(), net.weight.grad.clone()
     (bare(x[:2]).sum() + bare(x[2:]).sum()).backward()
     torch.testing.assert_close(net.weight.grad, bare.weight.grad)
 
 
-@pytest.mark.parametrize("rule", ["canonical", "default", "both"], ids=["torch>=2.8", "torch<2.8", "unknown"])
-def test_no_sync_shares_handed_over_at_once_are_ordered_before_the_nodes_stream(cuda, monkeypatch, rule):
+@pytest.mark.parametrize("rule, engine", _RULES, ids=_RULE_IDS)
+def test_no_sync_shares_handed_over_at_once_are_ordered_before_the_nodes_stream(cuda, monkeypatch, rule, engine):
     """Where the bucket node hands its result to autograd at once (no_sync keeps the other replicas' shares and
     returns replica 0's; create_graph's differentiable sum takes the same path), the work still runs on the
-    reduction's streams after the ready streams (autograd's rule of either side of torch 2.8), and the node's
-    stream waits for it before autograd takes it."""
+    reduction's streams after the ready streams (autograd's rule of either side of torch 2.8), the gradients it read
+    are recorded as used there, and the delivery node's stream waits for it before autograd takes it."""
     monkeypatch.setattr(_rcuda, "_STREAM_RULE", rule)
     torch.manual_seed(0)
     net = nn.Linear(4, 3)
@@ -260,77 +284,34 @@ def test_no_sync_shares_handed_over_at_once_are_ordered_before_the_nodes_stream(
     rs = _cuda_replica_set(net)
     rs.reducer.set_sync(False)
     caller = [cuda.stream_on(0, "caller@0"), cuda.stream_on(1, "caller@1")]
+    _engine(cuda, monkeypatch, engine, caller)
     x = torch.randn(4, 4)
     own = [_rcuda.own_stream(0).name, _rcuda.own_stream(1).name]
     _step_and_backward(cuda, rs, x, caller, caller)
     ordering = [e for e in cuda.log if e[0] in ("wait", "wait_event", "wait_fence", "fence")]
     fences = [e[1] for e in ordering if e[0] == "fence"]
-    assert ordering == [("wait", own[0], "caller@0")] + _ready_waits(own[1], rule) + [
-                        ("fence", fences[0], own[0]), ("fence", fences[0], own[1]), ("fence", fences[2], own[0]),
-                        ("wait_fence", "caller@0", fences[2])]
+    assert ordering == _engine_waits(own[0], engine) + _ready_waits(own[0], own[1], rule) + [
+                        ("fence", fences[0], own[0]), ("wait_fence", "caller@0", fences[0])]
+    assert [e[2] for e in cuda.entries("record_stream")] == [own[0]] * 2 + [own[1]] * 2 + ["caller@0"] * 2
     bare(x[:2]).sum().backward()
     torch.testing.assert_close(net.weight.grad, bare.weight.grad)  # replica 0's share, as a DDP rank's .grad
     assert cuda.host_syncs() == []
 
 
-def test_reduction_holds_what_it_used_until_its_fence_has_passed(cuda, monkeypatch):
-    """The gradients the reduction reads stay alive (the caching allocator cannot hand out their memory) until the
-    host sees the fence behind the reduction's streams pass; the next forward sweeps them away once it has."""
-    import weakref
-
-    net = nn.Linear(4, 3)
-    rs = _cuda_replica_set(net)
-    seen = []
-    real_sum = _sums.bucket_sum
-
-    def spy_sum(bucket, grads, kept, out):
-        seen.extend(weakref.ref(g) for g in grads if g is not None)
-        return real_sum(bucket, grads, kept, out)
-
-    monkeypatch.setattr(_sums, "bucket_sum", spy_sum)
-    caller = [cuda.default_stream(0), cuda.default_stream(1)]
-    cuda.fences_done = False
-    _step_and_backward(cuda, rs, torch.randn(4, 4), caller, caller)
-    assert seen and all(r() is not None for r in seen)
-    with cuda.stream(caller[0]):
-        rs.refresh()  # the fence has not passed: still held
-    assert all(r() is not None for r in seen)
-    cuda.fences_done = True
-    with cuda.stream(caller[0]):
-        rs.refresh()
-    assert all(r() is None for r in seen)
-
-
-def test_a_sweep_asks_one_fence_however_many_reductions_wait_behind_it(cuda):
-    """The GPU is behind the host: every bucket's reduction is still held. Fences on the reduction's own streams pass
-    in the order they were recorded, so a sweep asks the oldest one only, not every held reduction (which would make
-    the host's work per step grow with the square of the buckets)."""
-    net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
-    rs = _cuda_replica_set(net, bucket_bytes=1)  # a bucket per tensor
-    caller = [cuda.default_stream(0), cuda.default_stream(1)]
-    cuda.fences_done = False
-    _step_and_backward(cuda, rs, torch.randn(4, 4), caller, caller)
-    assert len(rs.reducer.ledger) >= 12
-    cuda.log.clear()
-    rs.reducer.sweep()
-    assert [e[0] for e in cuda.log] == ["query"]
-    cuda.fences_done = True
-    rs.reducer.sweep()
-    assert len(rs.reducer.ledger) == 0
-
-
-def test_before_a_step_runs_again_the_reductions_in_flight_leave_their_memory(cuda):
-    """The out-of-memory rescue runs the step again at once: what the failed attempt's reductions still hold on the
-    late devices must be the allocator's again first, so the reducer waits for its devices and releases it."""
+def test_before_a_step_runs_again_the_reductions_in_flight_are_waited_for(cuda, monkeypatch):
+    """The out-of-memory rescue runs the step again at once: what the failed attempt's reductions still use on the
+    late devices must be the allocator's again first, so the reducer waits for its devices."""
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     rs = _cuda_replica_set(net, bucket_bytes=1)
     caller = [cuda.default_stream(0), cuda.default_stream(1)]
-    cuda.fences_done = False
+    _engine(cuda, monkeypatch, "canonical", caller)
+    cuda.late()
     _step_and_backward(cuda, rs, torch.randn(4, 4), caller, caller)
-    assert len(rs.reducer.ledger) > 0
+    pending = [s for s in (_rcuda.own_stream(0), _rcuda.own_stream(1)) if not s.query()]
+    assert len(pending) == 2
     cuda.log.clear()
     rs.reducer.settle()
-    assert len(rs.reducer.ledger) == 0 and {e[1] for e in cuda.log if e[0] == "device_sync"} == {0, 1}
+    assert {e[1] for e in cuda.log if e[0] == "device_sync"} == {0, 1} and all(s.query() for s in pending)
 
 
 def test_unsynced_sums_given_back_are_added_on_the_reductions_streams(cuda, monkeypatch):

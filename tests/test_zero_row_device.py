@@ -6,7 +6,7 @@ of its own (ncclCommInitAll: memory on every device, and seconds) in the middle 
 that lacks a device is such a list.
 
 Run on the recording fake of torch.cuda (tests/_fake_cuda.py, conftest's ``cuda3``: three devices) with the
-reduction's CUDA path (its own streams, its ledger), over host tensors; the columns each core call sums are what the
+reduction's CUDA path (its own streams, its stream-ordered releases), over host tensors; the columns each core call sums are what the
 core would hand NCCL. References: the bare model's gradients over the same rows.
 """
 

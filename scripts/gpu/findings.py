@@ -5,17 +5,18 @@ reference run in the same process (scripts/gpu_check.sh's memory-across-step, lo
   python findings.py lockstep   # replica 0's backward with no, one and every other replica slowed
   python findings.py exposed    # dp.report()'s exposed reduction against a timing taken with synchronize()
 
-memory: the reduction holds each bucket's inputs (every replica's gradients) and its sum until a sweep sees the
-fence behind its work pass. Sweeps run when a bucket starts, when a sum is delivered and at the next forward, and
-the host normally runs ahead of the GPU, so the last buckets' gradients may still be held while the optimizer
-allocates its state. Prints device 0's allocated bytes after backward, the peak across ``optimizer.step()`` (Adam,
-whose first step allocates its state) and the bytes after it, for the bare model, ``torch.nn.DataParallel`` and
-``fastdp.DataParallel`` with ``device_ids=[0] * replicas``, fastdp once more with the reduction waited for and swept
-before the step, and the bytes the reduction still holds.
+memory: the reduction's memory goes back to the caching allocator stream-ordered (each gradient it reads recorded as
+used by its device's reduction stream), so nothing of it should outlive backward: device 0 should hold what
+upstream holds when the optimizer allocates its state, although the host runs ahead of the GPU. Prints device 0's
+allocated bytes after backward, the peak across ``optimizer.step()`` (Adam, whose first step allocates its state)
+and the bytes after it, for the bare model, ``torch.nn.DataParallel`` and ``fastdp.DataParallel`` with
+``device_ids=[0] * replicas``, fastdp once more with the devices synchronised before the step (``Reducer.settle``),
+and the bytes only the reduction holds (a host ledger, on trees that still have one).
 
-lockstep: a bucket node runs on device 0's current stream, where replica 0's backward runs too; autograd makes that
-stream wait for every replica's gradients of the bucket (from torch 2.8 on across devices; on one device always), so
-replica 0's later kernels queue behind the slowest replica at each bucket. Each slowed replica sleeps on its own
+lockstep: autograd makes a node's canonical stream wait for every replica's gradients of the bucket (from torch 2.8
+on across devices; on one device always). The bucket node is made with the reduction's own stream current, so the
+waits should land there; were it replica 0's compute stream, replica 0's later kernels would queue behind the slowest
+replica at each bucket. Each slowed replica sleeps on its own
 stream (``torch.cuda._sleep``, no compute taken) before the backward of a layer of its own: if the waits add up (a
 sum of per-bucket maxima) replica 0's backward grows with the number of slowed replicas; if not, with the slowest
 one alone (one maximum). With one GPU the replicas after the first run their forward (and so their backward) on
@@ -182,7 +183,8 @@ def ledger_bytes(wrapped):
     if replica_set is None:
         return None
     seen = {}
-    for held in replica_set.reducer.ledger.held():
+    ledger = getattr(replica_set.reducer, "ledger", None)  # gone where the reduction frees stream-ordered
+    for held in ledger.held() if ledger is not None else ():
         _storages(held, seen)
     module = getattr(wrapped, "module", None)
     for p in module.parameters() if module is not None else ():
@@ -232,7 +234,7 @@ def _memory_steps(name, wrap, sweep, args, where):
                    backward_peak_mb=_mb(where.peak()), held_after_backward_mb=_mb(ledger_bytes(wrapped)))
         if sweep:  # what the held memory would be with the reduction waited for and released before the step
             where.sync()
-            wrapped._replica_set.reducer.sweep()
+            wrapped._replica_set.reducer.settle()
         where.reset_peak()
         opt.step()
         row.update(step_peak_mb=_mb(where.peak()), after_step_mb=_mb(where.allocated()),
@@ -256,10 +258,10 @@ def run_memory(args):
           f"{args.steps} steps (step 1 allocates Adam's state); torch {torch.__version__}")
     print("MB on device 0: model = allocated before the first forward (model and batch); after bwd / after step = "
           "allocated then; bwd peak, step peak = the high since the counter was reset just before backward, just "
-          "before optimizer.step(); held = what only fastdp's reduction still holds for its streams (its ledger, less "
-          "the .grad storages); "
+          "before optimizer.step(); held = what only fastdp's reduction still holds for its streams (a host ledger on "
+          "trees that have one, less the .grad storages; none where memory is freed stream-ordered); "
           "kept = the replicas' parameter buffers fastdp keeps between steps (upstream copies them each step). "
-          "'fastdp, swept' waits for the reduction and releases what it held before the step.")
+          "'fastdp, swept' synchronises the devices (Reducer.settle) before the step.")
     rows, failed = [], False
     for name, wrap, sweep in _memory_configs(where):
         try:

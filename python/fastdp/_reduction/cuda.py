@@ -1,11 +1,9 @@
 """Where a CUDA bucket's sum runs: on one stream of the reduction's own per device, ordered after the stream where
-autograd says the gradients are ready and before the stream that consumes the sum, with everything it reads or
-writes held in the reducer's ledger until a fence behind the work passes (NOTE [reduction streams])."""
+autograd says the gradients are ready and before the stream that consumes the sum; everything it reads or writes
+goes back to the caching allocator stream-ordered (NOTE [reduction streams])."""
 
-import collections
 import contextlib
 import re
-import threading
 
 import torch
 
@@ -13,24 +11,32 @@ from .._platform import streams as _streams
 from .jobs import Finished
 from . import sums
 
-__all__ = ["CudaStreams", "Ledger", "ordered", "own_stream", "ready_streams", "stream_rule"]
+__all__ = ["CudaStreams", "node_streams", "ordered", "own_stream", "ready_streams", "release_after", "stream_rule"]
 
 # NOTE [reduction streams]
 # On CUDA devices the reduction runs on one stream of its own per device (made once per process and device), so it
-# neither waits for compute enqueued after the gradients it sums nor holds up compute enqueued after it. Autograd
-# says where the bucket node's gradients are ready, and the rule changed in torch 2.8:
-# - torch 2.8 and newer: the node's canonical stream (its first device's, current while the node runs) has waited for
-#   every incoming gradient, whatever its device; so every reduction stream waits for that stream.
+# neither waits for compute enqueued after the gradients it sums nor holds up compute enqueued after it.
+# The bucket node is made with the reduction's stream of its first device current (node_streams), so that stream is
+# the node's canonical stream: the one autograd makes current while the node runs and, from torch 2.8, makes wait
+# for every incoming gradient. Made under the caller's stream, it was replica 0's compute stream that waited, at
+# every bucket, for the slowest device's gradients: replica 0's backward went in lock-step with the others.
+# Autograd says where the bucket node's gradients are ready, and the rule changed in torch 2.8:
+# - torch 2.8 and newer: the node's canonical stream (the first device's reduction stream) has waited for every
+#   incoming gradient, whatever its device; so every other reduction stream waits for it.
 # - before 2.8: gradients on the node's first device are ready on its canonical stream; a gradient on another
-#   device is ready on that device's default stream, where autograd also added several contributions to it. So the
-#   first device's reduction stream waits for the canonical stream, each other device's for its default stream.
+#   device is ready on that device's default stream, where autograd also added several contributions to it. So each
+#   other device's reduction stream waits for its default stream.
 # - a 2.8 build from before its release (its version string cannot tell which rule it has): both (stream_rule).
-# A started sum is written into a buffer allocated on the consumer's stream (its memory is the consumer's to reuse
-# once the sum is used); a sum handed over at once (no_sync, create_graph) is allocated by the reduction's streams
-# and recorded as used by the consumer's stream. The consumer's stream waits for the first device's reduction stream
-# before autograd uses a sum. Every tensor the reduction reads or writes is held until a fence behind its work on
-# every device has passed (swept at each reduction, delivery and forward; a failure part way included; each replica
-# set's reducer has a ledger of its own), so the caching allocator reuses no memory the reduction still reads.
+# Memory goes back to the caching allocator stream-ordered, never held by the host: each gradient the reduction's
+# streams read is recorded as used by its device's reduction stream (release_after), so when autograd drops it the
+# allocator hands its block out again only after that stream has read it, and on its out-of-memory path it can wait
+# for those streams and reclaim it. That is one record per gradient, as autograd's engine itself records each
+# gradient it hands to a node on another stream. A started sum is written into a buffer allocated on the consumer's
+# stream (its memory is the consumer's to reuse once the sum is used) and recorded as used by the first device's
+# reduction stream (a backward that fails drops it before the sum ran); a sum handed over at once (no_sync,
+# create_graph) is allocated by the reduction's streams and recorded as used by the consumer's stream. The
+# consumer's stream waits for the first device's reduction stream before autograd uses a sum. Once backward ends,
+# nothing of the reduction outlives its tensors: memory held past optimizer.step() is what upstream holds.
 def stream_rule(version):
     """Which stream autograd makes wait for a bucket node's gradients on its other devices, by torch's version:
     "canonical" (torch 2.8 and newer: the node's canonical stream), "default" (before: each device's default
@@ -83,35 +89,29 @@ def own_stream(device):
     return s
 
 
-class Ledger:
-    """Tensors one reducer's streams still use, each group released once its fence has passed. Every fence of a
-    reducer is recorded behind the same streams (its own, one per device), in the order the groups were held, so
-    they pass in that order: a sweep releases from the front and stops at the first fence still pending, one query
-    whatever the number of groups behind it."""
+def node_streams(devices):
+    """The context the bucket node is made in: the reduction's stream of its first CUDA device current there, so that
+    it is the node's canonical stream (NOTE [reduction streams]); nothing for emulated replicas."""
+    cuda = _streams.cuda_indices(devices)
+    return torch.cuda.stream(own_stream(cuda[0])) if cuda else contextlib.nullcontext()
 
-    def __init__(self):
-        self._held = collections.deque()
-        self._lock = threading.Lock()
 
-    def hold(self, fence, tensors):
-        with self._lock:
-            self._held.append((fence, tensors))
+def consumer_stream(devices):
+    """The stream of the first CUDA device current now (where the delivery node made now runs), or None."""
+    cuda = _streams.cuda_indices(devices)
+    return torch.cuda.current_stream(cuda[0]) if cuda else None
 
-    def sweep(self):
-        """Releases the tensors of reductions that have completed (called at each launch, delivery and forward)."""
-        if self._held:
-            with self._lock:
-                held = self._held
-                while held and held[0][0].done():
-                    held.popleft()
 
-    def __len__(self):
-        return len(self._held)
-
-    def held(self):
-        """The groups of tensors still held, oldest first (what a measurement of the reduction's memory reads)."""
-        with self._lock:
-            return [tensors for _, tensors in self._held]
+def release_after(own, devices, grads):
+    """Each of `grads` (replica-major: per replica its members, on the replica's device in `devices`) goes back to
+    the caching allocator, when autograd drops it, only after its device's reduction stream (`own`) has read it."""
+    k = len(grads) // len(devices)
+    for r, d in enumerate(devices):
+        s = own[d]
+        for g in grads[r * k : (r + 1) * k]:
+            if g is not None:
+                for t in (g._indices(), g._values()) if g.is_sparse else (g,):
+                    t.record_stream(s)
 
 
 def _no_handover(result):
@@ -119,11 +119,12 @@ def _no_handover(result):
 
 
 @contextlib.contextmanager
-def ordered(reducer, held):
-    """The reduction's work of one node whose result autograd takes at once (CUDA: on the reduction's own streams,
-    after the gradients are ready there, `held` (what it reads) kept alive until it completes; NOTE [reduction
-    streams]). Yields ``hand(result)``: the node's stream waits for the work, and the result's memory, which the
-    reduction's streams allocated, counts as used by that stream too."""
+def ordered(bucket, grads=None):
+    """The reduction's work for one bucket whose result autograd takes at once (CUDA: on the reduction's own
+    streams, after the gradients are ready there, the node's `grads` it reads released stream-ordered; NOTE
+    [reduction streams]). Yields ``hand(result)``: the consumer's stream (the delivery node's) waits for the work,
+    and the result's memory, which the reduction's streams allocated, counts as used by that stream too."""
+    reducer = bucket.reducer
     if reducer.host:
         yield _no_handover
         return
@@ -137,12 +138,11 @@ def ordered(reducer, held):
         handed.append(result)
         return result
 
-    try:
-        with _streams.entered(tuple(own.values())):
-            yield hand
-    finally:
-        reducer.ledger.hold(_streams.Fence(list(own.values())), held)  # a failure part way included
-    consumer = torch.cuda.current_stream(first)
+    if grads is not None:
+        release_after(own, reducer.devices, grads)
+    with _streams.entered(tuple(own.values())):
+        yield hand
+    consumer = bucket.consumer or torch.cuda.current_stream(first)
     _streams.Fence([own[first]]).wait(consumer)
     for result in handed:
         for t in result if isinstance(result, (tuple, list)) else (result,):
@@ -157,27 +157,23 @@ class CudaStreams:
         self.devices = list(_streams.cuda_indices(devices))
 
     def launch(self, bucket, grads, taken):
-        ledger = bucket.reducer.ledger
-        ledger.sweep()
         first = self.devices[0]
-        own = [own_stream(d) for d in self.devices]
-        # The consumer's memory, taken before the reduction's streams are ordered after the consumer's.
-        out = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.tdevs[0])
+        own = {d: own_stream(d) for d in self.devices}
+        # The consumer's memory, taken on its stream before the reduction's streams are ordered after the consumer's.
+        with torch.cuda.stream(bucket.consumer or torch.cuda.current_stream(first)):
+            out = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.tdevs[0])
+        out.record_stream(own[first])
         ready = ready_streams(self.devices)
-        _streams.order([(s, r) for d, s in zip(self.devices, own) for r in ready[d]])
+        _streams.order([(s, r) for d, s in own.items() for r in ready[d]])
+        release_after(own, bucket.reducer.devices, grads)
         recorder = bucket.reducer.recorder
-        try:
-            with _streams.entered(tuple(own)):
-                began = recorder.stamp(first) if recorder is not None else None  # on the first reduction stream
-                result = sums.bucket_sum(bucket, grads, taken, out)
-                if began is not None:  # device timings, read when the report is (no synchronisation here)
-                    recorder.record("reduce", None, began, recorder.stamp(first), bucket.numel * bucket.itemsize,
-                                    bucket=bucket.index)
-        finally:
-            # Held until the reduction's work on every device has passed (a failure part way included). Not the
-            # results: autograd takes a sum nothing else holds as .grad without copying it.
-            ledger.hold(_streams.Fence(own), (grads, taken, out))
-        return CudaJob(result, _streams.Fence([own[0]]), first)
+        with _streams.entered(tuple(own.values())):
+            began = recorder.stamp(first) if recorder is not None else None  # on the first reduction stream
+            result = sums.bucket_sum(bucket, grads, taken, out)
+            if began is not None:  # device timings, read when the report is (no synchronisation here)
+                recorder.record("reduce", None, began, recorder.stamp(first), bucket.numel * bucket.itemsize,
+                                bucket=bucket.index)
+        return CudaJob(result, _streams.Fence([own[first]]), first)
 
 
 class CudaJob(Finished):

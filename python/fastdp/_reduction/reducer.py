@@ -33,9 +33,11 @@ where each device's nodes run on their own thread, a sum delivered before anothe
 delivery node passes it on.
 
 On CUDA (NOTE [reduction streams]) every piece of the reduction's work runs on one stream of its own per device,
-which first waits for the stream where autograd guarantees the gradients are ready; the tensors it reads or writes
-are held until a fence behind that work reports it complete, so the caching allocator never hands their memory out
-while the reduction still uses it, and the consumer's stream waits for the fence before the sum is used.
+which first waits for the stream where autograd guarantees the gradients are ready; the bucket node is made with the
+first device's reduction stream current, so that autograd's own waits for the gradients land there and not on
+replica 0's compute stream. The tensors it reads or writes are recorded as used by its streams, so the caching
+allocator hands their memory out again only after that work (the host holds nothing), and the consumer's stream
+waits for a fence behind the work before the sum is used.
 """
 
 import operator
@@ -51,7 +53,7 @@ from torch.autograd import Function
 from .._platform import streams as _streams
 from .._step.functions import ReduceAddCoalesced
 from . import host as _host
-from .cuda import CudaStreams, Ledger, ordered
+from .cuda import CudaStreams, consumer_stream, node_streams, ordered
 from .flat import unflatten
 from .host import HOST_THREAD
 from .jobs import Finished, HostJob
@@ -71,11 +73,12 @@ LAST = 0
 class Reducer:
     """One replica set's gradient reduction. ``sync``: False inside ``no_sync()``; ``recorder``: the running step's
     recorder, or None (set together by ``begin_step``). What it owns: its buckets (weakly: the replica set keeps
-    them), where their sums run (``runner``), the tensors its CUDA streams still use (``ledger``), the sums the
+    them), where their sums run (``runner``), the sums the
     running backward started (``started``), and no_sync's bookkeeping (``nosync``, and each bucket's unsynced
-    sums), guarded by ``lock``: bucket nodes of nested backwards may run at once."""
+    sums), guarded by ``lock``: bucket nodes of nested backwards may run at once. Memory its CUDA streams use goes
+    back to the caching allocator stream-ordered (NOTE [reduction streams]): the host holds none of it."""
 
-    __slots__ = ("devices", "tdevs", "host", "nrep", "sync", "recorder", "buckets", "network", "runner", "ledger",
+    __slots__ = ("devices", "tdevs", "host", "nrep", "sync", "recorder", "buckets", "network", "runner",
                  "started", "nosync", "lock", "__weakref__")
 
     def __init__(self, devices, tdevs, network):
@@ -89,7 +92,6 @@ class Reducer:
         self.buckets = []
         self.network = weakref.ref(network)  # names parameters in errors
         self.runner = HOST_THREAD if self.host else CudaStreams(self.devices)
-        self.ledger = Ledger()
         self.started = None  # a weak reference to the sums the running backward started (_Backward)
         self.nosync = NoSync()
         self.lock = threading.Lock()
@@ -120,17 +122,13 @@ class Reducer:
                     held[r] += sum(g.numel() * g.element_size() for g in row or () if g is not None)
         return held
 
-    def sweep(self):
-        """Releases what completed reductions held (before a forward, so their memory is free for it)."""
-        self.ledger.sweep()
-
     def settle(self):
-        """Waits for the reductions in flight on CUDA devices and releases what they held: before a step runs again
-        after an out-of-memory error, the failed attempt's memory must be the allocator's again."""
-        if self.ledger:
+        """Waits for the reductions in flight on CUDA devices: before a step runs again after an out-of-memory
+        error, the memory the failed attempt's reductions still use (recorded on their streams) must be the
+        allocator's to hand out again."""
+        if not self.host:
             for d in _streams.cuda_indices(self.devices):
                 torch.cuda.synchronize(d)
-            self.ledger.sweep()
 
     def holds_unsynced(self):
         """Whether no_sync() sums are waiting for a synchronising backward."""
@@ -154,7 +152,7 @@ class Reducer:
 
     def _reduce_taken(self, bucket, taken):
         nones = (None,) * (len(bucket.members) * self.nrep)
-        with ordered(self, taken) as hand:
+        with ordered(bucket) as hand:
             out = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.tdevs[0])
             return hand(reduce_members(bucket, replica_rows(bucket, nones, taken), out))
 
@@ -163,7 +161,7 @@ class Reducer:
         next reduction reads them, on the reduction's own streams after the streams autograd names ready: the sums
         given back were written there, and the next sum reads them there, with nothing else to order."""
         if bucket.unsynced.returned:
-            with ordered(self, None):
+            with ordered(bucket):
                 bucket.unsynced.take_back(bucket, self.nosync)
 
     def _mark_grads(self):
@@ -203,7 +201,7 @@ class Bucket:
     reference to its delivery node."""
 
     __slots__ = ("reducer", "index", "members", "shapes", "sizes", "numel", "dtype", "itemsize", "like", "spec",
-                 "master", "pack", "tdevs", "host", "nrep", "unsynced", "delivery", "__weakref__")
+                 "master", "pack", "tdevs", "host", "nrep", "unsynced", "delivery", "consumer", "__weakref__")
 
     def __init__(self, reducer, layout):
         self.reducer = reducer
@@ -214,13 +212,18 @@ class Bucket:
         self.tdevs, self.host, self.nrep = reducer.tdevs, reducer.host, reducer.nrep
         self.unsynced = UnsyncedSums()
         self.delivery = None
+        self.consumer = None  # the delivery node's stream on CUDA devices, where the sum's memory is allocated
 
     def nodes(self, flats):
         """The bucket's two nodes over its master tensors and the other replicas' flat buffers (`flats`): the node
         outputs (every replica's tensors), with the sequence numbers NOTE [reduction while backward runs] gives
-        them."""
+        them. The bucket node's canonical stream is the reduction's own (NOTE [reduction streams]); the delivery
+        node's is the caller's: the sum's consumer."""
+        devices = self.reducer.devices
         aliases = Delivery.apply(self, *self.master)
-        outs = BucketNode.apply(self, flats, *aliases)
+        self.consumer = consumer_stream(devices)
+        with node_streams(devices):
+            outs = BucketNode.apply(self, flats, *aliases)
         _set_sequence_nr(aliases[0].grad_fn, LAST)
         _set_sequence_nr(outs[0].grad_fn, FIRST)
         self.delivery = weakref.ref(aliases[0].grad_fn)  # (the node holds the bucket: a strong reference would cycle)
@@ -285,7 +288,7 @@ def start(bucket, grads):
         return at_once
     if torch.is_grad_enabled():
         # create_graph=True: the differentiable sum, whose backward broadcasts again (double backward), at once.
-        with ordered(reducer, (grads, taken)) as hand:
+        with ordered(bucket, grads) as hand:
             rows = replica_rows(bucket, grads, taken)
             return hand(ReduceAddCoalesced.apply(reducer.devices[0], reducer.devices, len(bucket.members),
                                                  *(g for row in rows for g in row)))
@@ -308,7 +311,7 @@ def _settle_unsynced(bucket, grads):
         involved = not reducer.sync or sums.rows is not None or nosync.held
         accumulating = _accumulating(bucket) if involved else None
         if not reducer.sync and any(accumulating):
-            with ordered(reducer, grads) as hand:
+            with ordered(bucket, grads) as hand:
                 return hand(_accumulate(bucket, grads, accumulating)), None
         if reducer.sync and nosync.held and any(accumulating):
             nosync.flush_at_end(reducer.flush)
@@ -397,9 +400,7 @@ def deliver(bucket, grads):
     if ref is None:
         return grads
     job = ref()  # alive: its backward (this one) holds it until its end
-    reducer = bucket.reducer
-    reducer.ledger.sweep()
-    recorder = reducer.recorder
+    recorder = bucket.reducer.recorder
     if recorder is None or type(job) is not HostJob:  # only a host thread's sum can keep backward waiting here
         return job.take()
     began = time.perf_counter_ns()

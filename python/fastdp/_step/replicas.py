@@ -625,7 +625,6 @@ class ReplicaSet:
 
     def refresh(self):
         """Refreshes the kept replicas for one forward and returns their root modules."""
-        self.reducer.sweep()
         grad_enabled = torch.is_grad_enabled()
         skel = self._skeletons((grad_enabled, self.network.training))
         every = skel.undo_edits()

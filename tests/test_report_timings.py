@@ -224,3 +224,23 @@ def test_no_reference_cycles_with_the_report_on():
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_recording_leaves_the_kept_replicas_unedited(monkeypatch):
+    # The backward mark shadows a parameter for the forward; were it put in the replica's parameter dict, the kept
+    # replicas would take it for the forward's own edit and install every tensor again each step. The reference:
+    # the same steps with the report off, which edit nothing.
+    from fastdp._step import replicas as _replicas
+
+    edits = []
+    undo = _replicas._Skeletons.undo_edits
+    monkeypatch.setattr(_replicas._Skeletons, "undo_edits", lambda self: edits.append(undo(self)) or edits[-1])
+    seen = {}
+    for report in (False, True):
+        dp = fastdp.DataParallel(mlp(), device_ids=["cpu"] * 3, report=report)
+        train(dp, 1)  # the first step finds the replicas as built
+        edits.clear()
+        train(dp, 4, seed=2)
+        seen[report] = sum(edits)
+    assert seen == {False: 0, True: 0}
+    assert all(r.backward_ms > 0 for r in dp.report().replicas)

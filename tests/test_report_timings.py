@@ -244,3 +244,26 @@ def test_recording_leaves_the_kept_replicas_unedited(monkeypatch):
         seen[report] = sum(edits)
     assert seen == {False: 0, True: 0}
     assert all(r.backward_ms > 0 for r in dp.report().replicas)
+
+
+class _WeightProperty(torch.nn.Module):
+    """A layer whose class reads its weight through a property of that name: an attribute cannot shadow it."""
+
+    def __init__(self):
+        super().__init__()
+        self._parameters["weight"] = torch.nn.Parameter(torch.randn(3, 8, dtype=torch.float64))
+
+    @property
+    def weight(self):
+        return self._parameters["weight"]
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+def test_a_class_that_defines_the_parameters_name_still_shows_each_replicas_backward():
+    # Its parameter dict holds the mark then; the reference is the plain MLP, whose replicas all show a backward.
+    for model in (mlp(), _WeightProperty()):
+        dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, report=True)
+        train(dp, 3)
+        assert all(r.backward_ms is not None and r.backward_ms > 0 for r in dp.report().replicas)

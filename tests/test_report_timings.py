@@ -224,3 +224,46 @@ def test_no_reference_cycles_with_the_report_on():
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_recording_leaves_the_kept_replicas_unedited(monkeypatch):
+    # The backward mark shadows a parameter for the forward; were it put in the replica's parameter dict, the kept
+    # replicas would take it for the forward's own edit and install every tensor again each step. The reference:
+    # the same steps with the report off, which edit nothing.
+    from fastdp._step import replicas as _replicas
+
+    edits = []
+    undo = _replicas._Skeletons.undo_edits
+    monkeypatch.setattr(_replicas._Skeletons, "undo_edits", lambda self: edits.append(undo(self)) or edits[-1])
+    seen = {}
+    for report in (False, True):
+        dp = fastdp.DataParallel(mlp(), device_ids=["cpu"] * 3, report=report)
+        train(dp, 1)  # the first step finds the replicas as built
+        edits.clear()
+        train(dp, 4, seed=2)
+        seen[report] = sum(edits)
+    assert seen == {False: 0, True: 0}
+    assert all(r.backward_ms > 0 for r in dp.report().replicas)
+
+
+class _WeightProperty(torch.nn.Module):
+    """A layer whose class reads its weight through a property of that name: an attribute cannot shadow it."""
+
+    def __init__(self):
+        super().__init__()
+        self._parameters["weight"] = torch.nn.Parameter(torch.randn(3, 8, dtype=torch.float64))
+
+    @property
+    def weight(self):
+        return self._parameters["weight"]
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+def test_a_class_that_defines_the_parameters_name_still_shows_each_replicas_backward():
+    # Its parameter dict holds the mark then; the reference is the plain MLP, whose replicas all show a backward.
+    for model in (mlp(), _WeightProperty()):
+        dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, report=True)
+        train(dp, 3)
+        assert all(r.backward_ms is not None and r.backward_ms > 0 for r in dp.report().replicas)

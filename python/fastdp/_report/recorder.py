@@ -380,6 +380,8 @@ class ReplicaSite:
     def __call__(self, index, module, args, kwargs, device):
         position = self.positions[index]
         inject = self.inject
+        if inject is None and self.recorder is not None:  # a recording step without a test's injection
+            return self._timed(position, module, args, kwargs, device)
         with contextlib.nullcontext() if inject is None else inject.forward(position, args, kwargs):
             if self.recorder is None:
                 out = module(*args, **kwargs)
@@ -403,7 +405,11 @@ class ReplicaSite:
                 out = module(*args, **kwargs)
         finally:
             if marked is not None:
-                marked[0]._parameters[marked[1]] = marked[2]
+                where, key, param = marked
+                if param is None:
+                    del where[key]  # the shadowing view: the parameter shows through again
+                else:
+                    where[key] = param
         end = rec.stamp(device)
         wall_ns = _now() - wall
         if threads:
@@ -437,14 +443,22 @@ class ReplicaSite:
     def _mark_end(self, position, device, module):
         """Backward ends for a replica when its first trainable parameter (registration order) has its
         gradient: in a network that uses its layers in the order it registers them, the last its backward
-        computes. For this forward that parameter is replaced, in its module, by a view of itself: autograd runs the
+        computes. For this forward that parameter is shadowed, in its module, by a view of itself: autograd runs the
         view's node once the parameter's gradient is complete (every use of it in this forward), and a post-hook
-        on that node records ("backward", position). The gradient passes unchanged; the forward's end puts the
-        parameter back. Returns (module, name, parameter) to put back, or None."""
+        on that node records ("backward", position). The gradient passes unchanged; the forward's end removes the
+        view again. Returns (the dict the view is in, its key, the parameter to put back or None to remove the view), or
+        None.
+
+        The view goes into the module's ``__dict__``, which attribute reads consult before the parameter dict, and
+        not into ``_parameters``: the kept replicas take a changed parameter dict for the forward's own edit and
+        install every tensor again in the next step (NOTE [a forward's own edits] in fastdp/_step/replicas.py),
+        while a changed ``__dict__`` that still holds the same owned dicts only has its plain attributes refilled.
+        A class that defines the attribute itself (a property) would not read the ``__dict__``: its parameter
+        dict takes the view then."""
         found = _first_parameter(module, self.recorder.owners)
         if found is None:
             return None
-        owner, name = found
+        owner, name, shadows = found
         param = owner._parameters.get(name)
         if param is None or not param.requires_grad:
             return None
@@ -454,8 +468,11 @@ class ReplicaSite:
             self.ended(position, device)
 
         marked.grad_fn.register_hook(ended)
+        if shadows:
+            owner.__dict__[name] = marked
+            return owner.__dict__, name, None
         owner._parameters[name] = marked
-        return owner, name, param
+        return owner._parameters, name, param
 
     def ended(self, position, device):
         step = self.step
@@ -487,8 +504,11 @@ def _find_first_parameter(module):
     for name, p in module.named_parameters():
         if p.requires_grad:
             path, _, leaf = name.rpartition(".")
-            return module.get_submodule(path) if path else module, leaf
+            owner = module.get_submodule(path) if path else module
+            # An instance attribute shadows a parameter unless the class itself defines the name.
+            return owner, leaf, not hasattr(type(owner), leaf)
     return None
+
 
 
 def _profiling():

@@ -56,7 +56,8 @@ def main(argv=None):
     p.add_argument("--replicas", type=int, default=4, help="emulated 'cpu' replicas")
     p.add_argument("--steps", type=int, default=5, help="timed training steps per mode and round (the fastest counts)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after each switch")
-    p.add_argument("--rounds", type=int, default=30, help="interleaved rounds; their 10th percentile is reported")
+    p.add_argument("--rounds", type=int, default=30,
+                   help="interleaved rounds (their paired on/off ratios give the median and its 95%% interval)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--out", default="bench-out", help="folder for report_cost.csv")
     sub.add_parser("growth", help="host cost per step against tensors, buckets and replicas, against another "

@@ -21,13 +21,29 @@ def bucket_sum(bucket, grads, taken, out):
     `out` (a flat buffer of the bucket on device_ids[0]) or a new one."""
     if out is None:
         out = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.tdevs[0])
-    if bucket.host and taken is None and _C.reduce_rows(grads, len(bucket.members), out):
+    if bucket.host and taken is None and _summed_by_plan(bucket, grads, out):
         return tuple(result_views(out, bucket))  # each member summed in place, nothing packed
     if _packable(bucket, grads, taken):
         result = _reduce_packed(bucket, grads, taken, out)
         if result is not None:
             return result
     return reduce_members(bucket, replica_rows(bucket, grads, taken), out)
+
+
+def _summed_by_plan(bucket, grads, out):
+    """The host replicas' sums through the bucket's prepared sum (its members' shapes, dtype and offsets checked
+    once, when the first sum runs): per step only each gradient's data pointer is taken, after a check that it is
+    still a dense host tensor shaped and typed as its member. False, with nothing written, where one is not (a
+    gradient of other strides, dtype or shape; a missing one) or the bucket's dtype has no host sum: the other
+    paths then sum, with their own checks and errors."""
+    plan = bucket.rows
+    if plan is None:
+        try:
+            plan = _C.PreparedSum(bucket.master, bucket.nrep)
+        except (TypeError, ValueError):  # a dtype the host sum lacks (complex), a tensor it cannot describe
+            plan = False
+        bucket.rows = plan
+    return plan is not False and plan.run(grads, out)
 
 
 def _packable(bucket, grads, taken):

@@ -144,22 +144,10 @@ static PyObject *rows_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   return (PyObject *)self;
 }
 
-/* The data pointers of `items` into ptrs when each is a plain tensor the shim reads that fits its member of the
- * plan: 0; 1 when one does not (the caller's general path sums them); -1 with an error set. */
-static int rows_inputs(module_state *st, rows_object *self, PyObject *items, char **ptrs) {
-  Py_ssize_t n = PyTuple_GET_SIZE(items);
-  fdp_tensor_t *ts = fdp_scratch_alloc((size_t)n * sizeof *ts);
-  if (!ts) {
-    PyErr_NoMemory();
-    return -1;
-  }
-  int rc = fdp__aoti_try_describe(st, items, ts);
-  for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
-    if (!fdp_rows_member_fits(self->plan, (int)(i % self->k), &ts[i])) rc = 1;
-    ptrs[i] = ts[i].data;
-  }
-  fdp_scratch_free(ts);
-  return rc;
+/* Whether a step's tensor may stand for item i's member of the plan `ctx` (fdp__aoti_data's question). */
+static int rows_fits(const void *ctx, Py_ssize_t i, const fdp_tensor_t *t) {
+  const rows_object *self = ctx;
+  return fdp_rows_member_fits(self->plan, (int)(i % self->k), t);
 }
 
 /* run(grads, out) -> bool: member j's sum over the replicas into `out` at its offset, `grads` replica-major (k per
@@ -183,7 +171,7 @@ static PyObject *rows_run(PyObject *op, PyObject *args) {
   } else if (!(ptrs = fdp_scratch_alloc((size_t)n * sizeof *ptrs))) {
     PyErr_NoMemory();
   } else {
-    int rc = rows_inputs(st, self, items, ptrs);
+    int rc = fdp__aoti_data(st, items, rows_fits, self, ptrs);
     if (rc == 1) {
       ret = Py_NewRef(Py_False);
     } else if (rc == 0) {

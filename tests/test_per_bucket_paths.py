@@ -222,3 +222,43 @@ def test_a_plan_refuses_bad_arguments_with_clear_errors():
         _C.PreparedSum([torch.zeros(2, dtype=torch.complex64)], 2)
     with pytest.raises(ValueError, match="output"):
         _C.PreparedSum([torch.zeros(2)], 2).run([torch.ones(2)] * 2, torch.zeros(1))
+
+
+def _tree():
+    """Nested modules with a shared child, an empty parameter slot and buffers at every depth."""
+    shared = nn.Linear(2, 2)
+    inner = nn.Sequential(shared, nn.BatchNorm1d(2), shared)
+    root = nn.Sequential(nn.Linear(3, 2), inner, nn.Sequential(nn.Sequential(inner)), nn.Linear(2, 2, bias=False))
+    root[3].register_parameter("bias", None)
+    return root
+
+
+def _off_device(root, where):
+    """Puts one tensor of `root` on the meta device, at the slot `where` names."""
+    if where == "deep buffer":
+        root[1][1].register_buffer("running_var", torch.ones(2, device="meta"))
+    elif where == "shared parameter":
+        root[1][0].weight = nn.Parameter(torch.empty(2, 2, device="meta"))
+    elif where == "root parameter":
+        root[0].bias = nn.Parameter(torch.empty(2, device="meta"))
+    elif where == "last child":
+        root[3].weight = nn.Parameter(torch.empty(2, 2, device="meta"))
+
+
+@pytest.mark.parametrize("where", ["nowhere", "deep buffer", "shared parameter", "root parameter", "last child"])
+def test_the_device_walk_agrees_with_upstreams(where):
+    """_C.on_device answers what upstream's walk over parameters() and buffers() answers, and the forward raises
+    upstream's error, naming the device, from the same checks."""
+    root = _tree()
+    _off_device(root, where)
+    cpu = torch.device("cpu")
+    want = all(t.device == cpu for t in list(root.parameters()) + list(root.buffers()))
+    assert _C.on_device(root, cpu, True) is want
+    assert _C.on_device(root, cpu, False) is want  # through each tensor's device object
+    assert _C.on_device(root, torch.device("meta"), False) is False
+    dp = fastdp.DataParallel(root, device_ids=["cpu"] * 2)
+    if want:
+        dp.eval()(torch.randn(4, 3))
+    else:
+        with pytest.raises(RuntimeError, match="^" + re.escape(MODULE_DEVICE.format("cpu", "meta")) + "$"):
+            dp(torch.randn(4, 3))

@@ -227,7 +227,7 @@ class DataParallel(_upstream.UPSTREAM):
 
     def _over_devices(self, module, inputs, kwargs, loss, avoided_gather_bytes=None):
         """The forward over ``device_ids``: upstream's check that the module is on device_ids[0], then one step."""
-        _checks.module_on_device(module, self.src_device_obj, self._replica_set)
+        _checks.check_module_device(module, self.src_device_obj)
         if (loss is None and len(self.device_ids) == 1 and type(self).scatter is DataParallel.scatter
                 and _checks.inputs_on_device(inputs, kwargs, self.src_device_obj)):
             # The short path: one device and every input already there. Scattering would only wrap each

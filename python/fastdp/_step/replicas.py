@@ -356,16 +356,6 @@ def _slots(modules, replicas, tensors):
     return containers, keys, refs
 
 
-def _home(signature):
-    """The one device every tensor of a structure signature (walk's: tensor entries carry the device fifth) is on,
-    or None where they are on several, or there are none."""
-    devices = {e[4] for e in signature if len(e) == _TENSOR_ENTRY}
-    return devices.pop() if len(devices) == 1 else None
-
-
-_TENSOR_ENTRY = 9  # the length of a tensor slot's entry in walk's signature (csrc/python/structure.c, ENTRY_LEN)
-
-
 def _layout(state, params, buffers, bucket_bytes):
     """(grad buckets, frozen-parameter buckets, buffer buckets) over params + buffers: the parameters and buffers
     that require grad, the other parameters, the other buffers (each replica's buffers on storage of their own)."""
@@ -522,7 +512,6 @@ class ReplicaSet:
         self.positions = positions  # the device_ids positions of `devices` (None: devices a caller named)
         self.bucket_bytes = bucket_bytes
         self.modules, self.signature = walk(network)
-        self.home = _home(self.signature)
         self.nrep = len(devices)
         # Every distinct parameter, then every distinct buffer: the tensors refreshed each step.
         self.params = list(network.parameters())
@@ -606,16 +595,9 @@ class ReplicaSet:
         found = _C.matches(self.modules, self.signature)
         if found == 2:
             self.modules, self.signature = walk(network)
-            self.home = _home(self.signature)
             self.kept = self.frozen_aliases = None
             self.state.generation += 1
         return found != 0
-
-    def on_device(self, network, device):
-        """Whether every parameter and buffer of `network` is known to be on `device` without reading them one by
-        one: the structure check (which compares each tensor's identity and device with the signature) finds them
-        as they were when the signature was taken, all on `device` then."""
-        return network is self.network and self.home == device and _C.matches(self.modules, self.signature) != 0
 
     def held_bytes(self):
         """What the kept replicas hold, per device_ids position: {position: (replica buffers, staging, no_sync's

@@ -12,7 +12,7 @@ from .. import _C
 from .._platform import devices as _devices
 
 __all__ = ["IMBALANCE_WARNING", "check_balance", "require_module", "whole_on", "resolve", "inputs_on_device",
-           "check_module_device", "module_on_device"]
+           "check_module_device"]
 
 _HOST = torch.device("cpu")
 
@@ -121,16 +121,6 @@ def inputs_on_device(inputs, kwargs, device):
         elif not _on_device(o, device):
             return False
     return not kwargs or _on_device(kwargs, device)
-
-
-def module_on_device(module, src_device_obj, kept):
-    """Upstream's per-forward check that every parameter and buffer is on device_ids[0], without reading them one
-    by one where the kept replicas of `module` (`kept`, or None) know it: their structure check compares every
-    tensor's identity and device with what they were built from, all on device_ids[0], in one C call that the
-    replicas would make anyway. Anything else (no kept replicas, a changed structure, a tensor on another device)
-    takes upstream's walk, which raises upstream's error."""
-    if kept is None or not kept.on_device(module, src_device_obj):
-        check_module_device(module, src_device_obj)
 
 
 def check_module_device(module, src_device_obj):

@@ -261,3 +261,19 @@ def test_the_device_walk_agrees_with_upstreams(where):
     else:
         with pytest.raises(RuntimeError, match="^" + re.escape(MODULE_DEVICE.format("cpu", "meta")) + "$"):
             dp(torch.randn(4, 3))
+
+
+@pytest.mark.parametrize("master", ["sparse", "complex"])
+def test_a_bucket_the_plan_cannot_describe_is_summed_by_the_general_path(master):
+    """Members the plan cannot be made for (a tensor torch will not give a data pointer for, a dtype the host sum
+    lacks) leave the bucket without a plan, and every sum takes the general path, to the same values."""
+    _, bucket, grads = _bucket_and_grads()
+    bucket.rows = None
+    if master == "sparse":
+        bucket.master = [torch.zeros(shape).to_sparse() for shape in bucket.shapes]
+    else:
+        bucket.master = [torch.zeros(shape, dtype=torch.complex64) for shape in bucket.shapes]
+    result = _sums.bucket_sum(bucket, grads, None, None)
+    assert bucket.rows is False
+    for got, want in zip(result, _reference(bucket, grads)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

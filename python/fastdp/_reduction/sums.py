@@ -40,8 +40,8 @@ def _summed_by_plan(bucket, grads, out):
     if plan is None:
         try:
             plan = _C.PreparedSum(bucket.master, bucket.nrep)
-        except (TypeError, ValueError):  # a dtype the host sum lacks (complex), a tensor it cannot describe
-            plan = False
+        except (TypeError, ValueError, RuntimeError):  # a dtype the host sum lacks (complex), a tensor it cannot
+            plan = False  # describe (torch refuses a sparse tensor's data pointer): the general path sums them all
         bucket.rows = plan
     return plan is not False and plan.run(grads, out)
 

@@ -180,6 +180,21 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
 int fdp_reduce_rows_fit(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out);
 fdp_result_t fdp_op_reduce_rows(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out);
 
+/* The same sums prepared once per bucket (a bucket's members keep their shapes and dtype from step to step):
+ * fdp_rows_prepare checks the k members' descriptors (host, one summable dtype; their data and strides are not
+ * read) and lays them out back to back; fdp_rows_member_fits says whether a step's tensor `t` may stand for member j
+ * (host, the member's dtype and shape, contiguous); fdp_rows_run then takes only the data pointers, inputs[q * k + j]
+ * for replica q's member j (k * nrep of them, each of a tensor the caller found fitting), and writes member j's sum
+ * over the replicas, in replica order, into the 1-D contiguous host tensor `out` at its offset (fdp_rows_numel
+ * elements in all). An input that overlaps the output is refused (FDP_INVALID). Runs on the calling thread. On
+ * success *out is the caller's, released with fdp_rows_plan_free. */
+typedef struct fdp_rows_plan fdp_rows_plan_t;
+fdp_result_t fdp_rows_prepare(const fdp_tensor_t *members, int k, int nrep, fdp_rows_plan_t **out);
+int fdp_rows_member_fits(const fdp_rows_plan_t *plan, int j, const fdp_tensor_t *t);
+fdp_result_t fdp_rows_run(const fdp_rows_plan_t *plan, char *const *inputs, const fdp_tensor_t *out);
+int64_t fdp_rows_numel(const fdp_rows_plan_t *plan);
+void fdp_rows_plan_free(fdp_rows_plan_t *plan);
+
 /* outs[i] = src narrowed along dim to the i-th chunk, chunk i holding sizes[i] elements along dim. An output
  * that already is that view (same address and strides) is skipped. */
 fdp_result_t fdp_op_scatter(const fdp_tensor_t *src, int dim, const int64_t *chunk_sizes, const fdp_tensor_t *outs,

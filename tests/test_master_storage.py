@@ -505,27 +505,31 @@ def test_replicate_is_one_prepared_copy_per_step(monkeypatch):
 @pytest.mark.parametrize("zero", ["set_to_none", "zeros", "accumulate"])
 def test_reduction_is_one_flat_sum_per_bucket(monkeypatch, zero, path):
     """Each bucket's replica gradients are summed in one call into one flat result: member by member straight from
-    the R x k gradients (reduce_rows) where tensors are read through the C shim, else as R packed flat tensors;
-    .grad matches the bare module's whether the optimizer drops gradients, zeroes them in place or lets them
+    the R x k gradients (the bucket's prepared sum) where tensors are read through the C shim, else as R packed flat
+    tensors; .grad matches the bare module's whether the optimizer drops gradients, zeroes them in place or lets them
     accumulate."""
     if path == "aoti" and not _core.tensor_shim_usable():
         pytest.skip("this torch has no usable C shim")
     previous = _C.set_tensor_path(path)
     calls = []
-    real_columns, real_rows = _sums.reduce_columns, _C.reduce_rows
+    real_columns, real_rows = _sums.reduce_columns, _C.PreparedSum
 
     def spy_columns(columns, outs):
         calls.append(("packed", len(columns), [t.numel() for t in columns[0]], outs[0].numel()))
         return real_columns(columns, outs)
 
-    def spy_rows(grads, k, out):
-        done = real_rows(grads, k, out)
-        if done:
-            calls.append(("rows", len(grads) // k, k, out.numel()))
-        return done
+    class SpyRows:  # the bucket's prepared sum (its members' shapes read once)
+        def __init__(self, members, nrep):
+            self.plan, self.k = real_rows(members, nrep), len(members)
+
+        def run(self, grads, out):
+            done = self.plan.run(grads, out)
+            if done:
+                calls.append(("rows", len(grads) // self.k, self.k, out.numel()))
+            return done
 
     monkeypatch.setattr(_sums, "reduce_columns", spy_columns)
-    monkeypatch.setattr(_C, "reduce_rows", spy_rows)
+    monkeypatch.setattr(_C, "PreparedSum", SpyRows)
     try:
         model, ref = mlp(), mlp()
         dp = fastdp.DataParallel(model, device_ids=["cpu"] * R, bucket_cap_mb=0.0005)

@@ -206,19 +206,24 @@ def test_reduce_rows_rejects_a_non_sequence(aoti):
         _C.reduce_rows(3, 1, torch.zeros(2))
 
 
-def test_training_on_host_replicas_takes_reduce_rows(monkeypatch):
-    """The gradient reduction of emulated replicas runs through reduce_rows where the shim is in use, and the
-    result matches the bare model's gradients."""
+def test_training_on_host_replicas_takes_the_prepared_sum(monkeypatch):
+    """The gradient reduction of emulated replicas runs through each bucket's prepared sum where the shim is in use
+    (its members' shapes read once, each gradient's data pointer per step), and the result matches the bare
+    model's gradients."""
     if _C.tensor_path()[0] != "aoti":
         pytest.skip("the shim path is not in use here")
     calls = []
-    real = _C.reduce_rows
+    real = _C.PreparedSum
 
-    def spy(grads, k, out):
-        calls.append(real(grads, k, out))
-        return calls[-1]
+    class Spy:
+        def __init__(self, members, nrep):
+            self.plan = real(members, nrep)
 
-    monkeypatch.setattr(_C, "reduce_rows", spy)
+        def run(self, grads, out):
+            calls.append(self.plan.run(grads, out))
+            return calls[-1]
+
+    monkeypatch.setattr(_C, "PreparedSum", Spy)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
     ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()

@@ -301,6 +301,29 @@ int fdp__aoti_try_describe(module_state *st, PyObject *items, fdp_tensor_t *ts) 
   return rc;
 }
 
+int fdp__aoti_data(module_state *st, PyObject *items, fdp__fits_fn fits, const void *ctx, char **ptrs) {
+  if (g_path != FDP_TENSOR_PATH_AOTI || !plain_tensors(st, items)) return 1;
+  PyObject *handles = PyObject_CallOneArg(st->to_handles, items);
+  if (!handles) return -1;
+  if (!PyList_Check(handles) || PyList_GET_SIZE(handles) != PyTuple_GET_SIZE(items)) {
+    Py_DECREF(handles);
+    PyErr_SetString(PyExc_RuntimeError, "torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors returned no handle list; "
+                                        "set FASTDP_TENSOR_PATH=python");
+    return -1;
+  }
+  int rc = 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
+    fdp_aten_handle_t h = handle_of(PyList_GET_ITEM(handles, i));
+    fdp_tensor_t t; /* one descriptor at a time: only the pointer is kept */
+    int32_t code;
+    if (rc == 0 && (!h || from_handle(h, &t, &code) || !fits(ctx, i, &t))) rc = 1;
+    if (rc == 0) ptrs[i] = t.data;
+    if (h) shim.delete_tensor(h); /* every handle, also after a misfit */
+  }
+  Py_DECREF(handles);
+  return rc;
+}
+
 int fdp__aoti_facts(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes) {
   if (g_path != FDP_TENSOR_PATH_AOTI) return 1;
   return read_handles(st, items, ts, codes);

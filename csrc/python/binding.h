@@ -151,6 +151,12 @@ int fdp__aoti_try_describe(module_state *st, PyObject *items, fdp_tensor_t *ts);
  * dtype code (c10::ScalarType) into codes[i], -1 where the shim cannot read it as plain strided CPU/CUDA memory.
  * 0 done, 1 nothing done (the Python path is in use, or an item is of another type), -1 with an error set. */
 int fdp__aoti_facts(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes);
+/* Whether descriptor `t` of item i is what the caller expects (fdp__aoti_data). */
+typedef int (*fdp__fits_fn)(const void *ctx, Py_ssize_t i, const fdp_tensor_t *t);
+/* The data pointer of every item of the tuple `items` into ptrs, each tensor read through the shim one descriptor at
+ * a time and handed to `fits` (nothing of it is kept but the pointer): 0 when every item is a plain strided CPU/CUDA
+ * tensor that fits; 1 (nothing raised) when one is not, or the shim path is not in use; -1 with an error set. */
+int fdp__aoti_data(module_state *st, PyObject *items, fdp__fits_fn fits, const void *ctx, char **ptrs);
 /* Handles of the tensors of the tuple `items` (exact torch.Tensor / Parameter objects) kept past this call, so that
  * the same tensors are read again later with no conversion (fdp__aoti_read): a handle holds its tensor's TensorImpl,
  * whose storage, sizes and strides it reads as they are then. 0 done, 1 nothing done (the Python path is in use, or

@@ -466,8 +466,100 @@ static PyObject *py_matches(PyObject *module, PyObject *args) {
   return PyLong_FromLong(eq == 1 && mt.at == PyList_GET_SIZE(sig) ? 1 + mt.moved : 0);
 }
 
+/* ---- upstream's device check: every parameter and buffer on device_ids[0], without the interpreter's loop ---- */
+
+typedef struct {
+  PyObject *name[N_COUNT];
+  PyObject *is_cpu;        /* the attribute read on the host (a flag, no device object made) */
+  PyObject *device;        /* the device compared elsewhere */
+  PyObject *todo, *seen;   /* the modules after the root in walk order; their ids and the root's (made when the
+                              root has a child) */
+  PyObject *root;          /* id(root) */
+} device_walk_t;
+
+/* 1 when slot value t (None counts as there) is on the walk's device, 0 when not, -1 on error. */
+static int slot_on_device(device_walk_t *w, PyObject *t) {
+  if (t == Py_None) return 1;
+  PyObject *v = PyObject_GetAttr(t, w->is_cpu ? w->is_cpu : w->name[N_DEVICE]);
+  int on = !v ? -1 : w->is_cpu ? PyObject_IsTrue(v) : same(v, w->device);
+  Py_XDECREF(v);
+  return on;
+}
+
+/* Whether every tensor slot of `d` is on the device: 1, 0 or -1 (error). */
+static int slots_on_device(device_walk_t *w, PyObject *d) {
+  Py_ssize_t pos = 0;
+  PyObject *key, *t;
+  int more, on = 1;
+  while (on == 1 && (more = next_item(d, &pos, &key, &t)) == 1) {
+    Py_INCREF(t);
+    on = slot_on_device(w, t);
+    Py_DECREF(t);
+  }
+  return on == 1 ? (more < 0 ? -1 : 1) : on;
+}
+
+/* Queues the children of `d` not seen before; -1 on error. */
+static int queue_children(device_walk_t *w, PyObject *d) {
+  Py_ssize_t pos = 0;
+  PyObject *key, *c;
+  int more;
+  while ((more = next_item(d, &pos, &key, &c)) == 1) {
+    if (c == Py_None) continue;
+    if (!w->todo && (!(w->todo = PyList_New(0)) || !(w->seen = PySet_New(NULL)) || PySet_Add(w->seen, w->root) < 0))
+      return -1;
+    PyObject *id = PyLong_FromVoidPtr(c);
+    int seen = id ? PySet_Contains(w->seen, id) : -1;
+    if (seen == 0 && (PySet_Add(w->seen, id) < 0 || PyList_Append(w->todo, c) < 0)) seen = -1;
+    Py_XDECREF(id);
+    if (seen < 0) return -1;
+  }
+  return more;
+}
+
+/* One module's slots on the device (1, 0, -1), its children queued. */
+static int module_on_device(device_walk_t *w, PyObject *m) {
+  PyObject *d[3];
+  Py_ssize_t np, nb;
+  if (module_dicts(w->name, m, d, &np, &nb) < 0) return -1;
+  int on = slots_on_device(w, d[0]);
+  if (on == 1) on = slots_on_device(w, d[1]);
+  if (on == 1 && queue_children(w, d[2]) < 0) on = -1;
+  for (int i = 0; i < 3; i++)
+    Py_DECREF(d[i]);
+  return on;
+}
+
+/* on_device(root, device, host) -> bool: whether every parameter and buffer of every distinct module under root
+ * is on `device` (`host`: read as each tensor's is_cpu flag). False also where a slot cannot be read (an error is
+ * dropped): the caller's upstream-ordered walk then names the tensor, or raises what reading it raises. */
+static PyObject *py_on_device(PyObject *module, PyObject *args) {
+  (void)module;
+  PyObject *root, *device;
+  int host;
+  if (!PyArg_ParseTuple(args, "OOp:on_device", &root, &device, &host)) return NULL;
+  /* The names are interned once for the life of the process: a forward asks this every time. */
+  static PyObject *names[N_COUNT], *is_cpu;
+  if (!is_cpu && (intern_names(names) < 0 || !(is_cpu = PyUnicode_InternFromString("is_cpu")))) return NULL;
+  device_walk_t w = {{NULL}, host ? is_cpu : NULL, device, NULL, NULL, PyLong_FromVoidPtr(root)};
+  memcpy(w.name, names, sizeof names);
+  int on = w.root ? module_on_device(&w, root) : -1;
+  for (Py_ssize_t i = 0; on == 1 && w.todo && i < PyList_GET_SIZE(w.todo); i++) /* grows while walked */
+    on = module_on_device(&w, PyList_GET_ITEM(w.todo, i));
+  Py_XDECREF(w.todo);
+  Py_XDECREF(w.seen);
+  Py_XDECREF(w.root);
+  if (on < 0) {
+    if (PyErr_ExceptionMatches(PyExc_MemoryError)) return NULL;
+    fdp__drop_error(); /* NOTE [no lost interrupt] in binding.h */
+  }
+  return PyBool_FromLong(on == 1);
+}
+
 PyMethodDef fdp__structure_methods[] = {
     {"walk", py_walk, METH_O, "walk(root) -> (modules, structure signature)"},
+    {"on_device", py_on_device, METH_VARARGS,
+     "on_device(root, device, host) -> bool: every parameter and buffer under root on device"},
     {"matches", py_matches, METH_VARARGS,
      "matches(modules, signature) -> 0 (the structure differs), 1 (equal), 2 (only some tensor's memory moved)"},
     {NULL, NULL, 0, NULL},

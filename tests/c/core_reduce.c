@@ -435,6 +435,83 @@ void test_reduce_rows(void) {
   }
 }
 
+/* fdp_rows_prepare / fdp_rows_run against sums written out here: the plan of 3 replicas of 2 members (a 2 x 3 matrix
+ * and a 4-vector) takes only data pointers and writes each member's sum at its offset; fdp_rows_member_fits refuses
+ * a step's tensor of another shape, dtype or strides, or off the host; and the run refuses an output that does not
+ * fit and an input that overlaps it, with nothing written. */
+void test_rows_plan(void) {
+  enum { K = 2, R = 3, M0 = 6, M1 = 4 };
+  double g[R][M0 + M1], out[M0 + M1 + 2];
+  static const int64_t mat[] = {2, 3};
+  fdp_tensor_t members[K] = {make_contig(NULL, FDP_DTYPE_F64, 8, 2, mat), make_flat(NULL, FDP_DTYPE_F64, 8, M1)};
+  fdp_rows_plan_t *plan = NULL;
+  EXPECT(fdp_rows_prepare(members, K, R, &plan), FDP_OK);
+  CHECK(plan && fdp_rows_numel(plan) == M0 + M1);
+  char *ptrs[R * K];
+  for (int q = 0; q < R; q++) {
+    for (int e = 0; e < M0 + M1; e++)
+      g[q][e] = (q + 1) * 0.5 + e * 0.25;
+    fdp_tensor_t t0 = make_contig(g[q], FDP_DTYPE_F64, 8, 2, mat), t1 = make_flat(g[q] + M0, FDP_DTYPE_F64, 8, M1);
+    CHECK(fdp_rows_member_fits(plan, 0, &t0) && fdp_rows_member_fits(plan, 1, &t1));
+    ptrs[q * K] = t0.data;
+    ptrs[q * K + 1] = t1.data;
+  }
+  for (int e = 0; e < M0 + M1 + 2; e++)
+    out[e] = -1.0;
+  fdp_tensor_t o = make_flat(out, FDP_DTYPE_F64, 8, M0 + M1 + 2);
+  EXPECT(fdp_rows_run(plan, ptrs, &o), FDP_OK);
+  for (int e = 0; e < M0 + M1; e++)
+    CHECKF(out[e] == (g[0][e] + g[1][e]) + g[2][e], "element %d: %g", e, out[e]);
+  CHECK(out[M0 + M1] == -1.0 && out[M0 + M1 + 1] == -1.0);
+  /* Tensors that may not stand for member 0: another shape, dtype, strides (transposed), device; a bad index. */
+  for (int variant = 0; variant < 5; variant++) {
+    fdp_tensor_t t = make_contig(g[0], FDP_DTYPE_F64, 8, 2, mat);
+    int j = 0;
+    if (variant == 0) t.sizes[1] = 2;
+    if (variant == 1) t.dtype = FDP_DTYPE_F32, t.elem_size = 4;
+    if (variant == 2) t.strides[0] = 1, t.strides[1] = 2;
+    if (variant == 3) t.device = 0;
+    if (variant == 4) j = K;
+    CHECKF(!fdp_rows_member_fits(plan, j, &t), "variant %d fits", variant);
+  }
+  /* A size-1 dimension's stride does not matter. */
+  static const int64_t row[] = {1, 4};
+  fdp_tensor_t rm = make_contig(NULL, FDP_DTYPE_F64, 8, 2, row), rt = make_contig(g[0], FDP_DTYPE_F64, 8, 2, row);
+  fdp_rows_plan_t *rp = NULL;
+  EXPECT(fdp_rows_prepare(&rm, 1, 1, &rp), FDP_OK);
+  rt.strides[0] = 99;
+  CHECK(fdp_rows_member_fits(rp, 0, &rt));
+  fdp_rows_plan_free(rp);
+  /* Refused runs: an output too short, 2-D, of another dtype; an input inside the output; nothing written. */
+  for (int variant = 0; variant < 4; variant++) {
+    fdp_tensor_t ob = o;
+    char *bad[R * K];
+    memcpy(bad, ptrs, sizeof bad);
+    if (variant == 0) ob = make_flat(out, FDP_DTYPE_F64, 8, M0 + M1 - 1);
+    if (variant == 1) ob = make_contig(out, FDP_DTYPE_F64, 8, 2, mat);
+    if (variant == 2) ob.dtype = FDP_DTYPE_I64;
+    if (variant == 3) bad[K + 1] = (char *)(out + 2);
+    for (int e = 0; e < M0 + M1 + 2; e++)
+      out[e] = -1.0;
+    EXPECT(fdp_rows_run(plan, bad, &ob), FDP_INVALID);
+    CHECKF(out[0] == -1.0, "variant %d wrote the output", variant);
+  }
+  fdp_rows_plan_free(plan);
+  /* Plans it cannot make: no members, too many replicas, a dtype it cannot sum, mixed dtypes, a device member. */
+  fdp_tensor_t other = members[1];
+  other.dtype = FDP_DTYPE_OTHER;
+  fdp_tensor_t mixed[2] = {members[0], members[1]};
+  mixed[1].dtype = FDP_DTYPE_F32, mixed[1].elem_size = 4;
+  fdp_tensor_t dev = members[1];
+  dev.device = 0;
+  EXPECT(fdp_rows_prepare(members, 0, R, &plan), FDP_INVALID);
+  EXPECT(fdp_rows_prepare(members, K, FDP_MAX_DEVICES + 1, &plan), FDP_INVALID);
+  EXPECT(fdp_rows_prepare(&other, 1, R, &plan), FDP_INVALID);
+  EXPECT(fdp_rows_prepare(mixed, 2, R, &plan), FDP_INVALID);
+  EXPECT(fdp_rows_prepare(&dev, 1, R, &plan), FDP_INVALID);
+  CHECK(plan == NULL);
+}
+
 void test_reduce_threaded(void) {
   for (int d = 0; d < FDP_DTYPE_COUNT; d++) {
     if (reduce_dtypes[d].dtype == FDP_DTYPE_OTHER) continue;

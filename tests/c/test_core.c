@@ -37,6 +37,7 @@ static const suite_t k_suites[] = {
     {"reduce", test_reduce},
     {"reduce_threaded", test_reduce_threaded},
     {"reduce_rows", test_reduce_rows},
+    {"rows_plan", test_rows_plan},
     {"devices", test_devices},
     {"torch_shim", test_torch_shim},
     {"kernel_cache", test_kernel_cache},

@@ -201,7 +201,8 @@ class Bucket:
     reference to its delivery node."""
 
     __slots__ = ("reducer", "index", "members", "shapes", "sizes", "numel", "dtype", "itemsize", "like", "spec",
-                 "master", "pack", "tdevs", "host", "nrep", "unsynced", "delivery", "consumer", "__weakref__")
+                 "master", "pack", "tdevs", "host", "nrep", "unsynced", "delivery", "consumer", "rows",
+                 "__weakref__")
 
     def __init__(self, reducer, layout):
         self.reducer = reducer
@@ -213,6 +214,7 @@ class Bucket:
         self.unsynced = UnsyncedSums()
         self.delivery = None
         self.consumer = None  # the delivery node's stream on CUDA devices, where the sum's memory is allocated
+        self.rows = None  # the host sum prepared for its members (fastdp._reduction.sums), made by its first sum
 
     def nodes(self, flats):
         """The bucket's two nodes over its master tensors and the other replicas' flat buffers (`flats`): the node

@@ -23,7 +23,7 @@ def bucket_sum(bucket, grads, taken, out):
         out = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.tdevs[0])
     if not bucket.host:
         grads = every_device(bucket, grads)
-    if bucket.host and taken is None and _C.reduce_rows(grads, len(bucket.members), out):
+    if bucket.host and taken is None and _summed_by_plan(bucket, grads, out):
         return tuple(result_views(out, bucket))  # each member summed in place, nothing packed
     if _packable(bucket, grads, taken):
         result = _reduce_packed(bucket, grads, taken, out)
@@ -50,6 +50,22 @@ def every_device(bucket, grads):
             if out[r * k + j] is None:
                 out[r * k + j] = torch.zeros_like(present, device=bucket.tdevs[r])
     return out
+
+
+def _summed_by_plan(bucket, grads, out):
+    """The host replicas' sums through the bucket's prepared sum (its members' shapes, dtype and offsets checked
+    once, when the first sum runs): per step only each gradient's data pointer is taken, after a check that it is
+    still a dense host tensor shaped and typed as its member. False, with nothing written, where one is not (a
+    gradient of other strides, dtype or shape; a missing one) or the bucket's dtype has no host sum: the other
+    paths then sum, with their own checks and errors."""
+    plan = bucket.rows
+    if plan is None:
+        try:
+            plan = _C.PreparedSum(bucket.master, bucket.nrep)
+        except (TypeError, ValueError, RuntimeError):  # a dtype the host sum lacks (complex), a tensor it cannot
+            plan = False  # describe (torch refuses a sparse tensor's data pointer): the general path sums them all
+        bucket.rows = plan
+    return plan is not False and plan.run(grads, out)
 
 
 def _packable(bucket, grads, taken):

@@ -8,6 +8,7 @@ from itertools import chain
 import torch
 from torch.nn.modules import Module
 
+from .. import _C
 from .._platform import devices as _devices
 
 __all__ = ["IMBALANCE_WARNING", "check_balance", "require_module", "whole_on", "resolve", "inputs_on_device",
@@ -125,23 +126,13 @@ def inputs_on_device(inputs, kwargs, device):
 def check_module_device(module, src_device_obj):
     """Upstream's per-forward check that every parameter and buffer is on device_ids[0].
 
-    One walk over the modules' own dicts (no generator chain, no names); on the host the test is ``is_cpu`` (a
-    flag read, cheaper than building a torch.device per tensor). Only when something is off does the
-    upstream-ordered walk run, so the error names the same tensor's device as upstream's would.
+    One walk in C over the modules' own dicts (no generator chain, no names, no interpreter loop per tensor); on
+    the host the test is ``is_cpu`` (a flag read, cheaper than building a torch.device per tensor). Only when
+    something is off does the upstream-ordered walk run, so the error names the same tensor's device as upstream's
+    would.
     """
-    host = src_device_obj == _HOST
-    todo, seen = [module], {id(module)}
-    for m in todo:  # grows while walked: breadth-first over every distinct module
-        for t in m._parameters.values():
-            if t is not None and (not t.is_cpu if host else t.device != src_device_obj):
-                return _raise_module_device(module, src_device_obj)
-        for t in m._buffers.values():
-            if t is not None and (not t.is_cpu if host else t.device != src_device_obj):
-                return _raise_module_device(module, src_device_obj)
-        for c in m._modules.values():
-            if c is not None and id(c) not in seen:
-                seen.add(id(c))
-                todo.append(c)
+    if not _C.on_device(module, src_device_obj, src_device_obj == _HOST):
+        _raise_module_device(module, src_device_obj)
 
 
 def _raise_module_device(module, src_device_obj):

@@ -102,9 +102,10 @@ def _run_round(python, argv):
 
 def _table(trees, medians, args):
     names = list(trees)
+    widths = {n: max(16, len(n) + 6) for n in names}
     head = f"{'tensors':>8}{'buckets':>8}{'replicas':>9}"
     for n in names:
-        head += f"{n + ' ms':>16}{'µs/tensor':>11}{'made':>6}"
+        head += f"{n + ' ms':>{widths[n]}}{'µs/tensor':>11}{'made':>6}"
     print(head)
     for t in args.tensors:
         for b in args.buckets:
@@ -112,7 +113,7 @@ def _table(trees, medians, args):
                 line = f"{t:>8}{b:>8}{r:>9}"
                 for n in names:
                     ms, made = medians[n][(t, b, r)]
-                    line += f"{ms:>16.3f}{1e3 * ms / t:>11.2f}{made if made is not None else '?':>6}"
+                    line += f"{ms:>{widths[n]}.3f}{1e3 * ms / t:>11.2f}{made if made is not None else '?':>6}"
                 print(line)
 
 

@@ -39,11 +39,16 @@ def test_train_bench_runs_on_cpu_and_writes_csv(tmp_path):
     assert "1 torch threads" in proc.stdout  # --threads defaults to 1 on the CPU
 
 
-def _bench(args, cwd):
+def _run(bench, args, cwd, timeout=120):
+    """``python -m fastdp.bench <bench> args`` in a child that imports the same fastdp as this process."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(fastdp.__file__))] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    return subprocess.run([sys.executable, "-m", "fastdp.bench", "train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "fastdp.bench", bench, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _bench(args, cwd):
+    return _run("train", args, cwd)
 
 
 def test_params_sweep_prints_per_tensor_cost_and_writes_csv(tmp_path):
@@ -69,10 +74,7 @@ def test_params_sweep_rejects_bad_counts(tmp_path):
 
 
 def _growth(args, cwd):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(fastdp.__file__))] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    return subprocess.run([sys.executable, "-m", "fastdp.bench", "growth", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return _run("growth", args, cwd, timeout=300)
 
 
 def test_growth_table_covers_every_configuration_for_both_trees(tmp_path):

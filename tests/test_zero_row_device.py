@@ -41,11 +41,8 @@ def _net():
     return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
 
 
-@pytest.mark.parametrize("idle", [1, 2])
-def test_a_device_without_rows_is_summed_as_zeros_over_the_full_device_list(cuda3, monkeypatch, idle):
-    net = _net()
-    bare = copy.deepcopy(net)
-    rs = _cuda_replica_set(net, 3)
+def _count_columns(monkeypatch):
+    """The number of inputs of every column the core is asked to sum (one per device the column's sum spans)."""
     columns = []
     real = _sums.reduce_columns
 
@@ -54,6 +51,15 @@ def test_a_device_without_rows_is_summed_as_zeros_over_the_full_device_list(cuda
         return real(cols, outs)
 
     monkeypatch.setattr(_sums, "reduce_columns", spy)
+    return columns
+
+
+@pytest.mark.parametrize("idle", [1, 2])
+def test_a_device_without_rows_is_summed_as_zeros_over_the_full_device_list(cuda3, monkeypatch, idle):
+    net = _net()
+    bare = copy.deepcopy(net)
+    rs = _cuda_replica_set(net, 3)
+    columns = _count_columns(monkeypatch)
     x = torch.randn(6, 4)
     chunks = {0: x[:3], 1: x[3:], 2: x[3:]}
     chunks[idle] = None
@@ -84,14 +90,7 @@ def test_a_parameter_one_replica_did_not_use_is_summed_over_the_full_device_list
     net = Branchy()
     bare = copy.deepcopy(net)
     rs = _cuda_replica_set(net, 3)
-    columns = []
-    real = _sums.reduce_columns
-
-    def spy(cols, outs):
-        columns.extend(len(c) for c in cols)
-        return real(cols, outs)
-
-    monkeypatch.setattr(_sums, "reduce_columns", spy)
+    columns = _count_columns(monkeypatch)
     x = torch.randn(6, 4)
     roots = rs.refresh()
     uses = [True, False, True]

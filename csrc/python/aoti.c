@@ -255,6 +255,19 @@ static fdp_aten_handle_t handle_of(PyObject *obj) {
   return PyCapsule_CheckExact(obj) ? PyCapsule_GetPointer(obj, PyCapsule_GetName(obj)) : NULL;
 }
 
+/* One call converts the tuple `items` into a list of new at::Tensor references (capsules without a destructor),
+ * one per item; NULL with a Python error when torch returned anything else. */
+static PyObject *handle_list(module_state *st, PyObject *items) {
+  PyObject *handles = PyObject_CallOneArg(st->to_handles, items);
+  if (handles && (!PyList_Check(handles) || PyList_GET_SIZE(handles) != PyTuple_GET_SIZE(items))) {
+    Py_DECREF(handles);
+    PyErr_SetString(PyExc_RuntimeError, "torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors returned no handle list; "
+                                        "set FASTDP_TENSOR_PATH=python");
+    return NULL;
+  }
+  return handles;
+}
+
 /* Reads every tensor of `items` through the shim into ts[i], and its shim dtype code into codes[i] when codes is
  * not NULL. A tensor the shim cannot read (not plain strided CPU/CUDA memory of a known element size, or the shim
  * failed) is marked by ts[i].elem_size == 0 (no readable tensor has that) and codes[i] == -1. 1 when the tuple holds
@@ -263,14 +276,8 @@ static int read_handles(module_state *st, PyObject *items, fdp_tensor_t *ts, int
   if (!plain_tensors(st, items)) return 1;
   /* One call converts the whole list into new at::Tensor references (capsules without a destructor): every one
    * is deleted below, also after a failure, or each call would leak a TensorImpl reference per tensor. */
-  PyObject *handles = PyObject_CallOneArg(st->to_handles, items);
+  PyObject *handles = handle_list(st, items);
   if (!handles) return -1;
-  if (!PyList_Check(handles) || PyList_GET_SIZE(handles) != PyTuple_GET_SIZE(items)) {
-    Py_DECREF(handles);
-    PyErr_SetString(PyExc_RuntimeError, "torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors returned no handle list; "
-                                        "set FASTDP_TENSOR_PATH=python");
-    return -1;
-  }
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
     fdp_aten_handle_t h = handle_of(PyList_GET_ITEM(handles, i));
     int32_t code = -1;
@@ -303,14 +310,8 @@ int fdp__aoti_try_describe(module_state *st, PyObject *items, fdp_tensor_t *ts) 
 
 int fdp__aoti_data(module_state *st, PyObject *items, fdp__fits_fn fits, const void *ctx, char **ptrs) {
   if (g_path != FDP_TENSOR_PATH_AOTI || !plain_tensors(st, items)) return 1;
-  PyObject *handles = PyObject_CallOneArg(st->to_handles, items);
+  PyObject *handles = handle_list(st, items);
   if (!handles) return -1;
-  if (!PyList_Check(handles) || PyList_GET_SIZE(handles) != PyTuple_GET_SIZE(items)) {
-    Py_DECREF(handles);
-    PyErr_SetString(PyExc_RuntimeError, "torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors returned no handle list; "
-                                        "set FASTDP_TENSOR_PATH=python");
-    return -1;
-  }
   int rc = 0;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
     fdp_aten_handle_t h = handle_of(PyList_GET_ITEM(handles, i));
@@ -336,15 +337,9 @@ void fdp__aoti_release(void **handles, Py_ssize_t n) {
 
 int fdp__aoti_hold(module_state *st, PyObject *items, void **handles) {
   if (g_path != FDP_TENSOR_PATH_AOTI || !plain_tensors(st, items)) return 1;
-  PyObject *list = PyObject_CallOneArg(st->to_handles, items);
+  PyObject *list = handle_list(st, items);
   if (!list) return -1;
   Py_ssize_t n = PyTuple_GET_SIZE(items);
-  if (!PyList_Check(list) || PyList_GET_SIZE(list) != n) {
-    Py_DECREF(list);
-    PyErr_SetString(PyExc_RuntimeError, "torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors returned no handle list; "
-                                        "set FASTDP_TENSOR_PATH=python");
-    return -1;
-  }
   int rc = 0;
   for (Py_ssize_t i = 0; i < n; i++) {
     handles[i] = handle_of(PyList_GET_ITEM(list, i));

@@ -19,6 +19,7 @@ import torch
 
 from .._platform import devices as _devices
 from .._balance import memory as _memory
+from .._step import replicas as _replicas
 from ..replicate import is_compiled
 
 __all__ = ["Recorder", "StepRecord", "ReplicaSite", "Resolved", "resolve", "anchors", "parse_steps", "graph_tensors", "nbytes",
@@ -405,11 +406,7 @@ class ReplicaSite:
                 out = module(*args, **kwargs)
         finally:
             if marked is not None:
-                where, key, param = marked
-                if param is None:
-                    del where[key]  # the shadowing view: the parameter shows through again
-                else:
-                    where[key] = param
+                marked()  # the parameter shows through again
         end = rec.stamp(device)
         wall_ns = _now() - wall
         if threads:
@@ -445,20 +442,14 @@ class ReplicaSite:
         gradient: in a network that uses its layers in the order it registers them, the last its backward
         computes. For this forward that parameter is shadowed, in its module, by a view of itself: autograd runs the
         view's node once the parameter's gradient is complete (every use of it in this forward), and a post-hook
-        on that node records ("backward", position). The gradient passes unchanged; the forward's end removes the
-        view again. Returns (the dict the view is in, its key, the parameter to put back or None to remove the view), or
-        None.
-
-        The view goes into the module's ``__dict__``, which attribute reads consult before the parameter dict, and
-        not into ``_parameters``: the kept replicas take a changed parameter dict for the forward's own edit and
-        install every tensor again in the next step (NOTE [a forward's own edits] in fastdp/_step/replicas.py),
-        while a changed ``__dict__`` that still holds the same owned dicts only has its plain attributes refilled.
-        A class that defines the attribute itself (a property) would not read the ``__dict__``: its parameter
-        dict takes the view then."""
+        on that node records ("backward", position). The gradient passes unchanged; the forward's end calls the
+        returned callable, which puts the parameter back (None: nothing marked). The view stands in for the
+        parameter as the kept replicas allow a forward's stand-in (fastdp._step.replicas.stand_in), so that the next
+        step does not take it for the forward's own edit."""
         found = _first_parameter(module, self.recorder.owners)
         if found is None:
             return None
-        owner, name, shadows = found
+        owner, name = found
         param = owner._parameters.get(name)
         if param is None or not param.requires_grad:
             return None
@@ -468,11 +459,7 @@ class ReplicaSite:
             self.ended(position, device)
 
         marked.grad_fn.register_hook(ended)
-        if shadows:
-            owner.__dict__[name] = marked
-            return owner.__dict__, name, None
-        owner._parameters[name] = marked
-        return owner._parameters, name, param
+        return _replicas.stand_in(owner, name, marked)
 
     def ended(self, position, device):
         step = self.step
@@ -504,9 +491,7 @@ def _find_first_parameter(module):
     for name, p in module.named_parameters():
         if p.requires_grad:
             path, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(path) if path else module
-            # An instance attribute shadows a parameter unless the class itself defines the name.
-            return owner, leaf, not hasattr(type(owner), leaf)
+            return module.get_submodule(path) if path else module, leaf
     return None
 
 

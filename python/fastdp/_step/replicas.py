@@ -67,12 +67,16 @@ hook dicts are refilled from the master every step anyway (_C.refresh). Before e
   since its prepared copy would write where that memory was.
 Replica 0's buffers, and without autograd its parameters, are the master's own tensors, as upstream's are: what a
 forward does to them is done to the master, on both.
+A stand-in for a parameter during one forward (the report's backward mark: ``stand_in``) goes into the module's
+``__dict__``, which attribute reads consult before the parameter dict: a plain attribute, refilled every step, so it
+is not an edit of an owned dict and costs the next step nothing.
 """
 
 import operator
 import threading
 import weakref
 from array import array
+from functools import partial
 from itertools import chain
 
 import torch
@@ -88,7 +92,7 @@ from .._native.core import streams_on
 from ..replicate import check_initialized, is_compiled, skeletons
 from ..sync_batchnorm import layer_indices
 
-__all__ = ["ReplicaSet", "persistable"]
+__all__ = ["ReplicaSet", "persistable", "stand_in"]
 
 # Keys of a replica's __dict__ that belong to the replica (Module._replicate_for_data_parallel and RNNBase's
 # override give the replica its own copies of these); everything else mirrors the master every step.
@@ -165,6 +169,18 @@ def _unused_count():
 _UNUSED = _unused_count() if _use_count is not None else None
 
 _PACK_MEAN = 4096  # values per member, on average, up to which a bucket's gradients are packed before the sum
+
+
+def stand_in(module, name, tensor):
+    """Makes attribute reads of parameter `name` of `module` return `tensor` until the returned callable is called
+    (NOTE [a forward's own edits]). A class that defines the name itself (a property) does not read the instance's
+    ``__dict__``: its parameter dict takes the stand-in then, which the next step sees as an edit and undoes."""
+    if not hasattr(type(module), name):
+        module.__dict__[name] = tensor
+        return partial(module.__dict__.pop, name, None)
+    params = module._parameters
+    param, params[name] = params[name], tensor
+    return partial(params.__setitem__, name, param)
 
 
 class _Entry:

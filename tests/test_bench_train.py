@@ -5,6 +5,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 import fastdp
 
 EXPECTED_COLUMNS = {
@@ -89,8 +92,16 @@ def test_growth_table_covers_every_configuration_for_both_trees(tmp_path):
                     for r in ("2", "3")}
     for r in rows:
         assert float(r["host_ms"]) > 0
-        # The bucket size the benchmark chose gives the bucket count the table is labelled with.
-        assert r["buckets_made"] == r["buckets"], r
+
+
+@pytest.mark.parametrize("tensors,buckets", [(6, 1), (6, 3), (12, 4), (100, 10), (1000, 100)])
+def test_growth_bucket_cap_makes_the_bucket_count_the_table_names(tensors, buckets):
+    from fastdp.bench import growth, workloads
+
+    dp = fastdp.DataParallel(workloads.Chain(tensors), device_ids=["cpu"] * 2,
+                             bucket_cap_mb=growth.bucket_cap_mb(tensors, buckets))
+    dp(torch.randn(4, 8)).sum().backward()
+    assert len(dp._replica_set.reduced) == buckets
 
 
 def test_growth_rejects_bad_counts(tmp_path):

@@ -5,7 +5,7 @@ interpreter imports (an earlier release in its own virtual environment), in alte
 The model is fastdp.bench.workloads.Chain (N bias-free Linear(8, 8) layers: N tensors of 64 values, so bytes and
 compute stay small and what grows is the bookkeeping). The cost measured is the one ``--params`` measures:
 replicate plus the gradient reduction calls, host-side times. Buckets are set by ``bucket_cap_mb``: N tensors of 256
-bytes in B buckets of ceil(N / B) tensors each.
+bytes in B buckets of ceil(N / B) tensors each (tests/test_bench_train.py checks that the wrapper makes B).
 
 Every round runs one fresh process per tree, which measures every configuration once (the steps of a
 configuration are consecutive) and prints one JSON line; medians are over rounds. The child is this file run as a
@@ -36,21 +36,14 @@ def _counts(parser, text, name):
     return values
 
 
-def _bucket_count(dp):
-    """Gradient buckets the wrapper made (read where this and earlier trees keep them; None if neither)."""
-    for path in ("_replica_set.reducer.buckets", "_replica_set._reducer.buckets"):
-        obj = dp
-        try:
-            for name in path.split("."):
-                obj = getattr(obj, name)
-        except AttributeError:
-            continue
-        return sum(1 for ref in obj if (ref() if callable(ref) else ref) is not None)
-    return None
+def bucket_cap_mb(tensors, buckets):
+    """The ``bucket_cap_mb`` that makes `tensors` Linear(8, 8) weights into `buckets` gradient buckets (where
+    `buckets` divides `tensors`, as in the default grid)."""
+    return math.ceil(tensors / buckets) * TENSOR_BYTES / 2**20
 
 
 def _measure(tensors, buckets, replicas, steps, warmup):
-    """One configuration in this process: (replicate + reduction ms, step ms, buckets made) per step."""
+    """One configuration in this process: (replicate + reduction ms, step ms) per step."""
     import torch
 
     import fastdp
@@ -60,8 +53,8 @@ def _measure(tensors, buckets, replicas, steps, warmup):
     module = workloads.Chain(tensors)
     x = torch.randn(4 * replicas, 8)
     opt = torch.optim.SGD(module.parameters(), lr=1e-3)
-    cap_mb = math.ceil(tensors / buckets) * TENSOR_BYTES / 2**20
-    dp = phases.timed(fastdp.DataParallel(module, device_ids=["cpu"] * replicas, bucket_cap_mb=cap_mb))
+    dp = phases.timed(fastdp.DataParallel(module, device_ids=["cpu"] * replicas,
+                                          bucket_cap_mb=bucket_cap_mb(tensors, buckets)))
     split = phases.Split(None)
 
     def loss(out, _target):
@@ -73,7 +66,7 @@ def _measure(tensors, buckets, replicas, steps, warmup):
         split.reset()
         total = sum(phases.timed_step(dp, x, None, opt, split, loss=loss) for _ in range(steps))
     wrapper = split.phases.get("replicate", 0.0) + split.phases.get("reduction", 0.0)
-    return 1e3 * wrapper / steps, 1e3 * total / steps, _bucket_count(dp)
+    return 1e3 * wrapper / steps, 1e3 * total / steps
 
 
 def _child(args):
@@ -86,15 +79,16 @@ def _child(args):
     for t in args.tensors:
         for b in args.buckets:
             for r in args.replicas:
-                host_ms, step_ms, made = _measure(t, b, r, args.steps, args.warmup)
-                rows.append({"tensors": t, "buckets": b, "replicas": r, "host_ms": host_ms, "step_ms": step_ms,
-                             "buckets_made": made})
+                host_ms, step_ms = _measure(t, b, r, args.steps, args.warmup)
+                rows.append({"tensors": t, "buckets": b, "replicas": r, "host_ms": host_ms, "step_ms": step_ms})
     print(json.dumps({"version": fastdp.__version__, "torch": torch.__version__,
                       "where": os.path.dirname(fastdp.__file__), "rows": rows}))
 
 
 def _run_round(python, argv):
-    out = subprocess.run([python, os.path.abspath(__file__), "--child", *argv], capture_output=True, text=True)
+    # Bounded: a child that hangs must not hold the benchmark (the default grid's slowest round takes minutes).
+    out = subprocess.run([python, os.path.abspath(__file__), "--child", *argv], capture_output=True, text=True,
+                         timeout=3600)
     if out.returncode != 0:
         raise SystemExit(f"{python}: the growth benchmark failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -105,15 +99,15 @@ def _table(trees, medians, args):
     widths = {n: max(16, len(n) + 6) for n in names}
     head = f"{'tensors':>8}{'buckets':>8}{'replicas':>9}"
     for n in names:
-        head += f"{n + ' ms':>{widths[n]}}{'µs/tensor':>11}{'made':>6}"
+        head += f"{n + ' ms':>{widths[n]}}{'µs/tensor':>11}"
     print(head)
     for t in args.tensors:
         for b in args.buckets:
             for r in args.replicas:
                 line = f"{t:>8}{b:>8}{r:>9}"
                 for n in names:
-                    ms, made = medians[n][(t, b, r)]
-                    line += f"{ms:>{widths[n]}.3f}{1e3 * ms / t:>11.2f}{made if made is not None else '?':>6}"
+                    ms = medians[n][(t, b, r)]
+                    line += f"{ms:>{widths[n]}.3f}{1e3 * ms / t:>11.2f}"
                 print(line)
 
 
@@ -161,8 +155,8 @@ def main(argv=None):
             result = _run_round(trees[n], passed)
             info[n] = f"fastdp {result['version']} from {result['where']}, torch {result['torch']}"
             per_round[n].append({(r["tensors"], r["buckets"], r["replicas"]): r for r in result["rows"]})
-    medians = {n: {key: (statistics.median(rd[key]["host_ms"] for rd in per_round[n]),
-                         per_round[n][0][key]["buckets_made"]) for key in per_round[n][0]} for n in trees}
+    medians = {n: {key: statistics.median(rd[key]["host_ms"] for rd in per_round[n]) for key in per_round[n][0]}
+               for n in trees}
     for n in trees:
         print(f"{n}: {info[n]}")
     print()
@@ -170,10 +164,10 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "growth.csv")
     with open(path, "w") as f:
-        f.write("tree,tensors,buckets,replicas,host_ms,us_per_tensor,buckets_made\n")
+        f.write("tree,tensors,buckets,replicas,host_ms,us_per_tensor\n")
         for n in trees:
-            for (t, b, r), (ms, made) in medians[n].items():
-                f.write(f"{n},{t},{b},{r},{ms:.4f},{1e3 * ms / t:.3f},{'' if made is None else made}\n")
+            for (t, b, r), ms in medians[n].items():
+                f.write(f"{n},{t},{b},{r},{ms:.4f},{1e3 * ms / t:.3f}\n")
     print(f"wrote {path}")
     print("load average at end: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
     print(f"total time {time.perf_counter() - started:.0f} s")

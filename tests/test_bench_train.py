@@ -4,6 +4,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -74,6 +75,36 @@ def test_params_sweep_rejects_bad_counts(tmp_path):
     assert proc.returncode == 2 and "--params takes positive tensor counts" in proc.stderr, proc.stderr
     proc = _bench(["--device", "cpu", "--threads", "-1", "--out", str(tmp_path)], tmp_path)
     assert proc.returncode == 2 and "--threads" in proc.stderr, proc.stderr
+
+
+def test_the_cpu_clock_counts_this_process_work_only():
+    """--clock cpu: a phase that waits (as a step preempted by another process does) costs its wall time on the
+    wall clock and next to nothing on the CPU clock; work counts on both."""
+    from fastdp.bench import phases
+
+    def wait_then_work():
+        time.sleep(0.2)
+        deadline = time.process_time() + 0.05
+        while time.process_time() < deadline:
+            pass
+
+    wall, cpu = phases.Split(None, phases.CLOCKS["wall"]), phases.Split(None, phases.CLOCKS["cpu"])
+    wall.timed("phase", wait_then_work)
+    cpu.timed("phase", wait_then_work)
+    assert wall.phases["phase"] >= 0.25
+    assert 0.05 <= cpu.phases["phase"] < 0.15
+
+
+def test_params_sweep_on_the_cpu_clock_says_so(tmp_path):
+    proc = _bench(["--device", "cpu", "--params", "3", "--replicas", "2", "--steps", "1", "--warmup", "0",
+                   "--rounds", "1", "--clock", "cpu", "--out", str(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--clock cpu" in proc.stdout and "clock: cpu (this process's CPU time" in proc.stdout
+    with open(tmp_path / "params.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(r["error"] == "" and float(r["replicate_ms"]) > 0 for r in rows)
+    proc = _bench(["--device", "cpu", "--clock", "cpu", "--out", str(tmp_path)], tmp_path)
+    assert proc.returncode == 2 and "--clock applies to the per-tensor sweep only" in proc.stderr, proc.stderr
 
 
 def _growth(args, cwd):

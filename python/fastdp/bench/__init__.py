@@ -2,7 +2,7 @@
 
 python -m fastdp.bench comm [--sizes-mb 1,4,16,32] [--replicas 4] [--out bench-out]
 python -m fastdp.bench train [--models mlp,cnn,transformer] [--replicas 4] [--rounds 5] [--threads 1] [--split]
-                             [--params 10,100,1000] [--out bench-out]
+                             [--params 10,100,1000 [--clock wall|cpu]] [--out bench-out]
 python -m fastdp.bench report [--models mlp,cnn,transformer] [--replicas 4] [--rounds 30] [--steps 5]
 python -m fastdp.bench growth [--tensors 100,1000,10000] [--buckets 1,10,100] [--replicas 2,4,8] [--against PYTHON]
 """
@@ -43,6 +43,10 @@ def main(argv=None):
                    "writes params.csv and params.png")
     p.add_argument("--ddp", action="store_true",
                    help="with --params: also DistributedDataParallel in one process and the bare module")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="with --params: what every time is measured with: wall (elapsed) or cpu (the CPU time of "
+                   "this process, all its threads: other processes' load on a shared machine stretches wall times, "
+                   "not these; host work only)")
     p.add_argument("--sync-bn", default="", metavar="N[,N...]",
                    help="instead of the models: the CNN's training step with nn.SyncBatchNorm (statistics "
                    "exchanged across replicas) against BatchNorm, for N replicas each; writes syncbn.csv")

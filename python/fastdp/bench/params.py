@@ -13,6 +13,10 @@ import fastdp
 from . import phases, report, workloads
 
 
+_CLOCK_TEXT = {"wall": "clock: wall (elapsed time)",
+               "cpu": "clock: cpu (this process's CPU time, all its threads; other processes' load not counted)"}
+
+
 def parse_counts(text):
     try:
         counts = [int(v) for v in text.split(",") if v.strip()]
@@ -84,7 +88,7 @@ def _sweep(counts, kind, args, sync):
                 errors[w] = f"{type(e).__name__}: {e}"
         opts = {w: torch.optim.SGD(m.parameters(), lr=1e-3) for w, m in models.items()}
         per_round = {w: {"replicate": [], "reduction": [], "step": []} for w in wrappers}
-        split = phases.Split(sync if args.split else None)
+        split = phases.Split(sync if args.split else None, phases.CLOCKS[getattr(args, "clock", "wall")])
         for r in range(args.rounds):
             live = [w for w in wrappers if w not in errors]
             for w in live[r % max(1, len(live)):] + live[: r % max(1, len(live))]:
@@ -180,7 +184,7 @@ def main(args, kind, started):
           f"{args.rounds} interleaved rounds x {args.steps} steps (+{args.warmup} warm-up); medians over rounds of "
           "each round's mean per step; replicate = the wrapper's replicate method, reduction = the gradient "
           "reduction calls (" + ("devices synchronised around each" if args.split and sync else "host-side times")
-          + ")")
+          + "); " + _CLOCK_TEXT[getattr(args, "clock", "wall")])
     if kind == "cpu":
         print("no GPU: torch.nn.DataParallel cannot run on the CPU, so it is not measured")
     if getattr(args, "ddp", False):

@@ -48,11 +48,18 @@ COLUMNS = [
 ]
 
 
-class Split:
-    """Phase times of one instrumented run: seconds summed per phase, forward intervals, call counts."""
+# What a time is measured with: elapsed time, or the CPU time of this process (every thread of it: the host reducer
+# thread's sums too), which another process's load on a shared machine leaves alone. Host work only, on a GPU.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
-    def __init__(self, sync):
+
+class Split:
+    """Phase times of one instrumented run: seconds summed per phase, forward intervals, call counts; `clock`: what
+    they are measured with (one of CLOCKS)."""
+
+    def __init__(self, sync, clock=time.perf_counter):
         self.sync = sync
+        self.clock = clock
         self.lock = threading.Lock()
         self.local = threading.local()
         self.reset()
@@ -73,11 +80,11 @@ class Split:
         try:
             if self.sync:
                 self.sync()
-            t0 = time.perf_counter()
+            t0 = self.clock()
             out = fn(*args, **kwargs)
             if self.sync:
                 self.sync()
-            dt = time.perf_counter() - t0
+            dt = self.clock() - t0
         finally:
             active.discard(phase)
         with self.lock:
@@ -88,12 +95,12 @@ class Split:
     # Forward hooks on the master module; replicas share the hook dicts, so these run in every replica's thread.
 
     def pre_hook(self, module, args):
-        self.fwd_open[threading.get_ident()] = time.perf_counter()
+        self.fwd_open[threading.get_ident()] = self.clock()
 
     def post_hook(self, module, args, output):
         if self.sync:
             self.sync()
-        t1 = time.perf_counter()
+        t1 = self.clock()
         t0 = self.fwd_open.pop(threading.get_ident(), None)
         if t0 is not None:
             with self.lock:
@@ -213,7 +220,7 @@ def train_step(model, x, y, opt):
 
 
 def timed_step(model, x, y, opt, split, loss=nn.functional.cross_entropy):
-    t0 = time.perf_counter()
+    t0 = split.clock()
     split.timed("optimizer", opt.zero_grad, set_to_none=True)
     out = split.timed("forward", model, x)
     loss = split.timed("loss", loss, out, y)
@@ -221,7 +228,7 @@ def timed_step(model, x, y, opt, split, loss=nn.functional.cross_entropy):
     split.timed("optimizer", opt.step)
     if split.sync:
         split.sync()
-    return time.perf_counter() - t0
+    return split.clock() - t0
 
 
 def peak_reset(kind, config):

@@ -153,6 +153,8 @@ def command_line(args):
         parts += ["--params", args.params]
     if getattr(args, "ddp", False):
         parts.append("--ddp")
+    if getattr(args, "clock", "wall") != "wall":
+        parts += ["--clock", args.clock]
     if getattr(args, "sync_bn", ""):
         parts += ["--sync-bn", args.sync_bn]
     if args.split:

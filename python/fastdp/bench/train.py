@@ -202,6 +202,9 @@ def run(args):
     if args.threads < 0:
         print("--threads must be 0 (1 on the CPU, torch's default with a GPU) or a positive count", file=sys.stderr)
         return 2
+    if getattr(args, "clock", "wall") != "wall" and not args.params:
+        print("--clock applies to the per-tensor sweep only: add --params N[,N...]", file=sys.stderr)
+        return 2
     if args.threads or kind == "cpu":
         # One torch thread on the CPU by default: on a small shared machine every configuration is faster and
         # far less noisy with it.

@@ -1,0 +1,397 @@
+"""CUDA tensors and torch.cuda for a CPU build of torch, on the simulated GPU: the bridge that lets the Python layer's
+multi-device paths run through the real C core on the simulated driver, so that a test checks their values.
+
+- ``DevTensor``: a tensor whose Python face says CUDA device d (``is_cuda``, ``device``, ``get_device``,
+  ``data_ptr``, ``untyped_storage``) and whose bytes live in simulated device memory, so that fastdp._C reads and
+  writes them through the simulated driver. Its TensorImpl is a CPU wrapper, so autograd's engine runs its backward
+  on the host.
+- ``Bridge.run`` (``__torch_dispatch__``, and a mode for factory calls naming a CUDA device): every aten operation on
+  such tensors as the GPU would run it on the current stream of their device. It reads the inputs' bytes (recorded as
+  a read on that stream with ``simgpu_touch``, so that a read not ordered after its write is a race), computes on
+  the host, writes what changed back, and puts new results in fresh blocks of the simulator's caching allocator
+  allocated on that stream (poisoned: memory nobody wrote reads as NaN or -1). Views move no bytes: their shape is
+  computed on the meta device over the same memory.
+- ``SimCuda``: tests/_fake_cuda.py's torch.cuda whose streams are the simulator's own (``cuStreamCreate``; PyTorch's
+  default stream is the legacy stream, handle 0) and whose events, stream waits and synchronisations are the
+  simulator's, so the waits the Python layer makes order the simulated work.
+
+Values cross devices only through the C core (and through torch's own cross-device copies, which the bridge runs
+as torch would: between both devices' current streams). Load it only in a process whose environment names the
+simulated libraries (tests/sim/build.py env())."""
+
+import ctypes
+import os
+import sys
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [p for p in (HERE, os.path.dirname(HERE)) if p not in sys.path]
+
+from _fake_cuda import FakeCuda, FakeEvent, FakeStream  # noqa: E402
+from simgpu import Sim  # noqa: E402
+
+# Operations that take only shapes and dtypes from their tensor inputs, and those whose result is fresh memory
+# nobody wrote (left poisoned).
+_NO_READ = {"empty_like", "new_empty", "new_empty_strided", "zeros_like", "ones_like", "full_like", "new_zeros",
+            "new_ones", "new_full", "empty_strided", "fill_", "zero_", "empty", "resize_"}
+_UNWRITTEN = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"}
+# In-place operations that overwrite their destination without reading it.
+_OVERWRITE = {"copy_", "fill_", "zero_"}
+
+
+def _name(func):
+    return func._schema.name.split("::")[-1]
+
+
+class Storage:
+    """A block of simulated device memory held as a PyTorch storage is: allocated on the stream current on its device,
+    given back to that stream when the last tensor over it dies (after the streams ``record_stream`` named)."""
+
+    def __init__(self, bridge, device, nbytes):
+        self.device, self._nbytes, self._ptr, self.recorded = device, nbytes, 0, set()
+        self.stream = bridge.cuda.current_stream(device)
+        if nbytes == 0:  # as PyTorch's: an empty storage has no memory
+            return
+        self._ptr, handle = bridge.allocate(device, nbytes, self.stream.cuda_stream)
+        weakref.finalize(self, bridge.release, handle, self.recorded).atexit = False
+
+    def data_ptr(self):
+        return self._ptr
+
+    def nbytes(self):
+        return self._nbytes
+
+
+class DevTensor(torch.Tensor):
+    """A tensor of simulated CUDA device ``storage.device`` (see the module's comment)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    bridge = None
+
+    @staticmethod
+    def __new__(cls, storage, meta):
+        t = torch.Tensor._make_wrapper_subclass(cls, meta.shape, strides=meta.stride(),
+                                                storage_offset=meta.storage_offset(), dtype=meta.dtype, device="cpu")
+        t._storage, t._meta = storage, meta
+        return t
+
+    def __init__(self, storage, meta):
+        pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return cls.bridge.run(func, args, kwargs or {})
+
+    is_cuda = True
+    is_cpu = False
+
+    @property
+    def device(self):
+        return torch.device("cuda", self._storage.device)
+
+    def get_device(self):
+        return self._storage.device
+
+    def data_ptr(self):
+        return self._storage.data_ptr() + self._meta.storage_offset() * self._meta.element_size() \
+            if self._storage.data_ptr() else 0
+
+    def cpu(self, memory_format=torch.preserve_format):
+        """The values on the host (torch's own .cpu() would see a CPU wrapper and return it), read on the current
+        stream of the device, as a synchronising copy to pageable memory does."""
+        return self.bridge.host_copy(self)
+
+    def untyped_storage(self):
+        return self._storage
+
+    def span(self):
+        """(address, bytes) of the memory this view's elements cover, first to last."""
+        if self.numel() == 0 or not self._storage.data_ptr():
+            return self.data_ptr(), 0
+        extent = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride()))
+        return self.data_ptr(), extent * self.element_size()
+
+    def __repr__(self):
+        return f"DevTensor(shape={tuple(self.shape)}, stride={self.stride()}, dtype={self.dtype}, " \
+               f"device=cuda:{self._storage.device})"
+
+
+class _Mode(TorchDispatchMode):
+    """Factory calls naming a CUDA device (torch.empty(..., device="cuda:1")) have no tensor to dispatch on."""
+
+    def __init__(self, bridge):
+        super().__init__()
+        self.bridge = bridge
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.bridge.run(func, args, kwargs or {})
+
+
+class Bridge:
+    """The simulator (``sim``), its torch.cuda (``cuda``) and the tensor operations on its memory."""
+
+    def __init__(self, sim):
+        self.sim, self.lib = sim, sim.lib
+        self.cuda = SimCuda(sim)
+        self.mode = _Mode(self)
+        DevTensor.bridge = self
+
+    # ---- memory ----
+    def allocate(self, device, nbytes, stream):
+        ptr, handle = ctypes.c_void_p(), ctypes.c_void_p()
+        err = ctypes.create_string_buffer(256)
+        rc = self.sim.on(device, self.lib.simgpu_cache_alloc, None, device, nbytes, stream, ctypes.byref(ptr),
+                         ctypes.byref(handle), err, len(err))
+        if rc == 2:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated caching allocator): {err.value.decode()}")
+        assert rc == 0, err.value.decode()
+        return ptr.value, handle.value
+
+    def release(self, handle, recorded):
+        """A dying storage's block goes back to its stream; PyTorch's allocator first waits (on the host, querying
+        events) until the streams record_stream named have run their work up to this point."""
+        for stream in recorded:
+            event = self.cuda.Event()
+            event.record(stream)
+            self.sim._check(self.lib.cuEventSynchronize(event.handle), "cuEventSynchronize")
+        self.lib.simgpu_cache_release(handle)
+
+    def tensor(self, cpu, device):
+        """A DevTensor on ``device`` with the values, shape and strides of host tensor ``cpu``, written on the current
+        stream there (what made it, as far as the code under test knows)."""
+        storage = cpu.untyped_storage()
+        dev = Storage(self, device, storage.nbytes())
+        meta = self._meta_over(dev, cpu.dtype, cpu.shape, cpu.stride(), cpu.storage_offset())
+        if dev.data_ptr():
+            self._poke(dev.device, dev.data_ptr(), storage.data_ptr(), storage.nbytes())
+        return DevTensor(dev, meta)
+
+    @staticmethod
+    def _meta_over(storage, dtype, shape, stride, offset):
+        size = torch.empty(0, dtype=dtype).element_size()
+        base = torch.empty(max(storage.nbytes() // size, 0), dtype=dtype, device="meta")
+        return base.as_strided(shape, stride, offset)
+
+    def _touch(self, device, address, nbytes, write):
+        stream = self.cuda.current_stream(device).cuda_stream or None
+        assert self.lib.simgpu_touch(stream, device, address, nbytes, int(write)) == 0, (device, address, nbytes)
+
+    def _poke(self, device, address, host, nbytes):
+        """Device work writing ``nbytes`` at ``address`` on the current stream of ``device``."""
+        if nbytes:
+            self._touch(device, address, nbytes, True)
+            assert self.lib.simgpu_poke(address, host, nbytes) == 0
+
+    def _fetch(self, t, raws, read):
+        """t's values on the host, over a copy of its storage's bytes shared by every argument on that storage."""
+        storage = t._storage
+        raw = raws.get(id(storage))
+        if raw is None:
+            raw = raws[id(storage)] = torch.empty(storage.nbytes(), dtype=torch.uint8)
+            if storage.nbytes():
+                assert self.lib.simgpu_peek(raw.data_ptr(), storage.data_ptr(), storage.nbytes()) == 0, t
+        address, nbytes = t.span()
+        if read and nbytes:
+            self._touch(storage.device, address, nbytes, False)
+        size = t.element_size()
+        typed = raw[: raw.numel() // size * size].view(t.dtype)
+        return typed.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def host_copy(self, t):
+        """t's values as a host tensor (same strides), read on the current stream of its device."""
+        return self._fetch(t, {}, read=True).clone(memory_format=torch.preserve_format)
+
+    def _store(self, t, raws):
+        address, nbytes = t.span()
+        if nbytes:
+            raw = raws[id(t._storage)]
+            self._poke(t._storage.device, address, raw.data_ptr() + (address - t._storage.data_ptr()), nbytes)
+
+    def _place(self, o, device, written):
+        """A result computed on the host, as fresh memory of ``device`` (its values written there unless the
+        operation leaves them unwritten)."""
+        storage = o.untyped_storage()
+        dev = Storage(self, device, storage.nbytes())
+        meta = self._meta_over(dev, o.dtype, o.shape, o.stride(), o.storage_offset())
+        if written and dev.data_ptr():
+            self._poke(device, dev.data_ptr(), storage.data_ptr(), storage.nbytes())
+        return DevTensor(dev, meta)
+
+    # ---- operations ----
+    def _target(self, kwargs, devs):
+        """The device index of new results; None for host results."""
+        device = kwargs.get("device")
+        if device is not None:
+            device = torch.device(device)
+            if device.type != "cuda":
+                return None
+            return self.cuda.current_device() if device.index is None else device.index
+        return devs[0]._storage.device if devs else None
+
+    def run(self, func, args, kwargs):
+        flat = tree_flatten((args, kwargs))[0]
+        devs = [t for t in flat if isinstance(t, DevTensor)]
+        target = self._target(kwargs, devs)
+        if not devs and target is None:
+            return func(*args, **kwargs)
+        if func.is_view:
+            return self._view(func, args, kwargs, devs)
+        return self._compute(func, args, kwargs, target)
+
+    @staticmethod
+    def _view(func, args, kwargs, devs):
+        margs, mkwargs = tree_map(lambda x: x._meta if isinstance(x, DevTensor) else x, (args, kwargs))
+        out = func(*margs, **mkwargs)
+        storage = devs[0]._storage
+        return tree_map(lambda m: DevTensor(storage, m) if isinstance(m, torch.Tensor) else m, out)
+
+    def _compute(self, func, args, kwargs, target):
+        name = _name(func)
+        schema = func._schema
+        written = {id(args[i] if i < len(args) else kwargs.get(a.name)) for i, a in enumerate(schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write}
+        raws, host = {}, {}
+
+        def fetch(x):
+            if not isinstance(x, DevTensor):
+                return x
+            if id(x) not in host:
+                overwritten = id(x) in written and name in _OVERWRITE
+                host[id(x)] = (x, self._fetch(x, raws, read=name not in _NO_READ and not overwritten))
+            return host[id(x)][1]
+
+        hargs, hkwargs = tree_map(fetch, (args, kwargs))
+        if target is not None and "device" in hkwargs:
+            hkwargs["device"] = torch.device("cpu")
+        out = func(*hargs, **hkwargs)
+        for key in written & host.keys():
+            self._store(host[key][0], raws)
+        back = {id(h): d for d, h in host.values()}
+
+        def result(o):
+            if not isinstance(o, torch.Tensor):
+                return o
+            if id(o) in back:  # an in-place operation returns its argument
+                return back[id(o)]
+            return o if target is None else self._place(o, target, name not in _UNWRITTEN)
+
+        return tree_map(result, out)
+
+    # ---- the run ----
+    def install(self, monkeypatch):
+        """torch.cuda, CUDA device entries and factory calls for one test (or a whole run); returns self."""
+        from fastdp._platform import devices as _devices
+
+        self.cuda.install(monkeypatch)
+        monkeypatch.setattr(_devices, "_require_cuda", lambda d, what: d)
+        self.mode.__enter__()
+        return self
+
+    def leave(self):
+        self.mode.__exit__(None, None, None)
+
+
+class SimStream(FakeStream):
+    """A stream of the simulator (handle 0: the device's legacy stream, PyTorch's default stream): the fake's
+    bookkeeping, and every wait and synchronisation made in the simulator too."""
+
+    def wait_stream(self, other):
+        super().wait_stream(other)
+        event = self.cuda.Event()
+        event.record(other)
+        event.wait(self)
+
+    def record_event(self, event=None):
+        event = event or self.cuda.Event()
+        event.record(self)
+        return event
+
+    def synchronize(self):
+        super().synchronize()
+        sim = self.cuda.sim
+        sim._check(sim.on(self.device_index, sim.lib.cuStreamSynchronize, self.cuda_stream or None),
+                   "cuStreamSynchronize")
+
+
+class SimEvent(FakeEvent):
+    """An event of the simulator, made on the device of the stream it is first recorded on."""
+
+    def __init__(self, cuda, **kwargs):
+        super().__init__(cuda, **kwargs)
+        self.handle, self.device = None, None
+
+    def record(self, stream=None):
+        stream = stream or self.cuda.current_stream()
+        super().record(stream)
+        sim = self.cuda.sim
+        if self.device != stream.device_index:
+            handle = ctypes.c_void_p()
+            sim._check(sim.on(stream.device_index, sim.lib.cuEventCreate, ctypes.byref(handle), 0), "cuEventCreate")
+            self.handle, self.device = handle.value, stream.device_index
+        sim._check(sim.on(self.device, sim.lib.cuEventRecord, self.handle, stream.cuda_stream or None),
+                   "cuEventRecord")
+
+    def wait(self, stream=None):
+        stream = stream or self.cuda.current_stream()
+        super().wait(stream)
+        if self.handle is not None:  # waiting for an event never recorded waits for nothing
+            sim = self.cuda.sim
+            sim._check(sim.on(stream.device_index, sim.lib.cuStreamWaitEvent, stream.cuda_stream or None,
+                              self.handle, 0), "cuStreamWaitEvent")
+
+    def synchronize(self):
+        super().synchronize()
+        if self.handle is not None:
+            self.cuda.sim._check(self.cuda.sim.lib.cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+
+class SimCuda(FakeCuda):
+    """tests/_fake_cuda.py's torch.cuda over the simulator's devices, streams and events. The core's own orderings
+    (fastdp._C.order, Fence) stay the core's: they reach the simulated driver themselves."""
+
+    def __init__(self, sim):
+        self.sim = sim
+        super().__init__(sim.ndev)
+        self._streams = []
+        self.defaults = [SimStream(self, d, f"default@{d}", 0) for d in range(sim.ndev)]
+
+    def stream_on(self, device, name):
+        s = SimStream(self, device, name, self.sim.stream(device))
+        self.by_handle[s.cuda_stream] = s
+        return s
+
+    def ExternalStream(self, stream_ptr, device=None):
+        d = self._index(device)
+        s = self.defaults[d] if stream_ptr == 0 else self.by_handle.get(stream_ptr)
+        if s is None:
+            s = self.by_handle[stream_ptr] = SimStream(self, d, f"external{stream_ptr:#x}", stream_ptr)
+        if s.device_index != d:
+            self.misuse.append(f"ExternalStream({s.name}, device={d}): that stream belongs to device {s.device_index}")
+        return s
+
+    def Event(self, **kwargs):
+        return SimEvent(self, **kwargs)
+
+    def synchronize(self, device=None):
+        super().synchronize(device)
+        self.sim._check(self.sim.on(self._index(device), self.sim.lib.cuCtxSynchronize), "cuCtxSynchronize")
+
+    def record_stream(self, t, stream):
+        self.record("record_stream", t.data_ptr(), stream.name)
+        if isinstance(t, DevTensor) and stream != t._storage.stream:
+            t._storage.recorded.add(stream)
+
+    def install(self, monkeypatch):
+        from fastdp._reduction import cuda as _rcuda
+
+        for name in self._API:
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)  # factory calls naming cuda reach the mode
+        monkeypatch.setattr(torch.cuda, "empty_cache", self.sim.trim)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: self.record_stream(t, stream))
+        monkeypatch.setattr(_rcuda, "_OWN_STREAMS", {})  # the reduction's streams are the simulator's
+        return self

@@ -1,0 +1,44 @@
+"""The contract tests that compare fastdp with torch's CPU results, run a second time with their tensors on simulated
+CUDA devices (tests/_places.py), so that the Python layer's multi-device CUDA paths are checked for their values,
+through the real C core on the simulated driver (tests/sim/simcuda.py: CUDA tensors and torch.cuda for a CPU build of
+torch; tests/sim/contract.py: the pytest plugin). Each run is one pytest process with the simulated libraries named
+in its environment; FASTDP_STRICT makes a fallback to torch an error, so every value the core could move is moved
+by it. Any misuse or race the simulator records fails the test it happened in."""
+
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.sim
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SIM = os.path.join(HERE, "sim")
+
+
+@functools.lru_cache(maxsize=None)
+def _env():
+    spec = importlib.util.spec_from_file_location("fastdp_sim_build", os.path.join(SIM, "build.py"))
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    if build.compiler() is None:
+        pytest.skip("no C compiler found (cc, gcc or clang; or set CC): the simulated GPU needs one")
+    return dict(os.environ, **build.env())
+
+
+def _run(items, allocator="caching"):
+    env = dict(_env(), PYTHONPATH=os.pathsep.join([SIM, HERE]), FASTDP_STRICT="1", SIMGPU_ALLOCATOR=allocator)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "contract", *items],
+                          env=env, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-20000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-5000:]
+
+
+def test_the_bridge_to_simulated_devices():
+    """Values, views and poisoned fresh memory; values crossing devices through the core; a missing wait and an
+    unwritten buffer, planted, caught (tests/sim/bridge_cases.py)."""
+    _run([os.path.join("sim", "bridge_cases.py")])
+

@@ -18,6 +18,11 @@ pytestmark = pytest.mark.sim
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIM = os.path.join(HERE, "sim")
 
+# tests/test_comm.py's value tests: every parametrisation each one has on the CPU.
+COMM = ["test_broadcast", "test_broadcast_out", "test_broadcast_coalesced", "test_reduce_add",
+        "test_reduce_add_coalesced", "test_scatter", "test_scatter_layouts", "test_scatter_chunk_sizes",
+        "test_scatter_chunk_rule", "test_scatter_out", "test_gather", "test_gather_destinations_and_out"]
+
 
 @functools.lru_cache(maxsize=None)
 def _env():
@@ -42,3 +47,10 @@ def test_the_bridge_to_simulated_devices():
     unwritten buffer, planted, caught (tests/sim/bridge_cases.py)."""
     _run([os.path.join("sim", "bridge_cases.py")])
 
+
+@pytest.mark.parametrize("allocator", ["caching", "pool"])
+def test_comm_values_on_simulated_devices(allocator):
+    """broadcast, broadcast_coalesced, scatter, gather, reduce_add and reduce_add_coalesced on up to four simulated
+    devices (repeated ids beyond), against the same torch CPU references as on the host; the core's scratch memory
+    from PyTorch's route (a caching allocator) and from the driver's pool."""
+    _run([f"test_comm.py::{name}" for name in COMM], allocator)

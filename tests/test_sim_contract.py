@@ -54,3 +54,9 @@ def test_comm_values_on_simulated_devices(allocator):
     devices (repeated ids beyond), against the same torch CPU references as on the host; the core's scratch memory
     from PyTorch's route (a caching allocator) and from the driver's pool."""
     _run([f"test_comm.py::{name}" for name in COMM], allocator)
+
+
+def test_training_matches_the_bare_model_on_simulated_devices():
+    """Five SGD steps of DataParallel (forward, backward through the reduction's streams, optimizer step) on one to
+    four simulated devices give the parameters of the bare model trained on the full batch on the host."""
+    _run(["test_dp_training.py::test_sgd_steps_match_full_batch"])

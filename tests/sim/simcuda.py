@@ -53,7 +53,7 @@ class Storage:
 
     def __init__(self, bridge, device, nbytes):
         self.device, self._nbytes, self._ptr, self.recorded = device, nbytes, 0, set()
-        self.stream = bridge.cuda.current_stream(device)
+        self.stream = self.written_on = bridge.cuda.current_stream(device)
         if nbytes == 0:  # as PyTorch's: an empty storage has no memory
             return
         self._ptr, handle = bridge.allocate(device, nbytes, self.stream.cuda_stream)
@@ -167,7 +167,7 @@ class Bridge:
         dev = Storage(self, device, storage.nbytes())
         meta = self._meta_over(dev, cpu.dtype, cpu.shape, cpu.stride(), cpu.storage_offset())
         if dev.data_ptr():
-            self._poke(dev.device, dev.data_ptr(), storage.data_ptr(), storage.nbytes())
+            self._poke(dev, dev.data_ptr(), storage.data_ptr(), storage.nbytes())
         return DevTensor(dev, meta)
 
     @staticmethod
@@ -180,8 +180,10 @@ class Bridge:
         stream = self.cuda.current_stream(device).cuda_stream or None
         assert self.lib.simgpu_touch(stream, device, address, nbytes, int(write)) == 0, (device, address, nbytes)
 
-    def _poke(self, device, address, host, nbytes):
-        """Device work writing ``nbytes`` at ``address`` on the current stream of ``device``."""
+    def _poke(self, storage, address, host, nbytes):
+        """Device work writing ``nbytes`` at ``address`` of ``storage`` on the current stream of its device."""
+        device = storage.device
+        storage.written_on = self.cuda.current_stream(device)
         if nbytes:
             self._touch(device, address, nbytes, True)
             assert self.lib.simgpu_poke(address, host, nbytes) == 0
@@ -209,7 +211,7 @@ class Bridge:
         address, nbytes = t.span()
         if nbytes:
             raw = raws[id(t._storage)]
-            self._poke(t._storage.device, address, raw.data_ptr() + (address - t._storage.data_ptr()), nbytes)
+            self._poke(t._storage, address, raw.data_ptr() + (address - t._storage.data_ptr()), nbytes)
 
     def _place(self, o, device, written):
         """A result computed on the host, as fresh memory of ``device`` (its values written there unless the
@@ -218,7 +220,7 @@ class Bridge:
         dev = Storage(self, device, storage.nbytes())
         meta = self._meta_over(dev, o.dtype, o.shape, o.stride(), o.storage_offset())
         if written and dev.data_ptr():
-            self._poke(device, dev.data_ptr(), storage.data_ptr(), storage.nbytes())
+            self._poke(dev, dev.data_ptr(), storage.data_ptr(), storage.nbytes())
         return DevTensor(dev, meta)
 
     # ---- operations ----
@@ -285,14 +287,23 @@ class Bridge:
     def install(self, monkeypatch):
         """torch.cuda, CUDA device entries and factory calls for one test (or a whole run); returns self."""
         from fastdp._platform import devices as _devices
+        from fastdp._reduction import reducer as _reducer
+        from fastdp._step import replicas as _replicas
 
         self.cuda.install(monkeypatch)
+        self.cuda.engine(monkeypatch, _reducer.BucketNode)  # the node whose gradients come from several devices
+        # A DevTensor's storage is a Python object that views share, not a C storage whose use count libtorch keeps:
+        # the kept replicas' pools tell a free entry by weak references, as on a torch without that count.
+        monkeypatch.setattr(_replicas, "_use_count", None)
+        self._overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+        torch.__future__.set_overwrite_module_params_on_conversion(True)  # module.to(cuda): parameters on devices
         monkeypatch.setattr(_devices, "_require_cuda", lambda d, what: d)
         self.mode.__enter__()
         return self
 
     def leave(self):
         self.mode.__exit__(None, None, None)
+        torch.__future__.set_overwrite_module_params_on_conversion(self._overwrite)
 
 
 class SimStream(FakeStream):
@@ -384,6 +395,40 @@ class SimCuda(FakeCuda):
         self.record("record_stream", t.data_ptr(), stream.name)
         if isinstance(t, DevTensor) and stream != t._storage.stream:
             t._storage.recorded.add(stream)
+
+    def engine(self, monkeypatch, function):
+        """Autograd's engine on a GPU for ``function``'s nodes (torch 2.8 and newer, the torch this runs): a node's
+        canonical stream is the stream current on its first output's device when it was made; before its backward
+        runs there, that stream waits (a simulator event) for the stream that produced each incoming gradient (the
+        last to write it). The engine of a CPU build sees host tensors and makes none of these waits."""
+        cuda, forward, backward = self, function.forward, function.backward
+
+        def made(ctx, *args):
+            out = forward(ctx, *args)
+            first = next((t for t in tree_flatten(out)[0] if isinstance(t, DevTensor)), None)
+            ctx.sim_canonical = None if first is None else cuda.current_stream(first.get_device())
+            return out
+
+        def run(ctx, *grads):
+            canonical = ctx.sim_canonical
+            if canonical is None:
+                return backward(ctx, *grads)
+            for producer in {g._storage.written_on for g in grads if isinstance(g, DevTensor)}:
+                if producer != canonical:
+                    event = cuda.Event()
+                    event.record(producer)
+                    event.wait(canonical)
+            st = cuda._state()
+            before = st.streams, st.device
+            st.streams, st.device = {canonical.device_index: canonical}, canonical.device_index  # a device thread
+            try:
+                return backward(ctx, *grads)
+            finally:
+                st.streams, st.device = before
+
+        monkeypatch.setattr(function, "forward", staticmethod(made))
+        monkeypatch.setattr(function, "backward", staticmethod(run))
+        return self
 
     def install(self, monkeypatch):
         from fastdp._reduction import cuda as _rcuda

@@ -80,3 +80,11 @@ def test_reduction_matches_the_bare_model_on_simulated_devices():
     optimizers in hooks, no_sync, parameters some replicas leave unused) on three simulated devices, with a host
     batch scattered to them, against the bare model on the host."""
     _run([f"test_reduction.py::{name}" for name in REDUCTION])
+
+
+def test_out_of_memory_rescue_matches_the_bare_model_on_simulated_devices():
+    """dp.train_step's rescue of an out-of-memory error raised in backward (after some buckets' sums reached .grad,
+    or while sums were in flight) on three simulated devices: the step runs again and the gradients equal the bare
+    model's. (fastdp.inject_oom, which the other rescue tests use, serves emulated replicas only.)"""
+    _run(["test_rebalance.py::test_train_step_rescues_a_backward_oom_and_grads_count_each_step_once",
+          "test_rebalance.py::test_train_step_drops_the_sums_a_failed_backward_started"])

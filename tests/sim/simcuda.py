@@ -366,6 +366,7 @@ class SimCuda(FakeCuda):
 
     def __init__(self, sim):
         self.sim = sim
+        self._rng = {}
         super().__init__(sim.ndev)
         self._streams = []
         self.defaults = [SimStream(self, d, f"default@{d}", 0) for d in range(sim.ndev)]
@@ -390,6 +391,14 @@ class SimCuda(FakeCuda):
     def synchronize(self, device=None):
         super().synchronize(device)
         self.sim._check(self.sim.on(self._index(device), self.sim.lib.cuCtxSynchronize), "cuCtxSynchronize")
+
+    def get_rng_state(self, device="cuda"):
+        """A device's random generator state. Random operations on simulated devices draw from the host's generator
+        (the bridge computes them there), so this state stands for nothing but itself: what was set is returned."""
+        return self._rng.get(self._index(device), torch.zeros(16, dtype=torch.uint8)).clone()
+
+    def set_rng_state(self, state, device="cuda"):
+        self._rng[self._index(device)] = state.clone()
 
     def record_stream(self, t, stream):
         self.record("record_stream", t.data_ptr(), stream.name)
@@ -433,7 +442,7 @@ class SimCuda(FakeCuda):
     def install(self, monkeypatch):
         from fastdp._reduction import cuda as _rcuda
 
-        for name in self._API:
+        for name in self._API + ("get_rng_state", "set_rng_state"):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
         monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)  # factory calls naming cuda reach the mode
         monkeypatch.setattr(torch.cuda, "empty_cache", self.sim.trim)

@@ -45,11 +45,11 @@ def _env():
     return dict(os.environ, **build.env())
 
 
-def _run(items, allocator="caching"):
+def _run(items, allocator="caching", select="not threads"):
     env = dict(_env(), PYTHONPATH=os.pathsep.join([SIM, HERE]), FASTDP_STRICT="1", SIMGPU_ALLOCATOR=allocator)
     # conftest.cpu_apply's two ways of running emulated replicas mean nothing on CUDA devices: one of them is enough.
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "contract",
-                           "-k", "not threads", *items],
+                           "-k", select, *items],
                           env=env, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-20000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-5000:]
@@ -88,3 +88,11 @@ def test_out_of_memory_rescue_matches_the_bare_model_on_simulated_devices():
     model's. (fastdp.inject_oom, which the other rescue tests use, serves emulated replicas only.)"""
     _run(["test_rebalance.py::test_train_step_rescues_a_backward_oom_and_grads_count_each_step_once",
           "test_rebalance.py::test_train_step_drops_the_sums_a_failed_backward_started"])
+
+
+def test_the_gpu_tests_on_simulated_devices():
+    """The tests written for a real GPU (marked gpu or multi_gpu) of the drop-in, training and balance files: one
+    GPU listed several times, and every simulated device (device_count() is four here), against the bare model. Not
+    those that run upstream's DataParallel beside fastdp's (a CPU build of torch has no CUDA collectives)."""
+    _run(["-m", "gpu or multi_gpu", "test_dp_forward.py", "test_dp_devices.py", "test_dp_training.py",
+          "test_memory_balance.py"], select="not threads and not side_by_side")

@@ -57,7 +57,7 @@ class Storage:
         if nbytes == 0:  # as PyTorch's: an empty storage has no memory
             return
         self._ptr, handle = bridge.allocate(device, nbytes, self.stream.cuda_stream)
-        weakref.finalize(self, bridge.release, handle, self.recorded).atexit = False
+        weakref.finalize(self, bridge.release, device, nbytes, handle, self.recorded).atexit = False
 
     def data_ptr(self):
         return self._ptr
@@ -108,6 +108,27 @@ class DevTensor(torch.Tensor):
     def untyped_storage(self):
         return self._storage
 
+    def to(self, *args, **kwargs):
+        """As torch's: the tensor itself where nothing changes (torch's own would see a CPU wrapper and copy)."""
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        same = device is not None and device.type == "cuda" and device.index in (None, self.get_device())
+        if same and dtype in (None, self.dtype) and not kwargs.get("copy") and memory_format is None:
+            return self
+        return super().to(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        """A copy in fresh memory of the same device (torch's own would copy the wrapper's empty storage)."""
+        if id(self) not in memo:
+            with torch.no_grad():
+                new = self.clone()
+            new.requires_grad_(self.requires_grad)
+            if getattr(self, "_is_param", False):  # as nn.Parameter's deepcopy: the gradient stays behind
+                new._is_param = True
+            elif self.grad is not None:
+                new.grad = self.grad.__deepcopy__(memo)
+            memo[id(self)] = new
+        return memo[id(self)]
+
     def span(self):
         """(address, bytes) of the memory this view's elements cover, first to last."""
         if self.numel() == 0 or not self._storage.data_ptr():
@@ -149,9 +170,10 @@ class Bridge:
         if rc == 2:
             raise torch.OutOfMemoryError(f"CUDA out of memory (simulated caching allocator): {err.value.decode()}")
         assert rc == 0, err.value.decode()
+        self.cuda.allocate(device, nbytes)  # what torch.cuda.memory_allocated and the peak count
         return ptr.value, handle.value
 
-    def release(self, handle, recorded):
+    def release(self, device, nbytes, handle, recorded):
         """A dying storage's block goes back to its stream; PyTorch's allocator first waits (on the host, querying
         events) until the streams record_stream named have run their work up to this point."""
         for stream in recorded:
@@ -159,6 +181,7 @@ class Bridge:
             event.record(stream)
             self.sim._check(self.lib.cuEventSynchronize(event.handle), "cuEventSynchronize")
         self.lib.simgpu_cache_release(handle)
+        self.cuda.allocate(device, -nbytes)
 
     def tensor(self, cpu, device):
         """A DevTensor on ``device`` with the values, shape and strides of host tensor ``cpu``, written on the current
@@ -447,5 +470,16 @@ class SimCuda(FakeCuda):
         monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)  # factory calls naming cuda reach the mode
         monkeypatch.setattr(torch.cuda, "empty_cache", self.sim.trim)
         monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: self.record_stream(t, stream))
+        monkeypatch.setattr(torch.Tensor, "cuda", lambda t, device=None, non_blocking=False, **kw: t.to(
+            torch.device("cuda", self._index(device)), non_blocking=non_blocking))
+        real_tensor = torch.tensor
+
+        def tensor(data, *, device=None, **kw):  # torch.tensor refuses a CUDA device before any dispatch
+            t = real_tensor(data, **kw)
+            if device is None or torch.device(device).type != "cuda":
+                return t
+            return t.to(torch.device("cuda", self._index(device)))  # "cuda" alone: the current device
+
+        monkeypatch.setattr(torch, "tensor", tensor)
         monkeypatch.setattr(_rcuda, "_OWN_STREAMS", {})  # the reduction's streams are the simulator's
         return self

@@ -96,3 +96,9 @@ def test_the_gpu_tests_on_simulated_devices():
     those that run upstream's DataParallel beside fastdp's (a CPU build of torch has no CUDA collectives)."""
     _run(["-m", "gpu or multi_gpu", "test_dp_forward.py", "test_dp_devices.py", "test_dp_training.py",
           "test_memory_balance.py"], select="not threads and not side_by_side")
+
+
+def test_scatter_and_gather_autograd_on_simulated_devices():
+    """DataParallel's scatter and gather functions between simulated devices and the host: values, the source's own
+    chunk a view, and their gradients checked numerically to the second order (gradcheck, gradgradcheck)."""
+    _run(["test_dp_scatter_gather.py::test_scatter_cpu", "test_dp_scatter_gather.py::test_gather_cpu"])

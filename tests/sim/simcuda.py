@@ -311,10 +311,11 @@ class Bridge:
         """torch.cuda, CUDA device entries and factory calls for one test (or a whole run); returns self."""
         from fastdp._platform import devices as _devices
         from fastdp._reduction import reducer as _reducer
-        from fastdp._step import replicas as _replicas
+        from fastdp._step import functions as _functions, replicas as _replicas
 
         self.cuda.install(monkeypatch)
-        self.cuda.engine(monkeypatch, _reducer.BucketNode)  # the node whose gradients come from several devices
+        for node in (_reducer.BucketNode, _functions.Scatter, _functions.Gather):  # gradients from several devices
+            self.cuda.engine(monkeypatch, node)
         # A DevTensor's storage is a Python object that views share, not a C storage whose use count libtorch keeps:
         # the kept replicas' pools tell a free entry by weak references, as on a torch without that count.
         monkeypatch.setattr(_replicas, "_use_count", None)
@@ -432,19 +433,25 @@ class SimCuda(FakeCuda):
         """Autograd's engine on a GPU for ``function``'s nodes (torch 2.8 and newer, the torch this runs): a node's
         canonical stream is the stream current on its first output's device when it was made; before its backward
         runs there, that stream waits (a simulator event) for the stream that produced each incoming gradient (the
-        last to write it). The engine of a CPU build sees host tensors and makes none of these waits."""
+        last to write it). The engine of a CPU build sees host tensors and makes none of these waits; and the
+        gradients it materialises for outputs that got none are zeros on the host, where a GPU's engine makes them on
+        the output's device: they are moved there."""
         cuda, forward, backward = self, function.forward, function.backward
 
         def made(ctx, *args):
             out = forward(ctx, *args)
-            first = next((t for t in tree_flatten(out)[0] if isinstance(t, DevTensor)), None)
-            ctx.sim_canonical = None if first is None else cuda.current_stream(first.get_device())
+            outs = out if isinstance(out, tuple) else (out,)
+            ctx.sim_devices = [t.get_device() if isinstance(t, DevTensor) else None for t in outs]
+            first = next((d for d in ctx.sim_devices if d is not None), None)
+            ctx.sim_canonical = None if first is None else cuda.current_stream(first)
             return out
 
         def run(ctx, *grads):
             canonical = ctx.sim_canonical
             if canonical is None:
                 return backward(ctx, *grads)
+            grads = tuple(g.to(torch.device("cuda", d)) if d is not None and isinstance(g, torch.Tensor)
+                          and not isinstance(g, DevTensor) else g for g, d in zip(grads, ctx.sim_devices))
             for producer in {g._storage.written_on for g in grads if isinstance(g, DevTensor)}:
                 if producer != canonical:
                     event = cuda.Event()

@@ -4,6 +4,8 @@ the simulated driver; and the two kinds of bug the contract run is for, planted,
 what the Python layer wrote on another stream without a wait (a race), and a Python-layer buffer left unwritten
 (poison in the result)."""
 
+import threading
+
 import pytest
 import torch
 
@@ -133,3 +135,37 @@ def test_the_core_writes_what_torch_reads_next_on_the_same_stream(bridge):
     out = comm.gather(parts, destination=1)
     assert torch.equal((out + 0).cpu(), torch.cat([torch.full((2, 3), float(k)) for k in range(4)]))
     assert _C is not None and _races(bridge)[0] == 0
+
+
+def test_an_operation_that_writes_an_input_without_saying_so(bridge):
+    """native_batch_norm updates the running statistics in place although its schema does not mark them written:
+    the bridge writes back whatever an operation changed, so BatchNorm's statistics on a device equal the host's."""
+    bn, ref = torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
+    bn = bn.to(torch.device("cuda", 1))
+    x = torch.randn(8, 3) * 3 + 1
+    torch.testing.assert_close(bn(_places.on(x, 1)).cpu(), ref(x))
+    torch.testing.assert_close(bn.running_mean.cpu(), ref.running_mean)
+    torch.testing.assert_close(bn.running_var.cpu(), ref.running_var)
+
+
+def test_conjugate_and_negative_views(bridge):
+    """A conjugate view is one by a bit, as on any device: its values, and complex gradients (which autograd takes
+    through conjugate views), equal the host's."""
+    w_host = torch.randn(5, dtype=torch.cfloat)
+    x_host = torch.randn(3, 5, dtype=torch.cfloat)
+    w = _places.on(w_host, 2).requires_grad_()
+    x = _places.on(x_host, 2)
+    assert w.conj().is_conj() and torch.equal(w.conj().cpu(), w_host.conj())
+    (x * w).abs().sum().backward()
+    w_ref = w_host.clone().requires_grad_()
+    (x_host * w_ref).abs().sum().backward()
+    torch.testing.assert_close(w.grad.cpu(), w_ref.grad)
+
+
+def test_factory_calls_in_other_threads(bridge):
+    """Replica workers allocate on their devices too: a factory call naming a CUDA device works in any thread."""
+    made = []
+    worker = threading.Thread(target=lambda: made.append(torch.empty(4, device="cuda:3")))
+    worker.start()
+    worker.join()
+    assert made and made[0].device == torch.device("cuda", 3) and made[0].cpu().isnan().all()

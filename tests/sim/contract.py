@@ -39,3 +39,4 @@ def _simulated_devices_clean():
     n, text = bridge.sim.errors()
     assert n == 0, f"the simulated GPU recorded {n} misuse(s)/race(s):\n{text}"
     assert bridge.cuda.misuse == [], bridge.cuda.misuse
+

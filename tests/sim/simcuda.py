@@ -22,6 +22,7 @@ simulated libraries (tests/sim/build.py env())."""
 import ctypes
 import os
 import sys
+import threading
 import weakref
 
 import torch
@@ -77,6 +78,8 @@ class DevTensor(torch.Tensor):
         t = torch.Tensor._make_wrapper_subclass(cls, meta.shape, strides=meta.stride(),
                                                 storage_offset=meta.storage_offset(), dtype=meta.dtype, device="cpu")
         t._storage, t._meta = storage, meta
+        torch._C._set_conj(t, meta.is_conj())  # a conjugate or negative view is one by a bit, as on any device
+        torch._C._set_neg(t, meta.is_neg())
         return t
 
     def __init__(self, storage, meta):
@@ -224,7 +227,10 @@ class Bridge:
             self._touch(storage.device, address, nbytes, False)
         size = t.element_size()
         typed = raw[: raw.numel() // size * size].view(t.dtype)
-        return typed.as_strided(t.shape, t.stride(), t.storage_offset())
+        view = typed.as_strided(t.shape, t.stride(), t.storage_offset())
+        if t.is_conj():
+            view = view.conj()
+        return torch._neg_view(view) if t.is_neg() else view
 
     def host_copy(self, t):
         """t's values as a host tensor (same strides), read on the current stream of its device."""
@@ -292,9 +298,14 @@ class Bridge:
         hargs, hkwargs = tree_map(fetch, (args, kwargs))
         if target is not None and "device" in hkwargs:
             hkwargs["device"] = torch.device("cpu")
+        before = {key: raw.clone() for key, raw in raws.items()}
         out = func(*hargs, **hkwargs)
-        for key in written & host.keys():
-            self._store(host[key][0], raws)
+        # What the schema says the operation writes, and what it wrote without saying so (native_batch_norm's running
+        # statistics).
+        changed = {key for key, raw in raws.items() if not torch.equal(raw, before[key])}
+        for key, (d, _) in host.items():
+            if key in written or id(d._storage) in changed:
+                self._store(d, raws)
         back = {id(h): d for d, h in host.values()}
 
         def result(o):
@@ -314,6 +325,13 @@ class Bridge:
         from fastdp._step import functions as _functions, replicas as _replicas
 
         self.cuda.install(monkeypatch)
+        real_run = threading.Thread.run
+
+        def run(thread):  # the dispatch mode is per thread: replica workers need it too
+            with _Mode(self):
+                real_run(thread)
+
+        monkeypatch.setattr(threading.Thread, "run", run)
         for node in (_reducer.BucketNode, _functions.Scatter, _functions.Gather):  # gradients from several devices
             self.cuda.engine(monkeypatch, node)
         # A DevTensor's storage is a Python object that views share, not a C storage whose use count libtorch keeps:

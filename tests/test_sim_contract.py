@@ -102,3 +102,11 @@ def test_scatter_and_gather_autograd_on_simulated_devices():
     """DataParallel's scatter and gather functions between simulated devices and the host: values, the source's own
     chunk a view, and their gradients checked numerically to the second order (gradcheck, gradgradcheck)."""
     _run(["test_dp_scatter_gather.py::test_scatter_cpu", "test_dp_scatter_gather.py::test_gather_cpu"])
+
+
+def test_gradients_through_the_wrapper_on_simulated_devices():
+    """A gradient penalty (double backward through the input, scattered from the host, and through the parameters),
+    unused and partly used parameters, channels-last gradients and complex parameters, against the bare model."""
+    _run([f"test_dp_autograd.py::{name}" for name in (
+        "test_double_backward_gradient_penalty", "test_unused_parameters_keep_grad_none_partially_used_get_sums",
+        "test_strided_grad_layout_channels_last", "test_complex_parameters_and_inputs_stay_complex")])

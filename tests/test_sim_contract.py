@@ -110,3 +110,11 @@ def test_gradients_through_the_wrapper_on_simulated_devices():
     _run([f"test_dp_autograd.py::{name}" for name in (
         "test_double_backward_gradient_penalty", "test_unused_parameters_keep_grad_none_partially_used_get_sums",
         "test_strided_grad_layout_channels_last", "test_complex_parameters_and_inputs_stay_complex")])
+
+
+def test_kept_replicas_on_simulated_devices():
+    """The kept replicas across steps (the replica count changing between steps, two forwards before one backward,
+    the pooled buffers reused in the steady state) and no_sync's unsynced sums, against the bare model."""
+    _run([f"test_dp_persistent.py::{name}" for name in (
+        "test_changing_number_of_replicas_between_steps", "test_two_forwards_before_backward",
+        "test_flat_buffers_are_reused_in_steady_state", "test_no_sync_equals_plain_accumulation")])

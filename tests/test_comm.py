@@ -78,6 +78,7 @@ SHAPES = {
     "odd": lambda dt: make((7, 5, 3), dt),
     "transposed": lambda dt: make((5, 7), dt).t(),
     "strided": lambda dt: make((9, 8), dt)[::2, 1::3],
+    "strided3d": lambda dt: make((6, 5, 8), dt)[::2, 1:, ::3],  # a GPU copies it with the strided-copy kernel
     "channels_last": lambda dt: make((2, 3, 4, 5), dt).contiguous(memory_format=torch.channels_last),
 }
 

@@ -45,8 +45,16 @@ def _env():
     return dict(os.environ, **build.env())
 
 
-def _run(items, allocator="caching", select="not threads"):
-    env = dict(_env(), PYTHONPATH=os.pathsep.join([SIM, HERE]), FASTDP_STRICT="1", SIMGPU_ALLOCATOR=allocator)
+@pytest.fixture(params=["default", "caller"], ids=["default-streams", "caller-streams"])
+def streams(request):
+    """Each DataParallel run twice: on the devices' default streams, and with a stream of the caller's own current
+    on every device (everything fastdp does for the caller, in any thread, must be ordered on it)."""
+    return request.param
+
+
+def _run(items, allocator="caching", select="not threads", streams="default"):
+    env = dict(_env(), PYTHONPATH=os.pathsep.join([SIM, HERE]), FASTDP_STRICT="1", SIMGPU_ALLOCATOR=allocator,
+               SIMGPU_CALLER_STREAMS="1" if streams == "caller" else "0")
     # conftest.cpu_apply's two ways of running emulated replicas mean nothing on CUDA devices: one of them is enough.
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "contract",
                            "-k", select, *items],
@@ -69,52 +77,40 @@ def test_comm_values_on_simulated_devices(allocator):
     _run([f"test_comm.py::{name}" for name in COMM], allocator)
 
 
-def test_training_matches_the_bare_model_on_simulated_devices():
-    """Five SGD steps of DataParallel (forward, backward through the reduction's streams, optimizer step) on one to
-    four simulated devices give the parameters of the bare model trained on the full batch on the host."""
-    _run(["test_dp_training.py::test_sgd_steps_match_full_batch"])
+
+# DataParallel against the bare model: the tests and what each set covers.
+DATA_PARALLEL = [
+    # five SGD steps (forward, backward through the reduction's streams, optimizer step), one to four devices
+    "test_dp_training.py::test_sgd_steps_match_full_batch",
+    # every way of taking gradients through the wrapper, with a host batch scattered to the devices
+    *[f"test_reduction.py::{name}" for name in REDUCTION],
+    # a gradient penalty (double backward through the input and the parameters), unused and partly used
+    # parameters, channels-last gradients, complex parameters
+    *[f"test_dp_autograd.py::{name}" for name in (
+        "test_double_backward_gradient_penalty", "test_unused_parameters_keep_grad_none_partially_used_get_sums",
+        "test_strided_grad_layout_channels_last", "test_complex_parameters_and_inputs_stay_complex")],
+    # the kept replicas across steps and no_sync's unsynced sums
+    *[f"test_dp_persistent.py::{name}" for name in (
+        "test_changing_number_of_replicas_between_steps", "test_two_forwards_before_backward",
+        "test_flat_buffers_are_reused_in_steady_state", "test_no_sync_equals_plain_accumulation")],
+    # scatter and gather between devices and the host, gradients checked to the second order
+    "test_dp_scatter_gather.py::test_scatter_cpu", "test_dp_scatter_gather.py::test_gather_cpu",
+    # train_step's rescue of an out-of-memory error raised in backward (fastdp.inject_oom, which the other rescue
+    # tests use, serves emulated replicas only)
+    "test_rebalance.py::test_train_step_rescues_a_backward_oom_and_grads_count_each_step_once",
+    "test_rebalance.py::test_train_step_drops_the_sums_a_failed_backward_started",
+]
 
 
-def test_reduction_matches_the_bare_model_on_simulated_devices():
-    """Every way of taking gradients through the wrapper (hooks, autograd.grad, retained graphs, double backward,
-    optimizers in hooks, no_sync, parameters some replicas leave unused) on three simulated devices, with a host
-    batch scattered to them, against the bare model on the host."""
-    _run([f"test_reduction.py::{name}" for name in REDUCTION])
+def test_data_parallel_matches_the_bare_model_on_simulated_devices(streams):
+    """DataParallel's training, gradients, kept replicas, scatter and gather, and rescue on up to four simulated
+    devices against the bare model on the host (DATA_PARALLEL says which tests)."""
+    _run(DATA_PARALLEL, streams=streams)
 
 
-def test_out_of_memory_rescue_matches_the_bare_model_on_simulated_devices():
-    """dp.train_step's rescue of an out-of-memory error raised in backward (after some buckets' sums reached .grad,
-    or while sums were in flight) on three simulated devices: the step runs again and the gradients equal the bare
-    model's. (fastdp.inject_oom, which the other rescue tests use, serves emulated replicas only.)"""
-    _run(["test_rebalance.py::test_train_step_rescues_a_backward_oom_and_grads_count_each_step_once",
-          "test_rebalance.py::test_train_step_drops_the_sums_a_failed_backward_started"])
-
-
-def test_the_gpu_tests_on_simulated_devices():
+def test_the_gpu_tests_on_simulated_devices(streams):
     """The tests written for a real GPU (marked gpu or multi_gpu) of the drop-in, training and balance files: one
     GPU listed several times, and every simulated device (device_count() is four here), against the bare model. Not
     those that run upstream's DataParallel beside fastdp's (a CPU build of torch has no CUDA collectives)."""
     _run(["-m", "gpu or multi_gpu", "test_dp_forward.py", "test_dp_devices.py", "test_dp_training.py",
-          "test_memory_balance.py"], select="not threads and not side_by_side")
-
-
-def test_scatter_and_gather_autograd_on_simulated_devices():
-    """DataParallel's scatter and gather functions between simulated devices and the host: values, the source's own
-    chunk a view, and their gradients checked numerically to the second order (gradcheck, gradgradcheck)."""
-    _run(["test_dp_scatter_gather.py::test_scatter_cpu", "test_dp_scatter_gather.py::test_gather_cpu"])
-
-
-def test_gradients_through_the_wrapper_on_simulated_devices():
-    """A gradient penalty (double backward through the input, scattered from the host, and through the parameters),
-    unused and partly used parameters, channels-last gradients and complex parameters, against the bare model."""
-    _run([f"test_dp_autograd.py::{name}" for name in (
-        "test_double_backward_gradient_penalty", "test_unused_parameters_keep_grad_none_partially_used_get_sums",
-        "test_strided_grad_layout_channels_last", "test_complex_parameters_and_inputs_stay_complex")])
-
-
-def test_kept_replicas_on_simulated_devices():
-    """The kept replicas across steps (the replica count changing between steps, two forwards before one backward,
-    the pooled buffers reused in the steady state) and no_sync's unsynced sums, against the bare model."""
-    _run([f"test_dp_persistent.py::{name}" for name in (
-        "test_changing_number_of_replicas_between_steps", "test_two_forwards_before_backward",
-        "test_flat_buffers_are_reused_in_steady_state", "test_no_sync_equals_plain_accumulation")])
+          "test_memory_balance.py"], select="not threads and not side_by_side", streams=streams)

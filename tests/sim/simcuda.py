@@ -451,12 +451,16 @@ class SimCuda(FakeCuda):
         """Autograd's engine on a GPU for ``function``'s nodes (torch 2.8 and newer, the torch this runs): a node's
         canonical stream is the stream current on its first output's device when it was made; before its backward
         runs there, that stream waits (a simulator event) for the stream that produced each incoming gradient (the
-        last to write it). The engine of a CPU build sees host tensors and makes none of these waits; and the
+        last to write it); each gradient it hands on to a node of another stream is waited for there and recorded
+        as used by that stream. The engine of a CPU build sees host tensors and makes none of these waits; and the
         gradients it materialises for outputs that got none are zeros on the host, where a GPU's engine makes them on
         the output's device: they are moved there."""
         cuda, forward, backward = self, function.forward, function.backward
 
         def made(ctx, *args):
+            # The nodes that will consume this node's gradients: made on the stream current on their device now.
+            ctx.sim_consumers = [cuda.current_stream(a.get_device()) if isinstance(a, DevTensor) else None
+                                 for a in args]
             out = forward(ctx, *args)
             outs = out if isinstance(out, tuple) else (out,)
             ctx.sim_devices = [t.get_device() if isinstance(t, DevTensor) else None for t in outs]
@@ -479,9 +483,19 @@ class SimCuda(FakeCuda):
             before = st.streams, st.device
             st.streams, st.device = {canonical.device_index: canonical}, canonical.device_index  # a device thread
             try:
-                return backward(ctx, *grads)
+                results = backward(ctx, *grads)
             finally:
                 st.streams, st.device = before
+            handed = results if isinstance(results, tuple) else (results,)
+            for g, consumer in zip(handed, ctx.sim_consumers):
+                if isinstance(g, DevTensor) and consumer is not None and consumer != canonical:
+                    # The consumer's stream waits for this node's canonical stream, and the gradient's memory
+                    # counts as used by the consumer (the engine's record_stream).
+                    event = cuda.Event()
+                    event.record(canonical)
+                    event.wait(consumer)
+                    cuda.record_stream(g, consumer)
+            return results
 
         monkeypatch.setattr(function, "forward", staticmethod(made))
         monkeypatch.setattr(function, "backward", staticmethod(run))

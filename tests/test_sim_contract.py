@@ -69,12 +69,13 @@ def test_the_bridge_to_simulated_devices():
     _run([os.path.join("sim", "bridge_cases.py")])
 
 
-@pytest.mark.parametrize("allocator", ["caching", "pool"])
-def test_comm_values_on_simulated_devices(allocator):
+@pytest.mark.parametrize("allocator, streams", [("caching", "default"), ("pool", "default"), ("caching", "caller")])
+def test_comm_values_on_simulated_devices(allocator, streams):
     """broadcast, broadcast_coalesced, scatter, gather, reduce_add and reduce_add_coalesced on up to four simulated
     devices (repeated ids beyond), against the same torch CPU references as on the host; the core's scratch memory
-    from PyTorch's route (a caching allocator) and from the driver's pool."""
-    _run([f"test_comm.py::{name}" for name in COMM], allocator)
+    from PyTorch's route (a caching allocator) and from the driver's pool; on the default streams and on a caller's
+    own."""
+    _run([f"test_comm.py::{name}" for name in COMM], allocator, streams=streams)
 
 
 

@@ -1,4 +1,5 @@
-"""fastdp.comm on host devices, against references computed with plain torch."""
+"""fastdp.comm on host devices, against references computed with plain torch. The value tests run a second time on
+simulated CUDA devices through the C core (tests/test_sim_contract.py; tests/_places.py says where tensors go)."""
 
 import functools
 import os
@@ -15,6 +16,7 @@ import torch.nn.parallel.comm as upstream
 
 import fastdp
 from fastdp import comm
+from _places import dest, devices, on
 
 DTYPES = [
     torch.float16,
@@ -76,6 +78,7 @@ SHAPES = {
     "odd": lambda dt: make((7, 5, 3), dt),
     "transposed": lambda dt: make((5, 7), dt).t(),
     "strided": lambda dt: make((9, 8), dt)[::2, 1::3],
+    "strided3d": lambda dt: make((6, 5, 8), dt)[::2, 1:, ::3],  # a GPU copies it with the strided-copy kernel
     "channels_last": lambda dt: make((2, 3, 4, 5), dt).contiguous(memory_format=torch.channels_last),
 }
 
@@ -87,12 +90,13 @@ SHAPES = {
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("ndev", [1, 2, 3])
 def test_broadcast(dtype, shape, ndev):
-    x = SHAPES[shape](dtype)
-    outs = comm.broadcast(x, ["cpu"] * ndev)
+    ref = SHAPES[shape](dtype)
+    x = on(ref)
+    outs = comm.broadcast(x, devices(ndev))
     assert len(outs) == ndev
     assert outs[0] is x
     for o in outs[1:]:
-        same(o, x)
+        same(o, ref)
         assert o.numel() == 0 or o.data_ptr() != x.data_ptr()
         if shape == "channels_last":
             assert o.is_contiguous(memory_format=torch.channels_last)
@@ -108,12 +112,13 @@ def test_broadcast_device_forms():
 
 
 def test_broadcast_out():
-    x = make((4, 3), torch.float32)
-    out = [torch.empty(4, 3), torch.empty(3, 4).t()]
+    ref = make((4, 3), torch.float32)
+    x = on(ref)
+    out = [on(torch.empty(4, 3), 1), on(torch.empty(3, 4).t(), 2)]
     res = comm.broadcast(x, out=out)
     assert res[0] is out[0] and res[1] is out[1]
     for o in res:
-        same(o, x)
+        same(o, ref)
 
 
 def test_broadcast_errors():
@@ -163,14 +168,15 @@ def mixed_tensors():
 @pytest.mark.parametrize("buffer_size", [1, 7, 100, 10485760])
 @pytest.mark.parametrize("ndev", [1, 2, 4])
 def test_broadcast_coalesced(buffer_size, ndev):
-    ts = mixed_tensors()
-    outs = comm.broadcast_coalesced(ts, ["cpu"] * ndev, buffer_size=buffer_size)
+    refs = mixed_tensors()
+    ts = [on(t) for t in refs]
+    outs = comm.broadcast_coalesced(ts, devices(ndev), buffer_size=buffer_size)
     assert len(outs) == ndev
     for a, b in zip(outs[0], ts):
         assert a is b
     for k in range(1, ndev):
         assert len(outs[k]) == len(ts)
-        for o, t in zip(outs[k], ts):
+        for o, t in zip(outs[k], refs):
             assert o.dtype == t.dtype and torch.equal(o, t)
             assert not o.requires_grad
     if ndev > 1:
@@ -212,12 +218,13 @@ def reference_sum(inputs):
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("shape", [(), (0,), (17,), (5, 7, 3)])
 def test_reduce_add(dtype, n, shape):
-    inputs = [make(shape, dtype, seed=k) for k in range(n)]
-    out = comm.reduce_add(inputs, destination="cpu")
+    refs = [make(shape, dtype, seed=k) for k in range(n)]
+    inputs = [on(t, k) for k, t in enumerate(refs)]
+    out = comm.reduce_add(inputs, destination=dest())
     if n == 1:
         assert out is inputs[0]
         return
-    same(out, reference_sum(inputs))
+    same(out, reference_sum(refs))
     assert all(out.data_ptr() != t.data_ptr() for t in inputs if t.numel())
 
 
@@ -248,12 +255,13 @@ def test_reduce_add_errors():
 @pytest.mark.parametrize("buffer_size", [1, 50, 10485760])
 @pytest.mark.parametrize("ndev", [1, 2, 3])
 def test_reduce_add_coalesced(buffer_size, ndev):
-    per_dev = [[t.clone() if k == 0 else make(t.shape, t.dtype, 100 + k * 10 + j) for j, t in enumerate(mixed_tensors())]
-               for k in range(ndev)]
-    out = comm.reduce_add_coalesced(per_dev, destination="cpu", buffer_size=buffer_size)
+    refs = [[t.clone() if k == 0 else make(t.shape, t.dtype, 100 + k * 10 + j) for j, t in enumerate(mixed_tensors())]
+            for k in range(ndev)]
+    per_dev = [[on(t, k) for t in ts] for k, ts in enumerate(refs)]
+    out = comm.reduce_add_coalesced(per_dev, destination=dest(), buffer_size=buffer_size)
     assert len(out) == len(per_dev[0])
     for j, o in enumerate(out):
-        ref = comm.reduce_add([ts[j] for ts in per_dev], destination="cpu")
+        ref = comm.reduce_add([ts[j] for ts in refs], destination="cpu")
         assert o.dtype == ref.dtype and o.shape == ref.shape
         if o.dtype.is_complex:
             assert torch.equal(o, ref)
@@ -281,9 +289,10 @@ def test_reduce_add_coalesced_errors():
 @pytest.mark.parametrize("dim", [0, 1, -1, -2])
 @pytest.mark.parametrize("ndev", [1, 2, 3, 5])
 def test_scatter(dtype, dim, ndev):
-    x = make((7, 5, 3), dtype)
-    outs = comm.scatter(x, ["cpu"] * ndev, dim=dim)
-    ref = torch.chunk(x, ndev, dim=dim)
+    host = make((7, 5, 3), dtype)
+    x = on(host)
+    outs = comm.scatter(x, devices(ndev), dim=dim)
+    ref = torch.chunk(host, ndev, dim=dim)
     assert len(outs) == len(ref)
     for o, r in zip(outs, ref):
         same(o.contiguous(), r.contiguous())
@@ -294,20 +303,20 @@ def test_scatter(dtype, dim, ndev):
 
 @pytest.mark.parametrize("shape", ["transposed", "strided", "channels_last", "empty"])
 def test_scatter_layouts(shape):
-    x = SHAPES[shape](torch.float32)
-    outs = comm.scatter(x, ["cpu"] * 3, dim=0)
-    for o, r in zip(outs, torch.chunk(x, 3, 0)):
+    host = SHAPES[shape](torch.float32)
+    outs = comm.scatter(on(host), devices(3), dim=0)
+    for o, r in zip(outs, torch.chunk(host, 3, 0)):
         same(o.contiguous(), r.contiguous())
     if shape == "channels_last":
         assert all(o.is_contiguous(memory_format=torch.channels_last) for o in outs)
-        back = comm.gather(outs, 0, "cpu")
-        assert back.is_contiguous(memory_format=torch.channels_last) and torch.equal(back, x)
+        back = comm.gather(outs, 0, dest())
+        assert back.is_contiguous(memory_format=torch.channels_last) and torch.equal(back, host)
 
 
 @pytest.mark.parametrize("chunk_sizes", [(2, 5), (0, 7), (7, 0), (3, 0, 4), (1, 1, 1, 4)])
 def test_scatter_chunk_sizes(chunk_sizes):
     x = make((7, 3), torch.float64)
-    outs = comm.scatter(x, ["cpu"] * len(chunk_sizes), chunk_sizes=chunk_sizes)
+    outs = comm.scatter(on(x), devices(len(chunk_sizes)), chunk_sizes=chunk_sizes)
     for o, r in zip(outs, torch.split(x, list(chunk_sizes))):
         same(o, r)
 
@@ -315,20 +324,21 @@ def test_scatter_chunk_sizes(chunk_sizes):
 @pytest.mark.parametrize("batch,ndev,expect", [(0, 4, [0, 0, 0, 0]), (1, 8, [1]), (9, 8, [2, 2, 2, 2, 1]),
                                                 (10, 8, [2, 2, 2, 2, 2]), (17, 8, [3, 3, 3, 3, 3, 2])])
 def test_scatter_chunk_rule(batch, ndev, expect):
-    outs = comm.scatter(torch.arange(batch), ["cpu"] * ndev)
+    outs = comm.scatter(on(torch.arange(batch)), devices(ndev))
     assert [o.shape[0] for o in outs] == [c.shape[0] for c in torch.arange(batch).chunk(ndev)] or batch == 0
     assert [o.shape[0] for o in outs] == expect
 
 
 def test_scatter_out():
-    x = make((6, 4), torch.float32)
-    out = [torch.empty(2, 4), torch.empty(4, 4)]
+    host = make((6, 4), torch.float32)
+    x = on(host)
+    out = [on(torch.empty(2, 4), 1), on(torch.empty(4, 4), 2)]
     res = comm.scatter(x, out=out)
     assert res[0] is out[0] and res[1] is out[1]
-    same(res[0], x[:2])
-    same(res[1], x[2:])
-    res = comm.scatter(x, dim=1, out=[torch.empty(6, 1), torch.empty(6, 3)])
-    same(res[1], x[:, 1:])
+    same(res[0], host[:2])
+    same(res[1], host[2:])
+    res = comm.scatter(x, dim=1, out=[on(torch.empty(6, 1), 0), on(torch.empty(6, 3), 3)])
+    same(res[1], host[:, 1:])
 
 
 def test_scatter_errors():
@@ -388,25 +398,26 @@ def test_gather(dtype, dim):
         shape = [2, 3, 4]
         shape[dim] = size
         parts.append(make(tuple(shape), dtype, k))
-    out = comm.gather(parts, dim=dim, destination="cpu")
+    out = comm.gather([on(p, k + 1) for k, p in enumerate(parts)], dim=dim, destination=dest())
     same(out, torch.cat(parts, dim=dim))
 
 
 def test_gather_destinations_and_out():
-    parts = [make((2, 3), torch.float32, 1), make((4, 3), torch.float32, 2).t().contiguous().t()]
-    ref = torch.cat(parts)
+    hosts = [make((2, 3), torch.float32, 1), make((4, 3), torch.float32, 2).t().contiguous().t()]
+    ref = torch.cat(hosts)
+    parts = [on(p, k + 1) for k, p in enumerate(hosts)]
     for dest in (None, "cpu", torch.device("cpu")):
         same(comm.gather(parts, destination=dest), ref)
     with warnings.catch_warnings(record=True) as theirs:  # upstream's warning, on the same call
         warnings.simplefilter("always")
         try:
-            upstream.gather(parts, destination=-1)
+            upstream.gather(hosts, destination=-1)
         except (AttributeError, RuntimeError):  # it warns first, then fails on host tensors: a CPU build has no
             pass  # torch._C._gather (AttributeError), a CUDA build's wants CUDA tensors (RuntimeError)
     (text,) = [str(w.message) for w in theirs if w.category is FutureWarning]
     with pytest.warns(FutureWarning, match=_whole(text)):
         same(comm.gather(parts, destination=-1), ref)
-    out = torch.empty(6, 3)
+    out = on(torch.empty(6, 3))
     assert comm.gather(parts, out=out) is out
     same(out, ref)
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 import fastdp
 
 from _dp_cases import ids
+from _places import devices, host, module
 
 
 # Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
@@ -50,8 +51,9 @@ def test_double_backward_gradient_penalty():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).double()
     ref = copy.deepcopy(m)
+    m = module(m)
     x = torch.randn(7, 3, dtype=torch.double)
-    dp = fastdp.DataParallel(m, device_ids=ids("cpu", 3))
+    dp = fastdp.DataParallel(m, device_ids=devices(3))
 
     def penalty(model, params):
         xi = x.clone().requires_grad_()
@@ -62,11 +64,11 @@ def test_double_backward_gradient_penalty():
 
     got_gp, got = penalty(dp, list(m.parameters()))
     exp_gp, exp = penalty(ref, list(ref.parameters()))
-    torch.testing.assert_close(got_gp, exp_gp)
+    torch.testing.assert_close(host(got_gp), exp_gp)
     for g, e in zip(got, exp):
         assert (g is None) == (e is None)  # the last bias does not affect the input gradient
         if e is not None:
-            torch.testing.assert_close(g, e)
+            torch.testing.assert_close(host(g), e)
     # Through the parameters' own graph, too (ReduceAddCoalesced's backward broadcasts).
     gw = torch.autograd.grad(dp(x).sum(), list(m.parameters()), create_graph=True)
     ew = torch.autograd.grad(ref(x).sum(), list(ref.parameters()), create_graph=True)
@@ -76,7 +78,7 @@ def test_double_backward_gradient_penalty():
         if b is None:
             assert a is None or torch.count_nonzero(a) == 0
         else:
-            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(host(a), b)
 
 
 def test_unused_parameters_keep_grad_none_partially_used_get_sums():
@@ -96,31 +98,31 @@ def test_unused_parameters_keep_grad_none_partially_used_get_sums():
             return y
 
     m = Net()
+    ref = copy.deepcopy(m)
+    m = module(m)
     x = torch.randn(4, 2)
     x[:2, 0] = 1.0
     x[2:, 0] = -1.0
-    fastdp.DataParallel(m, device_ids=ids("cpu", 2))(x).sum().backward()
+    fastdp.DataParallel(m, device_ids=devices(2))(x).sum().backward()
     assert m.unused.weight.grad is None  # deliberate: upstream reduces zeros here
     assert m.frozen.weight.grad is None
-    ref = copy.deepcopy(m)
-    for p in ref.parameters():
-        p.grad = None
     (ref.frozen(ref.used(x)) + torch.cat([ref.sometimes(x[:2]), torch.zeros(2, 2)])).sum().backward()
-    torch.testing.assert_close(m.sometimes.weight.grad, ref.sometimes.weight.grad)
-    torch.testing.assert_close(m.used.weight.grad, ref.used.weight.grad)
+    torch.testing.assert_close(host(m.sometimes.weight.grad), ref.sometimes.weight.grad)
+    torch.testing.assert_close(host(m.used.weight.grad), ref.used.weight.grad)
 
 
 def test_strided_grad_layout_channels_last():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1)).to(memory_format=torch.channels_last)
     ref = copy.deepcopy(m)
+    m = module(m)
     x = torch.randn(5, 3, 6, 6).to(memory_format=torch.channels_last)
-    dp = fastdp.DataParallel(m, device_ids=ids("cpu", 2))
+    dp = fastdp.DataParallel(m, device_ids=devices(2))
     for _ in range(2):
         dp(x).sum().backward()
         ref(x).sum().backward()
     for p, q in zip(m.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(host(p.grad), q.grad, rtol=1e-5, atol=1e-5)
         if p.dim() == 4:
             assert p.grad.is_contiguous(memory_format=torch.channels_last) == p.is_contiguous(
                 memory_format=torch.channels_last
@@ -147,15 +149,15 @@ def test_complex_parameters_and_inputs_stay_complex():
             return x * self.w
 
     m = Net()
-    x = torch.randn(4, 10, dtype=torch.cfloat)
-    out = fastdp.DataParallel(m, device_ids=ids("cpu", 2))(x)
-    assert out.dtype == torch.cfloat and out.shape == (4, 10)  # released upstream: a real view [.., 2]
-    torch.testing.assert_close(out, m(x))
-    out.abs().sum().backward()
     ref = copy.deepcopy(m)
-    ref.w.grad = None
+    m = module(m)
+    x = torch.randn(4, 10, dtype=torch.cfloat)
+    out = fastdp.DataParallel(m, device_ids=devices(2))(x)
+    assert out.dtype == torch.cfloat and out.shape == (4, 10)  # released upstream: a real view [.., 2]
+    torch.testing.assert_close(host(out), ref(x))
+    out.abs().sum().backward()
     ref(x).abs().sum().backward()
-    torch.testing.assert_close(m.w.grad, ref.w.grad)
+    torch.testing.assert_close(host(m.w.grad), ref.w.grad)
 
 
 # ---------------------------------------------------------------- reference cycles

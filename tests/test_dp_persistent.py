@@ -15,6 +15,8 @@ import fastdp
 from fastdp._reduction import reducer as _reducer
 from fastdp._step import replicas as _replicas
 
+from _places import devices, host, module
+
 # Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
 pytestmark = pytest.mark.usefixtures("cpu_apply")
 
@@ -27,7 +29,7 @@ def mlp(seed=0, dtype=torch.float64):
 
 
 def grads(model):
-    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return [None if p.grad is None else host(p.grad).clone() for p in model.parameters()]
 
 
 def assert_grads_equal(a, b, tol=1e-12):
@@ -201,8 +203,8 @@ def test_replica_only_attributes_do_not_persist():
 
 def test_changing_number_of_replicas_between_steps():
     x_full = torch.randn(12, 6, dtype=torch.float64)
-    model = mlp()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 4)
+    model = module(mlp())
+    dp = fastdp.DataParallel(model, device_ids=devices(4))
     for batch in (12, 2, 3, 1, 12):  # 4, 2, 3, 1 (one chunk) and 4 replicas again
         model.zero_grad(set_to_none=True)
         x = x_full[:batch]
@@ -235,8 +237,8 @@ def replica_running_var(dp):
 
 def test_two_forwards_before_backward(liveness):
     """The second forward must not overwrite buffers the first graph still needs."""
-    model = bn_model()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    model = module(bn_model())
+    dp = fastdp.DataParallel(model, device_ids=devices(R))
     x1, x2 = torch.randn(7, 6, dtype=torch.float64), torch.randn(9, 6, dtype=torch.float64)
     step(dp, x1)  # steady state: flats exist
     model.zero_grad(set_to_none=True)
@@ -254,7 +256,7 @@ def test_two_forwards_before_backward(liveness):
 
 
 def test_flat_buffers_are_reused_in_steady_state(liveness):
-    dp = fastdp.DataParallel(bn_model(), device_ids=["cpu"] * R)
+    dp = fastdp.DataParallel(module(bn_model()), device_ids=devices(R))
     x = torch.randn(9, 6, dtype=torch.float64)
     ptrs, kept = set(), set()
     for _ in range(6):
@@ -267,8 +269,8 @@ def test_flat_buffers_are_reused_in_steady_state(liveness):
 
 def test_no_sync_equals_plain_accumulation():
     xs = [torch.randn(n, 6, dtype=torch.float64) for n in (7, 10, 5)]
-    model = mlp()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    model = module(mlp())
+    dp = fastdp.DataParallel(model, device_ids=devices(R))
     share = mlp()  # replica 0's share: the first chunk of each micro-batch (torch.chunk's rule)
     with dp.no_sync():
         for x in xs[:-1]:

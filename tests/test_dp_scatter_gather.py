@@ -18,6 +18,7 @@ import torch.nn as nn
 import fastdp
 
 from _dp_cases import Box, Point, ids
+from _places import dest, devices, host, on
 
 
 # Upstream's text (its Gather needs CUDA to say it).
@@ -173,35 +174,37 @@ def test_gather_namedtuple_functional():
 
 def test_scatter_cpu():
     dp = fastdp.DataParallel(nn.Linear(1, 1), device_ids=ids("cpu", 2))
-    x = torch.randn(4, 4, dtype=torch.double, requires_grad=True)
-    (a,), (b,) = dp.scatter((x,), None, ["cpu", "cpu"])[0]
-    torch.testing.assert_close(a, x[:2])
-    torch.testing.assert_close(b, x[2:])
+    host_x = torch.randn(4, 4, dtype=torch.double)
+    x = on(host_x).requires_grad_()
+    (a,), (b,) = dp.scatter((x,), None, devices(2))[0]
+    torch.testing.assert_close(host(a), host_x[:2])
+    torch.testing.assert_close(host(b), host_x[2:])
     assert a.data_ptr() == x.data_ptr()  # entry 0 holds the source: a view
     assert b.data_ptr() != x.data_ptr()
     grad = torch.randn(4, 4, dtype=torch.double)
-    torch.autograd.backward([a, b], [grad[:2], grad[2:]])
-    torch.testing.assert_close(x.grad, grad)
+    torch.autograd.backward([a, b], [on(grad[:2], 0), on(grad[2:], 1)])
+    torch.testing.assert_close(host(x.grad), grad)
 
     def fn(t):
-        return torch.cat(fastdp.scatter((t,), ["cpu", "cpu"])[0] + fastdp.scatter((t,), ["cpu", "cpu"])[1])
+        parts = fastdp.scatter((t,), devices(2))
+        return torch.cat([p.to(t.device) for p in parts[0] + parts[1]])
 
     torch.autograd.gradcheck(fn, (x.detach().requires_grad_(),))
     torch.autograd.gradgradcheck(fn, (x.detach().requires_grad_(),))
 
 
 def test_gather_cpu():
-    a = torch.randn(2, 5, dtype=torch.double, requires_grad=True)
-    b = torch.randn(2, 5, dtype=torch.double, requires_grad=True)
+    host_a, host_b = torch.randn(2, 5, dtype=torch.double), torch.randn(2, 5, dtype=torch.double)
+    a, b = on(host_a, 0).requires_grad_(), on(host_b, 1).requires_grad_()
     out = fastdp.gather((a, b), "cpu")
-    torch.testing.assert_close(out, torch.cat([a, b]))
+    torch.testing.assert_close(out, torch.cat([host_a, host_b]))
     assert not out.is_cuda
     out.backward(torch.ones_like(out))
-    torch.testing.assert_close(a.grad, torch.ones_like(a))
+    torch.testing.assert_close(host(a.grad), torch.ones_like(host_a))
     torch.autograd.gradcheck(lambda x, y: fastdp.gather((x, y), "cpu"), (a, b))
     torch.autograd.gradgradcheck(lambda x, y: fastdp.gather((x, y), "cpu"), (a, b))
-    sa = torch.randn((), dtype=torch.double, requires_grad=True)
-    sb = torch.randn((), dtype=torch.double, requires_grad=True)
+    sa = on(torch.randn((), dtype=torch.double), 0).requires_grad_()
+    sb = on(torch.randn((), dtype=torch.double), 1).requires_grad_()
     with pytest.warns(UserWarning, match="^" + re.escape(SCALARS_WARNING) + "$"):
         v = fastdp.gather((sa, sb), "cpu")
     assert v.shape == (2,)

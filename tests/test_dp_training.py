@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fastdp
+from _places import devices, host, module, on
 
 STEPS = 5
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -96,9 +97,10 @@ def test_sgd_steps_match_full_batch(model_cls, replicas, dtype):
         args, kwargs = _batch(model_cls, n, dtype, gen)
         batches.append((args, kwargs, torch.randn(n, 3, dtype=dtype, generator=gen)))
     _train(bare, batches)
-    _train(fastdp.DataParallel(wrapped_module, device_ids=["cpu"] * replicas), batches)
+    wrapped_module = module(wrapped_module)
+    _train(fastdp.DataParallel(wrapped_module, device_ids=devices(replicas)), on(batches))
     for (name, p), q in zip(bare.named_parameters(), wrapped_module.parameters()):
-        torch.testing.assert_close(q, p, rtol=0, atol=TOL[dtype], msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(host(q), p, rtol=0, atol=TOL[dtype], msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ import fastdp
 from fastdp._balance import memory as _memory
 
 from _fake_cuda import FakeCuda
+from _places import devices, host, module
 from _reference import TOL, params_close
 from _report_cases import bn_model, data, mlp, sleep_in_forward, train
 
@@ -213,8 +214,8 @@ def test_without_rebalance_the_error_is_raised_as_it_is():
 
 def test_train_step_rescues_a_backward_oom_and_grads_count_each_step_once():
     bare = mlp()
-    model = copy.deepcopy(bare)
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, criterion=nn.CrossEntropyLoss(), oom="rebalance",
+    model = module(copy.deepcopy(bare))
+    dp = fastdp.DataParallel(model, device_ids=devices(3), criterion=nn.CrossEntropyLoss(), oom="rebalance",
                              bucket_cap_mb=1e-4)  # many buckets: some reach .grad before a later one fails
     x, y = data(18)
     dp.train_step(x, target=y)  # .grad exists now: the next step accumulates onto it
@@ -236,7 +237,7 @@ def test_train_step_rescues_a_backward_oom_and_grads_count_each_step_once():
     for a, b in ((x, y), (x2, y2)):
         F.cross_entropy(bare(a), b).backward()
     for p, q in zip(model.parameters(), bare.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=TOL)
+        torch.testing.assert_close(host(p.grad), q.grad, rtol=0, atol=TOL)
     assert dp._last_step.chunk_sizes[0] < 6
 
 
@@ -290,8 +291,8 @@ def test_train_step_drops_the_sums_a_failed_backward_started(monkeypatch):
             return self.body[1:](_OOMOnce.apply(self.body[0](x), self.armed))
 
     bare = Net()
-    model = copy.deepcopy(bare)
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, oom="rebalance", bucket_cap_mb=1e-6)
+    model = module(copy.deepcopy(bare))
+    dp = fastdp.DataParallel(model, device_ids=devices(3), oom="rebalance", bucket_cap_mb=1e-6)
     x, y = data(15)
     real_start = fastdp._reduction.reducer.start
     first_attempt = []  # weak references to the sums the failing backward started
@@ -312,7 +313,7 @@ def test_train_step_drops_the_sums_a_failed_backward_started(monkeypatch):
     started.append(-1)  # the bare model: no failure (fired already)
     F.cross_entropy(bare(x), y).backward()
     for p, q in zip(model.parameters(), bare.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=TOL)
+        torch.testing.assert_close(host(p.grad), q.grad, rtol=0, atol=TOL)
 
 
 def test_train_step_failing_twice_leaves_grads_and_buffers_as_they_were():

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import fastdp
+from _places import devices, host, module
 from fastdp._reduction import reducer as _reducer, host as _host, sums as _sums, cuda as _rcuda
 
 pytestmark = pytest.mark.usefixtures("cpu_apply")
@@ -126,12 +127,12 @@ X = torch.randn(9, 6, dtype=torch.float64)
 @pytest.fixture(params=[25, 1e-6], ids=["one-bucket", "bucket-per-tensor"])
 def pair(request):
     bare = mlp()
-    dp = fastdp.DataParallel(mlp(), device_ids=["cpu"] * 3, bucket_cap_mb=request.param)
+    dp = fastdp.DataParallel(module(mlp()), device_ids=devices(3), bucket_cap_mb=request.param)
     return bare, dp
 
 
 def _close(a, b):
-    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(host(a), host(b), rtol=1e-10, atol=1e-10)
 
 
 def test_hooks_on_master_parameters_see_the_sum_once(pair):
@@ -223,8 +224,8 @@ class Partial(nn.Module):
 
 @pytest.mark.parametrize("signs", [(1, 1, 1), (1, -1, -1), (-1, 1, -1), (-1, -1, -1)])
 def test_parameters_some_or_all_replicas_leave_unused(signs):
-    bare, model = Partial(), Partial()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, bucket_cap_mb=1e-6)
+    bare, model = Partial(), module(Partial())
+    dp = fastdp.DataParallel(model, device_ids=devices(3), bucket_cap_mb=1e-6)
     x = torch.randn(9, 6, dtype=torch.float64)
     for r, s in enumerate(signs):
         x[3 * r, 0] = s * abs(x[3 * r, 0])
@@ -417,7 +418,7 @@ def test_the_sum_becomes_grad_without_a_copy(cap, storages):
     """Nothing but autograd holds a delivered sum, so AccumulateGrad takes it as .grad instead of copying it: the
     members of a bucket get views of its one sum (as upstream's do of its coalesced sum), each changed in place on
     its own (an optimizer's, clipping's) without touching the others."""
-    bare, dp = mlp(), fastdp.DataParallel(mlp(), device_ids=["cpu"] * 3, bucket_cap_mb=cap)
+    bare, dp = mlp(), fastdp.DataParallel(module(mlp()), device_ids=devices(3), bucket_cap_mb=cap)
     dp(X).pow(2).sum().backward()
     bare(X).pow(2).sum().backward()
     grads = [p.grad for p in dp.module.parameters()]

@@ -194,6 +194,32 @@ static int backdoor(unsigned long long p, void *host, size_t n, int write) {
   return ok ? 0 : -1;
 }
 
+/* The bytes themselves, for a harness that computes a device operation on the host (tests/sim/simcuda.py): no host
+ * synchronisation and no shadow memory touched, so the ordering of that work is what the harness records with
+ * simgpu_touch on the stream it stands for, and a missing wait stays a race. Refused for memory not in use (freed,
+ * or a block the caching allocator holds), as a kernel's access would be. */
+static int raw(unsigned long long p, void *host, size_t n, int write) {
+  sim_lock();
+  int dev;
+  sim_alloc_t *a = sim_find_alloc((CUdeviceptr)p, &dev);
+  int ok = a && !a->freed && !a->cached && p + n <= a->base + a->size;
+  if (ok && write)
+    memcpy(a->mem + (p - a->base), host, n);
+  else if (ok)
+    memcpy(host, a->mem + (p - a->base), n);
+  else
+    sim_misuse("simgpu_%s: 0x%llx +%zu is not device memory in use", write ? "poke" : "peek", p, n);
+  sim_unlock();
+  return ok ? 0 : -1;
+}
+
+int simgpu_peek(void *dst, unsigned long long src, size_t n) {
+  return raw(src, dst, n, 0);
+}
+int simgpu_poke(unsigned long long dst, const void *src, size_t n) {
+  return raw(dst, (void *)src, n, 1);
+}
+
 int simgpu_read(void *dst, unsigned long long src, size_t n) {
   return backdoor(src, dst, n, 0);
 }

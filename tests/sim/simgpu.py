@@ -34,6 +34,7 @@ class Sim:
                                                   cp, sz]),
             ("simgpu_cache_release", None, [vp]), ("simgpu_cache_trim", ctypes.c_int, []),
             ("simgpu_read", ctypes.c_int, [vp, u64, sz]), ("simgpu_write", ctypes.c_int, [u64, vp, sz]),
+            ("simgpu_peek", ctypes.c_int, [vp, u64, sz]), ("simgpu_poke", ctypes.c_int, [u64, vp, sz]),
             ("simgpu_touch", ctypes.c_int, [vp, ctypes.c_int, u64, sz, ctypes.c_int]),
             ("simgpu_host_touch", None, [vp, sz, ctypes.c_int]),
             ("simgpu_current_context", vp, []), ("simgpu_client", None, [ctypes.c_int]),
@@ -46,6 +47,10 @@ class Sim:
             ("cuCtxEnablePeerAccess", ctypes.c_int, [vp, ctypes.c_uint]),
             ("cuStreamCreate", ctypes.c_int, [ctypes.POINTER(vp), ctypes.c_uint]),
             ("cuStreamDestroy_v2", ctypes.c_int, [vp]), ("cuCtxSynchronize", ctypes.c_int, []),
+            ("cuStreamSynchronize", ctypes.c_int, [vp]),
+            ("cuEventCreate", ctypes.c_int, [ctypes.POINTER(vp), ctypes.c_uint]),
+            ("cuEventRecord", ctypes.c_int, [vp, vp]), ("cuEventSynchronize", ctypes.c_int, [vp]),
+            ("cuStreamWaitEvent", ctypes.c_int, [vp, vp, ctypes.c_uint]),
         ]:
             fn = getattr(lib, name)
             fn.restype = res

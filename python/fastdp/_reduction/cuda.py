@@ -150,6 +150,17 @@ def ordered(bucket, grads=None):
                 t.record_stream(consumer)
 
 
+def _gave_gradients(bucket, grads, device):
+    """Whether a replica on ``device`` handed the bucket node a gradient. The sum writes ``out``, a block of the
+    consumer's stream (one that stream may have just freed while its own work still reads it), on the first device's
+    reduction stream; autograd orders that stream after the consumer's work only by the gradients of the first
+    device, made there. Where the first device gave none (its replica left the bucket's parameters unused, or ran no
+    rows), the reduction stream waits for the consumer's stream itself."""
+    k = len(bucket.members)
+    return any(g is not None for r, d in enumerate(bucket.reducer.devices) if d == device
+               for g in grads[r * k : (r + 1) * k])
+
+
 class CudaStreams:
     """Sums of one replica set's buckets on the reduction's own streams (NOTE [reduction streams])."""
 
@@ -160,11 +171,15 @@ class CudaStreams:
         first = self.devices[0]
         own = {d: own_stream(d) for d in self.devices}
         # The consumer's memory, taken on its stream before the reduction's streams are ordered after the consumer's.
-        with torch.cuda.stream(bucket.consumer or torch.cuda.current_stream(first)):
+        consumer = bucket.consumer or torch.cuda.current_stream(first)
+        with torch.cuda.stream(consumer):
             out = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.tdevs[0])
         out.record_stream(own[first])
         ready = ready_streams(self.devices)
-        _streams.order([(s, r) for d, s in own.items() for r in ready[d]])
+        pairs = [(s, r) for d, s in own.items() for r in ready[d]]
+        if not _gave_gradients(bucket, grads, first):
+            pairs.append((own[first], consumer))
+        _streams.order(pairs)
         release_after(own, bucket.reducer.devices, grads)
         recorder = bucket.reducer.recorder
         with _streams.entered(tuple(own.values())):

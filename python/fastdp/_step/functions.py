@@ -12,8 +12,17 @@ import warnings
 import torch
 from torch.autograd import Function
 
-from .._platform import devices as _devices
+from .._platform import devices as _devices, streams as _streams
 from .. import comm
+
+
+def _caller_streams(*device_lists):
+    """The caller's current stream of each CUDA device a function moves data between, taken in forward, for its
+    backward. Autograd runs a node on its first device's thread with only that device's stream made current; the
+    thread's stream of every other device is the default one. The replicas' gradients are made on the caller's
+    streams (where the replicas ran) and belong to them: work on them listed on the default streams would leave
+    their memory going back to the caller's streams unordered with it."""
+    return _streams.current([d for devices in device_lists for d in devices if isinstance(d, int) and d >= 0])
 
 
 def broadcast_coalesced(tensors, devices):
@@ -120,13 +129,15 @@ class Scatter(Function):
     def forward(ctx, target_devices, chunk_sizes, dim, input):
         ctx.dim = dim
         ctx.input_device = _devices.of_tensor(input)
+        ctx.streams = _caller_streams(target_devices, (ctx.input_device,))
         if input.device.type == "cpu" and target_devices and target_devices[0] != _devices.CPU:
             return _scatter_host_to_cuda(input, target_devices, chunk_sizes, dim)
         return tuple(comm.scatter(input, list(target_devices), chunk_sizes, dim))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        return (None, None, None, Gather.apply(ctx.input_device, ctx.dim, *grad_outputs))
+        with _streams.entered(ctx.streams):
+            return (None, None, None, Gather.apply(ctx.input_device, ctx.dim, *grad_outputs))
 
 
 class Gather(Function):
@@ -136,6 +147,7 @@ class Gather(Function):
     def forward(ctx, target_device, dim, *inputs):
         ctx.dim = dim
         ctx.input_devices = tuple(_devices.of_tensor(t) for t in inputs)
+        ctx.streams = _caller_streams(ctx.input_devices, (target_device,))
         ctx.unsqueezed_scalar = False
         if dim == 0 and all(t.dim() == 0 for t in inputs):
             inputs = tuple(t.view(1) for t in inputs)
@@ -151,7 +163,8 @@ class Gather(Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        scattered = Scatter.apply(ctx.input_devices, ctx.input_sizes, ctx.dim, grad_output)
+        with _streams.entered(ctx.streams):
+            scattered = Scatter.apply(ctx.input_devices, ctx.input_sizes, ctx.dim, grad_output)
         if ctx.unsqueezed_scalar:
             scattered = tuple(g[0] for g in scattered)
         return (None, None) + scattered

@@ -4,9 +4,11 @@ import signal
 
 import pytest
 
+import _mkl
 import _torchvision_ops
 
 _torchvision_ops.install()  # before any test imports torchvision or transformers
+_mkl.warm_vml()  # before any test runs replicas on worker threads (tests/_mkl.py)
 
 # A run started where SIGINT is ignored (a background job of a non-interactive shell, nohup in a script) would pass
 # that on to every child process, and the tests that interrupt a child would see nothing arrive: give the children

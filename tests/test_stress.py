@@ -20,7 +20,9 @@ import pytest
 # Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
 pytestmark = pytest.mark.usefixtures("cpu_apply")
 
-PRELUDE = """
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+PRELUDE = f"""
 import faulthandler, os, signal, sys, threading, time
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack when it hangs
 import torch, torch.nn as nn
@@ -28,6 +30,9 @@ import fastdp
 from fastdp import comm
 torch.set_num_threads(1)
 torch.manual_seed(0)
+sys.path.insert(0, {HERE!r})
+import _mkl
+_mkl.warm_vml()  # before replicas run on threads (tests/_mkl.py)
 sys.modules["fastdp.parallel_apply"]._CPU_THREADS = os.environ.get("TEST_CPU_THREADS") == "1"
 
 def close(a, b):

@@ -87,12 +87,17 @@ class _Delivery(Function):
         return (None,) + sums
 
 
+def _member_views(ctx, case):
+    """Each replica's members as separate outputs (views of its flat buffer), as the kept bucket node hands them out."""
+    ctx.case = case
+    ctx.set_materialize_grads(False)
+    return tuple(v for f in case.flats for v in f.detach().view(case.k, *SHAPE).unbind(0))
+
+
 class _PerMember(Function):
     @staticmethod
     def forward(ctx, case, *aliases):
-        ctx.case = case
-        ctx.set_materialize_grads(False)
-        return tuple(v for f in case.flats for v in f.detach().view(case.k, *SHAPE).unbind(0))
+        return _member_views(ctx, case)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -176,9 +181,7 @@ class _StackedDelivery(Function):
 class _StackedNode(Function):
     @staticmethod
     def forward(ctx, case, *aliases):
-        ctx.case = case
-        ctx.set_materialize_grads(False)
-        return tuple(v for f in case.flats for v in f.detach().view(case.k, *SHAPE).unbind(0))
+        return _member_views(ctx, case)
 
     @staticmethod
     def backward(ctx, *grads):

@@ -16,7 +16,7 @@ from torch.nn.modules import Module
 
 from ._wrapper import checkpoint as _checkpoint, checks as _checks, launch as _launch, upstream as _upstream
 from ._native import fallback as _fallback
-from ._platform import devices as _devices, interrupts as _interrupts, streams as _streams
+from ._platform import compiler as _compiler, devices as _devices, interrupts as _interrupts, streams as _streams
 from ._step import idle_master as _idle_master, replicas as _replicas, step as _step
 from ._balance import memory as _memory, rescue as _rescue, replica_loss as _replica_loss, split as _split
 from ._report import recorder as _recorder, report as _report
@@ -47,16 +47,6 @@ _transform_active = getattr(getattr(torch._C, "_functorch", None), "peek_interpr
 # wrapper itself would find them on it and refuse ("already has a get_compiler_config attribute").
 _COMPILE_ATTRIBUTES = frozenset({"get_compiler_config", "dynamo_ctx", "_orig_mod", "_torchdynamo_orig_callable",
                                  "_torchdynamo_wrapper_id", "_torchdynamo_inline"})
-
-
-def _compile_boundary(fn):
-    """NOTE [compile boundary]: torch.compile never traces into the wrapper (fastdp's C calls, its thread pool and
-    its replica bookkeeping are not traceable: 31 graph breaks when Dynamo first traces a 2-replica wrapper, 1 with
-    this boundary; tests/test_compile.py). A compiled program calling the wrapper breaks its graph once there; the
-    replicas run compiled code when the module is a torch.compile module (``DataParallel(torch.compile(m))``).
-    In eager mode the boundary costs little per forward (docs/benchmarks.md, "Costs of individual features")."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn, recursive=True) if disable is not None else fn
 
 
 def _run_single(module, args, kwargs, loss):
@@ -174,10 +164,11 @@ class DataParallel(_upstream.UPSTREAM):
 
     __new__.__wrapped__ = __init__  # inspect.signature(DataParallel) shows __init__'s parameters, not __new__'s
 
-    @_compile_boundary
     def forward(self, *inputs, **kwargs):
         """``dp(*inputs, **kwargs)``: splits the inputs across ``device_ids``, runs each replica on its chunk and
         returns the outputs gathered on ``output_device``; with ``criterion=`` and ``target=``, the loss instead."""
+        if _compiler.is_compiling() or _compiler.frame_hook() is not None:  # NOTE [compile boundary]
+            return _forward_outside_dynamo(self, *inputs, **kwargs)
         grad_enabled = torch.is_grad_enabled()
         watch = _interrupts.watch()  # NOTE [an interrupt a finalizer swallowed] in fastdp/_platform/interrupts.py
         try:
@@ -666,6 +657,7 @@ class DataParallel(_upstream.UPSTREAM):
 
 
 _upstream.detach(DataParallel)
+_forward_outside_dynamo = _compiler.outside_dynamo(_compiler.skip_frame(DataParallel.forward))
 
 
 def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):

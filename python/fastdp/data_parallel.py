@@ -33,12 +33,12 @@ __all__ = ["DataParallel", "data_parallel"]
 # torch.autograd.profiler, emit_nvtx/emit_itt): entering it costs more per forward + backward, even with no
 # profiler, than the rest of the wrapper's own work (docs/benchmarks.md). Two cheap queries: torch's Python flag
 # (set by its profiler start callbacks, global profiling included) and the C query of this thread's profiler state.
-# A torch without either always records.
-def _profiler_flag(profiler=torch.autograd.profiler):
-    return getattr(profiler, "_is_profiler_enabled", False)
-
-
+# A torch without either always records. The flag is read as an attribute of its module: no call per forward.
+_profiler_module = torch.autograd.profiler
+if not hasattr(_profiler_module, "_is_profiler_enabled"):
+    _profiler_module = type("NoFlag", (), {"_is_profiler_enabled": False})
 _profiler_enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None) or (lambda: True)
+_grad_enabled = torch.is_grad_enabled
 # The innermost torch.func transform running in this thread (None outside any).
 _transform_active = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None) or (lambda: None)
 
@@ -169,10 +169,10 @@ class DataParallel(_upstream.UPSTREAM):
         returns the outputs gathered on ``output_device``; with ``criterion=`` and ``target=``, the loss instead."""
         if _compiler.is_compiling() or _compiler.frame_hook() is not None:  # NOTE [compile boundary]
             return _forward_outside_dynamo(self, *inputs, **kwargs)
-        grad_enabled = torch.is_grad_enabled()
+        grad_enabled = _grad_enabled()
         watch = _interrupts.watch()  # NOTE [an interrupt a finalizer swallowed] in fastdp/_platform/interrupts.py
         try:
-            if _profiler_flag() or _profiler_enabled():
+            if _profiler_module._is_profiler_enabled or _profiler_enabled():
                 with torch.autograd.profiler.record_function("DataParallel.forward"):
                     return self._forward(inputs, kwargs)
             return self._forward(inputs, kwargs)
@@ -218,9 +218,9 @@ class DataParallel(_upstream.UPSTREAM):
 
     def _over_devices(self, module, inputs, kwargs, loss, avoided_gather_bytes=None):
         """The forward over ``device_ids``: upstream's check that the module is on device_ids[0], then one step."""
-        _checks.check_module_device(module, self.src_device_obj)
-        if (loss is None and len(self.device_ids) == 1 and type(self).scatter is DataParallel.scatter
-                and _checks.inputs_on_device(inputs, kwargs, self.src_device_obj)):
+        if loss is not None or len(self.device_ids) != 1 or type(self).scatter is not DataParallel.scatter:
+            _checks.check_module_device(module, self.src_device_obj)
+        elif _checks.module_checked_inputs_on(module, inputs, kwargs, self.src_device_obj):
             # The short path: one device and every input already there. Scattering would only wrap each
             # tensor in a view (and an autograd node): the module gets them as they are.
             if avoided_gather_bytes is not None:  # the criterion ran on the output: nothing split, nothing avoided

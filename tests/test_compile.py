@@ -104,6 +104,30 @@ def test_compiled_wrapper_breaks_its_graph_once_and_matches():
     assert sum(counters["graph_break"].values()) <= 1, dict(counters["graph_break"])
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_compiled_function_calling_the_wrapper_breaks_once_and_matches(replicas):
+    """Work before and after the wrapper in one compiled function: one graph break at the wrapper, two frames
+    compiled (the function and its continuation after the break; never the wrapper's own forward), and the
+    bare model's results and gradients, on the one-device short path as on the step over two replicas."""
+    bare = _model()
+    inner = copy.deepcopy(bare)
+    dp = fastdp.DataParallel(inner, device_ids=["cpu"] * replicas)
+
+    @torch.compile(backend="aot_eager")
+    def compiled(x):
+        return dp(torch.sin(x)).cos().sum()
+
+    for x, _ in _batches(3):
+        ours, theirs = compiled(x), bare(torch.sin(x)).cos().sum()
+        _close(ours, theirs)
+        ours.backward()
+        theirs.backward()
+    for p, q in zip(inner.parameters(), bare.parameters()):
+        _close(p.grad, q.grad)
+    assert sum(counters["graph_break"].values()) == 1, dict(counters["graph_break"])
+    assert counters["frames"]["ok"] == 2, dict(counters["frames"])
+
+
 def test_compiled_wrapper_around_a_compiled_module():
     """Both: the wrapper is a boundary, the replicas inside run their own compiled code."""
     bare = _model()

@@ -126,6 +126,39 @@ def test_parameters_on_wrong_device_raise_upstream_message():
         fastdp.data_parallel(m, torch.randn(2, 2), ["cpu", "cpu"])
 
 
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x, extra=None):
+        return self.lin(x) + (0 if extra is None else extra[0])
+
+
+class _ScatterOverridden(fastdp.DataParallel):
+    """Never takes the one-device short path (an overridden scatter must run): the reference for where inputs go."""
+
+    def scatter(self, inputs, kwargs, device_ids):
+        return super().scatter(inputs, kwargs, device_ids)
+
+
+@pytest.mark.parametrize("where", ["positional", "nested", "keyword"])
+def test_one_device_input_elsewhere_is_not_given_to_the_module_as_it_is(where):
+    """On one device the module gets the inputs as they are only when every one is on device_ids[0] already; an input
+    elsewhere (here on "meta", wherever it sits in the arguments) goes through scatter, so the error is scatter's, the
+    same as a wrapper that never takes that path gives, and not the module's own."""
+    meta, here = torch.randn(4, 2, device="meta"), torch.randn(4, 2)
+    args, kwargs = {"positional": ((meta,), {}), "nested": ((here, [meta]), {}),
+                    "keyword": ((here,), {"extra": [meta]})}[where]
+    errors = []
+    for cls in (fastdp.DataParallel, _ScatterOverridden):
+        with pytest.raises(Exception) as info:
+            cls(_TwoInputs(), device_ids=["cpu"])(*args, **kwargs)
+        errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1]
+    assert errors[0][0] is ValueError and "meta" in errors[0][1]
+
+
 @pytest.mark.gpu
 def test_cuda_module_with_cpu_replicas_and_back():
     m = nn.Linear(2, 2).cuda()

@@ -16,7 +16,7 @@ from torch.nn.modules import Module
 
 from ._wrapper import checkpoint as _checkpoint, checks as _checks, launch as _launch, upstream as _upstream
 from ._native import fallback as _fallback
-from ._platform import devices as _devices, interrupts as _interrupts, streams as _streams
+from ._platform import compiler as _compiler, devices as _devices, interrupts as _interrupts, streams as _streams
 from ._step import idle_master as _idle_master, replicas as _replicas, step as _step
 from ._balance import memory as _memory, rescue as _rescue, replica_loss as _replica_loss, split as _split
 from ._report import recorder as _recorder, report as _report
@@ -33,12 +33,12 @@ __all__ = ["DataParallel", "data_parallel"]
 # torch.autograd.profiler, emit_nvtx/emit_itt): entering it costs more per forward + backward, even with no
 # profiler, than the rest of the wrapper's own work (docs/benchmarks.md). Two cheap queries: torch's Python flag
 # (set by its profiler start callbacks, global profiling included) and the C query of this thread's profiler state.
-# A torch without either always records.
-def _profiler_flag(profiler=torch.autograd.profiler):
-    return getattr(profiler, "_is_profiler_enabled", False)
-
-
+# A torch without either always records. The flag is read as an attribute of its module: no call per forward.
+_profiler_module = torch.autograd.profiler
+if not hasattr(_profiler_module, "_is_profiler_enabled"):
+    _profiler_module = type("NoFlag", (), {"_is_profiler_enabled": False})
 _profiler_enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None) or (lambda: True)
+_grad_enabled = torch.is_grad_enabled
 # The innermost torch.func transform running in this thread (None outside any).
 _transform_active = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None) or (lambda: None)
 
@@ -47,16 +47,6 @@ _transform_active = getattr(getattr(torch._C, "_functorch", None), "peek_interpr
 # wrapper itself would find them on it and refuse ("already has a get_compiler_config attribute").
 _COMPILE_ATTRIBUTES = frozenset({"get_compiler_config", "dynamo_ctx", "_orig_mod", "_torchdynamo_orig_callable",
                                  "_torchdynamo_wrapper_id", "_torchdynamo_inline"})
-
-
-def _compile_boundary(fn):
-    """NOTE [compile boundary]: torch.compile never traces into the wrapper (fastdp's C calls, its thread pool and
-    its replica bookkeeping are not traceable: 31 graph breaks when Dynamo first traces a 2-replica wrapper, 1 with
-    this boundary; tests/test_compile.py). A compiled program calling the wrapper breaks its graph once there; the
-    replicas run compiled code when the module is a torch.compile module (``DataParallel(torch.compile(m))``).
-    In eager mode the boundary costs little per forward (docs/benchmarks.md, "Costs of individual features")."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn, recursive=True) if disable is not None else fn
 
 
 def _run_single(module, args, kwargs, loss):
@@ -174,14 +164,15 @@ class DataParallel(_upstream.UPSTREAM):
 
     __new__.__wrapped__ = __init__  # inspect.signature(DataParallel) shows __init__'s parameters, not __new__'s
 
-    @_compile_boundary
     def forward(self, *inputs, **kwargs):
         """``dp(*inputs, **kwargs)``: splits the inputs across ``device_ids``, runs each replica on its chunk and
         returns the outputs gathered on ``output_device``; with ``criterion=`` and ``target=``, the loss instead."""
-        grad_enabled = torch.is_grad_enabled()
+        if _compiler.is_compiling() or _compiler.frame_hook() is not None:  # NOTE [compile boundary]
+            return _forward_outside_dynamo(self, *inputs, **kwargs)
+        grad_enabled = _grad_enabled()
         watch = _interrupts.watch()  # NOTE [an interrupt a finalizer swallowed] in fastdp/_platform/interrupts.py
         try:
-            if _profiler_flag() or _profiler_enabled():
+            if _profiler_module._is_profiler_enabled or _profiler_enabled():
                 with torch.autograd.profiler.record_function("DataParallel.forward"):
                     return self._forward(inputs, kwargs)
             return self._forward(inputs, kwargs)
@@ -227,9 +218,9 @@ class DataParallel(_upstream.UPSTREAM):
 
     def _over_devices(self, module, inputs, kwargs, loss, avoided_gather_bytes=None):
         """The forward over ``device_ids``: upstream's check that the module is on device_ids[0], then one step."""
-        _checks.check_module_device(module, self.src_device_obj)
-        if (loss is None and len(self.device_ids) == 1 and type(self).scatter is DataParallel.scatter
-                and _checks.inputs_on_device(inputs, kwargs, self.src_device_obj)):
+        if loss is not None or len(self.device_ids) != 1 or type(self).scatter is not DataParallel.scatter:
+            _checks.check_module_device(module, self.src_device_obj)
+        elif _checks.module_checked_inputs_on(module, inputs, kwargs, self.src_device_obj):
             # The short path: one device and every input already there. Scattering would only wrap each
             # tensor in a view (and an autograd node): the module gets them as they are.
             if avoided_gather_bytes is not None:  # the criterion ran on the output: nothing split, nothing avoided
@@ -666,6 +657,7 @@ class DataParallel(_upstream.UPSTREAM):
 
 
 _upstream.detach(DataParallel)
+_forward_outside_dynamo = _compiler.outside_dynamo(_compiler.skip_frame(DataParallel.forward))
 
 
 def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):

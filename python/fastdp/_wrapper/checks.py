@@ -11,10 +11,11 @@ from torch.nn.modules import Module
 from .. import _C
 from .._platform import devices as _devices
 
-__all__ = ["IMBALANCE_WARNING", "check_balance", "require_module", "whole_on", "resolve", "inputs_on_device",
+__all__ = ["IMBALANCE_WARNING", "check_balance", "require_module", "whole_on", "resolve", "module_checked_inputs_on",
            "check_module_device"]
 
 _HOST = torch.device("cpu")
+_Tensor = torch.Tensor
 
 IMBALANCE_WARNING = (
     "There is an imbalance between your GPUs. You may want to exclude GPU {} which has less than 75% of the "
@@ -112,11 +113,16 @@ def _on_device(obj, device):
     return True
 
 
-def inputs_on_device(inputs, kwargs, device):
-    """``_on_device((inputs, kwargs), device)`` with the common case (top-level tensors) unrolled."""
+def module_checked_inputs_on(module, inputs, kwargs, device):
+    """``check_module_device(module, device)``, then whether every input is on ``device`` as well (the one-device
+    short path's two questions in one call, each forward). The common case, top-level tensors, is unrolled, and on
+    the host each tensor's ``is_cpu`` flag is read instead of a device object made and compared."""
+    host = device == _HOST
+    if not _C.on_device(module, device, host):
+        _raise_module_device(module, device)
     for o in inputs:
-        if isinstance(o, torch.Tensor):
-            if o.device != device:
+        if isinstance(o, _Tensor):
+            if not (o.is_cpu if host else o.device == device):
                 return False
         elif not _on_device(o, device):
             return False

@@ -5,6 +5,7 @@ python -m fastdp.bench train [--models mlp,cnn,transformer] [--replicas 4] [--ro
                              [--params 10,100,1000 [--clock wall|cpu]] [--out bench-out]
 python -m fastdp.bench report [--models mlp,cnn,transformer] [--replicas 4] [--rounds 30] [--steps 5]
 python -m fastdp.bench growth [--tensors 100,1000,10000] [--buckets 1,10,100] [--replicas 2,4,8] [--against PYTHON]
+python -m fastdp.bench one-device [--blocks 15] [--calls 500]
 """
 
 import argparse
@@ -18,7 +19,7 @@ def main(argv=None):
 
         return growth(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m fastdp.bench")
-    sub = parser.add_subparsers(dest="which", metavar="{comm,train,report,growth}")
+    sub = parser.add_subparsers(dest="which", metavar="{comm,train,report,growth,one-device}")
     p = sub.add_parser("comm", help="GB/s per operation and backend next to the copy limit of the same run")
     p.add_argument("--sizes-mb", default=None,
                    help="buffer sizes in MB, comma-separated (default 1,4,16,32: about 1 GB of memory; each size "
@@ -66,6 +67,10 @@ def main(argv=None):
     p.add_argument("--out", default="bench-out", help="folder for report_cost.csv")
     sub.add_parser("growth", help="host cost per step against tensors, buckets and replicas, against another "
                    "tree's fastdp with --against PYTHON (its own options: growth --help)")
+    p = sub.add_parser("one-device", help="what the wrapper adds per step over the bare model on one device")
+    p.add_argument("--blocks", type=int, default=15, help="interleaved blocks per model; medians over blocks")
+    p.add_argument("--calls", type=int, default=500, help="steps per block")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args(argv)
     if args.which is None:  # argparse alone would say "arguments are required: which"
         parser.error("choose a benchmark: 'comm' (GB/s per operation) or 'train' (training steps/s), e.g. "
@@ -80,6 +85,10 @@ def main(argv=None):
         return run(args)
     if args.which == "report":
         from .report_cost import run
+
+        return run(args)
+    if args.which == "one-device":
+        from .one_device import run
 
         return run(args)
     return 2

@@ -178,10 +178,8 @@ class _StackedDelivery(Function):
         return None, (None if token is None else token._flat_sum.view(case.k, *SHAPE))
 
 
-class _StackedNode(Function):
-    @staticmethod
-    def forward(ctx, case, *aliases):
-        return _member_views(ctx, case)
+class _StackedNode(_PerMember):
+    """The per-member node with the stacked delivery's backward."""
 
     @staticmethod
     def backward(ctx, *grads):

@@ -79,8 +79,19 @@ def test_comm_values_on_simulated_devices(allocator, streams):
 
 
 
+# tests/test_dp_forward.py's forward through the wrapper written with tests/_places.py (those with a "kind" run on
+# CUDA in the gpu set below).
+FORWARD = ["test_chunk_rule_decides_replica_count", "test_surplus_chunks_of_larger_inputs_are_dropped_like_upstream",
+           "test_module_zero_inputs", "test_data_parallel_small_back", "test_device_args_as_torch_devices",
+           "test_nested_input", "test_nested_output_types_and_values", "test_namedtuple_scatter_and_gather",
+           "test_scatter_passes_other_objects_by_reference", "test_dict_inputs_are_scattered_into_same_type",
+           "test_scatter_along_dim_1", "test_scatter_set_on_the_instance_is_called",
+           "test_forward_label_is_recorded_only_while_a_profiler_runs"]
+
 # DataParallel against the bare model: the tests and what each set covers.
 DATA_PARALLEL = [
+    # the forward: the chunk rule, inputs and outputs of every container kind, scatter along another dim
+    *[f"test_dp_forward.py::{name}" for name in FORWARD],
     # five SGD steps (forward, backward through the reduction's streams, optimizer step), one to four devices
     "test_dp_training.py::test_sgd_steps_match_full_batch",
     # every way of taking gradients through the wrapper, with a host batch scattered to the devices

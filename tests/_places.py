@@ -3,7 +3,7 @@
 check the Python layer's CUDA paths through the real C core, against the same torch CPU references.
 
 ``devices(n)``: a device list of n entries (distinct simulated devices while there are enough, then repeated ids);
-``on(x, k)``: the tensors of x (a tensor, or tuples, lists and dicts of them) on the k-th of those devices (same
+``device(d)``: the torch.device of entry d; ``on(x, k)``: the tensors of x (a tensor, or tuples, lists and dicts of them) on the k-th of those devices (same
 values, shapes and strides); ``module(m)``: m on the first; ``dest()``: where a sum or a gather goes; ``host(x)``:
 x's tensors back on the host, to compare with a reference computed there."""
 
@@ -24,7 +24,12 @@ def on(x, k=0):
 
 
 def module(m):
-    return m if SIM is None else m.to(torch.device("cuda", 0))
+    return m if SIM is None else SIM.module(m, 0)
+
+
+def device(d):
+    """The torch.device of an entry of ``devices(n)``."""
+    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
 
 
 def dest():

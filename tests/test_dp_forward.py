@@ -19,7 +19,7 @@ import torch.nn as nn
 import fastdp
 
 from _dp_cases import Box, Point, ids
-from _places import devices, host, module
+from _places import device, devices, host, module
 
 
 # Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
@@ -194,7 +194,7 @@ def test_device_args_as_torch_devices():
     ref = copy.deepcopy(lin)
     lin = module(lin)
     x = torch.randn(20, 10)
-    ds = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices(2)]
+    ds = [device(d) for d in devices(2)]
     out = fastdp.DataParallel(lin, device_ids=ds, output_device=ds[0])(x)
     assert out.device == ds[0]
     torch.testing.assert_close(host(out), ref(x))

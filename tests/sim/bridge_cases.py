@@ -169,3 +169,16 @@ def test_factory_calls_in_other_threads(bridge):
     worker.start()
     worker.join()
     assert made and made[0].device == torch.device("cuda", 3) and made[0].cpu().isnan().all()
+
+
+def test_tied_weights_stay_tied_on_the_device(bridge):
+    """A module moved to a simulated device keeps a parameter that two submodules share as one (as a real CUDA move
+    does), so that the wrapper sees the tie the host model has."""
+    emb = torch.nn.Embedding(10, 4)
+    out = torch.nn.Linear(4, 10, bias=False)
+    out.weight = emb.weight
+    model = torch.nn.Sequential(emb, out)
+    want = emb.weight.detach().clone()
+    _places.module(model)
+    assert model[1].weight is model[0].weight and model[0].weight.is_cuda
+    assert len(list(model.parameters())) == 1 and torch.equal(model[0].weight.cpu(), want)

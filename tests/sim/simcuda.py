@@ -317,6 +317,22 @@ class Bridge:
 
         return tree_map(result, out)
 
+    def module(self, m, device=0):
+        """m moved to ``device`` (its parameters and buffers replaced, as the run's conversion setting makes them),
+        with a parameter or buffer that several submodules share (tied weights) still one: the conversion gives each
+        submodule its own copy, which a real CUDA move, writing ``.data`` in place, never does."""
+        owners = {}
+        for sub in m.modules():
+            for store in (sub._parameters, sub._buffers):
+                for key, t in store.items():
+                    if t is not None:
+                        owners.setdefault(id(t), []).append((store, key))
+        m.to(torch.device("cuda", device))
+        for (store, key), *others in owners.values():
+            for other, other_key in others:
+                other[other_key] = store[key]
+        return m
+
     # ---- the run ----
     def install(self, monkeypatch):
         """torch.cuda, CUDA device entries and factory calls for one test (or a whole run); returns self."""

@@ -88,10 +88,20 @@ FORWARD = ["test_chunk_rule_decides_replica_count", "test_surplus_chunks_of_larg
            "test_scatter_along_dim_1", "test_scatter_set_on_the_instance_is_called",
            "test_forward_label_is_recorded_only_while_a_profiler_runs"]
 
+# tests/test_dp_replicate.py written with tests/_places.py (not the pickling of a replica, a lazy module's refusal and
+# a scripted module replicated alone: they stay on "cpu").
+REPLICATE = ["test_replicate_storage_sharing_and_parameters_inside_replicas",
+             "test_replicate_accepts_any_iterable_and_tuple", "test_replicate_buffers_and_batchnorm_chunk0_semantics",
+             "test_shared_submodules_and_tied_weights_stay_shared", "test_parameter_list_and_dict_inside_replica",
+             "test_zero_grad_inside_replica_warns_upstream_text", "test_rnn_flatten_parameters_no_grad_and_one_step",
+             "test_python_module_wrapping_script_module"]
+
 # DataParallel against the bare model: the tests and what each set covers.
 DATA_PARALLEL = [
     # the forward: the chunk rule, inputs and outputs of every container kind, scatter along another dim
     *[f"test_dp_forward.py::{name}" for name in FORWARD],
+    # replicas: parameters inside them, buffers and BatchNorm statistics from chunk 0, tied weights, an LSTM step
+    *[f"test_dp_replicate.py::{name}" for name in REPLICATE],
     # five SGD steps (forward, backward through the reduction's streams, optimizer step), one to four devices
     "test_dp_training.py::test_sgd_steps_match_full_batch",
     # every way of taking gradients through the wrapper, with a host batch scattered to the devices

@@ -182,3 +182,13 @@ def test_tied_weights_stay_tied_on_the_device(bridge):
     _places.module(model)
     assert model[1].weight is model[0].weight and model[0].weight.is_cuda
     assert len(list(model.parameters())) == 1 and torch.equal(model[0].weight.cpu(), want)
+
+
+def test_moves_to_a_device_under_inference_mode(bridge):
+    """A host tensor moved to a simulated device, and a device tensor "moved" where it is, under inference mode (where
+    aten::to is not decomposed before the bridge sees it)."""
+    host = torch.arange(6.0).reshape(2, 3)
+    with torch.inference_mode():
+        moved = host.to(torch.device("cuda", 1), non_blocking=True)
+        assert moved.device == torch.device("cuda", 1) and torch.equal(moved.cpu(), host)
+        assert moved.to(torch.device("cuda", 1)) is moved

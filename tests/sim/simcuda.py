@@ -269,6 +269,11 @@ class Bridge:
         target = self._target(kwargs, devs)
         if not devs and target is None:
             return func(*args, **kwargs)
+        if func.is_view and _name(func) == "to":
+            # Under inference mode aten::to reaches here whole (elsewhere it is decomposed before): it may return its
+            # input (a view) or a copy on another device, which only its decomposition, run through the bridge, says.
+            with _Mode(self):
+                return func.decompose(*args, **kwargs)
         if func.is_view:
             return self._view(func, args, kwargs, devs)
         return self._compute(func, args, kwargs, target)

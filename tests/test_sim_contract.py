@@ -96,12 +96,20 @@ REPLICATE = ["test_replicate_storage_sharing_and_parameters_inside_replicas",
              "test_zero_grad_inside_replica_warns_upstream_text", "test_rnn_flatten_parameters_no_grad_and_one_step",
              "test_python_module_wrapping_script_module"]
 
+# tests/test_dp_parallel_apply.py written with tests/_places.py (not autocast's, whose "cpu" device type is what they
+# check).
+PARALLEL_APPLY = ["test_grad_mode_reaches_replicas", "test_parallel_apply_two_modules",
+                  "test_each_replica_starts_from_the_callers_grad_mode", "test_parallel_apply_passes_exception",
+                  "test_lowest_failing_replica_wins", "test_forward_hooks_on_wrapper_run_once_and_on_module_per_replica"]
+
 # DataParallel against the bare model: the tests and what each set covers.
 DATA_PARALLEL = [
     # the forward: the chunk rule, inputs and outputs of every container kind, scatter along another dim
     *[f"test_dp_forward.py::{name}" for name in FORWARD],
     # replicas: parameters inside them, buffers and BatchNorm statistics from chunk 0, tied weights, an LSTM step
     *[f"test_dp_replicate.py::{name}" for name in REPLICATE],
+    # what replicas run under: grad and inference mode, a replica's exception (naming its device), forward hooks
+    *[f"test_dp_parallel_apply.py::{name}" for name in PARALLEL_APPLY],
     # five SGD steps (forward, backward through the reduction's streams, optimizer step), one to four devices
     "test_dp_training.py::test_sgd_steps_match_full_batch",
     # every way of taking gradients through the wrapper, with a host batch scattered to the devices

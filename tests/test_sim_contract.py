@@ -115,10 +115,12 @@ DATA_PARALLEL = [
     # every way of taking gradients through the wrapper, with a host batch scattered to the devices
     *[f"test_reduction.py::{name}" for name in REDUCTION],
     # a gradient penalty (double backward through the input and the parameters), unused and partly used
-    # parameters, channels-last gradients, complex parameters
+    # parameters, channels-last gradients, complex parameters, a buffer that requires grad (gradcheck), no
+    # reference cycles left by a step (not sparse gradients: the bridge has no sparse tensors)
     *[f"test_dp_autograd.py::{name}" for name in (
         "test_double_backward_gradient_penalty", "test_unused_parameters_keep_grad_none_partially_used_get_sums",
-        "test_strided_grad_layout_channels_last", "test_complex_parameters_and_inputs_stay_complex")],
+        "test_strided_grad_layout_channels_last", "test_complex_parameters_and_inputs_stay_complex",
+        "test_buffers_requiring_grad_gradcheck", "test_no_reference_cycles")],
     # the kept replicas across steps and no_sync's unsynced sums
     *[f"test_dp_persistent.py::{name}" for name in (
         "test_changing_number_of_replicas_between_steps", "test_two_forwards_before_backward",

@@ -102,6 +102,12 @@ PARALLEL_APPLY = ["test_grad_mode_reaches_replicas", "test_parallel_apply_two_mo
                   "test_each_replica_starts_from_the_callers_grad_mode", "test_parallel_apply_passes_exception",
                   "test_lowest_failing_replica_wins", "test_forward_hooks_on_wrapper_run_once_and_on_module_per_replica"]
 
+# tests/test_sync_batchnorm.py's training against the bare model's BatchNorm on the full batch, written with
+# tests/_places.py (not the checkpointed and failing-replica cases, whose bodies still name "cpu").
+SYNC_BATCHNORM = ["test_training_equals_full_batch", "test_uneven_chunks", "test_layer_settings",
+                  "test_sequence_input_batchnorm1d", "test_channels_last", "test_layer_called_twice_and_no_grad",
+                  "test_data_parallel_function", "test_criterion_path", "test_one_replica_is_plain_batchnorm"]
+
 # DataParallel against the bare model: the tests and what each set covers.
 DATA_PARALLEL = [
     # the forward: the chunk rule, inputs and outputs of every container kind, scatter along another dim
@@ -110,6 +116,8 @@ DATA_PARALLEL = [
     *[f"test_dp_replicate.py::{name}" for name in REPLICATE],
     # what replicas run under: grad and inference mode, a replica's exception (naming its device), forward hooks
     *[f"test_dp_parallel_apply.py::{name}" for name in PARALLEL_APPLY],
+    # SyncBatchNorm: statistics summed across the devices through the core, five SGD steps, uneven and empty chunks
+    *[f"test_sync_batchnorm.py::{name}" for name in SYNC_BATCHNORM],
     # five SGD steps (forward, backward through the reduction's streams, optimizer step), one to four devices
     "test_dp_training.py::test_sgd_steps_match_full_batch",
     # every way of taking gradients through the wrapper, with a host batch scattered to the devices

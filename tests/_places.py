@@ -3,8 +3,8 @@
 check the Python layer's CUDA paths through the real C core, against the same torch CPU references.
 
 ``devices(n)``: a device list of n entries (distinct simulated devices while there are enough, then repeated ids);
-``on(x, k)``: the tensors of x (a tensor, or tuples, lists and dicts of them) on the k-th of those devices (same
-values, shapes and strides); ``module(m)``: m on the first; ``dest()``: where a sum or a gather goes; ``host(x)``:
+``device(d)``: the torch.device of entry d; ``on(x, k)``: the tensors of x (a tensor, or tuples, lists and dicts of them) on the k-th of those devices (same
+values, shapes and strides); ``module(m, k)``: m on the k-th (the first by default); ``dest()``: where a sum or a gather goes; ``host(x)``:
 x's tensors back on the host, to compare with a reference computed there."""
 
 import torch
@@ -23,8 +23,13 @@ def on(x, k=0):
     return tree_map(lambda t: SIM.tensor(t, k % SIM.sim.ndev) if isinstance(t, torch.Tensor) else t, x)
 
 
-def module(m):
-    return m if SIM is None else m.to(torch.device("cuda", 0))
+def module(m, k=0):
+    return m if SIM is None else SIM.module(m, k % SIM.sim.ndev)
+
+
+def device(d):
+    """The torch.device of an entry of ``devices(n)``."""
+    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
 
 
 def dest():

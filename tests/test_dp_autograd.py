@@ -16,7 +16,7 @@ import torch.nn as nn
 import fastdp
 
 from _dp_cases import ids
-from _places import devices, host, module
+from _places import devices, host, module, on
 
 
 # Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
@@ -36,9 +36,9 @@ def test_buffers_requiring_grad_gradcheck():
         def forward(self, x):
             return x * self.t_rg + self.t_not_rg
 
-    t = torch.randn(1, dtype=torch.double, requires_grad=True)
+    t = on(torch.randn(1, dtype=torch.double)).requires_grad_()
     m = TestModule(t)
-    dp = fastdp.DataParallel(m, device_ids=ids("cpu", 2))
+    dp = fastdp.DataParallel(m, device_ids=devices(2))
 
     def fn(t):
         m.t_rg = t  # re-registered as the buffer each call
@@ -172,11 +172,11 @@ def test_no_reference_cycles():
         def forward(self, x):
             return self.linear(x)
 
-    warm = fastdp.DataParallel(Model(), device_ids=ids("cpu", 2))
+    warm = fastdp.DataParallel(module(Model()), device_ids=devices(2))
     warm(torch.randn(2, 1)).sum().backward()
     del warm
     gc.collect()
-    model = fastdp.DataParallel(Model(), device_ids=ids("cpu", 2))
+    model = fastdp.DataParallel(module(Model()), device_ids=devices(2))
     out = model(torch.randn(4, 1))
     out.sum().backward()
     del out

@@ -3,7 +3,8 @@ parallel_apply and gather called through ``self`` in upstream's order (overridde
 instance), the chunk rule that decides how many replicas run, positional, keyword, nested and zero inputs, the
 containers scattered and rebuilt on the way out, and the profiler label of the forward.
 
-Every case runs on ``["cpu"] * N`` devices; the ones marked ``gpu`` repeat it on CUDA (repeated ids on one GPU).
+Every case runs on ``["cpu"] * N`` devices; the ones marked ``gpu`` repeat it on CUDA (repeated ids on one GPU), and
+the ones written with tests/_places.py run on simulated CUDA devices too (tests/test_sim_contract.py).
 Results are compared with the bare module on the full batch, never with numbers typed by hand.
 """
 
@@ -18,6 +19,7 @@ import torch.nn as nn
 import fastdp
 
 from _dp_cases import Box, Point, ids
+from _places import device, devices, host, module
 
 
 # Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
@@ -90,15 +92,13 @@ def test_methods_are_called_through_self_in_order(kind):
 @pytest.mark.parametrize("batch,used", [(9, 5), (10, 5), (17, 6), (1, 1), (16, 8), (0, 8)])
 def test_chunk_rule_decides_replica_count(batch, used):
     m = nn.Linear(3, 2)
-    dp = Recorder(m, device_ids=ids("cpu", 8))
+    ref = copy.deepcopy(m)
+    dp = Recorder(module(m), device_ids=devices(8))
     x = torch.randn(batch, 3)
     out = dp(x)
     replicated = [c for c in dp.calls if c[0] == "replicate"]
-    if used == 1:
-        assert replicated == [("replicate", ["cpu"])]
-    else:
-        assert replicated == [("replicate", ["cpu"] * used)]
-    torch.testing.assert_close(out, m(x))
+    assert replicated == [("replicate", devices(8)[:used])]
+    torch.testing.assert_close(host(out), ref(x))
 
 
 def test_surplus_chunks_of_larger_inputs_are_dropped_like_upstream():
@@ -106,9 +106,9 @@ def test_surplus_chunks_of_larger_inputs_are_dropped_like_upstream():
         def forward(self, a, b):
             return a.sum(1, keepdim=True), b.sum(1, keepdim=True)
 
-    dp = fastdp.DataParallel(Pair(), device_ids=ids("cpu", 4))
+    dp = fastdp.DataParallel(module(Pair()), device_ids=devices(4))
     a, b = torch.randn(4, 2), torch.randn(2, 2)
-    ra, rb = dp(a, b)
+    ra, rb = host(dp(a, b))
     # b gives 2 chunks, so only 2 replicas run: a's chunks 2 and 3 are dropped (zip), as upstream.
     torch.testing.assert_close(ra, a[:2].sum(1, keepdim=True))
     torch.testing.assert_close(rb, b.sum(1, keepdim=True))
@@ -126,13 +126,14 @@ class Const(nn.Module):
 @pytest.mark.parametrize("n", [1, 2])
 def test_module_zero_inputs(n):
     m = Const()
-    dp = Recorder(m, device_ids=ids("cpu", n))
+    ref = copy.deepcopy(m)
+    dp = Recorder(module(m), device_ids=devices(n))
     out = dp()
-    torch.testing.assert_close(out, m())
+    torch.testing.assert_close(host(out), ref())
     if n > 1:
-        assert ("replicate", ["cpu"]) in dp.calls
+        assert ("replicate", devices(1)) in dp.calls
     for inputs in (None, ()):
-        torch.testing.assert_close(fastdp.data_parallel(m, inputs, device_ids=ids("cpu", 2)), m())
+        torch.testing.assert_close(host(fastdp.data_parallel(m, inputs, device_ids=devices(2))), ref())
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -183,18 +184,23 @@ def test_multiple_input(kind):
 
 def test_data_parallel_small_back():
     lin = nn.Linear(10, 10)
+    ref = copy.deepcopy(lin)
     x = torch.randn(20, 10)
-    torch.testing.assert_close(fastdp.data_parallel(lin, x, ["cpu", "cpu"]), lin(x))
+    torch.testing.assert_close(host(fastdp.data_parallel(module(lin), x, devices(2))), ref(x))
 
 
 def test_device_args_as_torch_devices():
     lin = nn.Linear(10, 10)
+    ref = copy.deepcopy(lin)
+    lin = module(lin)
     x = torch.randn(20, 10)
-    cpu = torch.device("cpu")
-    out = fastdp.DataParallel(lin, device_ids=[cpu, cpu], output_device=cpu)(x)
-    torch.testing.assert_close(out, lin(x))
-    out = fastdp.data_parallel(lin, x, device_ids=[cpu, cpu], output_device=cpu)
-    torch.testing.assert_close(out, lin(x))
+    ds = [device(d) for d in devices(2)]
+    out = fastdp.DataParallel(lin, device_ids=ds, output_device=ds[0])(x)
+    assert out.device == ds[0]
+    torch.testing.assert_close(host(out), ref(x))
+    out = fastdp.data_parallel(lin, x, device_ids=ds, output_device=ds[0])
+    assert out.device == ds[0]
+    torch.testing.assert_close(host(out), ref(x))
 
 
 def test_nested_input():
@@ -205,8 +211,8 @@ def test_nested_input():
 
     xs = [torch.randn(6, 3) for _ in range(4)]
     nested = (xs[0], (xs[1], xs[2]), xs[3])
-    out = fastdp.DataParallel(Net(), device_ids=ids("cpu", 3))(nested)
-    torch.testing.assert_close(out, Net()(nested))
+    out = fastdp.DataParallel(module(Net()), device_ids=devices(3))(nested)
+    torch.testing.assert_close(host(out), Net()(nested))
 
 
 def test_nested_output_types_and_values():
@@ -218,12 +224,12 @@ def test_nested_output_types_and_values():
             return fn(x)
 
     x = torch.randn(7, 3)
-    out = fastdp.DataParallel(Net(), device_ids=ids("cpu", 3))(x)
+    out = fastdp.DataParallel(module(Net()), device_ids=devices(3))(x)
     ref = fn(x)
     assert isinstance(out, list) and isinstance(out[1], tuple) and isinstance(out[1][1], list)
     assert isinstance(out[2], collections.OrderedDict) and list(out[2]) == ["a", "b"]
     assert isinstance(out[2]["b"], list)
-    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(host(out), ref)
 
 
 class TypedPoint(typing.NamedTuple):
@@ -241,11 +247,11 @@ def test_namedtuple_scatter_and_gather(cls):
             return cls(p.x * 2, p.y + 1)
 
     p = cls(torch.randn(6, 2), torch.randn(6, 3))
-    out = fastdp.DataParallel(Net(), device_ids=ids("cpu", 3))(p)
+    out = fastdp.DataParallel(module(Net()), device_ids=devices(3))(p)
     assert seen == [cls] * 3
     assert type(out) is cls
-    torch.testing.assert_close(out.x, p.x * 2)
-    torch.testing.assert_close(out.y, p.y + 1)
+    torch.testing.assert_close(host(out.x), p.x * 2)
+    torch.testing.assert_close(host(out.y), p.y + 1)
 
 
 def test_scatter_passes_other_objects_by_reference():
@@ -261,7 +267,7 @@ def test_scatter_passes_other_objects_by_reference():
             return x
 
     x = torch.randn(4, 2)
-    fastdp.DataParallel(Net(), device_ids=ids("cpu", 2))(x, lengths, box, empty, info, "s", 3)
+    fastdp.DataParallel(module(Net()), device_ids=devices(2))(x, lengths, box, empty, info, "s", 3)
     assert len(seen) == 2
     for got_lengths, got_box, got_empty, got_info, s, n, rows in seen:
         assert got_lengths == lengths and got_box is box and got_empty is empty
@@ -277,21 +283,25 @@ def test_dict_inputs_are_scattered_into_same_type():
             return batch["a"] + batch["b"]
 
     batch = collections.OrderedDict(a=torch.randn(4, 2), b=torch.randn(4, 2))
-    out = fastdp.DataParallel(Net(), device_ids=ids("cpu", 2))(batch)
+    out = fastdp.DataParallel(module(Net()), device_ids=devices(2))(batch)
     assert seen == [collections.OrderedDict] * 2
-    torch.testing.assert_close(out, batch["a"] + batch["b"])
+    torch.testing.assert_close(host(out), batch["a"] + batch["b"])
 
 
 def test_scatter_along_dim_1():
-    m = nn.Conv1d(3, 4, 1)
-
     class Net(nn.Module):
-        def forward(self, x):  # x: (C, B, L) → scatter along B
-            return m(x.transpose(0, 1)).transpose(0, 1)
+        def __init__(self):
+            super().__init__()
+            self.m = nn.Conv1d(3, 4, 1)
 
+        def forward(self, x):  # x: (C, B, L) → scatter along B
+            return self.m(x.transpose(0, 1)).transpose(0, 1)
+
+    net = Net()
+    ref = copy.deepcopy(net)
     x = torch.randn(3, 5, 6)
-    out = fastdp.DataParallel(Net(), device_ids=ids("cpu", 2), dim=1)(x)
-    torch.testing.assert_close(out, Net()(x))
+    out = fastdp.DataParallel(module(net), device_ids=devices(2), dim=1)(x)
+    torch.testing.assert_close(host(out), ref(x))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -311,7 +321,8 @@ def test_scatter_set_on_the_instance_is_called():
     """Like upstream, the forward calls self.scatter: a function set on the instance replaces the method too."""
     torch.manual_seed(0)
     model = nn.Linear(4, 3).double()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 2)
+    ref = copy.deepcopy(model)
+    dp = fastdp.DataParallel(module(model), device_ids=devices(2))
     calls = []
 
     def scatter(inputs, kwargs, device_ids):
@@ -320,14 +331,14 @@ def test_scatter_set_on_the_instance_is_called():
 
     dp.scatter = scatter
     x = torch.randn(6, 4, dtype=torch.float64)
-    assert torch.allclose(dp(x), model(x), rtol=0, atol=1e-12)
+    assert torch.allclose(host(dp(x)), ref(x), rtol=0, atol=1e-12)
     assert calls == [2]
 
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_forward_label_is_recorded_only_while_a_profiler_runs(n, monkeypatch):
     # The label appears in both profilers' events, as upstream's does.
-    dp = fastdp.DataParallel(nn.Linear(3, 2), device_ids=ids("cpu", n))
+    dp = fastdp.DataParallel(module(nn.Linear(3, 2)), device_ids=devices(n))
     x = torch.randn(4, 3)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         dp(x).sum().backward()

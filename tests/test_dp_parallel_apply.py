@@ -2,9 +2,12 @@
 the caller's grad mode and autocast state and dtype, a replica's own changes kept from the others, a replica's
 exception raised in the caller (the lowest failing replica's), and forward hooks on the wrapper and on the module.
 
-Every case runs on ``["cpu"] * N`` devices. Results are compared with the bare module on the full batch,
+Every case runs on ``["cpu"] * N`` devices, and those written with tests/_places.py on simulated CUDA devices too
+(tests/test_sim_contract.py; not autocast's, whose "cpu" device type is what they check). Results are compared with the bare module on the full batch,
 never with numbers typed by hand.
 """
+
+import copy
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ import torch.nn as nn
 import fastdp
 
 from _dp_cases import ids
+from _places import devices, host, module, on
 from _replica_errors import ReplicaError
 
 
@@ -31,7 +35,7 @@ def test_grad_mode_reaches_replicas():
             modes.append(torch.is_grad_enabled())
             return x
 
-    dp = fastdp.DataParallel(Net(), device_ids=ids("cpu", 2))
+    dp = fastdp.DataParallel(module(Net()), device_ids=devices(2))
     x = torch.randn(4, 1)
     with torch.no_grad():
         dp(x)
@@ -76,10 +80,13 @@ def test_parallel_apply_two_modules():
     l1, l2 = nn.Linear(10, 5), nn.Linear(10, 5)
     i1, i2 = torch.randn(2, 10), torch.randn(2, 10)
     expected = (l1(i1), l2(i2))
-    for inputs in ((i1, i2), ((i1,), (i2,))):
-        outputs = fastdp.parallel_apply((l1, l2), inputs, None, ["cpu", "cpu"])
-        for out, exp in zip(outputs, expected):
-            torch.testing.assert_close(out, exp)
+    m1, m2 = module(copy.deepcopy(l1), 0), module(copy.deepcopy(l2), 1)
+    d1, d2 = on(i1, 0), on(i2, 1)
+    for inputs in ((d1, d2), ((d1,), (d2,))):
+        outputs = fastdp.parallel_apply((m1, m2), inputs, None, devices(2))
+        for out, exp, d in zip(outputs, expected, devices(2)):
+            assert out.device == torch.device(d) if isinstance(d, str) else out.get_device() == d
+            torch.testing.assert_close(host(out), exp)
     with pytest.raises(AssertionError) as reference:
         torch.nn.parallel.parallel_apply((l1, l2), (i1,))
     with pytest.raises(AssertionError) as info:
@@ -99,10 +106,10 @@ def test_each_replica_starts_from_the_callers_grad_mode():
             return x * 2
 
     x = torch.ones(2, requires_grad=True)
-    outs = fastdp.parallel_apply([Switches() for _ in range(3)], [(x,)] * 3, None, ["cpu"] * 3)
+    outs = fastdp.parallel_apply([Switches() for _ in range(3)], [(on(x, k),) for k in range(3)], None, devices(3))
     assert seen == [True] * 3 and torch.is_grad_enabled()
     for out in outs:
-        torch.testing.assert_close(out, x * 2)
+        torch.testing.assert_close(host(out), x * 2)
 
 
 def test_parallel_apply_passes_exception():
@@ -111,12 +118,12 @@ def test_parallel_apply_passes_exception():
             return {}["wonderful"]
 
     with pytest.raises(KeyError) as info:
-        fastdp.parallel_apply([TestModule()], [None], None, ["cpu"])
-    ReplicaError("KeyError", 0, "KeyError: 'wonderful'").check(info.value)
-    dp = fastdp.DataParallel(TestModule(), device_ids=ids("cpu", 2))
+        fastdp.parallel_apply([TestModule()], [None], None, devices(1))
+    ReplicaError("KeyError", 0, "KeyError: 'wonderful'", devices(1)[0]).check(info.value)
+    dp = fastdp.DataParallel(module(TestModule()), device_ids=devices(2))
     with pytest.raises(KeyError) as info:
         dp(torch.randn(4, 1))
-    ReplicaError("KeyError", 0, "KeyError: 'wonderful'").check(info.value)
+    ReplicaError("KeyError", 0, "KeyError: 'wonderful'", devices(2)[0]).check(info.value)
 
 
 def test_lowest_failing_replica_wins():
@@ -131,13 +138,13 @@ def test_lowest_failing_replica_wins():
 
     x = torch.arange(3.0).repeat_interleave(2).unsqueeze(1)
     with pytest.raises(ValueError) as info:
-        fastdp.DataParallel(Net(), device_ids=ids("cpu", 3))(x)
-    ReplicaError("ValueError", 1, "ValueError: from replica one").check(info.value)
+        fastdp.DataParallel(module(Net()), device_ids=devices(3))(x)
+    ReplicaError("ValueError", 1, "ValueError: from replica one", devices(3)[1]).check(info.value)
 
 
 def test_forward_hooks_on_wrapper_run_once_and_on_module_per_replica():
-    m = nn.Linear(2, 2)
-    dp = fastdp.DataParallel(m, device_ids=ids("cpu", 3))
+    m = module(nn.Linear(2, 2))
+    dp = fastdp.DataParallel(m, device_ids=devices(3))
     outer, inner = [], []
     dp.register_forward_hook(lambda *a: outer.append(1))
     m.register_forward_hook(lambda *a: inner.append(1))

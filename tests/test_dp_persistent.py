@@ -57,8 +57,8 @@ def reference(model_fn, x, mutate=None):
 
 
 def test_replicas_are_kept_across_steps():
-    model = mlp()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    model = module(mlp())
+    dp = fastdp.DataParallel(model, device_ids=devices(R))
     x = torch.randn(10, 6, dtype=torch.float64)
     step(dp, x)
     kept = dp._replica_set
@@ -66,7 +66,7 @@ def test_replicas_are_kept_across_steps():
     step(dp, x)
     assert dp._replica_set is kept and [id(m) for m in kept.replicas[1]] == first
     # One autograd node per bucket: a tiny bucket size gives several, each reducing on its own.
-    dp_small = fastdp.DataParallel(mlp(), device_ids=["cpu"] * R, bucket_cap_mb=1e-5)
+    dp_small = fastdp.DataParallel(module(mlp()), device_ids=devices(R), bucket_cap_mb=1e-5)
     out = dp_small(x)
     nodes = [n for n in _walk(out.grad_fn) if type(n).__name__ == "BucketNodeBackward"]
     assert len(nodes) == len(dp_small._replica_set.layout[0]) == len(list(dp_small.parameters()))
@@ -105,9 +105,9 @@ def test_frozen_parameters_are_not_reduced(monkeypatch):
         return real(bucket, grads)
 
     monkeypatch.setattr(_reducer, "start", spy)
-    model = mlp()
+    model = module(mlp())
     model[0].weight.requires_grad_(False)
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    dp = fastdp.DataParallel(model, device_ids=devices(R))
     step(dp, torch.randn(9, 6, dtype=torch.float64))
     reduced = [dp._replica_set.params[i] for _, m in calls for i in m]
     assert id(model[0].weight) not in {id(p) for p in reduced} and model[0].weight.grad is None
@@ -146,19 +146,21 @@ class Scaled(nn.Module):
 def test_master_changes_are_seen_like_fresh_replicas(name):
     """Change the master between steps: the next step equals the bare module with the same change."""
     x = torch.randn(11, 6, dtype=torch.float64)
-    model = mlp()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    model = module(mlp())
+    dp = fastdp.DataParallel(model, device_ids=devices(R))
     step(dp, x)  # builds and keeps replicas
     model.zero_grad(set_to_none=True)
     mutate = MUTATIONS[name]
     mutate(model)
+    if name in ("replace_param", "add_param", "new_module"):
+        model = module(model)  # what the change made on the host joins the rest
     if name == "to_float":
         x = x.float()
     if name == "attribute":  # a forward that reads the attribute
         for m in (model,):
             m[1].forward = _relu_scaled.__get__(m[1])
     if name == "replace_param":
-        replaced = model[2].weight.detach().clone()
+        replaced = host(model[2].weight.detach()).clone()
     out = step(dp, x)
 
     bare = mlp()
@@ -169,7 +171,7 @@ def test_master_changes_are_seen_like_fresh_replicas(name):
     if name == "attribute":
         bare[1].forward = _relu_scaled.__get__(bare[1])
     ref_out = step(bare, x)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5 if name == "to_float" else 0, atol=1e-5 if name == "to_float" else 1e-12)
+    torch.testing.assert_close(host(out), ref_out, rtol=1e-5 if name == "to_float" else 0, atol=1e-5 if name == "to_float" else 1e-12)
     tol = 1e-5 if name == "to_float" else 1e-12
     assert_grads_equal(grads(model), grads(bare), tol)
 
@@ -192,8 +194,8 @@ def test_replica_only_attributes_do_not_persist():
             self.seen = seen + 1  # lost after forward, as upstream's docs say
             return self.lin(x) * (seen + 1)
 
-    model = Counter()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 2)
+    model = module(Counter())
+    dp = fastdp.DataParallel(model, device_ids=devices(2))
     x = torch.randn(4, 2)
     a = dp(x)
     b = dp(x)
@@ -349,7 +351,8 @@ def test_grad_keeps_memory_format_and_matches_bare():
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).double()
     conv = conv.to(memory_format=torch.channels_last)
     bare = copy.deepcopy(conv)
-    dp = fastdp.DataParallel(conv, device_ids=["cpu"] * R)
+    conv = module(conv)
+    dp = fastdp.DataParallel(conv, device_ids=devices(R))
     x = torch.randn(7, 3, 8, 8, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     for _ in range(2):
         step(dp, x)
@@ -357,12 +360,12 @@ def test_grad_keeps_memory_format_and_matches_bare():
     for p, q in zip(conv.parameters(), bare.parameters()):
         if p.dim() == 4:
             assert p.grad.is_contiguous(memory_format=torch.channels_last)
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10)
+        torch.testing.assert_close(host(p.grad), q.grad, rtol=0, atol=1e-10)
 
 
 def test_no_reference_cycles_with_kept_replicas():
-    model = mlp()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    model = module(mlp())
+    dp = fastdp.DataParallel(model, device_ids=devices(R))
     x = torch.randn(8, 6, dtype=torch.float64)
     step(dp, x)
     gc.collect()
@@ -371,13 +374,13 @@ def test_no_reference_cycles_with_kept_replicas():
 
 
 def test_pickle_and_deepcopy_drop_the_cache():
-    model = mlp()
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * R)
+    model = module(mlp())
+    dp = fastdp.DataParallel(model, device_ids=devices(R))
     x = torch.randn(8, 6, dtype=torch.float64)
     step(dp, x)
     clone = copy.deepcopy(dp)
     assert clone._replica_set is None
-    torch.testing.assert_close(clone(x), dp(x))
+    torch.testing.assert_close(host(clone(x)), host(dp(x)))
     assert clone._replica_set is not None and clone._replica_set.network is clone.module
 
 
@@ -392,13 +395,14 @@ def test_batchnorm_stats_from_chunk0_with_kept_replicas():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     bare = copy.deepcopy(model)
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 2)
+    model = module(model)
+    dp = fastdp.DataParallel(model, device_ids=devices(2))
     for _ in range(3):
         x = torch.randn(8, 4)
         dp(x)
         bare(x[:4])  # chunk 0 only updates the running statistics
-    torch.testing.assert_close(model[1].running_mean, bare[1].running_mean)
-    torch.testing.assert_close(model[1].running_var, bare[1].running_var)
+    torch.testing.assert_close(host(model[1].running_mean), bare[1].running_mean)
+    torch.testing.assert_close(host(model[1].running_var), bare[1].running_var)
     assert model[1].num_batches_tracked.item() == 3
 
 

@@ -3,7 +3,8 @@
 and BatchNorm's statistics from chunk 0, shared submodules and tied weights, ParameterList and ParameterDict, RNNs'
 flatten_parameters, lazy modules refused, and scripted modules.
 
-Every case runs on ``["cpu"] * N`` devices. Results are compared with the bare module on the full batch,
+Every case runs on ``["cpu"] * N`` devices, and those written with tests/_places.py on simulated CUDA devices too
+(tests/test_sim_contract.py). Results are compared with the bare module on the full batch,
 never with numbers typed by hand.
 """
 
@@ -18,6 +19,7 @@ import torch.nn as nn
 import fastdp
 
 from _dp_cases import ids
+from _places import device, devices, host, module, on
 
 
 # Every test runs with "cpu" replicas in the calling thread and on worker threads (conftest.cpu_apply).
@@ -29,44 +31,48 @@ pytestmark = pytest.mark.usefixtures("cpu_apply")
 
 def test_replicate_storage_sharing_and_parameters_inside_replicas():
     m = nn.Linear(4, 3)
-    replicas = fastdp.replicate(m, ["cpu"] * 3)
+    ref = copy.deepcopy(m)
+    m = module(m)
+    replicas = fastdp.replicate(m, devices(3))
     assert len(replicas) == 3
     x = torch.randn(5, 4)
     for k, r in enumerate(replicas):
         assert r._is_replica
         params = list(r.parameters())  # deliberate: upstream yields nothing here
         assert len(params) == 2
-        for p, master in zip(params, m.parameters()):
+        for p, master in zip(params, ref.parameters()):
             assert p.requires_grad and p.grad_fn is not None and not isinstance(p, nn.Parameter)
-            torch.testing.assert_close(p, master)
+            torch.testing.assert_close(host(p), master)
+        for p, master in zip(params, m.parameters()):
             assert (p.data_ptr() == master.data_ptr()) == (k == 0)
-        torch.testing.assert_close(r(x), m(x))
-    detached = fastdp.replicate(m, ["cpu"] * 2, detach=True)
+        torch.testing.assert_close(host(r(on(x, k))), ref(x))
+    detached = fastdp.replicate(m, devices(2), detach=True)
     assert detached[0].weight is m.weight
     assert not detached[1].weight.requires_grad
     assert detached[1].weight.data_ptr() != m.weight.data_ptr()
 
 
 def test_replicate_accepts_any_iterable_and_tuple():
-    m = nn.Linear(2, 2)
-    assert len(fastdp.replicate(m, ("cpu", "cpu"))) == 2
-    assert len(fastdp.replicate(m, iter(["cpu", "cpu", "cpu"]))) == 3
+    m = module(nn.Linear(2, 2))
+    assert len(fastdp.replicate(m, tuple(devices(2)))) == 2
+    assert len(fastdp.replicate(m, iter(devices(3)))) == 3
 
 
 def test_replicate_buffers_and_batchnorm_chunk0_semantics():
     bn = nn.BatchNorm1d(3)
     ref = copy.deepcopy(bn)
+    bn = module(bn)
     x = torch.randn(8, 3) * 3 + 1
-    for r in fastdp.replicate(bn, ["cpu"] * 2):
-        assert r.running_mean.device.type == "cpu" and r.num_batches_tracked.dtype == torch.long
-    dp = fastdp.DataParallel(bn, device_ids=ids("cpu", 2))
+    for r, d in zip(fastdp.replicate(bn, devices(2)), devices(2)):
+        assert r.running_mean.device == device(d) and r.num_batches_tracked.dtype == torch.long
+    dp = fastdp.DataParallel(bn, device_ids=devices(2))
     out = dp(x)
     # Each chunk is normalised with its own statistics; running stats come from chunk 0 only.
     ref1 = copy.deepcopy(ref)
     expected = torch.cat([ref(x[:4]), ref1(x[4:])])
-    torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(bn.running_mean, ref.running_mean)
-    torch.testing.assert_close(bn.running_var, ref.running_var)
+    torch.testing.assert_close(host(out), expected)
+    torch.testing.assert_close(host(bn.running_mean), ref.running_mean)
+    torch.testing.assert_close(host(bn.running_var), ref.running_var)
     assert bn.num_batches_tracked.item() == 1
 
 
@@ -85,14 +91,15 @@ def test_shared_submodules_and_tied_weights_stay_shared():
             return self.out(self.a(idx) + self.b(idx))
 
     m = Tied()
-    for r in fastdp.replicate(m, ["cpu"] * 2):
+    ref = copy.deepcopy(m)
+    m = module(m)
+    for r in fastdp.replicate(m, devices(2)):
         assert r.a is r.b
         assert r.out.weight is r.a.weight
     idx = torch.randint(0, 10, (6,))
-    ref = copy.deepcopy(m)
-    fastdp.DataParallel(m, device_ids=ids("cpu", 3))(idx).sum().backward()
+    fastdp.DataParallel(m, device_ids=devices(3))(idx).sum().backward()
     ref(idx).sum().backward()
-    torch.testing.assert_close(m.a.weight.grad, ref.a.weight.grad)
+    torch.testing.assert_close(host(m.a.weight.grad), ref.a.weight.grad)
 
 
 def test_save_replica_module():
@@ -115,10 +122,11 @@ def test_parameter_list_and_dict_inside_replica():
 
     checks = []
     m = Net()
+    ref = copy.deepcopy(m)
     x = torch.randn(4, 2)
-    out = fastdp.DataParallel(m, device_ids=ids("cpu", 2))(x)
+    out = fastdp.DataParallel(module(m), device_ids=devices(2))(x)
     assert checks == [True, True]
-    torch.testing.assert_close(out, m(x))
+    torch.testing.assert_close(host(out), ref(x))
 
 
 def test_zero_grad_inside_replica_warns_upstream_text():
@@ -136,7 +144,7 @@ def test_zero_grad_inside_replica_warns_upstream_text():
     with pytest.warns(UserWarning) as upstream:  # torch's own text, from a module marked as a replica
         replica.zero_grad()
     with pytest.warns(UserWarning, match="^" + re.escape(str(upstream[0].message)) + "$"):
-        fastdp.DataParallel(Net(), device_ids=ids("cpu", 2))(torch.randn(4, 2))
+        fastdp.DataParallel(module(Net()), device_ids=devices(2))(torch.randn(4, 2))
 
 
 def test_rnn_flatten_parameters_no_grad_and_one_step():
@@ -152,17 +160,18 @@ def test_rnn_flatten_parameters_no_grad_and_one_step():
     torch.manual_seed(0)
     m = Net().double()
     ref = copy.deepcopy(m)
+    m = module(m)
     x = torch.randn(6, 3, 4, dtype=torch.double)
-    dp = fastdp.DataParallel(m, device_ids=ids("cpu", 2))
+    dp = fastdp.DataParallel(m, device_ids=devices(2))
     with torch.no_grad():
-        torch.testing.assert_close(dp(x), ref(x))
+        torch.testing.assert_close(host(dp(x)), ref(x))
     opt, ref_opt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     dp(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
     opt.step()
     ref_opt.step()
     for p, q in zip(m.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+        torch.testing.assert_close(host(p), q, rtol=0, atol=1e-12)
 
 
 def test_lazy_linear_raises():
@@ -193,5 +202,6 @@ def test_python_module_wrapping_script_module():
             return self.inner(x)
 
     m = Wrap()
+    ref = copy.deepcopy(m)
     x = torch.randn(4, 3)
-    torch.testing.assert_close(fastdp.DataParallel(m, device_ids=ids("cpu", 2))(x), m(x))
+    torch.testing.assert_close(host(fastdp.DataParallel(module(m), device_ids=devices(2))(x)), ref(x))

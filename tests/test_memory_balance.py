@@ -1,6 +1,7 @@
 """Device 0's memory on emulated CPU replicas: ``fastdp.memory_report``'s figures (replica buffers, the master,
 the peak ratio over distinct devices), ``chunk_sizes="auto"`` settling its memory phase by bisection with an
-injected reader, and the split, per-replica loss and report on CUDA (marked ``gpu`` and ``multi_gpu``).
+injected reader (on simulated CUDA devices too, tests/test_sim_contract.py), and the split, per-replica loss and
+report on CUDA (marked ``gpu`` and ``multi_gpu``).
 
 References: the bare module on the full batch; the injected reader's peaks, computed from the split it reads.
 """
@@ -17,6 +18,7 @@ import fastdp
 from fastdp.balance import DeviceMemory, MemoryReport, largest_remainder
 
 from _balance_cases import R, batch, batch_of, net
+from _places import devices, module
 
 
 # ---- memory report -----------------------------------------------------------------------------------------------
@@ -81,7 +83,7 @@ def _auto_run(extra, steps=14, batch_size=32, ndev=4, **options):
     model = nn.Linear(6, 3).double()
     # The memory phase alone: the time phase (tests/test_rebalance.py) would move rows by the replicas' timing noise.
     auto = fastdp.AutoSplit(reader=lambda: reader(), balance_time=False, **options)
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * ndev, chunk_sizes=auto)
+    dp = fastdp.DataParallel(module(model), device_ids=devices(ndev), chunk_sizes=auto)
     reader = FakeMemory(dp, extra=extra)
     shares = []
     for _ in range(steps):
@@ -115,7 +117,7 @@ def test_auto_bounded_at_zero_and_skips_other_batch_sizes_and_eval():
     assert rule.settled and rule.share == 0.0  # never within the bound: device 0 gets no chunk at all
     model = nn.Linear(6, 3).double()
     auto = fastdp.AutoSplit(reader=lambda: reader(), warmup=0, probes=2, balance_time=False)
-    dp = fastdp.DataParallel(model, device_ids=["cpu"] * 3, chunk_sizes=auto)
+    dp = fastdp.DataParallel(module(model), device_ids=devices(3), chunk_sizes=auto)
     reader = FakeMemory(dp, extra=600)
     for n in (12, 12, 7, 12):
         dp(batch_of(n)).sum().backward()

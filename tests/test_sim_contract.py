@@ -79,23 +79,76 @@ def test_comm_values_on_simulated_devices(allocator, streams):
 
 
 
+# tests/test_dp_forward.py's forward through the wrapper written with tests/_places.py (those with a "kind" run on
+# CUDA in the gpu set below).
+FORWARD = ["test_chunk_rule_decides_replica_count", "test_surplus_chunks_of_larger_inputs_are_dropped_like_upstream",
+           "test_module_zero_inputs", "test_data_parallel_small_back", "test_device_args_as_torch_devices",
+           "test_nested_input", "test_nested_output_types_and_values", "test_namedtuple_scatter_and_gather",
+           "test_scatter_passes_other_objects_by_reference", "test_dict_inputs_are_scattered_into_same_type",
+           "test_scatter_along_dim_1", "test_scatter_set_on_the_instance_is_called",
+           "test_forward_label_is_recorded_only_while_a_profiler_runs"]
+
+# tests/test_dp_replicate.py written with tests/_places.py (not the pickling of a replica, a lazy module's refusal and
+# a scripted module replicated alone: they stay on "cpu").
+REPLICATE = ["test_replicate_storage_sharing_and_parameters_inside_replicas",
+             "test_replicate_accepts_any_iterable_and_tuple", "test_replicate_buffers_and_batchnorm_chunk0_semantics",
+             "test_shared_submodules_and_tied_weights_stay_shared", "test_parameter_list_and_dict_inside_replica",
+             "test_zero_grad_inside_replica_warns_upstream_text", "test_rnn_flatten_parameters_no_grad_and_one_step",
+             "test_python_module_wrapping_script_module"]
+
+# tests/test_dp_parallel_apply.py written with tests/_places.py (not autocast's, whose "cpu" device type is what they
+# check).
+PARALLEL_APPLY = ["test_grad_mode_reaches_replicas", "test_parallel_apply_two_modules",
+                  "test_each_replica_starts_from_the_callers_grad_mode", "test_parallel_apply_passes_exception",
+                  "test_lowest_failing_replica_wins", "test_forward_hooks_on_wrapper_run_once_and_on_module_per_replica"]
+
+# tests/test_sync_batchnorm.py's training against the bare model's BatchNorm on the full batch, written with
+# tests/_places.py (not the checkpointed and failing-replica cases, whose bodies still name "cpu").
+SYNC_BATCHNORM = ["test_training_equals_full_batch", "test_uneven_chunks", "test_layer_settings",
+                  "test_sequence_input_batchnorm1d", "test_channels_last", "test_layer_called_twice_and_no_grad",
+                  "test_data_parallel_function", "test_criterion_path", "test_one_replica_is_plain_batchnorm"]
+
 # DataParallel against the bare model: the tests and what each set covers.
 DATA_PARALLEL = [
+    # the forward: the chunk rule, inputs and outputs of every container kind, scatter along another dim
+    *[f"test_dp_forward.py::{name}" for name in FORWARD],
+    # replicas: parameters inside them, buffers and BatchNorm statistics from chunk 0, tied weights, an LSTM step
+    *[f"test_dp_replicate.py::{name}" for name in REPLICATE],
+    # what replicas run under: grad and inference mode, a replica's exception (naming its device), forward hooks
+    *[f"test_dp_parallel_apply.py::{name}" for name in PARALLEL_APPLY],
+    # SyncBatchNorm: statistics summed across the devices through the core, five SGD steps, uneven and empty chunks
+    *[f"test_sync_batchnorm.py::{name}" for name in SYNC_BATCHNORM],
     # five SGD steps (forward, backward through the reduction's streams, optimizer step), one to four devices
     "test_dp_training.py::test_sgd_steps_match_full_batch",
     # every way of taking gradients through the wrapper, with a host batch scattered to the devices
     *[f"test_reduction.py::{name}" for name in REDUCTION],
     # a gradient penalty (double backward through the input and the parameters), unused and partly used
-    # parameters, channels-last gradients, complex parameters
+    # parameters, channels-last gradients, complex parameters, a buffer that requires grad (gradcheck), no
+    # reference cycles left by a step (not sparse gradients: the bridge has no sparse tensors)
     *[f"test_dp_autograd.py::{name}" for name in (
         "test_double_backward_gradient_penalty", "test_unused_parameters_keep_grad_none_partially_used_get_sums",
-        "test_strided_grad_layout_channels_last", "test_complex_parameters_and_inputs_stay_complex")],
-    # the kept replicas across steps and no_sync's unsynced sums
+        "test_strided_grad_layout_channels_last", "test_complex_parameters_and_inputs_stay_complex",
+        "test_buffers_requiring_grad_gradcheck", "test_no_reference_cycles")],
+    # the kept replicas across steps (every change to the master between steps, buckets, frozen parameters, the
+    # replica count changing, two forwards before one backward, pooled buffers reused, channels-last gradients,
+    # BatchNorm statistics, a deep copy, no reference cycles) and no_sync's unsynced sums (not a structure change
+    # under no_sync, whose new host modules the test body adds as it goes, nor the worker-thread count of the
+    # emulated replicas' two ways of running)
     *[f"test_dp_persistent.py::{name}" for name in (
+        "test_replicas_are_kept_across_steps", "test_frozen_parameters_are_not_reduced",
+        "test_master_changes_are_seen_like_fresh_replicas", "test_replica_only_attributes_do_not_persist",
         "test_changing_number_of_replicas_between_steps", "test_two_forwards_before_backward",
-        "test_flat_buffers_are_reused_in_steady_state", "test_no_sync_equals_plain_accumulation")],
+        "test_flat_buffers_are_reused_in_steady_state", "test_no_sync_equals_plain_accumulation",
+        "test_grad_keeps_memory_format_and_matches_bare", "test_no_reference_cycles_with_kept_replicas",
+        "test_pickle_and_deepcopy_drop_the_cache", "test_batchnorm_stats_from_chunk0_with_kept_replicas")],
     # scatter and gather between devices and the host, gradients checked to the second order
     "test_dp_scatter_gather.py::test_scatter_cpu", "test_dp_scatter_gather.py::test_gather_cpu",
+    # chunk_sizes="auto" settling device 0's share by bisection with an injected memory reader (not the memory
+    # report's tests: their figures are the host's, "n/a" for the allocator)
+    *[f"test_memory_balance.py::{name}" for name in (
+        "test_auto_settles_by_bisection_within_the_bound_and_stays",
+        "test_auto_keeps_the_equal_split_when_device_0_is_within_the_bound",
+        "test_auto_bounded_at_zero_and_skips_other_batch_sizes_and_eval")],
     # train_step's rescue of an out-of-memory error raised in backward (fastdp.inject_oom, which the other rescue
     # tests use, serves emulated replicas only)
     "test_rebalance.py::test_train_step_rescues_a_backward_oom_and_grads_count_each_step_once",

@@ -1,4 +1,5 @@
-"""SyncBatchNorm across emulated replicas: training equals the bare model's BatchNorm on the full batch."""
+"""SyncBatchNorm across emulated replicas: training equals the bare model's BatchNorm on the full batch. Those written
+with tests/_places.py run on simulated CUDA devices too (tests/test_sim_contract.py)."""
 
 import copy
 import gc
@@ -12,6 +13,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import fastdp
 
+from _places import devices, host, module
 from _replica_errors import ReplicaError
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -49,6 +51,7 @@ def _input(dims, batch, dtype, seq=False, gen=None):
 
 
 def _close(a, b, tol, what):
+    a = host(a)
     assert (a is None) == (b is None), what
     if a is None or a.numel() == b.numel() == 0:
         return
@@ -60,8 +63,8 @@ def _train_and_compare(bare, n, dtype, dims, chunk_sizes=None, steps=5, batch=10
                        channels_last=False):
     tol = TOL[dtype]
     bare = bare.to(dtype)
-    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
-    dp = fastdp.DataParallel(synced, device_ids=["cpu"] * n, chunk_sizes=chunk_sizes)
+    synced = module(fastdp.convert_sync_batchnorm(copy.deepcopy(bare)))
+    dp = fastdp.DataParallel(synced, device_ids=devices(n), chunk_sizes=chunk_sizes)
     opt_b = torch.optim.SGD(bare.parameters(), lr=0.05)
     opt_d = torch.optim.SGD(synced.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(1)
@@ -86,7 +89,7 @@ def _train_and_compare(bare, n, dtype, dims, chunk_sizes=None, steps=5, batch=10
             if bb.is_floating_point():
                 _close(bd, bb, tol, f"step {step} buffer {name}")
             else:
-                assert torch.equal(bd, bb), name
+                assert torch.equal(host(bd), bb), name
     if eval_after:
         bare.eval()
         dp.eval()
@@ -147,8 +150,8 @@ def test_layer_called_twice_and_no_grad():
 
     torch.manual_seed(0)
     bare = Twice().double()
-    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
-    dp = fastdp.DataParallel(synced, device_ids=["cpu"] * 2)
+    synced = module(fastdp.convert_sync_batchnorm(copy.deepcopy(bare)))
+    dp = fastdp.DataParallel(synced, device_ids=devices(2))
     x = torch.randn(9, 4, dtype=torch.float64)
     _close(dp(x), bare(x), 1e-10, "output")
     with torch.no_grad():
@@ -160,9 +163,9 @@ def test_layer_called_twice_and_no_grad():
 def test_data_parallel_function():
     torch.manual_seed(0)
     bare = Net(2, {}).double()
-    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
+    synced = module(fastdp.convert_sync_batchnorm(copy.deepcopy(bare)))
     x = torch.randn(8, 3, 6, 6, dtype=torch.float64)
-    out = fastdp.data_parallel(synced, x, device_ids=["cpu"] * 2)
+    out = fastdp.data_parallel(synced, x, device_ids=devices(2))
     _close(out, bare(x), 1e-10, "output")
     _close(synced.bn.running_mean, bare.bn.running_mean, 1e-10, "running_mean")
 
@@ -170,9 +173,9 @@ def test_data_parallel_function():
 def test_criterion_path():
     torch.manual_seed(0)
     bare = Net(2, {}).double()
-    synced = fastdp.convert_sync_batchnorm(copy.deepcopy(bare))
+    synced = module(fastdp.convert_sync_batchnorm(copy.deepcopy(bare)))
     loss_fn = nn.MSELoss()
-    dp = fastdp.DataParallel(synced, device_ids=["cpu"] * 2, criterion=loss_fn, chunk_sizes=[3, 5])
+    dp = fastdp.DataParallel(synced, device_ids=devices(2), criterion=loss_fn, chunk_sizes=[3, 5])
     x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
     lb, ld = loss_fn(bare(x), y), dp(x, target=y)
     _close(ld, lb, 1e-10, "loss")

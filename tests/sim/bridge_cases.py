@@ -4,6 +4,7 @@ the simulated driver; and the two kinds of bug the contract run is for, planted,
 what the Python layer wrote on another stream without a wait (a race), and a Python-layer buffer left unwritten
 (poison in the result)."""
 
+import gc
 import threading
 
 import pytest
@@ -169,3 +170,41 @@ def test_factory_calls_in_other_threads(bridge):
     worker.start()
     worker.join()
     assert made and made[0].device == torch.device("cuda", 3) and made[0].cpu().isnan().all()
+
+
+def test_tied_weights_stay_tied_on_the_device(bridge):
+    """A module moved to a simulated device keeps a parameter that two submodules share as one (as a real CUDA move
+    does), so that the wrapper sees the tie the host model has."""
+    emb = torch.nn.Embedding(10, 4)
+    out = torch.nn.Linear(4, 10, bias=False)
+    out.weight = emb.weight
+    model = torch.nn.Sequential(emb, out)
+    want = emb.weight.detach().clone()
+    _places.module(model)
+    assert model[1].weight is model[0].weight and model[0].weight.is_cuda
+    assert len(list(model.parameters())) == 1 and torch.equal(model[0].weight.cpu(), want)
+
+
+def test_moves_to_a_device_under_inference_mode(bridge):
+    """A host tensor moved to a simulated device, and a device tensor "moved" where it is, under inference mode (where
+    aten::to is not decomposed before the bridge sees it)."""
+    host = torch.arange(6.0).reshape(2, 3)
+    with torch.inference_mode():
+        moved = host.to(torch.device("cuda", 1), non_blocking=True)
+        assert moved.device == torch.device("cuda", 1) and torch.equal(moved.cpu(), host)
+        assert moved.to(torch.device("cuda", 1)) is moved
+
+
+def test_operations_leave_no_garbage(bridge):
+    """The bridge's own work for an operation, a view and fresh memory leaves no reference cycle behind, so that a
+    test counting garbage (a step's reference cycles) counts fastdp's alone."""
+    x = _places.on(torch.randn(4, 3), 1)
+    gc.collect()
+    gc.disable()  # every cycle made stays until the count below, none collected on the way
+    try:
+        values, where = torch.max(x.t() * 2, 0)  # a view, a product in fresh memory, a structured result
+        assert torch.equal(values.cpu(), (x.cpu().t() * 2).max(0).values) and where.device == x.device
+        del values, where
+    finally:
+        gc.enable()
+    assert gc.collect() == 0

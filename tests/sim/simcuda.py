@@ -27,13 +27,12 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [p for p in (HERE, os.path.dirname(HERE)) if p not in sys.path]
 
 from _fake_cuda import FakeCuda, FakeEvent, FakeStream  # noqa: E402
-from simgpu import Sim  # noqa: E402
+from simgpu import MESSAGE, Sim  # noqa: E402
 
 # Operations that take only shapes and dtypes from their tensor inputs, and those whose result is fresh memory
 # nobody wrote (left poisoned).
@@ -42,6 +41,22 @@ _NO_READ = {"empty_like", "new_empty", "new_empty_strided", "zeros_like", "ones_
 _UNWRITTEN = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"}
 # In-place operations that overwrite their destination without reading it.
 _OVERWRITE = {"copy_", "fill_", "zero_"}
+
+
+def _map(fn, x):
+    """fn over the leaves of an operation's arguments or results (tuples, lists, dicts of them). Not torch's pytree,
+    whose every call leaves a reference cycle behind: garbage that a test counting it would blame on fastdp."""
+    if isinstance(x, (tuple, list)):
+        return type(x)([_map(fn, v) for v in x])  # torch.return_types too: built from a sequence
+    if isinstance(x, dict):
+        return {k: _map(fn, v) for k, v in x.items()}
+    return fn(x)
+
+
+def _leaves(x):
+    out = []
+    _map(out.append, x)
+    return out
 
 
 def _name(func):
@@ -167,7 +182,7 @@ class Bridge:
     # ---- memory ----
     def allocate(self, device, nbytes, stream):
         ptr, handle = ctypes.c_void_p(), ctypes.c_void_p()
-        err = ctypes.create_string_buffer(256)
+        err = MESSAGE()
         rc = self.sim.on(device, self.lib.simgpu_cache_alloc, None, device, nbytes, stream, ctypes.byref(ptr),
                          ctypes.byref(handle), err, len(err))
         if rc == 2:
@@ -264,21 +279,26 @@ class Bridge:
         return devs[0]._storage.device if devs else None
 
     def run(self, func, args, kwargs):
-        flat = tree_flatten((args, kwargs))[0]
+        flat = _leaves((args, kwargs))
         devs = [t for t in flat if isinstance(t, DevTensor)]
         target = self._target(kwargs, devs)
         if not devs and target is None:
             return func(*args, **kwargs)
+        if func.is_view and _name(func) == "to":
+            # Under inference mode aten::to reaches here whole (elsewhere it is decomposed before): it may return its
+            # input (a view) or a copy on another device, which only its decomposition, run through the bridge, says.
+            with _Mode(self):
+                return func.decompose(*args, **kwargs)
         if func.is_view:
             return self._view(func, args, kwargs, devs)
         return self._compute(func, args, kwargs, target)
 
     @staticmethod
     def _view(func, args, kwargs, devs):
-        margs, mkwargs = tree_map(lambda x: x._meta if isinstance(x, DevTensor) else x, (args, kwargs))
+        margs, mkwargs = _map(lambda x: x._meta if isinstance(x, DevTensor) else x, (args, kwargs))
         out = func(*margs, **mkwargs)
         storage = devs[0]._storage
-        return tree_map(lambda m: DevTensor(storage, m) if isinstance(m, torch.Tensor) else m, out)
+        return _map(lambda m: DevTensor(storage, m) if isinstance(m, torch.Tensor) else m, out)
 
     def _compute(self, func, args, kwargs, target):
         name = _name(func)
@@ -295,7 +315,7 @@ class Bridge:
                 host[id(x)] = (x, self._fetch(x, raws, read=name not in _NO_READ and not overwritten))
             return host[id(x)][1]
 
-        hargs, hkwargs = tree_map(fetch, (args, kwargs))
+        hargs, hkwargs = _map(fetch, (args, kwargs))
         if target is not None and "device" in hkwargs:
             hkwargs["device"] = torch.device("cpu")
         before = {key: raw.clone() for key, raw in raws.items()}
@@ -315,7 +335,23 @@ class Bridge:
                 return back[id(o)]
             return o if target is None else self._place(o, target, name not in _UNWRITTEN)
 
-        return tree_map(result, out)
+        return _map(result, out)
+
+    def module(self, m, device=0):
+        """m moved to ``device`` (its parameters and buffers replaced, as the run's conversion setting makes them),
+        with a parameter or buffer that several submodules share (tied weights) still one: the conversion gives each
+        submodule its own copy, which a real CUDA move, writing ``.data`` in place, never does."""
+        owners = {}
+        for sub in m.modules():
+            for store in (sub._parameters, sub._buffers):
+                for key, t in store.items():
+                    if t is not None:
+                        owners.setdefault(id(t), []).append((store, key))
+        m.to(torch.device("cuda", device))
+        for (store, key), *others in owners.values():
+            for other, other_key in others:
+                other[other_key] = store[key]
+        return m
 
     # ---- the run ----
     def install(self, monkeypatch):

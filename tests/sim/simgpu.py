@@ -16,6 +16,11 @@ CUDA_ERROR_UNKNOWN = 999
 NCCL_INTERNAL_ERROR = 3
 
 
+# An allocation's error message. One type made once: ctypes.create_string_buffer makes a new array type per call,
+# which leaves a reference cycle behind (garbage that a test counting it would blame on fastdp).
+MESSAGE = ctypes.c_char * 256
+
+
 class Sim:
     """The simulator and a PyTorch-like client of it: one retained primary context per device while open."""
 
@@ -186,7 +191,7 @@ class Sim:
 
         def alloc(device, nbytes, stream):
             ptr, handle = ctypes.c_void_p(), ctypes.c_void_p()
-            err = ctypes.create_string_buffer(256)
+            err = MESSAGE()
             rc = lib.simgpu_cache_alloc(None, device, nbytes, stream, ctypes.byref(ptr), ctypes.byref(handle), err,
                                         len(err))
             if rc == 2:

@@ -172,17 +172,9 @@ fdp_result_t fdp_op_broadcast(const fdp_tensor_t *src, const fdp_tensor_t *dst, 
  * being one of them exactly. */
 fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t *out, const fdp_streams_t *streams);
 
-/* Sums of many members over host replicas without packing them: inputs[q * k + j] is replica q's member j (k
- * members, nrep replicas), and member j's sum over the replicas, in replica order, goes into the 1-D contiguous
- * host tensor `out` at the members' offsets back to back. fdp_reduce_rows_fit says whether the descriptors fit that
- * layout (host tensors of out's dtype, contiguous, each replica's member j shaped as replica 0's, within out), so
- * a caller can take another path; fdp_op_reduce_rows refuses others with FDP_INVALID. Runs on the calling thread. */
-int fdp_reduce_rows_fit(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out);
-fdp_result_t fdp_op_reduce_rows(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out);
-
-/* The same sums prepared once per bucket (a bucket's members keep their shapes and dtype from step to step):
- * fdp_rows_prepare checks the k members' descriptors (host, one summable dtype; their data and strides are not
- * read) and lays them out back to back; fdp_rows_member_fits says whether a step's tensor `t` may stand for member j
+/* Sums of many members over host replicas without packing them, prepared once per bucket (a bucket's members keep
+ * their shapes and dtype from step to step): fdp_rows_prepare checks the k members' descriptors (host, one summable
+ * dtype; their data and strides are not read) and lays them out back to back; fdp_rows_member_fits says whether a step's tensor `t` may stand for member j
  * (host, the member's dtype and shape, contiguous); fdp_rows_run then takes only the data pointers, inputs[q * k + j]
  * for replica q's member j (k * nrep of them, each of a tensor the caller found fitting), and writes member j's sum
  * over the replicas, in replica order, into the 1-D contiguous host tensor `out` at its offset (fdp_rows_numel

@@ -1,4 +1,4 @@
-"""The two binding calls behind the gradient reduction of emulated replicas: `_C.reduce_rows` sums each
+"""The two binding calls behind the gradient reduction of emulated replicas: a bucket's `_C.PreparedSum` sums each
 member's gradients over the replicas straight into one flat result, `_C.views` cuts that result into per-member
 tensors through libtorch's C shim. Both are compared with the torch path they replace; every input they do not
 take must leave the caller's fallback to run (False / None) with nothing written, and bad specs raise."""
@@ -115,8 +115,14 @@ def grads_of(shapes, nrep, dtype=torch.float32, seed=0):
     return [(torch.randn(s, generator=gen) * 4).to(dtype) for _ in range(nrep) for s in shapes]
 
 
+def prepared_sum(grads, k, out):
+    """A bucket's prepared sum over `grads` (replica-major, k members per replica, replica 0's giving the members'
+    layout), run once into `out`."""
+    return _C.PreparedSum(grads[:k], len(grads) // k).run(grads, out)
+
+
 def packed_reference(grads, k, nrep, dtype):
-    """The packed path reduce_rows replaces: each replica's gradients flattened, the flats summed by the core."""
+    """The packed path the prepared sum replaces: each replica's gradients flattened, the flats summed by the core."""
     flats = [_flatten_dense(grads[r * k : (r + 1) * k]) for r in range(nrep)]
     out = torch.empty(flats[0].numel(), dtype=dtype)
     _C.reduce(flats, out)
@@ -125,11 +131,11 @@ def packed_reference(grads, k, nrep, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64])
 @pytest.mark.parametrize("nrep", [1, 2, 4])
-def test_reduce_rows_matches_the_packed_sum(aoti, dtype, nrep):
+def test_prepared_sum_matches_the_packed_sum(aoti, dtype, nrep):
     k = len(SHAPES)
     grads = grads_of(SHAPES, nrep, dtype)
     out = torch.full((numel(SHAPES) + 5,), 99).to(dtype)  # room to spare: past the members stays untouched
-    assert _C.reduce_rows(grads, k, out) is True
+    assert prepared_sum(grads, k, out) is True
     want = packed_reference(grads, k, nrep, dtype)
     assert torch.equal(out[: want.numel()], want)
     assert out[want.numel():].eq(99).all()
@@ -138,17 +144,16 @@ def test_reduce_rows_matches_the_packed_sum(aoti, dtype, nrep):
     torch.testing.assert_close(out[: want.numel()].double(), by_torch, rtol=tol, atol=tol)
 
 
-def test_reduce_rows_with_many_members(aoti):
+def test_prepared_sum_with_many_members(aoti):
     shapes = [(8, 8)] * 1500  # more descriptors than one page-sized allocation
     grads = grads_of(shapes, 4, seed=3)
     out = torch.empty(numel(shapes))
-    assert _C.reduce_rows(grads, len(shapes), out)
+    assert prepared_sum(grads, len(shapes), out)
     assert torch.equal(out, packed_reference(grads, len(shapes), 4, torch.float32))
 
 
-@pytest.mark.parametrize("case", ["transposed", "expanded", "dtype", "shape", "out_2d", "out_short", "out_strided",
-                                  "complex"])
-def test_reduce_rows_declines_and_writes_nothing(aoti, case):
+@pytest.mark.parametrize("case", ["transposed", "expanded", "dtype", "shape"])
+def test_prepared_sum_declines_a_gradient_unlike_its_member_and_writes_nothing(aoti, case):
     k, nrep = 2, 3
     grads = grads_of([(3, 4), (4,)], nrep)
     out = torch.full((16,), 7.0)
@@ -160,50 +165,56 @@ def test_reduce_rows_declines_and_writes_nothing(aoti, case):
         grads[2] = grads[2].double()
     elif case == "shape":
         grads[5] = torch.randn(2, 2)
-    elif case == "out_2d":
-        out = torch.full((4, 4), 7.0)
-    elif case == "out_short":
-        out = torch.full((15,), 7.0)
-    elif case == "out_strided":
-        out = torch.full((32,), 7.0)[::2]
-    elif case == "complex":
-        grads = [g.to(torch.complex64) for g in grads]
-        out = torch.full((16,), 7.0, dtype=torch.complex64)
-    assert _C.reduce_rows(grads, k, out) is False
+    assert prepared_sum(grads, k, out) is False
     assert out.eq(7.0).all()
 
 
-def test_reduce_rows_on_the_python_path_declines():
+@pytest.mark.parametrize("case", ["out_2d", "out_short", "out_strided"])
+def test_prepared_sum_refuses_an_output_that_does_not_fit_and_writes_nothing(aoti, case):
+    grads = grads_of([(3, 4), (4,)], 3)
+    out = {"out_2d": torch.full((4, 4), 7.0), "out_short": torch.full((15,), 7.0),
+           "out_strided": torch.full((32,), 7.0)[::2]}[case]
+    with pytest.raises(ValueError, match="the output is not a dense 1-D host tensor"):
+        prepared_sum(grads, 2, out)
+    assert out.eq(7.0).all()
+
+
+def test_prepared_sum_refuses_a_dtype_the_host_sum_lacks(aoti):
+    with pytest.raises(ValueError, match="summable dtype"):
+        _C.PreparedSum([torch.zeros(3, 4, dtype=torch.complex64)], 3)
+
+
+def test_prepared_sum_on_the_python_path_declines():
     previous = _C.set_tensor_path("python")
     try:
         out = torch.zeros(12)
-        assert _C.reduce_rows(grads_of([(3, 4)], 2), 1, out) is False
+        assert prepared_sum(grads_of([(3, 4)], 2), 1, out) is False
         assert out.eq(0).all()
     finally:
         _C.set_tensor_path(previous)
 
 
-@pytest.mark.parametrize("k, n", [(0, 4), (-1, 4), (3, 4), (1, 65)])
-def test_reduce_rows_rejects_bad_row_counts(aoti, k, n):
-    with pytest.raises(ValueError, match="rows of k"):
-        _C.reduce_rows([torch.zeros(2)] * n, k, torch.zeros(2))
+@pytest.mark.parametrize("k, nrep, n", [(0, 4, 4), (1, 0, 4), (3, 1, 4), (1, 65, 65)])
+def test_prepared_sum_rejects_bad_counts(aoti, k, nrep, n):
+    with pytest.raises(ValueError, match="bad plan|gradients for"):
+        _C.PreparedSum([torch.zeros(2)] * k, nrep).run([torch.zeros(2)] * n, torch.zeros(2 * max(k, 1)))
 
 
 @pytest.mark.parametrize("item", ["none", "string", "sparse", "meta", "subclass"])
-def test_reduce_rows_declines_what_the_shim_cannot_read(aoti, item):
+def test_prepared_sum_declines_what_the_shim_cannot_read(aoti, item):
     class Sub(torch.Tensor):
         pass
 
     odd = {"none": None, "string": "x", "sparse": torch.zeros(2).to_sparse(), "meta": torch.zeros(2, device="meta"),
            "subclass": torch.zeros(2).as_subclass(Sub)}[item]
     out = torch.full((2,), 7.0)
-    assert _C.reduce_rows([torch.ones(2), odd], 1, out) is False
+    assert prepared_sum([torch.ones(2), odd], 1, out) is False
     assert out.eq(7.0).all()
 
 
-def test_reduce_rows_rejects_a_non_sequence(aoti):
+def test_prepared_sum_rejects_a_non_sequence(aoti):
     with pytest.raises(TypeError):
-        _C.reduce_rows(3, 1, torch.zeros(2))
+        _C.PreparedSum([torch.zeros(2)], 1).run(3, torch.zeros(2))
 
 
 def test_training_on_host_replicas_takes_the_prepared_sum(monkeypatch):

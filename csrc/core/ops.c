@@ -558,61 +558,6 @@ fdp_result_t fdp_op_reduce(const fdp_tensor_t *inputs, int n, const fdp_tensor_t
   return route_run(FDP_OP_REDUCE, all, n + 1, &w, "reduce: inputs on several CUDA devices need NCCL", out->device);
 }
 
-/* Whether one replica's member can be summed straight into `out`: host memory of out's dtype, contiguous, shaped
- * as replica 0's member (`first`). */
-static int row_member_fits(const fdp_tensor_t *t, const fdp_tensor_t *first, const fdp_tensor_t *out) {
-  return t->ndim >= 0 && t->ndim <= FDP_MAX_DIMS && t->device == FDP_HOST && t->dtype == out->dtype &&
-         t->elem_size == out->elem_size && fdp_tensor_is_contiguous(t) && t->ndim == first->ndim &&
-         memcmp(t->sizes, first->sizes, (size_t)t->ndim * sizeof *t->sizes) == 0;
-}
-
-/* Whether there are members to sum for one to FDP_MAX_DEVICES replicas (one per device), with all k * nrep
- * descriptors countable in an int, as the loops over them count. */
-static int row_counts_fit(int k, int nrep) {
-  return k > 0 && nrep >= 1 && nrep <= FDP_MAX_DEVICES && (int64_t)k * nrep <= INT32_MAX;
-}
-
-/* Whether the members' sums can land in `out` back to back: one dense, one-dimensional host buffer of a dtype the
- * reduce sums. */
-static int row_output_fits(const fdp_tensor_t *out) {
-  return out->device == FDP_HOST && out->ndim == 1 && fdp_tensor_is_contiguous(out) && dtype_summable(out->dtype);
-}
-
-int fdp_reduce_rows_fit(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out) {
-  if (!inputs || !out || !row_counts_fit(k, nrep) || !row_output_fits(out)) return 0;
-  int64_t total = 0;
-  for (int i = 0; i < k * nrep; i++) {
-    if (!row_member_fits(&inputs[i], &inputs[i % k], out)) return 0;
-    if (i < k) total += fdp_tensor_numel(&inputs[i]);
-  }
-  return total <= out->sizes[0];
-}
-
-/* Member j's sum over the replicas is one reduce into its slice of `out`: the host backend sums straight from the
- * gradients, so nothing is packed first. */
-fdp_result_t fdp_op_reduce_rows(const fdp_tensor_t *inputs, int k, int nrep, const fdp_tensor_t *out) {
-  if (!fdp_reduce_rows_fit(inputs, k, nrep, out))
-    return fdp__fail(FDP_INVALID, "reduce_rows: the %d x %d inputs are not host tensors of the output's dtype, dense, "
-                                  "with each replica's member shaped as replica 0's and fitting the 1-D output",
-                     nrep, k);
-  for (int i = 0; i < k * nrep; i++)
-    FDP_CHECK(check_tensor(&inputs[i], "input", i));
-  FDP_CHECK(check_tensor(out, "output", 0));
-  fdp_tensor_t in[FDP_MAX_DEVICES];
-  char *at = out->data;
-  for (int j = 0; j < k; j++) {
-    for (int q = 0; q < nrep; q++)
-      in[q] = inputs[q * k + j];
-    fdp_tensor_t slice = in[0]; /* member j's shape, contiguous, at its place in out */
-    slice.data = at;
-    for (int d = slice.ndim - 1; d >= 0; d--)
-      slice.strides[d] = d == slice.ndim - 1 ? 1 : slice.strides[d + 1] * slice.sizes[d + 1];
-    FDP_CHECK(fdp_op_reduce(in, nrep, &slice, NULL));
-    at += fdp_tensor_numel(&slice) * slice.elem_size;
-  }
-  return FDP_OK;
-}
-
 static fdp_result_t check_dim(const fdp_tensor_t *t, int dim, const char *op) {
   if (dim < 0 || dim >= t->ndim)
     return fdp__fail(FDP_INVALID, "%s: dim %d out of range for a %d-dimensional tensor", op, dim, t->ndim);

@@ -321,43 +321,6 @@ static PyObject *py_reduce_many(PyObject *module, PyObject *args) {
   return ret;
 }
 
-/* reduce_rows(grads, k, out) -> bool: `grads` replica-major (k tensors per replica), member j's sum over the replicas
- * written into `out` (a flat 1-D buffer) at the members' offsets back to back: the packed reduction of host
- * replicas without packing each replica first. False, with nothing written, where the gradients are not all dense
- * host tensors of out's dtype with matching shapes (None, sparse, strided, another dtype), or where tensors are read
- * through their Python API (slower than torch's packing): the caller takes its other paths then. */
-static PyObject *py_reduce_rows(PyObject *module, PyObject *args) {
-  module_state *st = fdp__state(module);
-  PyObject *grads;
-  fdp__tensor_arg_t out = FDP_ARG("out");
-  Py_ssize_t k;
-  if (!PyArg_ParseTuple(args, "OnO&:reduce_rows", &grads, &k, fdp__tensor_converter, &out)) return NULL;
-  if (fdp__tensor_path() != FDP_TENSOR_PATH_AOTI) Py_RETURN_FALSE;
-  PyObject *items = PySequence_Tuple(grads), *ret = NULL;
-  if (!items) return NULL;
-  Py_ssize_t n = PyTuple_GET_SIZE(items), nrep = k > 0 ? n / k : 0;
-  fdp_tensor_t *g = NULL;
-  int rc = -1;
-  if (k <= 0 || n % k != 0 || nrep < 1 || nrep > FDP_MAX_DEVICES)
-    PyErr_Format(PyExc_ValueError, "reduce_rows: %zd gradients are not 1 to %d rows of k=%zd", n, FDP_MAX_DEVICES, k);
-  else if (!(g = fdp_scratch_alloc((size_t)n * sizeof *g)))
-    PyErr_NoMemory();
-  else
-    rc = fdp__aoti_try_describe(st, items, g);
-  if (rc == 1 || (rc == 0 && !fdp_reduce_rows_fit(g, (int)k, (int)nrep, &out.t))) {
-    ret = Py_NewRef(Py_False);
-  } else if (rc == 0) {
-    fdp_result_t r;
-    Py_BEGIN_ALLOW_THREADS
-    r = fdp_op_reduce_rows(g, (int)k, (int)nrep, &out.t);
-    Py_END_ALLOW_THREADS
-    ret = r == FDP_OK ? Py_NewRef(Py_True) : fdp__raise(st, r);
-  }
-  fdp_scratch_free(g);
-  Py_DECREF(items); /* kept until here: the gradients' memory stays alive while the GIL is released */
-  return ret;
-}
-
 PyMethodDef fdp__ops_methods[] = {
     {"copy", py_copy, METH_VARARGS, "copy(dsts, srcs, streams=None): dst[i] = src[i] element-wise"},
     {"broadcast", py_broadcast, METH_VARARGS, "broadcast(src, dsts, streams=None)"},
@@ -365,8 +328,6 @@ PyMethodDef fdp__ops_methods[] = {
     {"scatter", py_scatter, METH_VARARGS, "scatter(src, outs, dim, chunk_sizes, streams=None)"},
     {"gather", py_gather, METH_VARARGS, "gather(inputs, out, dim, streams=None)"},
     {"reduce_many", py_reduce_many, METH_VARARGS, "reduce_many(columns, outs, streams=None)"},
-    {"reduce_rows", py_reduce_rows, METH_VARARGS,
-     "reduce_rows(grads, k, out) -> bool: per-member sums into a flat out"},
     {"plan", py_plan, METH_VARARGS, "plan(tensors, type_keys, bucket_bytes) -> buckets"},
     {NULL, NULL, 0, NULL},
 };

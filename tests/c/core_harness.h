@@ -80,7 +80,6 @@ void test_gather(void);
 void test_half_reference(void); /* core_reduce.c */
 void test_reduce(void);
 void test_reduce_threaded(void);
-void test_reduce_rows(void);
 void test_rows_plan(void);
 
 #endif

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* test_core's suites on sums through the host backend: every dtype against an independent reference (half types
  * through double), in-place sums, large sums split across the worker threads, and the row sums of replicated
- * buckets (fdp_op_reduce_rows). */
+ * buckets (fdp_rows_prepare / fdp_rows_run). */
 #include "core_harness.h"
 
 #include <math.h>
@@ -392,49 +392,6 @@ void test_reduce(void) {
   }
 }
 
-/* Large sums, split across the worker threads; in place too. */
-/* fdp_op_reduce_rows against sums written out here: 3 replicas of 2 members (a 2 x 3 matrix and a 4-vector), each
- * member's sum at its offset in one flat output; then every layout it must refuse, with nothing written. */
-void test_reduce_rows(void) {
-  enum { K = 2, R = 3, M0 = 6, M1 = 4 };
-  double g[R][M0 + M1], out[M0 + M1 + 2];
-  fdp_tensor_t in[R * K];
-  static const int64_t mat[] = {2, 3};
-  for (int q = 0; q < R; q++) {
-    for (int e = 0; e < M0 + M1; e++)
-      g[q][e] = (q + 1) * 0.5 + e * 0.25;
-    in[q * K] = make_contig(g[q], FDP_DTYPE_F64, 8, 2, mat);
-    in[q * K + 1] = make_flat(g[q] + M0, FDP_DTYPE_F64, 8, M1);
-  }
-  for (int e = 0; e < M0 + M1 + 2; e++)
-    out[e] = -1.0;
-  fdp_tensor_t o = make_flat(out, FDP_DTYPE_F64, 8, M0 + M1 + 2);
-  CHECK(fdp_reduce_rows_fit(in, K, R, &o));
-  EXPECT(fdp_op_reduce_rows(in, K, R, &o), FDP_OK);
-  for (int e = 0; e < M0 + M1; e++)
-    CHECKF(out[e] == (g[0][e] + g[1][e]) + g[2][e], "element %d: %g", e, out[e]);
-  CHECK(out[M0 + M1] == -1.0 && out[M0 + M1 + 1] == -1.0);
-  /* Refused: a member shaped unlike replica 0's, another dtype, a strided member, an output too short, a 2-D
-   * output, nonsense counts. */
-  fdp_tensor_t bad[R * K];
-  for (int variant = 0; variant < 6; variant++) {
-    memcpy(bad, in, sizeof bad);
-    fdp_tensor_t ob = o;
-    int k = K, r = R;
-    if (variant == 0) bad[K + 1] = make_flat(g[1] + M0, FDP_DTYPE_F64, 8, M1 - 1);
-    if (variant == 1) bad[1].dtype = FDP_DTYPE_F32, bad[1].elem_size = 4;
-    if (variant == 2) bad[2 * K].strides[0] = 1, bad[2 * K].strides[1] = 2;
-    if (variant == 3) ob = make_flat(out, FDP_DTYPE_F64, 8, M0 + M1 - 1);
-    if (variant == 4) ob = make_contig(out, FDP_DTYPE_F64, 8, 2, mat);
-    if (variant == 5) k = 0, r = FDP_MAX_DEVICES + 1;
-    for (int e = 0; e < M0 + M1 + 2; e++)
-      out[e] = -1.0;
-    CHECKF(!fdp_reduce_rows_fit(bad, k, r, &ob), "variant %d fits", variant);
-    EXPECT(fdp_op_reduce_rows(bad, k, r, &ob), FDP_INVALID);
-    CHECKF(out[0] == -1.0, "variant %d wrote the output", variant);
-  }
-}
-
 /* fdp_rows_prepare / fdp_rows_run against sums written out here: the plan of 3 replicas of 2 members (a 2 x 3 matrix
  * and a 4-vector) takes only data pointers and writes each member's sum at its offset; fdp_rows_member_fits refuses
  * a step's tensor of another shape, dtype or strides, or off the host; and the run refuses an output that does not
@@ -512,6 +469,7 @@ void test_rows_plan(void) {
   CHECK(plan == NULL);
 }
 
+/* Large sums, split across the worker threads; in place too. */
 void test_reduce_threaded(void) {
   for (int d = 0; d < FDP_DTYPE_COUNT; d++) {
     if (reduce_dtypes[d].dtype == FDP_DTYPE_OTHER) continue;

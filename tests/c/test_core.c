@@ -36,7 +36,6 @@ static const suite_t k_suites[] = {
     {"half_references", test_half_reference},
     {"reduce", test_reduce},
     {"reduce_threaded", test_reduce_threaded},
-    {"reduce_rows", test_reduce_rows},
     {"rows_plan", test_rows_plan},
     {"devices", test_devices},
     {"torch_shim", test_torch_shim},

@@ -134,3 +134,17 @@ def test_a_module_whose_buffers_cannot_be_taken_raises_what_the_wrapper_raises_w
         errors.append((type(raised.value), str(raised.value)))
     assert errors[0] == errors[1]
     assert "LazyModule" in errors[0][1]
+
+
+def test_a_failure_to_note_the_buffers_of_an_initialized_module_is_raised(monkeypatch):
+    """Only uninitialized lazy buffers let a step run unrescued; any other failure to note the buffers (an
+    out-of-memory error while copying them, say) is the caller's to see, not a rescue silently switched off."""
+    from fastdp._balance import rescue
+
+    def fails(kept, module):
+        raise RuntimeError("noting the buffers failed")
+
+    monkeypatch.setattr(rescue._Buffers, "taken", staticmethod(fails))
+    dp = fastdp.DataParallel(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), device_ids=["cpu"] * 2, oom="rebalance")
+    with pytest.raises(RuntimeError, match="noting the buffers failed"):
+        dp(torch.randn(6, 3))

@@ -25,6 +25,7 @@ import traceback
 import warnings
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from .. import _C
 from .._platform import devices as _devices
@@ -111,8 +112,10 @@ class Rescue:
     def _run(self, ctx, attempt):
         try:
             self.buffers = _Buffers.taken(self.buffers, ctx.module)
-        except (RuntimeError, ValueError):  # a module no forward can run (uninitialized lazy layers): its own error
-            return attempt()
+        except (RuntimeError, ValueError):
+            if not any(map(is_lazy, ctx.module.buffers())):
+                raise
+            return attempt()  # a module no forward can run (uninitialized lazy layers): its own error
         before = _Before(ctx, self.buffers)
         try:
             return attempt()

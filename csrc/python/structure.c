@@ -148,12 +148,28 @@ static int child_entries(walk_t *w, PyObject *d) {
   return more;
 }
 
+/* Module attribute `name` (a new reference): from the instance __dict__, where nn.Module keeps its parameter,
+ * buffer and child dicts, without the generic lookup's search of the class hierarchy first (three per module on
+ * every walk); through getattr where the instance has no such entry. */
+static PyObject *module_attr(PyObject *m, PyObject *name) {
+  PyObject *dict = PyObject_GenericGetDict(m, NULL);
+  if (!dict) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+    PyErr_Clear(); /* no instance dict: getattr answers */
+    return PyObject_GetAttr(m, name);
+  }
+  PyObject *v = PyDict_GetItemWithError(dict, name); /* borrowed */
+  Py_XINCREF(v);
+  Py_DECREF(dict);
+  return v || PyErr_Occurred() ? v : PyObject_GetAttr(m, name);
+}
+
 /* A module's _parameters, _buffers and _modules into d[0..3) (new references: a plain dict as it is, any other
  * mapping, such as an OrderedDict, as its items() list, in its own order) and the first two's lengths; -1 on error
  * with nothing held. */
 static int module_dicts(PyObject *const *name, PyObject *m, PyObject **d, Py_ssize_t *np, Py_ssize_t *nb) {
   for (int i = 0; i < 3; i++) {
-    PyObject *attr = PyObject_GetAttr(m, name[N_PARAMS + i]);
+    PyObject *attr = module_attr(m, name[N_PARAMS + i]);
     d[i] = attr && !PyDict_CheckExact(attr) ? PyMapping_Items(attr) : attr;
     if (d[i] != attr) Py_XDECREF(attr);
     if (!d[i]) {

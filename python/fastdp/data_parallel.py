@@ -14,7 +14,8 @@ import warnings
 import torch
 from torch.nn.modules import Module
 
-from ._wrapper import checkpoint as _checkpoint, checks as _checks, launch as _launch, upstream as _upstream
+from ._wrapper import call as _call, checkpoint as _checkpoint, checks as _checks, launch as _launch
+from ._wrapper import upstream as _upstream
 from ._native import fallback as _fallback
 from ._platform import compiler as _compiler, devices as _devices, interrupts as _interrupts, streams as _streams
 from ._step import idle_master as _idle_master, replicas as _replicas, step as _step
@@ -162,6 +163,8 @@ class DataParallel(_upstream.UPSTREAM):
 
     _launch_class = None  # set by __init_subclass__ (fastdp.DistributedDataParallel)
 
+    __call__ = _call.call  # NOTE [the wrapper's own call]
+
     __new__.__wrapped__ = __init__  # inspect.signature(DataParallel) shows __init__'s parameters, not __new__'s
 
     def forward(self, *inputs, **kwargs):
@@ -184,7 +187,8 @@ class DataParallel(_upstream.UPSTREAM):
         finally:
             if watch is not None:
                 sys.unraisablehook = watch.previous  # first, with no call before it
-                watch.raise_swallowed()
+                if watch.interrupt is not None:
+                    watch.raise_swallowed()
 
     def _forward(self, inputs, kwargs):
         """Upstream's forward: no devices, pass through; one device with the inputs there, call the module; else

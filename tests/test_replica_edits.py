@@ -315,8 +315,9 @@ def test_a_forwards_edits_never_reach_the_next_step(make, grad):
 
 @pytest.mark.parametrize("make", EDITS, ids=lambda c: c.__name__)
 def test_without_dict_version_tags(make, monkeypatch):
-    """From CPython 3.12 dicts carry no version tag: the replica's dicts are compared with the master's keys and the
-    children built, and every grad slot is installed again each step. Run here by never recording a tag."""
+    """Without dict version tags (CPython 3.12 with every dict watcher taken), the replica's dicts are compared with
+    the master's keys and the children built, and every grad slot is installed again each step. Run here by never
+    recording a tag."""
     monkeypatch.setattr(fastdp._C, "DICT_TAGS", 0)
     monkeypatch.setattr(fastdp._C, "owned_record", lambda *args: None)
     run_both(make)

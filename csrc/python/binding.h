@@ -35,20 +35,33 @@ static inline int fdp__finalizing(void) {
 #endif
 }
 
-/* A dict's version tag (PEP 509: globally unique, new on every change), up to CPython 3.11; 0 from 3.12, where it
- * is deprecated (PEP 699) and FDP_DICT_TAGS is 0: callers then compare contents (NOTE [refresh records]). */
+/* A dict's version tag: globally unique, new on every change (PEP 509's, up to CPython 3.11; from 3.12 given by a
+ * dict watcher, NOTE [dict tags from 3.12] in dicttags.c). FDP_DICT_TAGS is false where there are none (3.12 with
+ * every watcher taken): fdp__dict_tag then returns 0 and callers compare contents (NOTE [refresh records]). */
+/* The roles whose dicts' changes are counted: refresh's pairs (refresh.c), the replicas' owned dicts (edits.c). */
+enum { FDP_TAG_REFRESH, FDP_TAG_OWNED, FDP_TAG_ROLES };
 #if PY_VERSION_HEX < 0x030C0000
 #define FDP_DICT_TAGS 1
 static inline uint64_t fdp__dict_tag(PyObject *d) {
   return ((PyDictObject *)d)->ma_version_tag;
 }
-#else
-#define FDP_DICT_TAGS 0
-static inline uint64_t fdp__dict_tag(PyObject *d) {
-  (void)d;
+/* No count of changes up to 3.11: 0, never a count a record holds. */
+static inline uint64_t fdp__dict_tag_counted(PyObject *d, int role) {
+  (void)role;
+  return fdp__dict_tag(d);
+}
+static inline uint64_t fdp__counted_changes(int role) {
+  (void)role;
   return 0;
 }
+#else
+extern int fdp__dict_watcher;
+#define FDP_DICT_TAGS (fdp__dict_watcher >= 0)
+uint64_t fdp__dict_tag(PyObject *d);
+uint64_t fdp__dict_tag_counted(PyObject *d, int role); /* the tag, and d's changes counted in `role` from now on */
+uint64_t fdp__counted_changes(int role);               /* the changes counted in `role` so far */
 #endif
+int fdp__dict_tags_init(void); /* at module exec, before DICT_TAGS is published */
 
 /* NOTE [no lost interrupt]: where the binding drops an error (a fact it can do without), the failed call may have run
  * Python code (a property, a tensor subclass's __torch_function__, an import), and Ctrl-C is raised as

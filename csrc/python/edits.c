@@ -11,9 +11,13 @@
 
 /* An entry: (master __dict__, replica __dict__, the replica's _parameters, _buffers and _modules dicts as built, and
  * a copy of that _modules as built). A record: the tags of the replica's __dict__ and of its three owned dicts, as
- * owned_record() last saw them (0 in the first: none yet). */
+ * owned_record() last saw them (0 in the first: none yet). The records' head: the count of changes to those dicts
+ * when owned_record() last ran (0: none; NOTE [dict tags from 3.12]), the entries' sequence and its length then.
+ * owned_record() runs once the step installed its tensors, when no entry holds an edit: while that count stands
+ * still, no forward edited any, and owned_edits() answers without reading an entry. */
 #define ENTRY_ITEMS 6
 #define OWNED_RECORD 4
+#define OWNED_HEAD 3
 
 enum { K_PARAMETERS, K_BUFFERS, K_MODULES, K_COUNT };
 static const char *const k_owned[K_COUNT] = {"_parameters", "_buffers", "_modules"};
@@ -85,16 +89,16 @@ static int same_structure(PyObject *entry, PyObject *const *own, PyObject *const
 
 /* 1 when the entry's replica changed what it owns since owned_record(), 0 when not, -1 on error. With a record, any
  * change to an owned dict moved its tag, and a __dict__ whose tag moved is asked whether it still holds them (a plain
- * attribute changes it too); without one (the first time, or no tags from CPython 3.12) only the structure can be
- * compared: the caller then reinstalls every value itself. */
+ * attribute changes it too); without one (the first time, or no tags: NOTE [dict tags from 3.12]) only the
+ * structure can be compared: the caller then reinstalls every value itself. */
 static int entry_edited(PyObject *entry, Py_ssize_t i, const uint64_t *rec, PyObject *const *key) {
   PyObject *replica = PyTuple_GET_ITEM(entry, 1);
   PyObject *own[K_COUNT] = {PyTuple_GET_ITEM(entry, 2), PyTuple_GET_ITEM(entry, 3), PyTuple_GET_ITEM(entry, 4)};
   int same;
   if (FDP_DICT_TAGS && rec[0]) {
     for (int k = 0; k < K_COUNT; k++)
-      if (fdp__dict_tag(own[k]) != rec[1 + k]) return 1;
-    same = fdp__dict_tag(replica) == rec[0] ? 1 : holds_own_dicts(replica, own, key);
+      if (fdp__dict_tag_counted(own[k], FDP_TAG_OWNED) != rec[1 + k]) return 1;
+    same = fdp__dict_tag_counted(replica, FDP_TAG_OWNED) == rec[0] ? 1 : holds_own_dicts(replica, own, key);
   } else {
     same = entry_ok(entry, i, 0, ENTRY_ITEMS - 1) ? same_structure(entry, own, key) : -1;
   }
@@ -104,9 +108,10 @@ static int entry_edited(PyObject *entry, Py_ssize_t i, const uint64_t *rec, PyOb
 /* The `seen` buffer of owned_edits() / owned_record(): NULL with ValueError when it does not hold one record per
  * entry. */
 static uint64_t *owned_records_of(Py_buffer *seen, Py_ssize_t n) {
-  if (seen->len != n * OWNED_RECORD * (Py_ssize_t)sizeof(uint64_t) || (uintptr_t)seen->buf % _Alignof(uint64_t)) {
-    PyErr_Format(PyExc_ValueError, "seen must be an aligned buffer of %zd bytes (owned_records(%zd)), got %zd",
-                 n * OWNED_RECORD * (Py_ssize_t)sizeof(uint64_t), n, seen->len);
+  Py_ssize_t want = (OWNED_HEAD + n * OWNED_RECORD) * (Py_ssize_t)sizeof(uint64_t);
+  if (seen->len != want || (uintptr_t)seen->buf % _Alignof(uint64_t)) {
+    PyErr_Format(PyExc_ValueError, "seen must be an aligned buffer of %zd bytes (owned_records(%zd)), got %zd", want,
+                 n, seen->len);
     return NULL;
   }
   return seen->buf;
@@ -137,7 +142,7 @@ static int record_entry(PyObject *entries, uint64_t *rec, Py_ssize_t i) {
   if (!entry_ok(entry, i, 1, OWNED_RECORD)) return -1;
   uint64_t *r = rec + i * OWNED_RECORD;
   for (int k = 0; k < OWNED_RECORD; k++)
-    r[k] = fdp__dict_tag(PyTuple_GET_ITEM(entry, 1 + k));
+    r[k] = fdp__dict_tag_counted(PyTuple_GET_ITEM(entry, 1 + k), FDP_TAG_OWNED);
   return 0;
 }
 
@@ -168,10 +173,21 @@ static PyObject *owned_call(PyObject *args, const char *format, int find) {
   if (!PyArg_ParseTuple(args, format, &obj, &seen, &indices)) return NULL;
   PyObject *entries = PySequence_Fast(obj, "entries must be a sequence of tuples");
   PyObject *edits = entries && find ? PyList_New(0) : NULL;
-  uint64_t *rec = entries && (edits || !find) ? owned_records_of(&seen, PySequence_Fast_GET_SIZE(entries)) : NULL;
+  uint64_t *head = entries && (edits || !find) ? owned_records_of(&seen, PySequence_Fast_GET_SIZE(entries)) : NULL;
+  uint64_t *rec = head ? head + OWNED_HEAD : NULL;
+  uint64_t id = (uint64_t)(uintptr_t)obj, n = entries ? (uint64_t)PySequence_Fast_GET_SIZE(entries) : 0;
+  uint64_t count = fdp__counted_changes(FDP_TAG_OWNED);
   PyObject *ret = NULL;
-  if (rec && find && find_edits(entries, rec, edits) == 0) ret = Py_NewRef(edits);
-  if (rec && !find && record_entries(entries, rec, indices) == 0) ret = Py_NewRef(Py_None);
+  if (rec && find && head[0] && head[0] == count && head[1] == id && head[2] == n)
+    ret = Py_NewRef(edits); /* nothing changed since the last record (see the head above) */
+  else if (rec && find && find_edits(entries, rec, edits) == 0)
+    ret = Py_NewRef(edits);
+  if (rec && !find && record_entries(entries, rec, indices) == 0) {
+    head[0] = FDP_DICT_TAGS ? fdp__counted_changes(FDP_TAG_OWNED) : 0;
+    head[1] = id;
+    head[2] = n;
+    ret = Py_NewRef(Py_None);
+  }
   Py_XDECREF(edits);
   Py_XDECREF(entries);
   PyBuffer_Release(&seen);
@@ -193,11 +209,11 @@ static PyObject *py_owned_records(PyObject *module, PyObject *arg) {
   (void)module;
   Py_ssize_t n = PyLong_AsSsize_t(arg);
   if (n == -1 && PyErr_Occurred()) return NULL;
-  if (n < 0 || n > PY_SSIZE_T_MAX / (OWNED_RECORD * (Py_ssize_t)sizeof(uint64_t))) {
+  if (n < 0 || n > PY_SSIZE_T_MAX / (OWNED_RECORD * (Py_ssize_t)sizeof(uint64_t)) - OWNED_HEAD) {
     PyErr_Format(PyExc_ValueError, "owned_records: bad count %zd", n);
     return NULL;
   }
-  PyObject *buf = PyByteArray_FromStringAndSize(NULL, n * OWNED_RECORD * (Py_ssize_t)sizeof(uint64_t));
+  PyObject *buf = PyByteArray_FromStringAndSize(NULL, (OWNED_HEAD + n * OWNED_RECORD) * (Py_ssize_t)sizeof(uint64_t));
   if (buf) memset(PyByteArray_AS_STRING(buf), 0, (size_t)PyByteArray_GET_SIZE(buf));
   return buf;
 }

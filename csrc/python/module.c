@@ -34,6 +34,7 @@ static int add_error(PyObject *m, PyObject **slot, const char *name, PyObject *b
 
 static int exec_module(PyObject *m) {
   module_state *st = fdp__state(m);
+  if (fdp__dict_tags_init() < 0) return -1;
   st->itemsizes = PyDict_New();
   if (!st->itemsizes) return -1;
 #define FDP_INTERN(name)                                                                                               \

@@ -181,12 +181,18 @@ static int refresh_pair(PyObject *pair, owned_keys_t *ok, Py_ssize_t i) {
   return bad ? -1 : 0;
 }
 
-/* NOTE [refresh records]: a pair whose dicts nobody changed since its last refresh needs no walk. CPython up to 3.11
- * gives every dict a version tag (PEP 509: globally unique, new on every change); refresh() records, per pair, the
- * tags of the master's and the replica's __dict__ and of both sides' mirrored hook dicts (with the hook dicts'
- * addresses), and skips the pair while all of them are the same. A hook dict's address is followed only after its
- * owner's tag matched: the owner then still holds it. From 3.12 the tag is deprecated (PEP 699), and every pair is
- * walked. */
+/* NOTE [refresh records]: a pair whose dicts nobody changed since its last refresh needs no walk. Every dict has a
+ * version tag (globally unique, new on every change: CPython's own up to 3.11, a dict watcher's from 3.12, NOTE
+ * [dict tags from 3.12] in dicttags.c); refresh() records, per pair, the tags of the master's and the replica's
+ * __dict__ and of both sides' mirrored hook dicts (with the hook dicts' addresses), and skips the pair while all of
+ * them are the same. A hook dict's address is followed only after its owner's tag matched: the owner then still
+ * holds it. From 3.12 the watcher behind the tags also counts every change to the dicts refresh records: a set of
+ * pairs whose last refresh recorded every pair, with that count where it stands now, is skipped whole, without a
+ * read per pair. Without tags (3.12 with every watcher taken) every pair is walked. */
+
+/* The records' head: the count of changes when every pair was last recorded (0: not so), the pairs' sequence and
+ * its length then. */
+#define HEAD_LEN 3
 
 /* uint64 values per pair in refresh()'s records: both __dict__ tags, then per mirrored key the master's hook dict
  * (address, tag) and the replica's. */
@@ -194,10 +200,12 @@ static int refresh_pair(PyObject *pair, owned_keys_t *ok, Py_ssize_t i) {
 
 /* Whether the pair's record says nothing changed. */
 static int unchanged(PyObject *master, PyObject *replica, const uint64_t *rec, Py_ssize_t nmirrored) {
-  if (!FDP_DICT_TAGS || rec[0] == 0 || rec[0] != fdp__dict_tag(master) || rec[1] != fdp__dict_tag(replica)) return 0;
+  if (!FDP_DICT_TAGS || rec[0] == 0 || rec[0] != fdp__dict_tag_counted(master, FDP_TAG_REFRESH) ||
+      rec[1] != fdp__dict_tag_counted(replica, FDP_TAG_REFRESH))
+    return 0;
   for (Py_ssize_t k = 0; k < 2 * nmirrored; k++) {
     const uint64_t *hook = &rec[2 + 2 * k];
-    if (hook[0] && fdp__dict_tag((PyObject *)(uintptr_t)hook[0]) != hook[1]) return 0;
+    if (hook[0] && fdp__dict_tag_counted((PyObject *)(uintptr_t)hook[0], FDP_TAG_REFRESH) != hook[1]) return 0;
   }
   return 1;
 }
@@ -212,21 +220,21 @@ static int remember(PyObject *master, PyObject *replica, uint64_t *rec, const ow
       if (!d && PyErr_Occurred()) return -1;
       if (d && !PyDict_Check(d)) return 0;
       rec[2 + 4 * k + 2 * side] = (uint64_t)(uintptr_t)d;
-      rec[3 + 4 * k + 2 * side] = d ? fdp__dict_tag(d) : 0;
+      rec[3 + 4 * k + 2 * side] = d ? fdp__dict_tag_counted(d, FDP_TAG_REFRESH) : 0;
     }
   }
-  rec[1] = fdp__dict_tag(replica);
-  rec[0] = fdp__dict_tag(master);
+  rec[1] = fdp__dict_tag_counted(replica, FDP_TAG_REFRESH);
+  rec[0] = fdp__dict_tag_counted(master, FDP_TAG_REFRESH);
   return 0;
 }
 
 /* The optional `seen` argument of refresh(): NULL when absent; ValueError when it does not hold one record per pair. */
 static uint64_t *records(Py_buffer *seen, Py_ssize_t npairs, Py_ssize_t nmirrored) {
   if (!seen->obj) return NULL;
-  Py_ssize_t want = npairs * RECORD_LEN(nmirrored) * (Py_ssize_t)sizeof(uint64_t);
+  Py_ssize_t want = (HEAD_LEN + npairs * RECORD_LEN(nmirrored)) * (Py_ssize_t)sizeof(uint64_t);
   if (seen->len != want || (uintptr_t)seen->buf % _Alignof(uint64_t) != 0) {
-    PyErr_Format(PyExc_ValueError, "refresh: seen must be an aligned buffer of %zd bytes (%d uint64 per pair), got %zd",
-                 want, (int)RECORD_LEN(nmirrored), seen->len);
+    PyErr_Format(PyExc_ValueError, "refresh: seen must be the aligned buffer of %zd bytes refresh_records(%zd, %zd) makes, "
+                 "got %zd", want, npairs, nmirrored, seen->len);
     return NULL;
   }
   return seen->buf;
@@ -243,7 +251,8 @@ static PyObject *py_refresh_records(PyObject *module, PyObject *args) {
     PyErr_Format(PyExc_ValueError, "refresh_records: bad counts (%zd pairs, %zd mirrored)", npairs, nmirrored);
     return NULL;
   }
-  PyObject *buf = PyByteArray_FromStringAndSize(NULL, npairs * RECORD_LEN(nmirrored) * (Py_ssize_t)sizeof(uint64_t));
+  PyObject *buf =
+      PyByteArray_FromStringAndSize(NULL, (HEAD_LEN + npairs * RECORD_LEN(nmirrored)) * (Py_ssize_t)sizeof(uint64_t));
   if (buf) memset(PyByteArray_AS_STRING(buf), 0, (size_t)PyByteArray_GET_SIZE(buf));
   return buf;
 }
@@ -275,9 +284,11 @@ static int skippable(PyObject *pair, const uint64_t *r, Py_ssize_t nmirrored) {
          unchanged(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), r, nmirrored);
 }
 
-/* Refreshes every pair not skipped; the pairs walked, or -1 with an error set. */
-static Py_ssize_t refresh_pairs(PyObject *pairs, owned_keys_t *ok, uint64_t *rec) {
+/* Refreshes every pair not skipped; the pairs walked, or -1 with an error set. *recorded: whether every pair ends
+ * with a complete record. */
+static Py_ssize_t refresh_pairs(PyObject *pairs, owned_keys_t *ok, uint64_t *rec, int *recorded) {
   Py_ssize_t walked = 0;
+  *recorded = rec != NULL && FDP_DICT_TAGS;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(pairs); i++) {
     PyObject *pair = PySequence_Fast_GET_ITEM(pairs, i);
     uint64_t *r = rec ? rec + i * RECORD_LEN(ok->nmirrored) : NULL;
@@ -286,6 +297,27 @@ static Py_ssize_t refresh_pairs(PyObject *pairs, owned_keys_t *ok, uint64_t *rec
     walked++;
     if (refresh_pair(pair, ok, i) < 0) return -1;
     if (r && FDP_DICT_TAGS && remember(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), r, ok) < 0) return -1;
+    if (r && !r[0]) *recorded = 0;
+  }
+  return walked;
+}
+
+/* Refreshes the pairs with the records `seen` (NULL: none): skipped whole where the head says no counted dict
+ * changed since every pair was recorded (NOTE [refresh records]); the pairs walked, or -1 with an error set. */
+static Py_ssize_t refresh_recorded(PyObject *pairs_obj, PyObject *pairs, owned_keys_t *ok, uint64_t *seen) {
+  uint64_t *head = seen, *rec = seen ? seen + HEAD_LEN : NULL;
+  uint64_t id = (uint64_t)(uintptr_t)pairs_obj, n = (uint64_t)PySequence_Fast_GET_SIZE(pairs);
+  uint64_t before = fdp__counted_changes(FDP_TAG_REFRESH);
+  if (head && head[0] && head[0] == before && head[1] == id && head[2] == n) return 0;
+  int recorded;
+  Py_ssize_t walked = refresh_pairs(pairs, ok, rec, &recorded);
+  if (head) {
+    /* A change during this pass (its own writes, or a finalizer's) leaves the head unset: the next refresh reads
+     * every pair's tags again. */
+    int still = walked >= 0 && recorded && before && fdp__counted_changes(FDP_TAG_REFRESH) == before;
+    head[0] = still ? before : 0;
+    head[1] = id;
+    head[2] = n;
   }
   return walked;
 }
@@ -309,7 +341,7 @@ static PyObject *py_refresh(PyObject *module, PyObject *args) {
   owned_keys_t ok = {NULL, 0, 0, {0}, {NULL}, {0}};
   if (owned && owned_keys_init(&ok, owned, nmirrored) == 0) {
     uint64_t *rec = records(&seen, PySequence_Fast_GET_SIZE(pairs), nmirrored);
-    Py_ssize_t walked = rec || !PyErr_Occurred() ? refresh_pairs(pairs, &ok, rec) : -1;
+    Py_ssize_t walked = rec || !PyErr_Occurred() ? refresh_recorded(pairs_obj, pairs, &ok, rec) : -1;
     ret = walked < 0 ? NULL : PyLong_FromSsize_t(walked);
   }
   owned_keys_clear(&ok);

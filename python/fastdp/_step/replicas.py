@@ -57,8 +57,8 @@ its parameter, buffer and child dicts) or a kept tensor in place (rebind its ``.
 ``t_``, ``requires_grad_``; a running statistic kept as a frozen parameter is the common case). Plain attributes and
 hook dicts are refilled from the master every step anyway (_C.refresh). Before each forward:
 - the owned dicts: each replica module's dicts are compared with what the last step left in them (CPython's dict
-  version tags up to 3.11: a few loads per module; from 3.12 their keys with the master's, and every grad slot is
-  installed again each step), and a changed one gets the master's keys back, in its order, and the children as
+  version tags, a dict watcher's from 3.12: a few loads per module; where there are none, their keys with the
+  master's, and every grad slot is installed again each step), and a changed one gets the master's keys back, in its order, and the children as
   built; the step then installs every tensor into them;
 - the kept tensors: a _C.TensorWatch notes each one's memory, shape, strides and dtype (holding a handle of its
   own, so reading them again costs no conversion); kept nodes whose tensors a forward changed are made again (a

@@ -26,8 +26,8 @@ typedef struct {
 
 /* An open-addressing table by address, linear probing, at most half full. */
 static tag_slot_t *g_slots;
-static size_t g_mask, g_used; /* capacity - 1 (a power of two), occupied slots */
-static uint64_t g_last;       /* the last tag given */
+static size_t g_mask, g_used;                      /* capacity - 1 (a power of two), occupied slots */
+static uint64_t g_last;                            /* the last tag given */
 static uint64_t g_counted[FDP_TAG_ROLES] = {1, 1}; /* changes seen per role, from 1 (0 is no count) */
 
 static size_t home_of(const PyObject *d) {

@@ -110,8 +110,8 @@ static int entry_edited(PyObject *entry, Py_ssize_t i, const uint64_t *rec, PyOb
 static uint64_t *owned_records_of(Py_buffer *seen, Py_ssize_t n) {
   Py_ssize_t want = (OWNED_HEAD + n * OWNED_RECORD) * (Py_ssize_t)sizeof(uint64_t);
   if (seen->len != want || (uintptr_t)seen->buf % _Alignof(uint64_t)) {
-    PyErr_Format(PyExc_ValueError, "seen must be an aligned buffer of %zd bytes (owned_records(%zd)), got %zd", want,
-                 n, seen->len);
+    PyErr_Format(PyExc_ValueError, "seen must be owned_records(%zd): an aligned %zd bytes, got %zd", n, want,
+                 seen->len);
     return NULL;
   }
   return seen->buf;
@@ -167,6 +167,24 @@ static int record_entries(PyObject *entries, uint64_t *rec, PyObject *indices) {
 /* owned_edits(entries, seen) -> the indices of the entries whose replica changed its owned dicts since they were
  * recorded (a list, empty when none); owned_record(entries, seen, indices=None) -> None: records the entries at
  * `indices` (all by default) as they are now, after the step installed its tensors into them. */
+/* The edits of `entries` (the sequence `obj`) into `edits`: none without a read where the head says nothing
+ * changed since the last record; 0, or -1 with an error set. */
+static int edits_since_record(PyObject *obj, PyObject *entries, const uint64_t *head, PyObject *edits) {
+  if (head[0] && head[0] == fdp__counted_changes(FDP_TAG_OWNED) && head[1] == (uint64_t)(uintptr_t)obj &&
+      head[2] == (uint64_t)PySequence_Fast_GET_SIZE(entries))
+    return 0;
+  return find_edits(entries, head + OWNED_HEAD, edits);
+}
+
+/* Records the entries at `indices` and the head (the count of changes now); 0, or -1 with an error set. */
+static int record_with_head(PyObject *obj, PyObject *entries, uint64_t *head, PyObject *indices) {
+  if (record_entries(entries, head + OWNED_HEAD, indices) < 0) return -1;
+  head[0] = FDP_DICT_TAGS ? fdp__counted_changes(FDP_TAG_OWNED) : 0;
+  head[1] = (uint64_t)(uintptr_t)obj;
+  head[2] = (uint64_t)PySequence_Fast_GET_SIZE(entries);
+  return 0;
+}
+
 static PyObject *owned_call(PyObject *args, const char *format, int find) {
   PyObject *obj, *indices = Py_None;
   Py_buffer seen = {0};
@@ -174,20 +192,9 @@ static PyObject *owned_call(PyObject *args, const char *format, int find) {
   PyObject *entries = PySequence_Fast(obj, "entries must be a sequence of tuples");
   PyObject *edits = entries && find ? PyList_New(0) : NULL;
   uint64_t *head = entries && (edits || !find) ? owned_records_of(&seen, PySequence_Fast_GET_SIZE(entries)) : NULL;
-  uint64_t *rec = head ? head + OWNED_HEAD : NULL;
-  uint64_t id = (uint64_t)(uintptr_t)obj, n = entries ? (uint64_t)PySequence_Fast_GET_SIZE(entries) : 0;
-  uint64_t count = fdp__counted_changes(FDP_TAG_OWNED);
   PyObject *ret = NULL;
-  if (rec && find && head[0] && head[0] == count && head[1] == id && head[2] == n)
-    ret = Py_NewRef(edits); /* nothing changed since the last record (see the head above) */
-  else if (rec && find && find_edits(entries, rec, edits) == 0)
-    ret = Py_NewRef(edits);
-  if (rec && !find && record_entries(entries, rec, indices) == 0) {
-    head[0] = FDP_DICT_TAGS ? fdp__counted_changes(FDP_TAG_OWNED) : 0;
-    head[1] = id;
-    head[2] = n;
-    ret = Py_NewRef(Py_None);
-  }
+  if (head && find && edits_since_record(obj, entries, head, edits) == 0) ret = Py_NewRef(edits);
+  if (head && !find && record_with_head(obj, entries, head, indices) == 0) ret = Py_NewRef(Py_None);
   Py_XDECREF(edits);
   Py_XDECREF(entries);
   PyBuffer_Release(&seen);

@@ -233,8 +233,8 @@ static uint64_t *records(Py_buffer *seen, Py_ssize_t npairs, Py_ssize_t nmirrore
   if (!seen->obj) return NULL;
   Py_ssize_t want = (HEAD_LEN + npairs * RECORD_LEN(nmirrored)) * (Py_ssize_t)sizeof(uint64_t);
   if (seen->len != want || (uintptr_t)seen->buf % _Alignof(uint64_t) != 0) {
-    PyErr_Format(PyExc_ValueError, "refresh: seen must be the aligned buffer of %zd bytes refresh_records(%zd, %zd) makes, "
-                 "got %zd", want, npairs, nmirrored, seen->len);
+    PyErr_Format(PyExc_ValueError, "refresh: seen must be refresh_records(%zd, %zd): an aligned %zd bytes, got %zd",
+                 npairs, nmirrored, want, seen->len);
     return NULL;
   }
   return seen->buf;

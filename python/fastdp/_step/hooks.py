@@ -7,6 +7,10 @@ master's hooks: kept replicas get them refilled by ``_C.refresh`` every step (tw
 empty), fresh ones get copies when built.
 """
 
+from torch.utils.hooks import RemovableHandle as _RemovableHandle
+
+from .. import _C
+
 # The hook dicts Module.__init__ creates that forward and backward read (state-dict hooks are never run by a
 # replica). Listed in the order torch creates them.
 KEYS = ("_backward_pre_hooks", "_backward_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
@@ -20,3 +24,15 @@ def own(master, replica):
         d = theirs.get(key)
         if d is not None and mine.get(key) is d:
             mine[key] = type(d)(d)
+
+
+def clear_tensor_hooks(tensors, cleared_at):
+    """Empties the hook dicts of `tensors` (kept replica tensors: a hook a forward registers on one lasts that step),
+    unless none can hold a hook registered since they were last emptied: every hook torch's API registers comes with
+    a ``RemovableHandle``, whose class counts them, and `cleared_at` is that count after the last emptying (None: not
+    yet). Returns the count now, for the next call."""
+    made = getattr(_RemovableHandle, "next_id", None)
+    if made is None or made != cleared_at:
+        _C.clear_hooks(tensors)
+        made = getattr(_RemovableHandle, "next_id", None)
+    return made

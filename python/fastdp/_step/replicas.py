@@ -439,8 +439,8 @@ class _Kept:
     prepared copies of the master into them; `got` is what the kept path hands the picker (the master tensors, then
     every node's outputs)."""
 
-    __slots__ = ("buckets", "state", "flats", "views", "outs", "got", "plain", "masters", "stamp", "streams",
-                 "devices", "copy", "watches")
+    __slots__ = ("buckets", "state", "flats", "views", "outs", "got", "plain", "masters", "stamp", "hooks_cleared",
+                 "streams", "devices", "copy", "watches")
 
     def __init__(self, buckets, reduced, tensors, state):
         self.buckets, self.state = buckets, state
@@ -466,6 +466,7 @@ class _Kept:
                     self.plain += vs
         self.got = list(tensors) + self.outs
         self.stamp = None  # the master's version counters summed at the last copy
+        self.hooks_cleared = None  # torch's count of hook handles when the outputs' hooks were last cleared
         # Every member of every bucket into every other replica's buffer, in one prepared copy (NCCL broadcasts each
         # bucket's packed buffer instead, across distinct devices).
         self.copy = None if state.collective else _C.PreparedCopy(
@@ -501,7 +502,7 @@ class _Kept:
                 for flat in chain.from_iterable(self.flats):
                     _increment_version(flat)
             self.stamp = stamp
-        _C.clear_hooks(self.outs)  # hooks registered on a replica tensor by last step's forward
+        self.hooks_cleared = _hooks.clear_tensor_hooks(self.outs, self.hooks_cleared)
 
 
 _increment_version = torch.autograd.graph.increment_version

@@ -180,7 +180,13 @@ def _edge_cases():
         edges += ["ignored-chunk", "all-ignored"] if cls in (nn.CrossEntropyLoss, nn.NLLLoss) else []
         for reduction in reductions:
             for edge in edges:
-                cases.append(pytest.param(row, reduction, edge, id=f"{cls.__name__}-{reduction}-{edge}"))
+                marks = ()
+                if cls is nn.MultiLabelMarginLoss and reduction != "none" and edge.startswith("empty-batch"):
+                    # torch's own result is uninitialized memory there (any value, nan included, run to run): no
+                    # reference to compare with.
+                    marks = pytest.mark.skip(reason="torch's MultiLabelMarginLoss (sum, mean) of an empty batch "
+                                                    "returns uninitialized memory")
+                cases.append(pytest.param(row, reduction, edge, id=f"{cls.__name__}-{reduction}-{edge}", marks=marks))
     return cases
 
 

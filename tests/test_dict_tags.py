@@ -74,8 +74,8 @@ def test_a_new_dict_where_a_freed_one_was_is_walked():
 
 
 def test_without_a_watcher_left_every_pair_is_walked():
-    """An interpreter whose eight dict watchers are taken before fastdp loads (torch needs one of its own): no tags (DICT_TAGS 0), every pair
-    walked every time, and kept replicas still train as the bare model."""
+    """An interpreter whose eight dict watchers are taken before fastdp loads (torch needs one of its own): no tags
+    (DICT_TAGS 0), every pair walked every time, and kept replicas still train as the bare model."""
     code = textwrap.dedent("""
         import _testcapi
         import torch  # torch takes a dict watcher of its own when it loads

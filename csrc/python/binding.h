@@ -35,11 +35,11 @@ static inline int fdp__finalizing(void) {
 #endif
 }
 
+/* The roles whose dicts' changes are counted: refresh's pairs (refresh.c), the replicas' owned dicts (edits.c). */
+enum { FDP_TAG_REFRESH, FDP_TAG_OWNED, FDP_TAG_ROLES };
 /* A dict's version tag: globally unique, new on every change (PEP 509's, up to CPython 3.11; from 3.12 given by a
  * dict watcher, NOTE [dict tags from 3.12] in dicttags.c). FDP_DICT_TAGS is false where there are none (3.12 with
  * every watcher taken): fdp__dict_tag then returns 0 and callers compare contents (NOTE [refresh records]). */
-/* The roles whose dicts' changes are counted: refresh's pairs (refresh.c), the replicas' owned dicts (edits.c). */
-enum { FDP_TAG_REFRESH, FDP_TAG_OWNED, FDP_TAG_ROLES };
 #if PY_VERSION_HEX < 0x030C0000
 #define FDP_DICT_TAGS 1
 static inline uint64_t fdp__dict_tag(PyObject *d) {

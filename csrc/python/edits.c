@@ -164,9 +164,6 @@ static int record_entries(PyObject *entries, uint64_t *rec, PyObject *indices) {
   return rc;
 }
 
-/* owned_edits(entries, seen) -> the indices of the entries whose replica changed its owned dicts since they were
- * recorded (a list, empty when none); owned_record(entries, seen, indices=None) -> None: records the entries at
- * `indices` (all by default) as they are now, after the step installed its tensors into them. */
 /* The edits of `entries` (the sequence `obj`) into `edits`: none without a read where the head says nothing
  * changed since the last record; 0, or -1 with an error set. */
 static int edits_since_record(PyObject *obj, PyObject *entries, const uint64_t *head, PyObject *edits) {
@@ -185,6 +182,9 @@ static int record_with_head(PyObject *obj, PyObject *entries, uint64_t *head, Py
   return 0;
 }
 
+/* owned_edits(entries, seen) -> the indices of the entries whose replica changed its owned dicts since they were
+ * recorded (a list, empty when none); owned_record(entries, seen, indices=None) -> None: records the entries at
+ * `indices` (all by default) as they are now, after the step installed its tensors into them. */
 static PyObject *owned_call(PyObject *args, const char *format, int find) {
   PyObject *obj, *indices = Py_None;
   Py_buffer seen = {0};

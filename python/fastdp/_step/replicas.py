@@ -56,10 +56,11 @@ buffer or a module to an attribute, register one, swap a submodule, delete an at
 its parameter, buffer and child dicts) or a kept tensor in place (rebind its ``.data``, ``set_``, ``resize_``,
 ``t_``, ``requires_grad_``; a running statistic kept as a frozen parameter is the common case). Plain attributes and
 hook dicts are refilled from the master every step anyway (_C.refresh). Before each forward:
-- the owned dicts: each replica module's dicts are compared with what the last step left in them (CPython's dict
-  version tags, a dict watcher's from 3.12: a few loads per module; where there are none, their keys with the
-  master's, and every grad slot is installed again each step), and a changed one gets the master's keys back, in its order, and the children as
-  built; the step then installs every tensor into them;
+- the owned dicts: each replica module's dicts are compared with what the last step left in them (dict version
+  tags, CPython's up to 3.11 and a dict watcher's from 3.12: a few loads per module, none while the watcher saw no
+  change; where there are no tags, their keys with the master's, and every grad slot is installed again each
+  step), and a changed one gets the master's keys back, in its order, and the children as built; the step then
+  installs every tensor into them;
 - the kept tensors: a _C.TensorWatch notes each one's memory, shape, strides and dtype (holding a handle of its
   own, so reading them again costs no conversion); kept nodes whose tensors a forward changed are made again (a
   graph still waiting for backward keeps the ones it saw, as it would keep upstream's), a changed frozen alias of

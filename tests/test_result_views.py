@@ -152,6 +152,55 @@ def test_prepared_sum_with_many_members(aoti):
     assert torch.equal(out, packed_reference(grads, len(shapes), 4, torch.float32))
 
 
+MIXED = [(3, 4), (5,), (2, 2)] * 50  # members of several shapes, read a few dozen gradients per conversion
+
+
+@pytest.mark.parametrize("at", [None, 0, 59, 60, 61, 170, 299])
+def test_prepared_sum_reads_every_gradient_and_releases_each(aoti, at):
+    """However many gradients, each is read for its own member, first and last and either side of where one
+    conversion ends and the next begins: the sum equals the packed one, or, with a gradient unlike its member at
+    `at`, nothing is written. Either way no gradient is held after: each one's memory goes with it."""
+    k, nrep = len(MIXED), 2
+    grads = grads_of(MIXED, nrep, seed=5)
+    plan = _C.PreparedSum(grads[:k], nrep)  # the members' layout, before any gradient changes
+    if at is not None:
+        grads[at] = grads[at].t() if grads[at].dim() == 2 else grads[at].double()
+    out = torch.full((numel(MIXED),), 7.0)
+    assert plan.run(grads, out) is (at is None)
+    if at is None:
+        assert torch.equal(out, packed_reference(grads, k, nrep, torch.float32))
+    else:
+        assert out.eq(7.0).all()
+    if _use_count is not None:
+        storages = [g.untyped_storage() for g in grads]
+        del grads, plan
+        gc.collect()
+        assert [_use_count(s._cdata) for s in storages] == [1] * len(storages)
+
+
+def test_views_of_many_members_match_torch_unflatten(aoti):
+    flat = torch.arange(float(numel(MIXED)))
+    like = [torch.empty(s, device="meta") for s in MIXED]
+    got, want = _C.views(flat, spec_of(MIXED)), _unflatten_dense(flat, like)
+    assert len(got) == len(want) == len(MIXED)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.data_ptr() == w.data_ptr() and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("bad", [0, 59, 60, 130, 149])
+def test_a_bad_spec_entry_among_many_raises_and_keeps_nothing(aoti, bad):
+    """A malformed entry anywhere raises, and the views made before it are let go with every reference they took."""
+    shapes = list(MIXED)
+    shapes[bad] = (10**6,)  # more than the buffer holds
+    flat = torch.zeros(numel(MIXED))
+    before = _use_count(flat.untyped_storage()._cdata) if _use_count else None
+    with pytest.raises(ValueError, match="needs more than"):
+        _C.views(flat, spec_of(shapes))
+    gc.collect()
+    if before is not None:
+        assert _use_count(flat.untyped_storage()._cdata) == before
+
+
 @pytest.mark.parametrize("case", ["transposed", "expanded", "dtype", "shape"])
 def test_prepared_sum_declines_a_gradient_unlike_its_member_and_writes_nothing(aoti, case):
     k, nrep = 2, 3

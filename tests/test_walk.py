@@ -140,6 +140,34 @@ def test_memory_moved_under_the_same_structure(move, path):
     assert after == reference_walk(model)[1] and _C.matches(modules, after) == 1
 
 
+def _wide():
+    """More tensors than the shim path reads per conversion (it converts them a few dozen at a time)."""
+    return nn.Sequential(*[nn.Linear(3, 3) for _ in range(70)], nn.BatchNorm1d(3))
+
+
+def _tensor_at(model, sig, k):
+    """The k-th tensor of the signature's entries, in the order matches() compares them."""
+    by_id = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return by_id[[e for e in sig if len(e) == 9][k][1]]
+
+
+@pytest.mark.parametrize("k", [0, 59, 60, 61, 119, -1])
+def test_a_change_anywhere_among_many_tensors_is_seen(k, path):
+    """Whichever tensor changes, first or last or either side of where one conversion ends and the next begins,
+    matches() sees its shape changed (0) or its memory moved (2), and nothing else."""
+    model = _wide()
+    modules, sig = _C.walk(model)
+    assert len([e for e in sig if len(e) == 9]) > 120
+    t = _tensor_at(model, sig, k)
+    kept = t.data
+    t.data = kept.clone()
+    assert _C.matches(modules, sig) == 2
+    t.data = kept.reshape(1, -1) if kept.dim() == 1 else kept.reshape(-1)
+    assert _C.matches(modules, sig) == 0
+    t.data = kept
+    assert _C.matches(modules, sig) == 1
+
+
 @pytest.mark.parametrize("field, value, found", [
     (2, torch.float64, 0), (3, torch.Size([3, 4]), 0), (3, (3, "3"), 0), (4, torch.device("cpu", 0), 0),
     (4, "cpu", 0), (5, True, 0), (6, torch.sparse_coo, 0), (7, 8, 2), (7, None, 2), (8, (2,), 2), (8, (1, 1), 2)],

@@ -268,28 +268,61 @@ static PyObject *handle_list(module_state *st, PyObject *items) {
   return handles;
 }
 
+/* Items converted to handles per call of each_handle. A chunk's tuple, torch's vector of it and its handle list
+ * stay small requests, served from the allocator's small bins, and the handles one chunk frees are those the next
+ * chunk gets back. One list of thousands of tensors is a large request, and glibc answers a large request by first
+ * merging every small chunk the process freed since the last one: each step's thousands of freed handles, and the
+ * freed graph of the backward with them, merged inside the step's sum. */
+#define HANDLE_CHUNK 60
+
+typedef int (*visit_fn)(void *ctx, Py_ssize_t i, fdp_aten_handle_t h);
+
+/* visit(ctx, i, h) for each item i of the tuple `items`, h its handle (NULL where torch gave no capsule), converted
+ * HANDLE_CHUNK items per call. Every handle is deleted after its visit, or each call would leak a TensorImpl reference
+ * per tensor; once a visit returns nonzero, the rest are deleted unvisited and that value is returned. -1 with a
+ * Python error when a conversion failed. */
+static int each_handle(module_state *st, PyObject *items, visit_fn visit, void *ctx) {
+  Py_ssize_t n = PyTuple_GET_SIZE(items);
+  int rc = 0;
+  for (Py_ssize_t at = 0; rc == 0 && at < n; at += HANDLE_CHUNK) {
+    PyObject *chunk = n <= HANDLE_CHUNK ? Py_NewRef(items) : PyTuple_GetSlice(items, at, at + HANDLE_CHUNK);
+    PyObject *handles = chunk ? handle_list(st, chunk) : NULL;
+    Py_XDECREF(chunk);
+    if (!handles) return -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
+      fdp_aten_handle_t h = handle_of(PyList_GET_ITEM(handles, i));
+      if (rc == 0) rc = visit(ctx, at + i, h);
+      if (h) shim.delete_tensor(h);
+    }
+    Py_DECREF(handles);
+  }
+  return rc;
+}
+
+typedef struct {
+  fdp_tensor_t *ts;
+  int32_t *codes;
+} read_ctx_t;
+
+static int read_one(void *ctx, Py_ssize_t i, fdp_aten_handle_t h) {
+  read_ctx_t *r = ctx;
+  int32_t code = -1;
+  if (!h || from_handle(h, &r->ts[i], &code)) {
+    code = -1;
+    r->ts[i].elem_size = 0;
+  }
+  if (r->codes) r->codes[i] = code;
+  return 0;
+}
+
 /* Reads every tensor of `items` through the shim into ts[i], and its shim dtype code into codes[i] when codes is
  * not NULL. A tensor the shim cannot read (not plain strided CPU/CUDA memory of a known element size, or the shim
  * failed) is marked by ts[i].elem_size == 0 (no readable tensor has that) and codes[i] == -1. 1 when the tuple holds
  * objects the shim path never reads (subclasses), -1 with an error when the conversion itself failed, else 0. */
 static int read_handles(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes) {
   if (!plain_tensors(st, items)) return 1;
-  /* One call converts the whole list into new at::Tensor references (capsules without a destructor): every one
-   * is deleted below, also after a failure, or each call would leak a TensorImpl reference per tensor. */
-  PyObject *handles = handle_list(st, items);
-  if (!handles) return -1;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
-    fdp_aten_handle_t h = handle_of(PyList_GET_ITEM(handles, i));
-    int32_t code = -1;
-    if (!h || from_handle(h, &ts[i], &code)) {
-      code = -1;
-      ts[i].elem_size = 0;
-    }
-    if (h) shim.delete_tensor(h);
-    if (codes) codes[i] = code;
-  }
-  Py_DECREF(handles);
-  return 0;
+  read_ctx_t r = {ts, codes};
+  return each_handle(st, items, read_one, &r);
 }
 
 int fdp__aoti_describe(module_state *st, PyObject *items, fdp_tensor_t *ts, const char *what, int single) {
@@ -308,21 +341,25 @@ int fdp__aoti_try_describe(module_state *st, PyObject *items, fdp_tensor_t *ts) 
   return rc;
 }
 
+typedef struct {
+  fdp__fits_fn fits;
+  const void *ctx;
+  char **ptrs;
+} data_ctx_t;
+
+static int data_one(void *ctx, Py_ssize_t i, fdp_aten_handle_t h) {
+  data_ctx_t *d = ctx;
+  fdp_tensor_t t; /* one descriptor at a time: only the pointer is kept */
+  int32_t code;
+  if (!h || from_handle(h, &t, &code) || !d->fits(d->ctx, i, &t)) return 1;
+  d->ptrs[i] = t.data;
+  return 0;
+}
+
 int fdp__aoti_data(module_state *st, PyObject *items, fdp__fits_fn fits, const void *ctx, char **ptrs) {
   if (g_path != FDP_TENSOR_PATH_AOTI || !plain_tensors(st, items)) return 1;
-  PyObject *handles = handle_list(st, items);
-  if (!handles) return -1;
-  int rc = 0;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
-    fdp_aten_handle_t h = handle_of(PyList_GET_ITEM(handles, i));
-    fdp_tensor_t t; /* one descriptor at a time: only the pointer is kept */
-    int32_t code;
-    if (rc == 0 && (!h || from_handle(h, &t, &code) || !fits(ctx, i, &t))) rc = 1;
-    if (rc == 0) ptrs[i] = t.data;
-    if (h) shim.delete_tensor(h); /* every handle, also after a misfit */
-  }
-  Py_DECREF(handles);
-  return rc;
+  data_ctx_t d = {fits, ctx, ptrs};
+  return each_handle(st, items, data_one, &d);
 }
 
 int fdp__aoti_facts(module_state *st, PyObject *items, fdp_tensor_t *ts, int32_t *codes) {
@@ -401,11 +438,19 @@ static void delete_handles(PyObject *caps) {
   }
 }
 
-/* One view of `h` per spec entry (ndim, sizes...), contiguous and back to back from offset 0, as capsules appended
- * to `caps`. -1 with an error set for a malformed spec, a spec longer than the buffer, or a failed shim call. */
-static int make_views(fdp_aten_handle_t h, int64_t numel, const int64_t *spec, Py_ssize_t n, PyObject *caps) {
-  int64_t offset = 0;
-  for (Py_ssize_t i = 0; i < n;) {
+/* Where make_views is in the spec: its index, and the next view's element offset into the buffer. */
+typedef struct {
+  Py_ssize_t i;
+  int64_t offset;
+} spec_pos_t;
+
+/* The next views of `h` (numel elements), at most HANDLE_CHUNK of them, from spec entry p->i on (ndim, sizes...),
+ * contiguous and back to back, as capsules appended to `caps`. -1 with an error set for a malformed spec, a spec
+ * longer than the buffer, or a failed shim call. */
+static int make_views(fdp_aten_handle_t h, int64_t numel, const int64_t *spec, Py_ssize_t n, spec_pos_t *p,
+                      PyObject *caps) {
+  for (int made = 0; p->i < n && made < HANDLE_CHUNK; made++) {
+    Py_ssize_t i = p->i;
     int64_t ndim = spec[i++], strides[FDP_MAX_DIMS], count = 1;
     if (ndim < 0 || ndim > FDP_MAX_DIMS || ndim > n - i) {
       PyErr_Format(PyExc_ValueError, "views: spec entry at %zd has %lld dimensions (0..%d, within the spec)", i - 1,
@@ -421,13 +466,12 @@ static int make_views(fdp_aten_handle_t h, int64_t numel, const int64_t *spec, P
       strides[d] = count;
       count *= sizes[d];
     }
-    i += (Py_ssize_t)ndim;
-    if (count > numel - offset) {
+    if (count > numel - p->offset) {
       PyErr_Format(PyExc_ValueError, "views: the spec needs more than the buffer's %lld elements", (long long)numel);
       return -1;
     }
     fdp_aten_handle_t view = NULL;
-    if (shim.reinterpret(h, ndim, sizes, strides, offset, &view) || !view) {
+    if (shim.reinterpret(h, ndim, sizes, strides, p->offset, &view) || !view) {
       PyErr_SetString(PyExc_RuntimeError,
                       "views: aoti_torch__reinterpret_tensor failed; set FASTDP_TENSOR_PATH=python");
       return -1;
@@ -439,30 +483,60 @@ static int make_views(fdp_aten_handle_t h, int64_t numel, const int64_t *spec, P
       return -1;
     }
     Py_DECREF(cap);
-    offset += count;
+    p->i = i + (Py_ssize_t)ndim;
+    p->offset += count;
   }
   return 0;
 }
 
-/* See binding.h. */
+/* The number of entries of a spec (counted up to the first malformed one, which make_views reports). */
+static Py_ssize_t spec_entries(const int64_t *spec, Py_ssize_t n) {
+  Py_ssize_t count = 0;
+  for (Py_ssize_t i = 0; i < n && spec[i] >= 0 && spec[i] <= FDP_MAX_DIMS && spec[i] <= n - i - 1; i += 1 + spec[i])
+    count++;
+  return count;
+}
+
+/* Tensors over the view handles of `caps` into views[at...], converted in one call (torch takes over every handle of
+ * a list it converts; a failure before that leaves them to us). -1 with an error set. */
+static int take_views(module_state *st, PyObject *caps, PyObject *views, Py_ssize_t at) {
+  PyObject *made = PyObject_CallOneArg(st->from_handles, caps);
+  if (!made) {
+    delete_handles(caps);
+    return -1;
+  }
+  Py_ssize_t n = PyList_GET_SIZE(caps);
+  if (!PyList_Check(made) || PyList_GET_SIZE(made) != n || at + n > PyTuple_GET_SIZE(views)) {
+    Py_DECREF(made);
+    PyErr_SetString(PyExc_RuntimeError, "torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs returned no tensor "
+                                        "list; set FASTDP_TENSOR_PATH=python");
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; i++)
+    PyTuple_SET_ITEM(views, at + i, Py_NewRef(PyList_GET_ITEM(made, i)));
+  Py_DECREF(made);
+  return 0;
+}
+
+/* See binding.h. Made HANDLE_CHUNK views per conversion, for the reason each_handle gives. */
 PyObject *fdp__aoti_views(module_state *st, PyObject *flat, const int64_t *spec, Py_ssize_t n) {
   if (g_path != FDP_TENSOR_PATH_AOTI || !shim.reinterpret || !shim.storage_offset || !st->from_handles) Py_RETURN_NONE;
   int64_t numel = 0;
   fdp_aten_handle_t h = flat_handle(st, flat, &numel);
   if (!h) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-  PyObject *caps = PyList_New(0);
-  int rc = caps ? make_views(h, numel, spec, n, caps) : -1;
-  shim.delete_tensor(h); /* each view holds its own reference to the storage */
-  /* torch takes over every handle of a list it converts; a failure before that (a list it cannot read) leaves them
-   * to us. */
-  Py_ssize_t made = caps ? PyList_GET_SIZE(caps) : 0;
-  PyObject *views = rc == 0 ? PyObject_CallOneArg(st->from_handles, caps) : NULL;
-  if (caps && !views) delete_handles(caps);
-  Py_XDECREF(caps);
-  if (views && (!PyList_Check(views) || PyList_GET_SIZE(views) != made)) {
-    Py_CLEAR(views);
-    PyErr_SetString(PyExc_RuntimeError, "torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs returned no tensor "
-                                        "list; set FASTDP_TENSOR_PATH=python");
+  PyObject *views = PyTuple_New(spec_entries(spec, n));
+  spec_pos_t pos = {0, 0};
+  Py_ssize_t done = 0;
+  int rc = views ? 0 : -1;
+  while (rc == 0 && pos.i < n) {
+    PyObject *caps = PyList_New(0);
+    rc = caps ? make_views(h, numel, spec, n, &pos, caps) : -1;
+    if (rc < 0 && caps) delete_handles(caps);
+    if (rc == 0) rc = take_views(st, caps, views, done);
+    done += caps ? PyList_GET_SIZE(caps) : 0;
+    Py_XDECREF(caps);
   }
+  shim.delete_tensor(h); /* each view holds its own reference to the storage */
+  if (rc < 0) Py_CLEAR(views);
   return views;
 }

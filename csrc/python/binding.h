@@ -179,7 +179,7 @@ int fdp__aoti_hold(module_state *st, PyObject *items, void **handles);
  * and its shim dtype code into *code; 1 when the shim failed to read them, else 0. */
 int fdp__aoti_read(void *handle, fdp_tensor_t *t, int32_t *code);
 void fdp__aoti_release(void **handles, Py_ssize_t n);
-/* A new list of tensors over the memory of `flat` (a dense 1-D tensor at storage offset 0): for each entry of `spec`
+/* A new tuple of tensors over the memory of `flat` (a dense 1-D tensor at storage offset 0): for each entry of `spec`
  * (n int64 values: ndim, then ndim sizes, per entry), a contiguous tensor of those sizes, the entries back to back
  * from element 0. They share flat's storage (each holds a reference to it) but are not autograd views of it: each
  * has its own version counter, so they suit results nobody differentiates through (reduced gradients). None (a new

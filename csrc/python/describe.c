@@ -95,7 +95,7 @@ static PyObject *py_describe(PyObject *module, PyObject *args) {
   return ret;
 }
 
-/* views(flat, spec) -> list or None: see fdp__aoti_views; spec is any buffer of int64 (array('q'), bytes). */
+/* views(flat, spec) -> tuple or None: see fdp__aoti_views; spec is any buffer of int64 (array('q'), bytes). */
 static PyObject *py_views(PyObject *module, PyObject *args) {
   module_state *st = fdp__state(module);
   PyObject *flat;

@@ -470,8 +470,10 @@ def test_frozen_parameter_rebound_in_forward_leaves_the_master_as_upstream():
 
 
 def test_replicate_is_one_prepared_copy_per_step(monkeypatch):
-    """The master's members are described once (a prepared copy) and copied into every other replica in one call per
-    step; a master tensor that moves (.data replaced) gets the copy prepared again, and the replicas see it."""
+    """The master's members are described once (a prepared copy) and copied in one call per step: on host replicas
+    into the second replica's buffers, which a second prepared copy copies whole into the others' (one copy per
+    bucket and further replica); a master tensor that moves (.data replaced) gets the copies prepared again, and the
+    replicas see it."""
     made, runs = [], []
     real = _C.PreparedCopy
 
@@ -490,14 +492,16 @@ def test_replicate_is_one_prepared_copy_per_step(monkeypatch):
     x = torch.randn(9, 6, dtype=torch.float64)
     for _ in range(3):
         loss_of(dp, x).backward()
-    pairs = (R - 1) * len(list(model.parameters()))
-    assert made == [pairs] and runs == [pairs] * 3
+    buckets = len(dp._replica_set.layout[0])
+    assert R > 2 and buckets >= 1
+    copies = [len(list(model.parameters())), (R - 2) * buckets]
+    assert made == copies and runs == copies * 3
     for m in (model, bare):
         m[2].weight.data = torch.full((8, 8), 0.125, dtype=torch.float64)
     model.zero_grad()
     loss_of(dp, x).backward()
     loss_of(bare, x).backward()
-    assert made == [pairs] * 2
+    assert made == copies * 2
     assert_same_grads(model, bare)
 
 

@@ -74,7 +74,6 @@ is not an edit of an owned dict and costs the next step nothing.
 """
 
 import operator
-import threading
 import weakref
 from array import array
 from functools import partial
@@ -86,6 +85,7 @@ from torch.nn.parameter import is_lazy
 from .. import _C, comm
 from .._platform import devices as _devices, streams as _streams
 from . import hooks as _hooks
+from .kept import Kept
 from .._reduction.flat import flatten as _flatten_dense, unflatten as _unflatten
 from .._reduction.reducer import Reducer
 from .._native import route as _route
@@ -405,7 +405,7 @@ class _Skeletons:
         self.seen = _C.refresh_records(len(self.pairs), len(_MIRRORED))
         self.kept_containers = [containers[j] for j in kept_index]
         self.rest_containers = [containers[j] for j in rest_index]
-        self.kept = None  # the _Kept whose tensors the grad slots hold
+        self.kept = None  # the Kept whose tensors the grad slots hold
         # Per replica module: (master __dict__, its own __dict__, parameter, buffer and child dicts, the children
         # as built), and what the last step left in them (NOTE [a forward's own edits]).
         self.owned = [(m.__dict__, r.__dict__, r._parameters, r._buffers, r._modules, dict(r._modules))
@@ -433,80 +433,6 @@ class _Skeletons:
         """What this step installed in the owned dicts, for the next step's undo_edits: in every replica module
         (`every`: the grad slots were installed), or in those whose slots every step installs."""
         _C.owned_record(self.owned, self.owned_seen, None if every else self.rest_owned)
-
-
-class _Kept:
-    """The grad buckets' kept nodes (NOTE [kept replica tensors]): per bucket the other devices' flat buffers, and the
-    prepared copies of the master into them; `got` is what the kept path hands the picker (the master tensors, then
-    every node's outputs)."""
-
-    __slots__ = ("buckets", "state", "flats", "views", "outs", "got", "plain", "masters", "stamp", "hooks_cleared",
-                 "streams", "devices", "copy", "watches")
-
-    def __init__(self, buckets, reduced, tensors, state):
-        self.buckets, self.state = buckets, state
-        # The current stream of each CUDA device when the nodes are made: autograd orders their backward on these
-        # for good, so a forward on other streams gets new nodes (see valid).
-        self.devices = state.devices
-        self.streams = _streams.current(self.devices)
-        self.masters = list(chain.from_iterable(b.master for b in buckets))
-        # Made in whatever mode the first forward runs, used in every mode: never inference tensors, always nodes.
-        with torch.inference_mode(False), torch.enable_grad():
-            self.flats = [[torch.empty(b.numel, dtype=b.dtype, device=d) for d in state.tdevs[1:]]
-                          for b in buckets]
-            self.outs = []
-            for bucket, flats in zip(reduced, self.flats):  # the reducer's side of each bucket makes its nodes
-                self.outs += bucket.nodes(flats)
-            # Without autograd: the other replicas' tensors as plain aliases of the same buffers (in the order
-            # ReplicaSet._picker gives buckets without a node), so no second set of buffers is ever made.
-            self.plain, self.views = list(tensors), []
-            for bucket, flats in zip(buckets, self.flats):
-                views = [_unflatten(flat.detach(), bucket.like, bucket.sizes, bucket.shapes) for flat in flats]
-                self.views.append(views)
-                for vs in views:
-                    self.plain += vs
-        self.got = list(tensors) + self.outs
-        self.stamp = None  # the master's version counters summed at the last copy
-        self.hooks_cleared = None  # torch's count of hook handles when the outputs' hooks were last cleared
-        # Every member of every bucket into every other replica's buffer, in one prepared copy (NCCL broadcasts each
-        # bucket's packed buffer instead, across distinct devices).
-        self.copy = None if state.collective else _C.PreparedCopy(
-            [v for views in self.views for vs in views for v in vs],
-            [t for b, views in zip(buckets, self.views) for _ in views for t in b.master])
-        self.watches = {}  # grad mode -> _C.TensorWatch over the flat buffers and the tensors that mode installs
-
-    def usable(self, grad_enabled):
-        """Whether the kept nodes serve this forward: made on its streams, and no forward of its grad mode changed
-        the tensors they install in place (NOTE [a forward's own edits]). They are dropped when the master's memory
-        moves under their aliases too (ReplicaSet.matches)."""
-        if self.streams and _streams.current(self.devices) != self.streams:
-            return False
-        watch = self.watches.get(grad_enabled)
-        if watch is None:  # no forward of this mode has had them yet: they are as made
-            installed = self.outs if grad_enabled else self.plain[len(self.got) - len(self.outs):]
-            # Without autograd they are leaves, whose requires_grad a forward can set (the outputs' it cannot).
-            self.watches[grad_enabled] = _C.TensorWatch(list(chain.from_iterable(self.flats)) + installed,
-                                                        leaves=not grad_enabled)
-            return True
-        return watch.moved() is None
-
-    def refresh(self):
-        """Copies the master into the kept buffers; bumps their version counters where the master's moved."""
-        if self.copy is not None:
-            self.copy.run(self.state.core_streams())
-        else:
-            for bucket, flats in zip(self.buckets, self.flats):
-                bucket.broadcast(flats)
-        stamp = _C.version_sum(self.masters)
-        if stamp != self.stamp:
-            if self.stamp is not None:
-                for flat in chain.from_iterable(self.flats):
-                    _increment_version(flat)
-            self.stamp = stamp
-        self.hooks_cleared = _hooks.clear_tensor_hooks(self.outs, self.hooks_cleared)
-
-
-_increment_version = torch.autograd.graph.increment_version
 
 
 class ReplicaSet:
@@ -568,7 +494,7 @@ class ReplicaSet:
         self.sets = {}  # (grad mode, training) -> _Skeletons: NOTE [one skeleton set per kind of forward]
         self.unused = (replicas, containers)  # the first set's skeletons, until a forward takes them
         self.replicas = replicas  # the rows of the set the last forward ran
-        self.kept = None  # _Kept, made at the first forward
+        self.kept = None  # Kept (fastdp._step.kept), made at the first forward
 
     def _skeletons(self, kind):
         """The skeleton set for one kind of forward, made on its first use."""
@@ -678,7 +604,7 @@ class ReplicaSet:
         kept = self.kept
         grad_enabled = torch.is_grad_enabled()
         if kept is None or not kept.usable(grad_enabled):
-            kept = self.kept = _Kept(grad_buckets, self.reduced, self.tensors, self.state)
+            kept = self.kept = Kept(grad_buckets, self.reduced, self.tensors, self.state)
             kept.usable(grad_enabled)  # watched from now on
         kept.refresh()
         return kept

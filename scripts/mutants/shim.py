@@ -79,7 +79,7 @@ MUTANTS = [
          find="        _streams.refuse_capture(\"fastdp.DataParallel's gradient reduction\")",
          replace="        pass",
          what="the gradient reduction under CUDA-graph capture is not refused"),
-    dict(name="kept-node-stale-stream", file="python/fastdp/_step/replicas.py",
+    dict(name="kept-node-stale-stream", file="python/fastdp/_step/kept.py",
          find="        if self.streams and _streams.current(self.devices) != self.streams:",
          replace="        if False:",
          what="kept replica nodes made on the first forward's streams are reused on a later step's other streams"),

@@ -140,6 +140,103 @@ def test_memory_moved_under_the_same_structure(move, path):
     assert after == reference_walk(model)[1] and _C.matches(modules, after) == 1
 
 
+def _recorded(model, recordable=True):
+    """A model's walk, and records of a check that found it equal (NOTE [structure records]), made and then read.
+    Recordable: dict tags, plain dicts, and every tensor read through the shim (the records keep only those)."""
+    modules, sig = _C.walk(model)
+    seen = _C.structure_records()
+    assert _C.matches(modules, sig, seen) == 1
+    if _C.DICT_TAGS and _C.tensor_path()[0] == "aoti":
+        assert (seen[0] is not None) == recordable  # the checks below take the records' path first
+    assert _C.matches(modules, sig, seen) == 1
+    return modules, sig, seen
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_recorded_check_sees_every_change(change, path):
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.BatchNorm1d(3))
+    modules, sig, seen = _recorded(model)
+    CHANGES[change](model)
+    assert _C.matches(modules, sig, seen) == 0
+
+
+@pytest.mark.parametrize("move", MOVES)
+def test_a_recorded_check_sees_memory_moved(move, path):
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.BatchNorm1d(3))
+    modules, sig, seen = _recorded(model)
+    MOVES[move](model)
+    assert _C.matches(modules, sig, seen) == 2
+
+
+RECORDED_CHANGES = {
+    "class assigned": lambda m: setattr(m[1], "__class__", nn.Tanh),
+    "instance dict replaced": lambda m: setattr(m[0], "__dict__", {
+        **m[0].__dict__, "_parameters": {"weight": nn.Parameter(torch.zeros(3, 3)), "bias": m[0].bias}}),
+    "parameter dict replaced": lambda m: setattr(m[0], "_parameters", dict(reversed(m[0]._parameters.items()))),
+    "child's buffers emptied": lambda m: m[2]._buffers.clear(),
+}
+
+
+@pytest.mark.parametrize("change", RECORDED_CHANGES)
+def test_a_recorded_check_sees_what_no_recorded_dict_shows(change, path):
+    """Changes a record could miss: a class assigned and a new instance dict change none of the recorded dicts (the
+    old ones are kept alive here, so a record read through them would find them unchanged), a slot dict replaced
+    changes the instance dict only, a dict emptied in place changes only itself."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.BatchNorm1d(3))
+    modules, sig, seen = _recorded(model)
+    kept = [m.__dict__ for m in model.modules()] + [m._parameters for m in model.modules()]
+    RECORDED_CHANGES[change](model)
+    assert _C.matches(modules, sig, seen) == 0
+    assert kept
+
+
+def test_an_ordered_parameter_dict_is_compared_every_time(path):
+    """An OrderedDict can change its order with no change to the dict underneath: such a module is never taken
+    from a record."""
+    model = nn.Linear(2, 2)
+    model._parameters = OrderedDict(model._parameters.items())
+    modules, sig, seen = _recorded(model, recordable=False)
+    model._parameters.move_to_end("weight")
+    assert _C.matches(modules, sig, seen) == 0
+
+
+def test_a_subclass_tensors_facts_are_read_every_time(path):
+    """A tensor of a subclass is compared through its Python attributes during the walk, which records would skip:
+    such a model is never taken from a record, and its tensor's change is seen."""
+
+    class Tagged(nn.Parameter):
+        pass
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    model[0].weight = Tagged(torch.randn(3, 3))
+    modules, sig, seen = _recorded(model, recordable=False)
+    model[0].weight.requires_grad_(False)
+    assert _C.matches(modules, sig, seen) == 0
+
+
+def test_a_change_outside_the_structure_is_recorded_again(path):
+    """An attribute set on a module (a training flag, a user's field) changes its instance dict and nothing of the
+    structure: the check compares everything, finds it equal and records it again; a later change is still seen."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.BatchNorm1d(3))
+    modules, sig, seen = _recorded(model)
+    model.eval()
+    model[0].note = "x"
+    assert _C.matches(modules, sig, seen) == 1 and _C.matches(modules, sig, seen) == 1
+    model[2].register_buffer("extra", torch.zeros(1))
+    assert _C.matches(modules, sig, seen) == 0
+
+
+def test_records_of_another_walk_are_not_used(path):
+    """Records belong to the walk they were made with: another walk of the same model compares everything."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    modules, sig, seen = _recorded(model)
+    model[1].register_buffer("extra", torch.zeros(1))
+    modules2, sig2 = _C.walk(model)
+    assert _C.matches(modules2, sig2, seen) == 1
+    model[0].weight.requires_grad_(False)
+    assert _C.matches(modules2, sig2, seen) == 0 and _C.matches(modules, sig, seen) == 0
+
+
 def _wide():
     """More tensors than the shim path reads per conversion (it converts them a few dozen at a time)."""
     return nn.Sequential(*[nn.Linear(3, 3) for _ in range(70)], nn.BatchNorm1d(3))

@@ -518,25 +518,35 @@ static int take_views(module_state *st, PyObject *caps, PyObject *views, Py_ssiz
   return 0;
 }
 
-/* See binding.h. Made HANDLE_CHUNK views per conversion, for the reason each_handle gives. */
+/* Every view of `h` the spec names into `views` (a tuple of their number), HANDLE_CHUNK per conversion, for the
+ * reason each_handle gives. -1 with an error set. */
+static int views_in_chunks(module_state *st, fdp_aten_handle_t h, int64_t numel, const int64_t *spec, Py_ssize_t n,
+                           PyObject *views) {
+  spec_pos_t pos = {0, 0};
+  Py_ssize_t done = 0;
+  while (pos.i < n) {
+    PyObject *caps = PyList_New(0);
+    if (!caps) return -1;
+    int rc = make_views(h, numel, spec, n, &pos, caps);
+    if (rc < 0)
+      delete_handles(caps);
+    else
+      rc = take_views(st, caps, views, done);
+    done += PyList_GET_SIZE(caps);
+    Py_DECREF(caps);
+    if (rc < 0) return -1;
+  }
+  return 0;
+}
+
+/* See binding.h. */
 PyObject *fdp__aoti_views(module_state *st, PyObject *flat, const int64_t *spec, Py_ssize_t n) {
   if (g_path != FDP_TENSOR_PATH_AOTI || !shim.reinterpret || !shim.storage_offset || !st->from_handles) Py_RETURN_NONE;
   int64_t numel = 0;
   fdp_aten_handle_t h = flat_handle(st, flat, &numel);
   if (!h) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
   PyObject *views = PyTuple_New(spec_entries(spec, n));
-  spec_pos_t pos = {0, 0};
-  Py_ssize_t done = 0;
-  int rc = views ? 0 : -1;
-  while (rc == 0 && pos.i < n) {
-    PyObject *caps = PyList_New(0);
-    rc = caps ? make_views(h, numel, spec, n, &pos, caps) : -1;
-    if (rc < 0 && caps) delete_handles(caps);
-    if (rc == 0) rc = take_views(st, caps, views, done);
-    done += caps ? PyList_GET_SIZE(caps) : 0;
-    Py_XDECREF(caps);
-  }
+  if (views && views_in_chunks(st, h, numel, spec, n, views) < 0) Py_CLEAR(views);
   shim.delete_tensor(h); /* each view holds its own reference to the storage */
-  if (rc < 0) Py_CLEAR(views);
   return views;
 }

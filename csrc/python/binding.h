@@ -35,8 +35,9 @@ static inline int fdp__finalizing(void) {
 #endif
 }
 
-/* The roles whose dicts' changes are counted: refresh's pairs (refresh.c), the replicas' owned dicts (edits.c). */
-enum { FDP_TAG_REFRESH, FDP_TAG_OWNED, FDP_TAG_ROLES };
+/* The roles whose dicts' changes are counted: refresh's pairs (refresh.c), the replicas' owned dicts (edits.c), the
+ * master modules' dicts the structure check records (structure_records.c). */
+enum { FDP_TAG_REFRESH, FDP_TAG_OWNED, FDP_TAG_STRUCTURE, FDP_TAG_ROLES };
 /* A dict's version tag: globally unique, new on every change (PEP 509's, up to CPython 3.11; from 3.12 given by a
  * dict watcher, NOTE [dict tags from 3.12] in dicttags.c). FDP_DICT_TAGS is false where there are none (3.12 with
  * every watcher taken): fdp__dict_tag then returns 0 and callers compare contents (NOTE [refresh records]). */
@@ -63,6 +64,16 @@ uint64_t fdp__counted_changes(int role);               /* the changes counted in
 #endif
 int fdp__dict_tags_init(void); /* at module exec, before DICT_TAGS is published */
 
+/* The structure check's records (NOTE [structure records] in structure_records.c). fdp__structure_recorded: 1 when
+ * every module of `modules` is as `records` (made for modules and sig) holds, with the tensors last compared and
+ * their entries in *tensors and *entries (borrowed); 0 when everything must be compared. fdp__structure_record:
+ * records a comparison that found modules and sig equal, its tensors and entries (lists) kept; `before`, the count of
+ * recorded dicts' changes when it began (nothing is recorded when it moved since); -1 with an error set. */
+int fdp__structure_recorded(PyObject *records, PyObject *modules, PyObject *sig, PyObject **tensors,
+                            PyObject **entries);
+int fdp__structure_record(PyObject *records, PyObject *modules, PyObject *sig, PyObject *tensors, PyObject *entries,
+                          uint64_t before);
+
 /* NOTE [no lost interrupt]: where the binding drops an error (a fact it can do without), the failed call may have run
  * Python code (a property, a tensor subclass's __torch_function__, an import), and Ctrl-C is raised as
  * KeyboardInterrupt in whatever Python code the main thread runs next: dropping it would lose the interrupt. So the
@@ -84,6 +95,8 @@ extern PyMethodDef fdp__errors_methods[];    /* errors.c: set_oom_error */
 extern PyMethodDef fdp__allocator_methods[]; /* allocator.c: set_device_allocator */
 extern PyMethodDef fdp__fence_methods[];     /* fence.c: order */
 extern PyMethodDef fdp__edits_methods[];     /* edits.c: what a forward changed on the kept replicas */
+/* structure_records.c: the structure check's records */
+extern PyMethodDef fdp__structure_records_methods[];
 /* fence.c, prepared.c, edits.c: add the Fence, PreparedCopy and TensorWatch types (and edits.c its DICT_TAGS flag) to
  * the module; -1 with an error set. */
 int fdp__fence_type_add(PyObject *module);

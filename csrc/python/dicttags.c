@@ -1,15 +1,16 @@
 /* SPDX-License-Identifier: MIT */
 /* NOTE [dict tags from 3.12]: the kept replicas skip, every step, the modules whose dicts nobody changed, by
- * comparing version tags (NOTE [refresh records] in refresh.c, the owned-dict records in edits.c). Up to CPython
- * 3.11 every dict carries one (PEP 509). From 3.12 the field is deprecated (PEP 699), and dict watchers (new in 3.12:
- * PyDict_AddWatcher) report changes instead: a dict asked for its tag is watched from then on and gets
- * a tag from one process-wide counter, and every change the watcher reports gives it the next one. So a tag is
- * unique and new on every change, as PEP 509's was. A deallocated dict leaves the table, so a new dict at its
- * address is watched afresh with a tag no record holds. The watcher also counts, per role, the changes of the dicts
- * asked through fdp__dict_tag_counted: refresh's (module and hook dicts) and the owned-dict records' (a replica's
- * own dicts). While a role's count stands still none of its dicts changed, and its records are taken whole
- * instead of reading each dict's tag. When the interpreter has no watcher left (it has eight),
- * there are no tags: every pair is walked and every value reinstalled, as before watchers existed. */
+ * comparing version tags (NOTE [refresh records] in refresh.c, the owned-dict records in edits.c, NOTE [structure
+ * records] in structure_records.c). Up to CPython 3.11 every dict carries one (PEP 509). From 3.12 the field is
+ * deprecated (PEP 699), and dict watchers (new in 3.12: PyDict_AddWatcher) report changes instead: a dict asked for
+ * its tag is watched from then on and gets a tag from one process-wide counter, and every change the watcher reports
+ * gives it the next one. So a tag is unique and new on every change, as PEP 509's was. A deallocated dict leaves the
+ * table, so a new dict at its address is watched afresh with a tag no record holds. The watcher also counts, per
+ * role, the changes of the dicts asked through fdp__dict_tag_counted: refresh's (module and hook dicts), the
+ * owned-dict records' (a replica's own dicts) and the structure records' (the master modules' instance and slot
+ * dicts). While a role's count stands still none of its dicts changed, and its records are taken whole instead of
+ * reading each dict's tag. When the interpreter has no watcher left (it has eight), there are no tags: every pair
+ * is walked, every value reinstalled and every module's structure compared, as before watchers existed. */
 #include "binding.h"
 
 #if PY_VERSION_HEX >= 0x030C0000
@@ -26,9 +27,9 @@ typedef struct {
 
 /* An open-addressing table by address, linear probing, at most half full. */
 static tag_slot_t *g_slots;
-static size_t g_mask, g_used;                      /* capacity - 1 (a power of two), occupied slots */
-static uint64_t g_last;                            /* the last tag given */
-static uint64_t g_counted[FDP_TAG_ROLES] = {1, 1}; /* changes seen per role, from 1 (0 is no count) */
+static size_t g_mask, g_used;                         /* capacity - 1 (a power of two), occupied slots */
+static uint64_t g_last;                               /* the last tag given */
+static uint64_t g_counted[FDP_TAG_ROLES] = {1, 1, 1}; /* changes seen per role, from 1 (0 is no count) */
 
 static size_t home_of(const PyObject *d) {
   uint64_t x = (uint64_t)(uintptr_t)d;

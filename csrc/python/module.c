@@ -57,9 +57,10 @@ static int exec_module(PyObject *m) {
                 "The backend an operation needs is not compiled or cannot run here.") < 0)
     return -1;
   /* Each file of the binding brings its own entry points. */
-  PyMethodDef *const tables[] = {fdp__ops_methods,       fdp__refresh_methods, fdp__structure_methods,
-                                 fdp__describe_methods,  fdp__facts_methods,   fdp__errors_methods,
-                                 fdp__allocator_methods, fdp__fence_methods,   fdp__edits_methods};
+  PyMethodDef *const tables[] = {
+      fdp__ops_methods,   fdp__refresh_methods,          fdp__structure_methods, fdp__describe_methods,
+      fdp__facts_methods, fdp__errors_methods,           fdp__allocator_methods, fdp__fence_methods,
+      fdp__edits_methods, fdp__structure_records_methods};
   for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
     if (PyModule_AddFunctions(m, tables[i]) < 0) return -1;
   return fdp__fence_type_add(m) < 0 || fdp__prepared_type_add(m) < 0 ? -1 : fdp__edits_add(m);

@@ -240,6 +240,7 @@ typedef struct {
   int moved;                 /* a tensor's data pointer or strides differ from its entry's */
   module_state *st;          /* NULL: every tensor compared through its Python attributes */
   PyObject *batch, *batched; /* tensors whose attributes match_batch compares, and their entries */
+  int direct;                /* a tensor was compared through its Python attributes, outside the batch */
   PyObject *device;          /* the last entry device read, and what it is (see entry_device) */
   int device_kind;
 } match_t;
@@ -288,7 +289,10 @@ static int match_tensor(match_t *mt, PyObject *e, PyObject *key, PyObject *t) {
   if (eq != 1 || t == Py_None) return eq == 1 ? PyTuple_GET_ITEM(e, 1) == Py_None : eq;
   if (!is_id(PyTuple_GET_ITEM(e, 1), t)) return 0;
   PyObject *type = (PyObject *)Py_TYPE(t);
-  if (!mt->st || (type != mt->st->tensor_type && type != mt->st->parameter_type)) return match_attributes(mt, e, t);
+  if (!mt->st || (type != mt->st->tensor_type && type != mt->st->parameter_type)) {
+    mt->direct = 1;
+    return match_attributes(mt, e, t);
+  }
   return PyList_Append(mt->batch, t) < 0 || PyList_Append(mt->batched, e) < 0 ? -1 : 1;
 }
 
@@ -454,25 +458,51 @@ static int intern_names(PyObject **name) {
   return 0;
 }
 
-/* matches(modules, signature) -> 0, 1 or 2: whether walk(modules[0]) would give (modules, signature) now, compared
- * in place: 0 when the structure differs, 1 when all is equal, 2 when only some tensor's data pointer or strides do
- * (its memory moved: `.data` replaced, a storage moved to shared memory). The modules are not walked again: while
- * every child slot holds the child it held, the breadth-first order over them is the one `modules` recorded, so
- * each module is compared where it stands in it. */
-static PyObject *py_matches(PyObject *module, PyObject *args) {
-  PyObject *modules, *sig;
-  if (!PyArg_ParseTuple(args, "O!O!:matches", &PyList_Type, &modules, &PyList_Type, &sig)) return NULL;
-  module_state *st = PyModule_GetState(module);
-  int shim = st && st->tensor_type && fdp__tensor_path() == FDP_TENSOR_PATH_AOTI;
-  match_t mt = {{NULL}, sig, 0, 0, shim ? st : NULL, PyList_New(0), PyList_New(0), NULL, DEVICE_UNKNOWN};
-  int eq = mt.batch && mt.batched && intern_names(mt.name) == 0 ? 1 : -1;
+/* Compares every module of `modules` where it stands in the walk order, then the batch: 1, 0 or -1 (error). */
+static int match_modules(match_t *mt, PyObject *modules) {
+  int eq = 1;
   /* a list that changes while compared (a slot's __eq__ could) is read by index, with its size checked again */
   for (Py_ssize_t i = 0; eq == 1 && i < PyList_GET_SIZE(modules); i++) {
     PyObject *m = Py_NewRef(PyList_GET_ITEM(modules, i));
-    eq = match_module(&mt, m);
+    eq = match_module(mt, m);
     Py_DECREF(m);
   }
-  if (eq == 1) eq = match_batch(&mt);
+  return eq == 1 ? match_batch(mt) : eq;
+}
+
+/* Compares modules and signature as mt holds them, through the records where every module is as they hold (mt's
+ * batch then the recorded one), else module by module, recording what is found equal: 1, 0 or -1 (error). */
+static int match_with_records(match_t *mt, PyObject *modules, PyObject *records) {
+  uint64_t before = fdp__counted_changes(FDP_TAG_STRUCTURE);
+  PyObject *tensors, *entries;
+  if (fdp__structure_recorded(records, modules, mt->sig, &tensors, &entries) == 1) {
+    mt->batch = Py_NewRef(tensors);
+    mt->batched = Py_NewRef(entries);
+    mt->at = PyList_GET_SIZE(mt->sig);
+    return match_batch(mt);
+  }
+  if (!(mt->batch = PyList_New(0)) || !(mt->batched = PyList_New(0))) return -1;
+  int eq = match_modules(mt, modules);
+  /* Recorded only where the batch holds every tensor: the others' facts are read during the walk the records skip. */
+  if (eq == 1 && mt->at == PyList_GET_SIZE(mt->sig) && !mt->moved && !mt->direct &&
+      fdp__structure_record(records, modules, mt->sig, mt->batch, mt->batched, before) < 0)
+    return -1;
+  return eq;
+}
+
+/* matches(modules, signature, records=None) -> 0, 1 or 2: whether walk(modules[0]) would give (modules, signature)
+ * now, compared in place: 0 when the structure differs, 1 when all is equal, 2 when only some tensor's data pointer
+ * or strides do (its memory moved: `.data` replaced, a storage moved to shared memory). The modules are not walked
+ * again: while every child slot holds the child it held, the breadth-first order over them is the one `modules`
+ * recorded, so each module is compared where it stands in it. `records` (structure_records(), made with the walk)
+ * lets a check whose modules are all as recorded compare the tensors' facts only (NOTE [structure records]). */
+static PyObject *py_matches(PyObject *module, PyObject *args) {
+  PyObject *modules, *sig, *records = Py_None;
+  if (!PyArg_ParseTuple(args, "O!O!|O:matches", &PyList_Type, &modules, &PyList_Type, &sig, &records)) return NULL;
+  module_state *st = PyModule_GetState(module);
+  int shim = st && st->tensor_type && fdp__tensor_path() == FDP_TENSOR_PATH_AOTI;
+  match_t mt = {{NULL}, sig, 0, 0, shim ? st : NULL, NULL, NULL, 0, NULL, DEVICE_UNKNOWN};
+  int eq = intern_names(mt.name) == 0 ? match_with_records(&mt, modules, records == Py_None ? NULL : records) : -1;
   for (int i = 0; i < N_COUNT; i++)
     Py_XDECREF(mt.name[i]);
   Py_XDECREF(mt.batch);
@@ -577,6 +607,7 @@ PyMethodDef fdp__structure_methods[] = {
     {"on_device", py_on_device, METH_VARARGS,
      "on_device(root, device, host) -> bool: every parameter and buffer under root on device"},
     {"matches", py_matches, METH_VARARGS,
-     "matches(modules, signature) -> 0 (the structure differs), 1 (equal), 2 (only some tensor's memory moved)"},
+     "matches(modules, signature, records=None) -> 0 (the structure differs), 1 (equal), 2 (only some tensor's "
+     "memory moved)"},
     {NULL, NULL, 0, NULL},
 };

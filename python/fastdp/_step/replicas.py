@@ -456,6 +456,7 @@ class ReplicaSet:
         self.positions = positions  # the device_ids positions of `devices` (None: devices a caller named)
         self.bucket_bytes = bucket_bytes
         self.modules, self.signature = walk(network)
+        self.structure_seen = _C.structure_records()  # what matches() found unchanged (NOTE [structure records])
         self.nrep = len(devices)
         # Every distinct parameter, then every distinct buffer: the tensors refreshed each step.
         self.params = list(network.parameters())
@@ -536,9 +537,10 @@ class ReplicaSet:
         tensor's memory moved (``.data`` replaced, a storage moved), what aliases the master is made again."""
         if network is not self.network or list(devices) != self.state.devices:
             return False
-        found = _C.matches(self.modules, self.signature)
+        found = _C.matches(self.modules, self.signature, self.structure_seen)
         if found == 2:
             self.modules, self.signature = walk(network)
+            self.structure_seen = _C.structure_records()
             self.kept = self.frozen_aliases = None
             self.state.generation += 1
         return found != 0

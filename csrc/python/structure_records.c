@@ -87,7 +87,7 @@ static int record_module(PyObject *m, uint64_t *rec, PyObject *const *names) {
   }
   int ok = PyDict_CheckExact(dict);
   PyObject *d[4] = {dict, NULL, NULL, NULL};
-  for (int k = 1; ok && k < 4; k++) {
+  for (int k = 1; ok == 1 && k < 4; k++) {
     d[k] = PyDict_GetItemWithError(dict, names[k - 1]); /* borrowed: dict holds it */
     if (!d[k] && PyErr_Occurred())
       ok = -1;

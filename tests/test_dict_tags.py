@@ -40,35 +40,27 @@ def test_many_dicts_each_change_seen_once():
 
 def test_a_new_dict_where_a_freed_one_was_is_walked():
     """Records kept while their dicts are freed and new dicts made at the same addresses, in the same places of the
-    pairs: the new dicts carry tags no record holds, so every pair is walked and refreshed."""
-    n = 200
+    pairs: the new dicts carry tags no record holds, so every pair is walked and refreshed. CPython keeps freed
+    plain dicts on a free list (up to 80) and hands out the last one freed first: with the list emptied beforehand,
+    the dicts one pair frees are the next four made, in reverse order of freeing."""
+    n = 40
     seen = _C.refresh_records(n, NMIRRORED)
     pairs = _pairs(n, lambda i: ("old", i))
     assert _C.refresh(pairs, OWNED, NMIRRORED, seen) == n
-    where = {}  # address -> (pair, side) of the freed dicts
-    for i, pair in enumerate(pairs):
-        for side, d in enumerate(pair):
-            where[id(d)] = (i, side)
-    del pairs, pair, d
-    gc.collect()
-    pool = [{} for _ in range(20 * n)]  # CPython hands freed dict objects out again
-    new = [[None, None] for _ in range(n)]
-    rest = []
-    for d in pool:
-        place = where.get(id(d))
-        if place is not None and new[place[0]][place[1]] is None:
-            new[place[0]][place[1]] = d
-        else:
-            rest.append(d)
-    same_places = sum(m is not None and r is not None for m, r in new)
-    assert same_places, "no pair's dicts came back at their addresses: the case is not exercised"
-    for i, pair in enumerate(new):
-        for side in (0, 1):
-            if pair[side] is None:
-                pair[side] = rest.pop()
-        pair[0].update({"a": ("new", i), "_own": 0, "_hooks": {}})
-        pair[1].update({"_own": i, "_hooks": {}})
-    pairs = [tuple(pair) for pair in new]
+    gc.disable()  # no collection frees other dicts in between
+    try:
+        for i in range(n):
+            drain = [{} for _ in range(100)]  # the free list emptied (kept alive until the pair is made again)
+            addresses = [id(d) for d in pairs[i]]
+            pairs[i] = None  # the replica's hook dict, the replica, the master's hook dict, the master: freed
+            master, master_hooks, replica, replica_hooks = {}, {}, {}, {}
+            assert [id(master), id(replica)] == addresses  # the case this test is for
+            master.update({"a": ("new", i), "_own": 0, "_hooks": master_hooks})
+            replica.update({"_own": i, "_hooks": replica_hooks})
+            pairs[i] = (master, replica)
+            del drain
+    finally:
+        gc.enable()
     assert _C.refresh(pairs, OWNED, NMIRRORED, seen) == n
     assert all(replica["a"] == ("new", i) for i, (_, replica) in enumerate(pairs))
 

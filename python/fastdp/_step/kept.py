@@ -15,9 +15,9 @@ __all__ = ["Kept"]
 
 
 class Kept:
-    """The grad buckets' kept nodes (NOTE [kept replica tensors] in fastdp._step.replicas): per bucket the other devices' flat buffers, and the
-    prepared copies of the master into them; `got` is what the kept path hands the picker (the master tensors, then
-    every node's outputs)."""
+    """The grad buckets' kept nodes (NOTE [kept replica tensors] in fastdp._step.replicas): per bucket the other
+    devices' flat buffers, and the prepared copies of the master into them; `got` is what the kept path hands the
+    picker (the master tensors, then every node's outputs)."""
 
     __slots__ = ("buckets", "state", "flats", "views", "outs", "got", "plain", "masters", "stamp", "hooks_cleared",
                  "streams", "devices", "copy", "flat_copy", "watches")
@@ -25,7 +25,7 @@ class Kept:
     def __init__(self, buckets, reduced, tensors, state):
         self.buckets, self.state = buckets, state
         # The current stream of each CUDA device when the nodes are made: autograd orders their backward on these
-        # for good, so a forward on other streams gets new nodes (see valid).
+        # for good, so a forward on other streams gets new nodes (see usable).
         self.devices = state.devices
         self.streams = _streams.current(self.devices)
         self.masters = list(chain.from_iterable(b.master for b in buckets))

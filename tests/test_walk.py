@@ -291,9 +291,16 @@ def test_errors_are_python_exceptions(path):
     with pytest.raises(AttributeError):
         _C.walk(object())
     modules, sig = _C.walk(nn.Sequential(nn.Linear(2, 2)))
+    seen = _C.structure_records()
+    assert _C.matches(modules, sig, seen) == 1
+    for records in ([], [None, None], (None, None, None), "records"):
+        with pytest.raises(TypeError, match="records must be None or what structure_records"):
+            _C.matches(modules, sig, records)
     del modules[1].__dict__["_parameters"]
     with pytest.raises(AttributeError, match="_parameters"):
         _C.matches(modules, sig)
+    with pytest.raises(AttributeError, match="_parameters"):
+        _C.matches(modules, sig, seen)  # the recorded check sees the change and walks, which raises
     with pytest.raises(TypeError):
         _C.matches(tuple(modules), sig)
 

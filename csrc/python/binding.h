@@ -69,6 +69,7 @@ int fdp__dict_tags_init(void); /* at module exec, before DICT_TAGS is published 
  * their entries in *tensors and *entries (borrowed); 0 when everything must be compared. fdp__structure_record:
  * records a comparison that found modules and sig equal, its tensors and entries (lists) kept; `before`, the count of
  * recorded dicts' changes when it began (nothing is recorded when it moved since); -1 with an error set. */
+int fdp__structure_records_check(PyObject *records); /* whether `records` is what structure_records() makes */
 int fdp__structure_recorded(PyObject *records, PyObject *modules, PyObject *sig, PyObject **tensors,
                             PyObject **entries);
 int fdp__structure_record(PyObject *records, PyObject *modules, PyObject *sig, PyObject *tensors, PyObject *entries,

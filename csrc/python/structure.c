@@ -499,6 +499,10 @@ static int match_with_records(match_t *mt, PyObject *modules, PyObject *records)
 static PyObject *py_matches(PyObject *module, PyObject *args) {
   PyObject *modules, *sig, *records = Py_None;
   if (!PyArg_ParseTuple(args, "O!O!|O:matches", &PyList_Type, &modules, &PyList_Type, &sig, &records)) return NULL;
+  if (records != Py_None && !fdp__structure_records_check(records)) {
+    PyErr_SetString(PyExc_TypeError, "matches: records must be None or what structure_records() made");
+    return NULL;
+  }
   module_state *st = PyModule_GetState(module);
   int shim = st && st->tensor_type && fdp__tensor_path() == FDP_TENSOR_PATH_AOTI;
   match_t mt = {{NULL}, sig, 0, 0, shim ? st : NULL, NULL, NULL, 0, NULL, DEVICE_UNKNOWN};

@@ -33,9 +33,12 @@ static PyObject *py_structure_records(PyObject *module, PyObject *unused) {
   return records;
 }
 
+int fdp__structure_records_check(PyObject *records) {
+  return PyList_CheckExact(records) && PyList_GET_SIZE(records) == RECORDS_LEN;
+}
+
 /* The record buffer of `records` when it was made for these modules and signature, else NULL (no error). */
 static uint64_t *buffer_for(PyObject *records, PyObject *modules, PyObject *sig) {
-  if (!PyList_CheckExact(records) || PyList_GET_SIZE(records) != RECORDS_LEN) return NULL;
   PyObject *buf = PyList_GET_ITEM(records, RECORDS_BUFFER);
   Py_ssize_t n = PyList_GET_SIZE(modules);
   if (!PyByteArray_CheckExact(buf) || PyByteArray_GET_SIZE(buf) != (HEAD_LEN + n * REC_LEN) * 8) return NULL;
@@ -134,7 +137,7 @@ static PyObject *record_buffer(PyObject *modules, PyObject *sig, uint64_t before
 
 int fdp__structure_record(PyObject *records, PyObject *modules, PyObject *sig, PyObject *tensors, PyObject *entries,
                           uint64_t before) {
-  if (!records || !FDP_DICT_TAGS || !PyList_CheckExact(records) || PyList_GET_SIZE(records) != RECORDS_LEN) return 0;
+  if (!records || !FDP_DICT_TAGS) return 0;
   PyObject *buf = record_buffer(modules, sig, before);
   if (!buf) return -1;
   /* What is kept replaces what was: no buffer leaves no records, so the next check compares everything. */

@@ -52,7 +52,7 @@ class Kept:
         # replica's buffers only, and each of those buffers whole into the other replicas': one copy per bucket and
         # replica instead of one per member.
         self.copy = None if state.collective else _C.PreparedCopy(*_member_copies(buckets, self.views, state.host))
-        self.flat_copy = _C.PreparedCopy(*_flat_copies(self.flats)) if state.host and not state.collective else None
+        self.flat_copy = _C.PreparedCopy(*_flat_copies(self.flats)) if state.host else None
         self.watches = {}  # grad mode -> _C.TensorWatch over the flat buffers and the tensors that mode installs
 
     def usable(self, grad_enabled):

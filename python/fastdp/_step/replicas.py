@@ -455,8 +455,7 @@ class ReplicaSet:
         self.state = _State(devices)
         self.positions = positions  # the device_ids positions of `devices` (None: devices a caller named)
         self.bucket_bytes = bucket_bytes
-        self.modules, self.signature = walk(network)
-        self.structure_seen = _C.structure_records()  # what matches() found unchanged (NOTE [structure records])
+        self._walk(network)
         self.nrep = len(devices)
         # Every distinct parameter, then every distinct buffer: the tensors refreshed each step.
         self.params = list(network.parameters())
@@ -539,11 +538,16 @@ class ReplicaSet:
             return False
         found = _C.matches(self.modules, self.signature, self.structure_seen)
         if found == 2:
-            self.modules, self.signature = walk(network)
-            self.structure_seen = _C.structure_records()
+            self._walk(network)
             self.kept = self.frozen_aliases = None
             self.state.generation += 1
         return found != 0
+
+    def _walk(self, network):
+        """The network's modules and structure signature as they are now, and empty records of what matches() finds
+        unchanged against them (NOTE [structure records]): records belong to one walk."""
+        self.modules, self.signature = walk(network)
+        self.structure_seen = _C.structure_records()
 
     def held_bytes(self):
         """What the kept replicas hold, per device_ids position: {position: (replica buffers, staging, no_sync's

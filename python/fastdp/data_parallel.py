@@ -178,6 +178,11 @@ class DataParallel(_upstream.UPSTREAM):
             if _profiler_module._is_profiler_enabled or _profiler_enabled():
                 with torch.autograd.profiler.record_function("DataParallel.forward"):
                     return self._forward(inputs, kwargs)
+            d = self.__dict__
+            if d.get("_criterion") is None:  # the short path asked here first: a small model's step pays no frames
+                module = d["_modules"]["module"]
+                if self._short_path(module, inputs, kwargs):
+                    return module(*inputs, **kwargs)
             return self._forward(inputs, kwargs)
         except BaseException:
             # An interrupt can land inside a grad-mode switch (torch.no_grad().__enter__ after the mode changed),
@@ -222,14 +227,11 @@ class DataParallel(_upstream.UPSTREAM):
 
     def _over_devices(self, module, inputs, kwargs, loss, avoided_gather_bytes=None):
         """The forward over ``device_ids``: upstream's check that the module is on device_ids[0], then one step."""
-        if loss is not None or len(self.device_ids) != 1 or type(self).scatter is not DataParallel.scatter:
-            _checks.check_module_device(module, self.src_device_obj)
-        elif _checks.module_checked_inputs_on(module, inputs, kwargs, self.src_device_obj):
-            # The short path: one device and every input already there. Scattering would only wrap each
-            # tensor in a view (and an autograd node): the module gets them as they are.
+        if loss is None and self._short_path(module, inputs, kwargs):
             if avoided_gather_bytes is not None:  # the criterion ran on the output: nothing split, nothing avoided
                 self._keep_outcome(_step.Outcome(None if self._last_step is None else self._last_step.chunk_sizes, 0))
             return module(*inputs, **kwargs)
+        _checks.check_module_device(module, self.src_device_obj)
         if self.src_device_obj.type == "cuda":
             _streams.refuse_capture("fastdp.DataParallel's forward over several devices")
         if _transform_active() is not None:
@@ -243,6 +245,18 @@ class DataParallel(_upstream.UPSTREAM):
             return self._oom.run(self._rescue_context(inputs, kwargs),
                                  lambda: self._run_step(self._new_step(loss, avoided_gather_bytes), inputs, kwargs))
         return self._run_step(self._new_step(loss, avoided_gather_bytes), inputs, kwargs)
+
+    def _short_path(self, module, inputs, kwargs):
+        """Whether a forward without a per-replica loss takes the short path: one device, the class's own scatter,
+        and every input already there (scattering would only wrap each tensor in a view and an autograd node: the
+        module gets them as they are). Where it does, upstream's check that the module is on device_ids[0] runs
+        here; where it does not, the caller runs it (once)."""
+        if len(self.device_ids) != 1 or type(self).scatter is not DataParallel.scatter:
+            return False
+        if not _checks.inputs_on(inputs, kwargs, self.src_device_obj):
+            return False
+        _checks.check_module_device(module, self.src_device_obj)
+        return True
 
     def _new_step(self, loss, avoided_gather_bytes):
         step = _step.Step(self, loss, self._keep_outcome)

@@ -11,7 +11,7 @@ from torch.nn.modules import Module
 from .. import _C
 from .._platform import devices as _devices
 
-__all__ = ["IMBALANCE_WARNING", "check_balance", "require_module", "whole_on", "resolve", "module_checked_inputs_on",
+__all__ = ["IMBALANCE_WARNING", "check_balance", "require_module", "whole_on", "resolve", "inputs_on",
            "check_module_device"]
 
 _HOST = torch.device("cpu")
@@ -113,13 +113,11 @@ def _on_device(obj, device):
     return True
 
 
-def module_checked_inputs_on(module, inputs, kwargs, device):
-    """``check_module_device(module, device)``, then whether every input is on ``device`` as well (the one-device
-    short path's two questions in one call, each forward). The common case, top-level tensors, is unrolled, and on
-    the host each tensor's ``is_cpu`` flag is read instead of a device object made and compared."""
+def inputs_on(inputs, kwargs, device):
+    """Whether every input is on ``device`` (the one-device short path's question, each forward). The common case,
+    top-level tensors, is unrolled, and on the host each tensor's ``is_cpu`` flag is read instead of a device object
+    made and compared."""
     host = device == _HOST
-    if not _C.on_device(module, device, host):
-        _raise_module_device(module, device)
     for o in inputs:
         if isinstance(o, _Tensor):
             if not (o.is_cpu if host else o.device == device):

@@ -116,6 +116,8 @@ def test_frozen_parameters_are_not_reduced(monkeypatch):
 
 MUTATIONS = {
     "attribute": lambda m: setattr(m[1], "scale_out", True),
+    # A new __dict__ with the same contents (a __setstate__ assigning the state it got), then an attribute set in it.
+    "instance_dict": lambda m: (setattr(m[1], "__dict__", dict(m[1].__dict__)), setattr(m[1], "scale_out", True)),
     "forward_hook": lambda m: m[2].register_forward_hook(lambda mod, i, o: o * 2),
     "pre_hook": lambda m: m[0].register_forward_pre_hook(lambda mod, i: (i[0] + 1,)),
     "eval": lambda m: m.eval(),
@@ -156,7 +158,7 @@ def test_master_changes_are_seen_like_fresh_replicas(name):
         model = module(model)  # what the change made on the host joins the rest
     if name == "to_float":
         x = x.float()
-    if name == "attribute":  # a forward that reads the attribute
+    if name in ("attribute", "instance_dict"):  # a forward that reads the attribute
         for m in (model,):
             m[1].forward = _relu_scaled.__get__(m[1])
     if name == "replace_param":
@@ -168,7 +170,7 @@ def test_master_changes_are_seen_like_fresh_replicas(name):
         bare[2].weight = nn.Parameter(replaced.clone())
     else:
         mutate(bare)
-    if name == "attribute":
+    if name in ("attribute", "instance_dict"):
         bare[1].forward = _relu_scaled.__get__(bare[1])
     ref_out = step(bare, x)
     torch.testing.assert_close(host(out), ref_out, rtol=1e-5 if name == "to_float" else 0, atol=1e-5 if name == "to_float" else 1e-12)

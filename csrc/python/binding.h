@@ -66,14 +66,16 @@ int fdp__dict_tags_init(void); /* at module exec, before DICT_TAGS is published 
 
 /* The structure check's records (NOTE [structure records] in structure_records.c). fdp__structure_recorded: 1 when
  * every module of `modules` is as `records` (made for modules and sig) holds, with the tensors last compared and
- * their entries in *tensors and *entries (borrowed); 0 when everything must be compared. fdp__structure_record:
- * records a comparison that found modules and sig equal, its tensors and entries (lists) kept; `before`, the count of
- * recorded dicts' changes when it began (nothing is recorded when it moved since); -1 with an error set. */
+ * their entries in *tensors and *entries (borrowed); 0 when everything must be compared. fdp__structure_snapshot:
+ * the record of `modules` as they are now, taken before a comparison (Py_None where nothing can be recorded), NULL
+ * with an error set. fdp__structure_keep: after a comparison that found modules and sig equal, keeps the snapshot with
+ * its tensors and entries (lists), or, where not `recordable` (a tensor compared outside the batch), marks the
+ * records so that no snapshot is taken for them again; -1 with an error set. */
 int fdp__structure_records_check(PyObject *records); /* whether `records` is what structure_records() makes */
 int fdp__structure_recorded(PyObject *records, PyObject *modules, PyObject *sig, PyObject **tensors,
                             PyObject **entries);
-int fdp__structure_record(PyObject *records, PyObject *modules, PyObject *sig, PyObject *tensors, PyObject *entries,
-                          uint64_t before);
+PyObject *fdp__structure_snapshot(PyObject *records, PyObject *modules, PyObject *sig);
+int fdp__structure_keep(PyObject *records, PyObject *snapshot, PyObject *tensors, PyObject *entries, int recordable);
 
 /* NOTE [no lost interrupt]: where the binding drops an error (a fact it can do without), the failed call may have run
  * Python code (a property, a tensor subclass's __torch_function__, an import), and Ctrl-C is raised as

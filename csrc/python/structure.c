@@ -186,13 +186,30 @@ static int module_dicts(PyObject *const *name, PyObject *m, PyObject **d, Py_ssi
   return -1;
 }
 
-/* (id, type, number of parameters, number of buffers): a module's header entry (new reference), NULL on error. */
+/* The id of m's instance __dict__ (a new reference), None where it has none; NULL on error. A module given a new
+ * __dict__ keeps the same slot dicts in it (a __setstate__ that assigns the state it got): its plain attributes,
+ * which kept replicas mirror from that dict, are then elsewhere. */
+static PyObject *dict_id(PyObject *m) {
+  PyObject *dict = PyObject_GenericGetDict(m, NULL);
+  if (!dict) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+    PyErr_Clear();
+    return Py_NewRef(Py_None);
+  }
+  PyObject *id = PyLong_FromVoidPtr(dict);
+  Py_DECREF(dict);
+  return id;
+}
+
+/* (id, type, number of parameters, number of buffers, id of its __dict__): a module's header entry (new reference),
+ * NULL on error. */
 static PyObject *header_entry(PyObject *m, Py_ssize_t np, Py_ssize_t nb) {
-  PyObject *id = PyLong_FromVoidPtr(m), *cp = PyLong_FromSsize_t(np), *cb = PyLong_FromSsize_t(nb);
-  PyObject *header = id && cp && cb ? PyTuple_Pack(4, id, (PyObject *)Py_TYPE(m), cp, cb) : NULL;
+  PyObject *id = PyLong_FromVoidPtr(m), *cp = PyLong_FromSsize_t(np), *cb = PyLong_FromSsize_t(nb), *di = dict_id(m);
+  PyObject *header = id && cp && cb && di ? PyTuple_Pack(5, id, (PyObject *)Py_TYPE(m), cp, cb, di) : NULL;
   Py_XDECREF(id);
   Py_XDECREF(cp);
   Py_XDECREF(cb);
+  Py_XDECREF(di);
   return header;
 }
 
@@ -211,9 +228,9 @@ static int walk_module(walk_t *w, PyObject *m) {
 }
 
 /* walk(root) -> (modules, signature): every distinct module under root, root first, breadth first (children in
- * registration order); and per module a header (id, type, len(_parameters), len(_buffers)), one entry per
- * parameter and buffer slot ((key, None) when empty, else (key, id, dtype, shape, device, requires_grad, layout,
- * data_ptr, stride)) and one (key, id(child)) per child slot. Any change to these makes kept replicas or bucket
+ * registration order); and per module a header (id, type, len(_parameters), len(_buffers), id(__dict__)), one
+ * entry per parameter and buffer slot ((key, None) when empty, else (key, id, dtype, shape, device, requires_grad,
+ * layout, data_ptr, stride)) and one (key, id(child)) per child slot. Any change to these makes kept replicas or bucket
  * layouts stale (a data pointer or strides only what aliases the tensor). */
 static PyObject *py_walk(PyObject *module, PyObject *root) {
   (void)module;
@@ -431,6 +448,16 @@ static int match_slots(match_t *mt, PyObject *d, int children) {
 static int match_header(PyObject *h, PyObject *m, Py_ssize_t np, Py_ssize_t nb) {
   if (!h || !is_id(PyTuple_GET_ITEM(h, 0), m) || PyTuple_GET_ITEM(h, 1) != (PyObject *)Py_TYPE(m)) return 0;
   int eq = PyLong_AsSsize_t(PyTuple_GET_ITEM(h, 2)) == np && PyLong_AsSsize_t(PyTuple_GET_ITEM(h, 3)) == nb;
+  if (eq == 1 && !PyErr_Occurred()) {
+    PyObject *dict = PyObject_GenericGetDict(m, NULL);
+    if (dict) {
+      eq = is_id(PyTuple_GET_ITEM(h, 4), dict); /* held by m: compared as the id the walk took */
+      Py_DECREF(dict);
+    } else if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      PyErr_Clear();
+      eq = PyTuple_GET_ITEM(h, 4) == Py_None;
+    }
+  }
   return PyErr_Occurred() ? -1 : eq;
 }
 
@@ -439,7 +466,7 @@ static int match_module(match_t *mt, PyObject *m) {
   PyObject *d[3];
   Py_ssize_t np, nb;
   if (module_dicts(mt->name, m, d, &np, &nb) < 0) return -1;
-  PyObject *h = next_entry(mt, 4);
+  PyObject *h = next_entry(mt, 5);
   int eq = match_header(h, m, np, nb);
   Py_XDECREF(h);
   for (int i = 0; eq == 1 && i < 3; i++)
@@ -473,7 +500,6 @@ static int match_modules(match_t *mt, PyObject *modules) {
 /* Compares modules and signature as mt holds them, through the records where every module is as they hold (mt's
  * batch then the recorded one), else module by module, recording what is found equal: 1, 0 or -1 (error). */
 static int match_with_records(match_t *mt, PyObject *modules, PyObject *records) {
-  uint64_t before = fdp__counted_changes(FDP_TAG_STRUCTURE);
   PyObject *tensors, *entries;
   if (fdp__structure_recorded(records, modules, mt->sig, &tensors, &entries) == 1) {
     mt->batch = Py_NewRef(tensors);
@@ -481,12 +507,15 @@ static int match_with_records(match_t *mt, PyObject *modules, PyObject *records)
     mt->at = PyList_GET_SIZE(mt->sig);
     return match_batch(mt);
   }
-  if (!(mt->batch = PyList_New(0)) || !(mt->batched = PyList_New(0))) return -1;
-  int eq = match_modules(mt, modules);
+  PyObject *snapshot = mt->st ? fdp__structure_snapshot(records, modules, mt->sig) : Py_NewRef(Py_None);
+  if (!snapshot) return -1;
+  int eq = -1;
+  if ((mt->batch = PyList_New(0)) && (mt->batched = PyList_New(0))) eq = match_modules(mt, modules);
   /* Recorded only where the batch holds every tensor: the others' facts are read during the walk the records skip. */
-  if (eq == 1 && mt->at == PyList_GET_SIZE(mt->sig) && !mt->moved && !mt->direct &&
-      fdp__structure_record(records, modules, mt->sig, mt->batch, mt->batched, before) < 0)
-    return -1;
+  if (eq == 1 && mt->at == PyList_GET_SIZE(mt->sig) &&
+      fdp__structure_keep(records, snapshot, mt->batch, mt->batched, !mt->moved && !mt->direct) < 0)
+    eq = -1;
+  Py_DECREF(snapshot);
   return eq;
 }
 

@@ -9,6 +9,10 @@
  * compares the records, and where every module is as recorded it compares the kept tensors' facts only. From 3.12 the
  * dict watcher also counts the recorded dicts' changes: while that count stands still no tag is read, and only each
  * module's type and instance dict are compared (a class assigned to __class__, or a new __dict__, changes no dict).
+ * The record is taken before the comparison it vouches for: a change made while the comparison runs (by a finalizer
+ * or a garbage collector's callback, which can run at any allocation) moves a tag or the count past what was recorded,
+ * and the next check compares everything again. A walk whose comparison read some tensor outside the batch (a tensor
+ * subclass, the Python tensor path) is never recorded, and is marked so that its checks take no snapshot either.
  * Only plain dicts are recorded (an OrderedDict can reorder with no change its tag shows), and nothing is recorded
  * where there are no tags. */
 #include "binding.h"
@@ -107,9 +111,9 @@ static int record_module(PyObject *m, uint64_t *rec, PyObject *const *names) {
   return ok;
 }
 
-/* A new record buffer of `modules` against `sig` (Py_None when some module cannot be recorded, or a recorded dict
- * changed since `before`), NULL with an error set. */
-static PyObject *record_buffer(PyObject *modules, PyObject *sig, uint64_t before) {
+/* A new record buffer of `modules` against `sig`, its count of recorded dicts' changes read once every dict is
+ * counted (Py_None when some module cannot be recorded), NULL with an error set. */
+static PyObject *record_buffer(PyObject *modules, PyObject *sig) {
   static PyObject *names[3];
   for (int k = 0; k < 3; k++)
     if (!names[k] && !(names[k] = PyUnicode_InternFromString(k_slot_dicts[k]))) return NULL;
@@ -121,8 +125,6 @@ static PyObject *record_buffer(PyObject *modules, PyObject *sig, uint64_t before
   int ok = (uintptr_t)r % _Alignof(uint64_t) == 0;
   for (Py_ssize_t i = 0; ok == 1 && i < n; i++)
     ok = record_module(PyList_GET_ITEM(modules, i), r + HEAD_LEN + i * REC_LEN, names);
-  /* A change during the comparison or this record (a finalizer's, an __eq__'s) leaves nothing recorded. */
-  if (ok == 1 && fdp__counted_changes(FDP_TAG_STRUCTURE) != before) ok = 0;
   if (ok != 1) {
     Py_DECREF(buf);
     return ok < 0 ? NULL : Py_NewRef(Py_None);
@@ -131,22 +133,23 @@ static PyObject *record_buffer(PyObject *modules, PyObject *sig, uint64_t before
   r[HEAD_NMODULES] = (uint64_t)n;
   r[HEAD_SIG] = (uint64_t)(uintptr_t)sig;
   r[HEAD_NSIG] = (uint64_t)PyList_GET_SIZE(sig);
-  r[HEAD_COUNTED] = before;
+  r[HEAD_COUNTED] = fdp__counted_changes(FDP_TAG_STRUCTURE);
   return buf;
 }
 
-int fdp__structure_record(PyObject *records, PyObject *modules, PyObject *sig, PyObject *tensors, PyObject *entries,
-                          uint64_t before) {
-  if (!records || !FDP_DICT_TAGS) return 0;
-  PyObject *buf = record_buffer(modules, sig, before);
-  if (!buf) return -1;
-  /* What is kept replaces what was: no buffer leaves no records, so the next check compares everything. */
-  int none = buf == Py_None;
-  PyObject *kept[RECORDS_LEN] = {buf, none ? Py_None : tensors, none ? Py_None : entries};
+PyObject *fdp__structure_snapshot(PyObject *records, PyObject *modules, PyObject *sig) {
+  if (!records || !FDP_DICT_TAGS || PyList_GET_ITEM(records, RECORDS_BUFFER) == Py_False) return Py_NewRef(Py_None);
+  return record_buffer(modules, sig);
+}
+
+int fdp__structure_keep(PyObject *records, PyObject *snapshot, PyObject *tensors, PyObject *entries, int recordable) {
+  if (!records) return 0;
+  /* What is kept replaces what was: no snapshot leaves no records, so the next check compares everything. */
+  int none = snapshot == Py_None || !recordable;
+  PyObject *kept[RECORDS_LEN] = {recordable ? snapshot : Py_False, none ? Py_None : tensors, none ? Py_None : entries};
   int rc = 0;
   for (Py_ssize_t i = 0; i < RECORDS_LEN; i++)
     if (PyList_SetItem(records, i, Py_NewRef(kept[i])) < 0) rc = -1;
-  Py_DECREF(buf);
   return rc;
 }
 

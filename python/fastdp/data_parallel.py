@@ -14,7 +14,8 @@ import warnings
 import torch
 from torch.nn.modules import Module
 
-from ._wrapper import call as _call, checkpoint as _checkpoint, checks as _checks, launch as _launch
+from ._wrapper import batch_major as _batch_major, call as _call, checkpoint as _checkpoint, checks as _checks
+from ._wrapper import launch as _launch
 from ._wrapper import upstream as _upstream
 from ._native import fallback as _fallback
 from ._platform import compiler as _compiler, devices as _devices, interrupts as _interrupts, streams as _streams
@@ -25,7 +26,7 @@ from . import sync_batchnorm
 from . import parallel_apply as _parallel_apply
 from .parallel_apply import parallel_apply
 from .replicate import replicate
-from .scatter_gather import gather, scatter_kwargs, unaligned_outputs
+from .scatter_gather import gather, scatter_kwargs
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -334,7 +335,8 @@ class DataParallel(_upstream.UPSTREAM):
             step.recorder.begin(self.device_ids, training)
         kwargs, whole = self._split_off_whole(kwargs)
         with_loss = step.loss is not None
-        self._warn_not_batch_major(inputs[:-1] if with_loss else inputs, kwargs)
+        _batch_major.warn_not_batch_major(inputs[:-1] if with_loss else inputs, kwargs, self.dim,
+                                          self.__dict__.setdefault("_warned_not_batch_major", set()))
         rule = self.__dict__.get("_split")
         # Else an override (a subclass's, or one set on the instance) is called, and its super().scatter asks for
         # the sizes itself.
@@ -409,7 +411,8 @@ class DataParallel(_upstream.UPSTREAM):
         """The forward's one result: the gathered outputs, or the replicas' losses combined by the loss's rule."""
         if step.loss is None:
             if type(self).gather is DataParallel.gather and len(outputs) > 1:
-                self._warn_unaligned(outputs, inputs, module_kwargs)
+                _batch_major.warn_unaligned(outputs, inputs, module_kwargs, self.dim,
+                                            self.__dict__.setdefault("_warned_unaligned", set()))
             result = self.gather(outputs, self.output_device)
         else:
             step.avoided_gather_bytes = sum(o[2] for o in outputs)
@@ -419,45 +422,6 @@ class DataParallel(_upstream.UPSTREAM):
         if step.recorder is not None:
             step.recorder.lap("gather", _recorder.nbytes(result) if step.loss is None else 0)
         return result
-
-    def _warn_not_batch_major(self, inputs, kwargs):
-        """Warns once per argument whose size along dim differs from the batch's: scatter splits it anyway."""
-        odd, first = _split.not_batch_major(inputs, kwargs, self.dim)
-        warned = self.__dict__.setdefault("_warned_not_batch_major", set()) if odd else ()
-        for path, size in odd:
-            if path in warned:
-                continue
-            warned.add(path)
-            name = path[len("kwargs['"):-2] if path.startswith("kwargs[") and path.count("[") == 1 else None
-            fix = (f"pass broadcast=({name!r},) to DataParallel to give it whole to every replica" if name else
-                   "pass it as a keyword argument named in DataParallel's broadcast=(...) to give it whole to every "
-                   "replica")
-            warnings.warn(
-                f"fastdp.DataParallel: {path} has size {size} along dim {self.dim} but the batch has {first[1]} "
-                f"({first[0]}); it is split along dim {self.dim} like the batch, as upstream does, which is wrong "
-                f"for a tensor that is not batch-major (a (T, T) attention mask, a lookup table); {fix}",
-                stacklevel=2,
-            )
-
-    def _warn_unaligned(self, outputs, inputs, module_kwargs):
-        """Warns once per output whose sizes along dim do not follow the replicas' chunks (an RNN's
-        (layers, batch, hidden) state): gather concatenates it anyway, as upstream does."""
-        counts = [_split.batch_size(args, kwargs, self.dim) for args, kwargs in zip(inputs, module_kwargs)]
-        if None in counts or 0 in counts:
-            return
-        warned = self.__dict__.setdefault("_warned_unaligned", set())
-        for path, sizes in unaligned_outputs(outputs, counts, self.dim):
-            if path in warned:
-                continue
-            warned.add(path)
-            warnings.warn(
-                f"fastdp.DataParallel: {path} has sizes {tuple(sizes)} along dim {self.dim} in the replicas, whose "
-                f"chunks have {tuple(counts)} samples: it is not batch-major along dim {self.dim} (a per-replica "
-                "summary, a state of fixed size), and the gather concatenates it anyway, as upstream does, so its "
-                "entries do not follow the batch; return it batch-major (one entry per sample) or keep it out of "
-                "forward's output",
-                stacklevel=2,
-            )
 
     def replicate(self, module, device_ids):
         """The replicas of ``module`` on ``device_ids``: the kept ones, given the module's current values (another

@@ -60,7 +60,7 @@ from .jobs import Finished, HostJob
 from .sums import reduce_members, replica_rows
 from .unsynced import NoSync, UnsyncedSums
 
-__all__ = ["Reducer", "Bucket", "BucketNode", "Delivery"]
+__all__ = ["Reducer", "Bucket", "BucketNode", "Delivery", "kept_node"]
 
 _graph_task_id = torch._C._current_graph_task_id  # the backward running in this thread (torch 2.1 and newer)
 _will_run = getattr(torch._C, "_will_engine_execute_node", None)
@@ -268,10 +268,20 @@ class BucketNode(Function):
         return (None, None) + start(ctx.bucket, grads)
 
 
+def kept_node(node):
+    """Whether `node` is one of a bucket's two nodes, which live as long as the kept replicas: the grad_fn of a kept
+    replica tensor, which a forward can hand out as it is (a module returning its parameter). A hook registered on
+    one for a single step would stay there and run at every later backward."""
+    return type(node) in _KEPT_NODE_TYPES
+
+
 def _set_sequence_nr(node, nr):
     setter = getattr(node, "_set_sequence_nr", None)  # every torch fastdp supports has it (2.2 and newer)
     if setter is not None:
         setter(nr)
+
+
+_KEPT_NODE_TYPES = (BucketNode._backward_cls, Delivery._backward_cls)
 
 
 # ---- the bucket node's backward: start -----------------------------------------------------------------------------

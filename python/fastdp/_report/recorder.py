@@ -19,6 +19,7 @@ import torch
 
 from .._platform import devices as _devices
 from .._balance import memory as _memory
+from .._reduction import reducer as _reducer
 from .._step import replicas as _replicas
 from ..replicate import is_compiled
 
@@ -504,12 +505,14 @@ def _profiling():
 
 
 def graph_tensors(obj, out, depth=0):
-    """The tensors of a replica's output that carry a graph (in tensors, lists, tuples, dicts and dict-like
-    outputs such as transformers' ModelOutput), at most 16."""
+    """The tensors of a replica's output that carry a graph its forward made (in tensors, lists, tuples, dicts and
+    dict-like outputs such as transformers' ModelOutput), at most 16. A kept replica tensor handed out as it is (a
+    module returning its parameter) carries a node that outlives the step: a hook for this step is not put there."""
     if len(out) >= 16 or depth > 4:
         return out
     if isinstance(obj, torch.Tensor):
-        if obj.grad_fn is not None:
+        node = obj.grad_fn
+        if node is not None and not _reducer.kept_node(node):
             out.append(obj)
     elif isinstance(obj, (list, tuple)):
         for x in obj:

@@ -159,6 +159,21 @@ def test_one_device_input_elsewhere_is_not_given_to_the_module_as_it_is(where):
     assert errors[0][0] is ValueError and "meta" in errors[0][1]
 
 
+class _ScatterDoubles(fastdp.DataParallel):
+    """An overridden scatter that changes what the module gets: upstream calls it on one device too."""
+
+    def scatter(self, inputs, kwargs, device_ids):
+        inputs, kwargs = super().scatter(inputs, kwargs, device_ids)
+        return tuple(tuple(t * 2 for t in chunk) for chunk in inputs), kwargs
+
+
+def test_one_device_calls_an_overridden_scatter_with_the_inputs_already_there():
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(_ScatterDoubles(lin, device_ids=["cpu"])(x), lin(x * 2), rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 def test_cuda_module_with_cpu_replicas_and_back():
     m = nn.Linear(2, 2).cuda()

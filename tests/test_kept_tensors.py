@@ -93,6 +93,21 @@ def test_master_changed_in_place_before_backward_fails_loudly_as_on_the_bare_mod
     X.requires_grad_(False)
 
 
+@pytest.mark.parametrize("layer", [2, 4])  # weights the graph saves (layer 0's input needs no gradient)
+def test_each_buckets_replicas_refuse_a_graph_whose_weights_changed(layer):
+    # One bucket per tensor, and replica 0 (which shares the master's counters) given no rows: only the other
+    # replicas' kept buffers saw the forward, so whichever bucket holds the changed weight must refuse by itself.
+    for model in (mlp(), fastdp.DataParallel(mlp(), device_ids=["cpu"] * R, chunk_sizes=[0, 4, 5],
+                                             bucket_cap_mb=1e-6)):
+        loss = model(X).pow(2).sum()
+        master = model.module if isinstance(model, fastdp.DataParallel) else model
+        with torch.no_grad():
+            master[layer].weight.mul_(0.5)
+        model(X)  # the next forward copies the changed master into the kept buffers
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 def test_data_edits_reach_every_replica():
     # p.data edits move no version counter: the kept buffers are copied every step anyway.
     bare, dp = mlp(), wrapped()

@@ -275,6 +275,17 @@ class FrozenMadeTrainable(Base):
         return y
 
 
+class BiasMadeTrainableByOneReplica(Base):
+    """Without autograd, the replica given 5 rows (one only) makes its bias require grad, which the next forward
+    reads: one replica's edit of one tensor, which the kept aliases must see as well as an edit of them all."""
+
+    def forward(self, x):
+        y = self.lin(x) * (2 if self.lin.bias.requires_grad and not torch.is_grad_enabled() else 1)
+        if x.shape[0] == 5:
+            self.lin.bias.requires_grad_(True)
+        return y
+
+
 class ShapeChangedInPlace(Base):
     """A frozen parameter reshaped in place (under no_grad: its metadata only) after its use."""
 
@@ -327,6 +338,10 @@ def test_without_dict_version_tags(make, monkeypatch):
 def test_a_buffer_grown_in_place_on_one_replica(grad):
     """Replica 0 (the master) holds 2 rows' worth, the others grow theirs to 5 rows' worth every step."""
     run_both(BufferGrownInPlace, steps=5, rows=12, sizes=[2, 5, 5], grad=grad)
+
+
+def test_one_replicas_edit_of_one_tensor_never_reaches_the_next_step():
+    run_both(BiasMadeTrainableByOneReplica, steps=3, rows=12, sizes=[3, 5, 4], grad=False)
 
 
 def test_a_running_statistic_kept_as_a_frozen_parameter_trains_as_upstream():

@@ -104,6 +104,15 @@ def test_views_reject_bad_specs(aoti, spec, words):
         _C.views(torch.zeros(10), spec)
 
 
+@pytest.mark.parametrize("sizes", [[6, 6], [4, 4, 3], [9, 2]], ids=lambda s: "+".join(map(str, s)))
+def test_entries_that_fit_alone_but_not_together_are_refused(aoti, sizes):
+    """Each entry fits the buffer, their sum does not: refused, even where the buffer is the front of a larger
+    storage (views past its end would read memory the buffer does not own)."""
+    flat = torch.arange(20.0)[:10]
+    with pytest.raises(ValueError, match="needs more than"):
+        _C.views(flat, spec_of([(n,) for n in sizes]))
+
+
 def test_views_read_unaligned_specs(aoti):
     raw = memoryview(b"x" + bytes(spec_of([(2, 2)])))[1:]
     (view,) = _C.views(torch.arange(4.0), raw)

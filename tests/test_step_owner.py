@@ -114,6 +114,19 @@ def test_the_per_replica_loss_reports_the_step_that_computed_it():
 
 
 @pytest.mark.parametrize("ndev", [1, 2])
+def test_a_forward_without_a_target_leaves_the_figure_as_it_was(ndev):
+    # One device computes the loss on its one output (nothing to avoid: no figure); two avoid the gather. Either
+    # way an evaluation without a target, which takes the short path on one device, changes nothing.
+    dp = fastdp.DataParallel(nn.Linear(4, 3), device_ids=["cpu"] * ndev, criterion=nn.CrossEntropyLoss())
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    dp(x, target=y)
+    before = fastdp.memory_report(dp).avoided_gather_bytes
+    with torch.no_grad():
+        dp(x)
+    assert fastdp.memory_report(dp).avoided_gather_bytes == before
+
+
+@pytest.mark.parametrize("ndev", [1, 2])
 def test_a_criterion_on_the_gathered_output_avoids_nothing(ndev):
     model = nn.Linear(4, 3)
     dp = fastdp.DataParallel(model, device_ids=["cpu"] * ndev, criterion=lambda out, y: (out - y).abs().max())

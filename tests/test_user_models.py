@@ -332,6 +332,26 @@ def test_a_tensor_that_is_not_batch_major_warns_once_naming_the_argument():
         assert not isinstance(info.value, UserWarning)  # warned once per argument
 
 
+class _MasksInAList(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, masks=None):
+        return self.lin(x)
+
+
+def test_a_nested_tensor_that_is_not_batch_major_gets_the_general_advice():
+    # broadcast= names whole keyword arguments: for a tensor inside one, the warning names the path and gives the
+    # general advice, not a name made of the path's pieces.
+    dp = fastdp.DataParallel(_MasksInAList(), device_ids=DEVICES)
+    with pytest.warns(UserWarning, match=r"kwargs\['masks'\]\[0\] has size 5 along dim 0") as record:
+        dp(torch.randn(6, 4), masks=[torch.ones(5, 5)])
+    message = next(str(w.message) for w in record if "masks" in str(w.message))
+    assert "pass it as a keyword argument named in DataParallel's broadcast=(...)" in message
+    assert "broadcast=(\"" not in message and "broadcast=('" not in message
+
+
 def test_broadcast_gives_named_arguments_whole_to_every_replica():
     torch.manual_seed(0)
     bare = MaskedDecoder().double()

@@ -150,15 +150,34 @@ class HookedLinear(nn.Linear):
         cls.calls += 1
 
 
-def test_hooks_registered_on_replica_tensors_last_one_step():
+@pytest.mark.parametrize("report", [False, True], ids=["report off", "report on"])
+def test_hooks_registered_on_replica_tensors_last_one_step(report):
+    # With the report on, its own hooks on the step's nodes are registered in the same steps (the hooked layer is
+    # not the first: the first parameter is the backward mark's, a view made in the step).
     torch.manual_seed(0)
-    dp = fastdp.DataParallel(nn.Sequential(HookedLinear(6, 3)).double(), device_ids=["cpu"] * R)
+    dp = fastdp.DataParallel(nn.Sequential(nn.Linear(6, 6), HookedLinear(6, 3)).double(), device_ids=["cpu"] * R,
+                             report=report)
     counts = []
     for _ in range(4):
         HookedLinear.calls = 0
         dp(X).sum().backward()
         counts.append(HookedLinear.calls)
     assert counts == [R] * 4  # once per replica and step, as on fresh replicas; not growing with the steps
+
+
+def test_the_reports_own_hooks_leave_the_kept_tensors_hook_dicts_alone(monkeypatch):
+    # Its hooks sit on the step's nodes, never in a tensor's hook dict: a recording step gives the next one no
+    # reason to empty every kept tensor's dict (the reference: the same steps with the report off, which empty none).
+    emptied = []
+    clear = fastdp._C.clear_hooks
+    monkeypatch.setattr(fastdp._C, "clear_hooks", lambda tensors: emptied.append(len(tensors)) or clear(tensors))
+    for report in (False, True):
+        dp = fastdp.DataParallel(mlp(), device_ids=["cpu"] * R, report=report)
+        sgd_step(dp)
+        emptied.clear()
+        for _ in range(3):
+            sgd_step(dp)
+        assert emptied == [], report
 
 
 def test_autograd_grad_and_hooks_on_master_parameters():

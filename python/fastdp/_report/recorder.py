@@ -20,7 +20,7 @@ import torch
 from .._platform import devices as _devices
 from .._balance import memory as _memory
 from .._reduction import reducer as _reducer
-from .._step import replicas as _replicas
+from .._step import hooks as _hooks, replicas as _replicas
 from ..replicate import is_compiled
 
 __all__ = ["Recorder", "StepRecord", "ReplicaSite", "Resolved", "resolve", "anchors", "parse_steps", "graph_tensors", "nbytes",
@@ -436,7 +436,7 @@ class ReplicaSite:
             return None
 
         for t in outs:
-            t.grad_fn.register_prehook(started)
+            _hooks.on_node(t.grad_fn, started, pre=True)
 
     def _mark_end(self, position, device, module):
         """Backward ends for a replica when its first trainable parameter (registration order) has its
@@ -459,7 +459,7 @@ class ReplicaSite:
         def ended(grad_inputs, grad_outputs):
             self.ended(position, device)
 
-        marked.grad_fn.register_hook(ended)
+        _hooks.on_node(marked.grad_fn, ended)
         return _replicas.stand_in(owner, name, marked)
 
     def ended(self, position, device):

@@ -26,13 +26,35 @@ def own(master, replica):
             mine[key] = type(d)(d)
 
 
+# Handles made by on_node: hooks on a step's autograd nodes (the report's marks), never in a tensor's hook dict.
+# Counted without a lock: an increment lost to another thread only makes the next clear_tensor_hooks empty the dicts.
+_node_handles = 0
+
+
+def on_node(node, hook, pre=False):
+    """Registers `hook` on autograd node `node` for fastdp's own use (with `pre`, as a pre-hook), and returns its
+    handle. Such a handle holds no hook of a tensor, so it does not count for clear_tensor_hooks: a recording step
+    does not make the next one empty every kept tensor's hook dict."""
+    global _node_handles
+    handle = node.register_prehook(hook) if pre else node.register_hook(hook)
+    _node_handles += 1
+    return handle
+
+
+def _tensor_handles():
+    """How many hook handles torch made that may hold a tensor's hook (None where torch does not count them). Read
+    before fastdp's own count: a handle made between the two reads shows as a change, never hides one."""
+    made = getattr(_RemovableHandle, "next_id", None)
+    return None if made is None else made - _node_handles
+
+
 def clear_tensor_hooks(tensors, cleared_at):
     """Empties the hook dicts of `tensors` (kept replica tensors: a hook a forward registers on one lasts that step),
     unless none can hold a hook registered since they were last emptied: every hook torch's API registers comes with
-    a ``RemovableHandle``, whose class counts them, and `cleared_at` is that count after the last emptying (None: not
-    yet). Returns the count now, for the next call."""
-    made = getattr(_RemovableHandle, "next_id", None)
+    a ``RemovableHandle``, whose class counts them, and `cleared_at` is that count, less fastdp's own hooks on nodes
+    (on_node), after the last emptying (None: not yet). Returns the count now, for the next call."""
+    made = _tensor_handles()
     if made is None or made != cleared_at:
         _C.clear_hooks(tensors)
-        made = getattr(_RemovableHandle, "next_id", None)
+        made = _tensor_handles()
     return made

@@ -196,6 +196,26 @@ def test_refresh_records_skip_unchanged_pairs():
     assert _C.refresh(pairs, owned, nmirrored) == 5  # without records: every pair
 
 
+def test_refresh_with_the_replicas_own_hooks_settled_reads_the_masters_only():
+    """`own_settled` (no hook registered since the last refresh: the wrapper counts torch's handles) skips reading
+    the replicas' own hook dicts; a master's hook dict is read either way. Without it, a replica's own edit is seen
+    and undone."""
+    from fastdp import _C
+
+    if not _C.DICT_TAGS:
+        pytest.skip("no dict version tags: every pair is walked")
+    owned, nmirrored = ("_own", "_hooks"), 1
+    pairs = [({"a": i, "_own": 0, "_hooks": {}}, {"_own": i, "_hooks": {}}) for i in range(3)]
+    seen = _records(len(pairs), nmirrored)
+    assert _C.refresh(pairs, owned, nmirrored, seen) == 3
+    pairs[0][1]["_hooks"][7] = "edited in place"  # on a replica
+    pairs[1][0]["_hooks"][8] = "the master's"
+    assert _C.refresh(pairs, owned, nmirrored, seen, True) == 1
+    assert pairs[1][1]["_hooks"] == {8: "the master's"} and pairs[0][1]["_hooks"] == {7: "edited in place"}
+    assert _C.refresh(pairs, owned, nmirrored, seen, False) == 1
+    assert pairs[0][1]["_hooks"] == {}
+
+
 @pytest.mark.parametrize("seen", ["short", "long", "read-only", "unaligned"])
 def test_refresh_rejects_records_of_the_wrong_size(seen):
     from fastdp import _C

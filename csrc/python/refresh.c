@@ -186,9 +186,14 @@ static int refresh_pair(PyObject *pair, owned_keys_t *ok, Py_ssize_t i) {
  * [dict tags from 3.12] in dicttags.c); refresh() records, per pair, the tags of the master's and the replica's
  * __dict__ and of both sides' mirrored hook dicts (with the hook dicts' addresses), and skips the pair while all of
  * them are the same. A hook dict's address is followed only after its owner's tag matched: the owner then still
- * holds it. From 3.12 the watcher behind the tags also counts every change to the dicts refresh records: a set of
- * pairs whose last refresh recorded every pair, with that count where it stands now, is skipped whole, without a
- * read per pair. Without tags (3.12 with every watcher taken) every pair is walked. */
+ * holds it. A replica's own hook dicts change when a forward registers a hook on its replica, and every registration
+ * through torch's API makes a RemovableHandle, which torch counts: while the caller's count says none was made since
+ * the pairs' last refresh (`own_settled`), only the masters' hook dicts are read, which is most of what a quiet step
+ * on 3.11 would otherwise read. A forward that edits its module's hook dict in place, without registering, keeps the
+ * edit on its replica until the next registration (where the bare model, and upstream's replicas sharing the
+ * master's dicts, keep it for good). From 3.12 the watcher behind the tags also counts every change to the dicts
+ * refresh records: a set of pairs whose last refresh recorded every pair, with that count where it stands now, is
+ * skipped whole, without a read per pair. Without tags (3.12 with every watcher taken) every pair is walked. */
 
 /* The records' head: the count of changes when every pair was last recorded (0: not so), the pairs' sequence and
  * its length then. */
@@ -198,12 +203,14 @@ static int refresh_pair(PyObject *pair, owned_keys_t *ok, Py_ssize_t i) {
  * (address, tag) and the replica's. */
 #define RECORD_LEN(nmirrored) (2 + 4 * (nmirrored))
 
-/* Whether the pair's record says nothing changed. */
-static int unchanged(PyObject *master, PyObject *replica, const uint64_t *rec, Py_ssize_t nmirrored) {
+/* Whether the pair's record says nothing changed; with `own_settled`, the replica's own hook dicts are taken as
+ * unchanged (the caller knows no hook was registered since: NOTE [refresh records]). */
+static int unchanged(PyObject *master, PyObject *replica, const uint64_t *rec, Py_ssize_t nmirrored, int own_settled) {
   if (!FDP_DICT_TAGS || rec[0] == 0 || rec[0] != fdp__dict_tag_counted(master, FDP_TAG_REFRESH) ||
       rec[1] != fdp__dict_tag_counted(replica, FDP_TAG_REFRESH))
     return 0;
-  for (Py_ssize_t k = 0; k < 2 * nmirrored; k++) {
+  /* per mirrored key, the master's hook dict (k even), then the replica's (k odd) */
+  for (Py_ssize_t k = 0; k < 2 * nmirrored; k += own_settled ? 2 : 1) {
     const uint64_t *hook = &rec[2 + 2 * k];
     if (hook[0] && fdp__dict_tag_counted((PyObject *)(uintptr_t)hook[0], FDP_TAG_REFRESH) != hook[1]) return 0;
   }
@@ -278,21 +285,21 @@ static int owned_keys_init(owned_keys_t *ok, PyObject *owned, Py_ssize_t nmirror
 }
 
 /* Whether pairs[i] may be skipped: a (dict, dict) pair its record says is unchanged. */
-static int skippable(PyObject *pair, const uint64_t *r, Py_ssize_t nmirrored) {
+static int skippable(PyObject *pair, const uint64_t *r, Py_ssize_t nmirrored, int own_settled) {
   return r && PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 && PyDict_Check(PyTuple_GET_ITEM(pair, 0)) &&
          PyDict_Check(PyTuple_GET_ITEM(pair, 1)) &&
-         unchanged(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), r, nmirrored);
+         unchanged(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), r, nmirrored, own_settled);
 }
 
 /* Refreshes every pair not skipped; the pairs walked, or -1 with an error set. *recorded: whether every pair ends
  * with a complete record. */
-static Py_ssize_t refresh_pairs(PyObject *pairs, owned_keys_t *ok, uint64_t *rec, int *recorded) {
+static Py_ssize_t refresh_pairs(PyObject *pairs, owned_keys_t *ok, uint64_t *rec, int own_settled, int *recorded) {
   Py_ssize_t walked = 0;
   *recorded = rec != NULL && FDP_DICT_TAGS;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(pairs); i++) {
     PyObject *pair = PySequence_Fast_GET_ITEM(pairs, i);
     uint64_t *r = rec ? rec + i * RECORD_LEN(ok->nmirrored) : NULL;
-    if (skippable(pair, r, ok->nmirrored)) continue;
+    if (skippable(pair, r, ok->nmirrored, own_settled)) continue;
     if (r) r[0] = 0; /* walked again next time unless this walk completes */
     walked++;
     if (refresh_pair(pair, ok, i) < 0) return -1;
@@ -304,13 +311,14 @@ static Py_ssize_t refresh_pairs(PyObject *pairs, owned_keys_t *ok, uint64_t *rec
 
 /* Refreshes the pairs with the records `seen` (NULL: none): skipped whole where the head says no counted dict
  * changed since every pair was recorded (NOTE [refresh records]); the pairs walked, or -1 with an error set. */
-static Py_ssize_t refresh_recorded(PyObject *pairs_obj, PyObject *pairs, owned_keys_t *ok, uint64_t *seen) {
+static Py_ssize_t refresh_recorded(PyObject *pairs_obj, PyObject *pairs, owned_keys_t *ok, uint64_t *seen,
+                                   int own_settled) {
   uint64_t *head = seen, *rec = seen ? seen + HEAD_LEN : NULL;
   uint64_t id = (uint64_t)(uintptr_t)pairs_obj, n = (uint64_t)PySequence_Fast_GET_SIZE(pairs);
   uint64_t before = fdp__counted_changes(FDP_TAG_REFRESH);
   if (head && head[0] && head[0] == before && head[1] == id && head[2] == n) return 0;
   int recorded;
-  Py_ssize_t walked = refresh_pairs(pairs, ok, rec, &recorded);
+  Py_ssize_t walked = refresh_pairs(pairs, ok, rec, own_settled, &recorded);
   if (head) {
     /* A change during this pass (its own writes, or a finalizer's) leaves the head unset: the next refresh reads
      * every pair's tags again. */
@@ -322,26 +330,29 @@ static Py_ssize_t refresh_recorded(PyObject *pairs_obj, PyObject *pairs, owned_k
   return walked;
 }
 
-/* refresh(pairs, owned, nmirrored=0, seen=None) -> pairs walked: for each (master_dict, replica_dict), makes the
- * replica's __dict__ a fresh shallow copy of the master's, as Module._replicate_for_data_parallel would, except for the
- * keys in `owned`, which keep the replica's own values (its parameter, buffer and child dicts). The last `nmirrored`
- * owned keys name the replica's own hook dicts: they keep their objects, refilled with the master's entries, so a
- * hook a replica registers during forward never lands on the master and is gone at the next refresh. Persistent
- * replicas thus see every attribute, hook and training flag the master has now. `seen`, the buffer
- * refresh_records() made for these pairs, lets unchanged pairs be skipped (NOTE [refresh records]). */
+/* refresh(pairs, owned, nmirrored=0, seen=None, own_settled=False) -> pairs walked: for each (master_dict,
+ * replica_dict), makes the replica's __dict__ a fresh shallow copy of the master's, as
+ * Module._replicate_for_data_parallel would, except for the keys in `owned`, which keep the replica's own values (its
+ * parameter, buffer and child dicts). The last `nmirrored` owned keys name the replica's own hook dicts: they keep
+ * their objects, refilled with the master's entries, so a hook a replica registers during forward never lands on the
+ * master and is gone at the next refresh. Persistent replicas thus see every attribute, hook and training flag the
+ * master has now. `seen`, the buffer refresh_records() made for these pairs, lets unchanged pairs be skipped (NOTE
+ * [refresh records]); `own_settled`, that no hook was registered since these pairs' last refresh, lets it skip reading
+ * the replicas' own hook dicts. */
 static PyObject *py_refresh(PyObject *module, PyObject *args) {
   (void)module;
   PyObject *pairs_obj, *owned_obj;
   Py_ssize_t nmirrored = 0;
   Py_buffer seen = {0};
-  if (!PyArg_ParseTuple(args, "OO|nw*:refresh", &pairs_obj, &owned_obj, &nmirrored, &seen)) return NULL;
+  int own_settled = 0;
+  if (!PyArg_ParseTuple(args, "OO|nw*p:refresh", &pairs_obj, &owned_obj, &nmirrored, &seen, &own_settled)) return NULL;
   PyObject *pairs = PySequence_Fast(pairs_obj, "pairs must be a sequence of (dict, dict)");
   PyObject *owned = pairs ? PySequence_Fast(owned_obj, "owned must be a sequence of keys") : NULL;
   PyObject *ret = NULL;
   owned_keys_t ok = {NULL, 0, 0, {0}, {NULL}, {0}};
   if (owned && owned_keys_init(&ok, owned, nmirrored) == 0) {
     uint64_t *rec = records(&seen, PySequence_Fast_GET_SIZE(pairs), nmirrored);
-    Py_ssize_t walked = rec || !PyErr_Occurred() ? refresh_recorded(pairs_obj, pairs, &ok, rec) : -1;
+    Py_ssize_t walked = rec || !PyErr_Occurred() ? refresh_recorded(pairs_obj, pairs, &ok, rec, own_settled) : -1;
     ret = walked < 0 ? NULL : PyLong_FromSsize_t(walked);
   }
   owned_keys_clear(&ok);

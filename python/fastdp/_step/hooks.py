@@ -3,8 +3,8 @@ output-capturing hooks lazily that way) stays on that replica for that step and 
 
 ``Module._replicate_for_data_parallel`` (and upstream's replicas) share the master's hook dicts, so such hooks
 pile up on the master, one set per replica per step. fastdp gives each replica its own dict objects holding the
-master's hooks: kept replicas get them refilled by ``_C.refresh`` every step (two size reads per dict when both are
-empty), fresh ones get copies when built.
+master's hooks: kept replicas get them refilled by ``_C.refresh`` whenever the master's changed or a hook was
+registered since (two size reads per dict when both are empty), fresh ones get copies when built.
 """
 
 from torch.utils.hooks import RemovableHandle as _RemovableHandle
@@ -41,9 +41,10 @@ def on_node(node, hook, pre=False):
     return handle
 
 
-def _tensor_handles():
-    """How many hook handles torch made that may hold a tensor's hook (None where torch does not count them). Read
-    before fastdp's own count: a handle made between the two reads shows as a change, never hides one."""
+def handles_made():
+    """How many hook handles torch made that may hold a module's or a tensor's hook (None where torch does not count
+    them): every registration through torch's API makes one. Read before fastdp's own count: a handle made between
+    the two reads shows as a change, never hides one."""
     made = getattr(_RemovableHandle, "next_id", None)
     return None if made is None else made - _node_handles
 
@@ -53,8 +54,8 @@ def clear_tensor_hooks(tensors, cleared_at):
     unless none can hold a hook registered since they were last emptied: every hook torch's API registers comes with
     a ``RemovableHandle``, whose class counts them, and `cleared_at` is that count, less fastdp's own hooks on nodes
     (on_node), after the last emptying (None: not yet). Returns the count now, for the next call."""
-    made = _tensor_handles()
+    made = handles_made()
     if made is None or made != cleared_at:
         _C.clear_hooks(tensors)
-        made = _tensor_handles()
+        made = handles_made()
     return made

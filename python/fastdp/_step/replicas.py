@@ -55,7 +55,9 @@ step. A kept replica must end it too. A forward can change its replica's own dic
 buffer or a module to an attribute, register one, swap a submodule, delete an attribute: each replica module owns
 its parameter, buffer and child dicts) or a kept tensor in place (rebind its ``.data``, ``set_``, ``resize_``,
 ``t_``, ``requires_grad_``; a running statistic kept as a frozen parameter is the common case). Plain attributes and
-hook dicts are refilled from the master every step anyway (_C.refresh). Before each forward:
+hook dicts are refilled from the master every step anyway (_C.refresh; a replica's hook dict is read again once a
+hook was registered anywhere, so one that a forward edits in place without registering stays so on its replica until
+then: NOTE [refresh records]). Before each forward:
 - the owned dicts: each replica module's dicts are compared with what the last step left in them (dict version
   tags, CPython's up to 3.11 and a dict watcher's from 3.12: a few loads per module, none while the watcher saw no
   change; where there are no tags, their keys with the master's, and every grad slot is installed again each
@@ -392,8 +394,8 @@ class _Skeletons:
     installed in them: their ``__dict__`` refresh records, their tensor slots (those of grad-bucket members, and
     the rest), the kept nodes whose tensors the grad slots hold, and the dicts each replica owns as built."""
 
-    __slots__ = ("replicas", "pairs", "seen", "kept_containers", "rest_containers", "kept", "owned", "owned_seen",
-                 "rest_owned")
+    __slots__ = ("replicas", "pairs", "seen", "handles_seen", "kept_containers", "rest_containers", "kept", "owned",
+                 "owned_seen", "rest_owned")
 
     def __init__(self, modules, replicas, containers, kept_index, rest_index):
         self.replicas = replicas
@@ -403,6 +405,7 @@ class _Skeletons:
                       if not is_compiled(m)]
         # What refresh saw of each pair's dicts, to skip the unchanged ones (see _C.refresh, NOTE [refresh records]).
         self.seen = _C.refresh_records(len(self.pairs), len(_MIRRORED))
+        self.handles_seen = None  # torch's count of hook handles at the last refresh (fastdp._step.hooks.handles_made)
         self.kept_containers = [containers[j] for j in kept_index]
         self.rest_containers = [containers[j] for j in rest_index]
         self.kept = None  # the Kept whose tensors the grad slots hold
@@ -413,6 +416,13 @@ class _Skeletons:
         self.owned_seen = _C.owned_records(len(self.owned))
         rest = {id(c) for c in self.rest_containers}
         self.rest_owned = [e for e, o in enumerate(self.owned) if id(o[2]) in rest or id(o[3]) in rest]
+
+    def refresh_dicts(self):
+        """Each replica module's __dict__ refreshed from its master's (_C.refresh); the replicas' own hook dicts are
+        not read while no hook was registered anywhere since this set's last refresh (NOTE [refresh records])."""
+        made = _hooks.handles_made()
+        _C.refresh(self.pairs, _KEPT, len(_MIRRORED), self.seen, made is not None and made == self.handles_seen)
+        self.handles_seen = made
 
     def undo_edits(self):
         """Puts back the dicts a forward changed in its replica modules: the master's keys in its order (this step
@@ -578,7 +588,7 @@ class ReplicaSet:
         grad_enabled = torch.is_grad_enabled()
         skel = self._skeletons((grad_enabled, self.network.training))
         every = skel.undo_edits()
-        _C.refresh(skel.pairs, _KEPT, len(_MIRRORED), skel.seen)
+        skel.refresh_dicts()
         grad_buckets, rest_buckets = self.layout
         if grad_buckets:
             kept = self._step_kept(grad_buckets)

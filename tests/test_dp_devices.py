@@ -172,6 +172,14 @@ def test_one_device_calls_an_overridden_scatter_with_the_inputs_already_there():
     lin = nn.Linear(3, 2)
     x = torch.randn(4, 3)
     torch.testing.assert_close(_ScatterDoubles(lin, device_ids=["cpu"])(x), lin(x * 2), rtol=0, atol=0)
+    dp = fastdp.DataParallel(lin, device_ids=["cpu"])
+
+    def doubled(inputs, kwargs, device_ids):  # set on the instance
+        inputs, kwargs = fastdp.DataParallel.scatter(dp, inputs, kwargs, device_ids)
+        return tuple(tuple(t * 2 for t in chunk) for chunk in inputs), kwargs
+
+    dp.scatter = doubled
+    torch.testing.assert_close(dp(x), lin(x * 2), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -380,3 +380,20 @@ def test_version_sum_and_clear_hooks_against_python():
         _C.version_sum(3)
     with pytest.raises(AttributeError):
         _C.clear_hooks([views[0], object()])
+
+
+def test_handles_made_counts_every_registration_but_fastdps_own_on_nodes():
+    from fastdp._step import hooks as _hooks
+
+    t = torch.ones(2, requires_grad=True)
+    node = (t * 2).grad_fn
+    start = _hooks.handles_made()
+    _hooks.on_node(node, lambda grad_outputs: None, pre=True)
+    _hooks.on_node(node, lambda grad_inputs, grad_outputs: None)
+    assert _hooks.handles_made() == start
+    t.register_hook(lambda g: g)  # a tensor's hook
+    nn.Linear(2, 2).register_forward_hook(lambda m, i, o: o)  # a module's
+    node.register_hook(lambda grad_inputs, grad_outputs: None)  # a node's, not through on_node
+    assert _hooks.handles_made() == start + 3
+    _ = (t * 2).grad_fn  # a node made, nothing registered
+    assert _hooks.handles_made() == start + 3

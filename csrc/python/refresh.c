@@ -189,8 +189,8 @@ static int refresh_pair(PyObject *pair, owned_keys_t *ok, Py_ssize_t i) {
  * holds it. A replica's own hook dicts change when a forward registers a hook on its replica, and every registration
  * through torch's API makes a RemovableHandle, which torch counts: while the caller's count says none was made since
  * the pairs' last refresh (`own_settled`), only the masters' hook dicts are read, which is most of what a quiet step
- * on 3.11 would otherwise read. A forward that edits its module's hook dict in place, without registering, keeps the
- * edit on its replica until the next registration (where the bare model, and upstream's replicas sharing the
+ * on 3.11 would otherwise read. A forward or a hook that edits its module's hook dict in place, without registering,
+ * keeps the edit on its replica until the next registration (where the bare model, and upstream's replicas sharing the
  * master's dicts, keep it for good). From 3.12 the watcher behind the tags also counts every change to the dicts
  * refresh records: a set of pairs whose last refresh recorded every pair, with that count where it stands now, is
  * skipped whole, without a read per pair. Without tags (3.12 with every watcher taken) every pair is walked. */

@@ -248,11 +248,12 @@ class DataParallel(_upstream.UPSTREAM):
         return self._run_step(self._new_step(loss, avoided_gather_bytes), inputs, kwargs)
 
     def _short_path(self, module, inputs, kwargs):
-        """Whether a forward without a per-replica loss takes the short path: one device, the class's own scatter,
-        and every input already there (scattering would only wrap each tensor in a view and an autograd node: the
-        module gets them as they are). Where it does, upstream's check that the module is on device_ids[0] runs
-        here; where it does not, the caller runs it (once)."""
-        if len(self.device_ids) != 1 or type(self).scatter is not DataParallel.scatter:
+        """Whether a forward without a per-replica loss takes the short path: one device, the class's own scatter
+        (no override on the class or the instance: upstream calls self.scatter on one device too), and every input
+        already there (scattering would only wrap each tensor in a view and an autograd node: the module gets them
+        as they are). Where it does, upstream's check that the module is on device_ids[0] runs here; where it does
+        not, the caller runs it (once)."""
+        if len(self.device_ids) != 1 or type(self).scatter is not DataParallel.scatter or "scatter" in self.__dict__:
             return False
         if not _checks.inputs_on(inputs, kwargs, self.src_device_obj):
             return False
@@ -335,8 +336,10 @@ class DataParallel(_upstream.UPSTREAM):
             step.recorder.begin(self.device_ids, training)
         kwargs, whole = self._split_off_whole(kwargs)
         with_loss = step.loss is not None
-        _batch_major.warn_not_batch_major(inputs[:-1] if with_loss else inputs, kwargs, self.dim,
-                                          self.__dict__.setdefault("_warned_not_batch_major", set()))
+        warned = _batch_major.warn_not_batch_major(inputs[:-1] if with_loss else inputs, kwargs, self.dim,
+                                                   self.__dict__.get("_warned_not_batch_major"))
+        if warned is not None:
+            self.__dict__["_warned_not_batch_major"] = warned
         rule = self.__dict__.get("_split")
         # Else an override (a subclass's, or one set on the instance) is called, and its super().scatter asks for
         # the sizes itself.
@@ -411,8 +414,10 @@ class DataParallel(_upstream.UPSTREAM):
         """The forward's one result: the gathered outputs, or the replicas' losses combined by the loss's rule."""
         if step.loss is None:
             if type(self).gather is DataParallel.gather and len(outputs) > 1:
-                _batch_major.warn_unaligned(outputs, inputs, module_kwargs, self.dim,
-                                            self.__dict__.setdefault("_warned_unaligned", set()))
+                warned = _batch_major.warn_unaligned(outputs, inputs, module_kwargs, self.dim,
+                                                     self.__dict__.get("_warned_unaligned"))
+                if warned is not None:
+                    self.__dict__["_warned_unaligned"] = warned
             result = self.gather(outputs, self.output_device)
         else:
             step.avoided_gather_bytes = sum(o[2] for o in outputs)

@@ -7,6 +7,8 @@ master's hooks: kept replicas get them refilled by ``_C.refresh`` whenever the m
 registered since (two size reads per dict when both are empty), fresh ones get copies when built.
 """
 
+import threading
+
 from torch.utils.hooks import RemovableHandle as _RemovableHandle
 
 from .. import _C
@@ -26,27 +28,29 @@ def own(master, replica):
             mine[key] = type(d)(d)
 
 
-# Handles made by on_node: hooks on a step's autograd nodes (the report's marks), never in a tensor's hook dict.
-# Counted without a lock: an increment lost to another thread only makes the next clear_tensor_hooks empty the dicts.
+# Handles made by on_node: hooks on a step's autograd nodes (the report's marks), never in a module's or a tensor's
+# hook dict. The lock makes a registration and its count one step for handles_made, whichever threads register.
 _node_handles = 0
+_count_lock = threading.Lock()
 
 
 def on_node(node, hook, pre=False):
     """Registers `hook` on autograd node `node` for fastdp's own use (with `pre`, as a pre-hook), and returns its
-    handle. Such a handle holds no hook of a tensor, so it does not count for clear_tensor_hooks: a recording step
-    does not make the next one empty every kept tensor's hook dict."""
+    handle. Such a handle holds no hook of a module or a tensor, so it does not count in handles_made: a recording
+    step does not make the next one empty every kept tensor's hook dict or read every replica's."""
     global _node_handles
-    handle = node.register_prehook(hook) if pre else node.register_hook(hook)
-    _node_handles += 1
+    with _count_lock:
+        handle = node.register_prehook(hook) if pre else node.register_hook(hook)
+        _node_handles += 1
     return handle
 
 
 def handles_made():
     """How many hook handles torch made that may hold a module's or a tensor's hook (None where torch does not count
-    them): every registration through torch's API makes one. Read before fastdp's own count: a handle made between
-    the two reads shows as a change, never hides one."""
-    made = getattr(_RemovableHandle, "next_id", None)
-    return None if made is None else made - _node_handles
+    them): every registration through torch's API makes one; those on_node made are left out."""
+    with _count_lock:
+        made = getattr(_RemovableHandle, "next_id", None)
+        return None if made is None else made - _node_handles
 
 
 def clear_tensor_hooks(tensors, cleared_at):

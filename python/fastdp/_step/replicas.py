@@ -56,8 +56,8 @@ buffer or a module to an attribute, register one, swap a submodule, delete an at
 its parameter, buffer and child dicts) or a kept tensor in place (rebind its ``.data``, ``set_``, ``resize_``,
 ``t_``, ``requires_grad_``; a running statistic kept as a frozen parameter is the common case). Plain attributes and
 hook dicts are refilled from the master every step anyway (_C.refresh; a replica's hook dict is read again once a
-hook was registered anywhere, so one that a forward edits in place without registering stays so on its replica until
-then: NOTE [refresh records]). Before each forward:
+hook was registered anywhere, so one that a forward or a hook edits in place without registering stays so on its
+replica until then: NOTE [refresh records]). Before each forward:
 - the owned dicts: each replica module's dicts are compared with what the last step left in them (dict version
   tags, CPython's up to 3.11 and a dict watcher's from 3.12: a few loads per module, none while the watcher saw no
   change; where there are no tags, their keys with the master's, and every grad slot is installed again each
@@ -405,7 +405,7 @@ class _Skeletons:
                       if not is_compiled(m)]
         # What refresh saw of each pair's dicts, to skip the unchanged ones (see _C.refresh, NOTE [refresh records]).
         self.seen = _C.refresh_records(len(self.pairs), len(_MIRRORED))
-        self.handles_seen = None  # torch's count of hook handles at the last refresh (fastdp._step.hooks.handles_made)
+        self.handles_seen = None  # the hook handles made when this set was last refreshed (_hooks.handles_made)
         self.kept_containers = [containers[j] for j in kept_index]
         self.rest_containers = [containers[j] for j in rest_index]
         self.kept = None  # the Kept whose tensors the grad slots hold

@@ -1,7 +1,7 @@
 """The wrapper's warnings about what upstream splits or gathers along ``dim`` without a word: an argument whose size
 along ``dim`` is not the batch's (scatter splits it anyway) and an output whose sizes do not follow the replicas'
 chunks (gather concatenates it anyway). Each is said once per argument or output path: ``warned`` is the set of
-paths the wrapper has warned about, which it keeps."""
+paths the wrapper has warned about, which it keeps (None until the first warning)."""
 
 import warnings
 
@@ -12,9 +12,12 @@ __all__ = ["warn_not_batch_major", "warn_unaligned"]
 
 
 def warn_not_batch_major(inputs, kwargs, dim, warned):
-    """Warns once per argument whose size along dim differs from the batch's."""
+    """Warns once per argument whose size along dim differs from the batch's; returns `warned`, made when first
+    needed."""
     odd, first = _split.not_batch_major(inputs, kwargs, dim)
     for path, size in odd:
+        if warned is None:
+            warned = set()
         if path in warned:
             continue
         warned.add(path)
@@ -28,15 +31,18 @@ def warn_not_batch_major(inputs, kwargs, dim, warned):
             f"for a tensor that is not batch-major (a (T, T) attention mask, a lookup table); {fix}",
             stacklevel=2,  # the wrapper's line that scatters
         )
+    return warned
 
 
 def warn_unaligned(outputs, inputs, module_kwargs, dim, warned):
     """Warns once per output whose sizes along dim do not follow the replicas' chunks (an RNN's (layers, batch,
-    hidden) state)."""
+    hidden) state); returns `warned`, made when first needed."""
     counts = [_split.batch_size(args, kwargs, dim) for args, kwargs in zip(inputs, module_kwargs)]
     if None in counts or 0 in counts:
-        return
+        return warned
     for path, sizes in unaligned_outputs(outputs, counts, dim):
+        if warned is None:
+            warned = set()
         if path in warned:
             continue
         warned.add(path)
@@ -48,3 +54,4 @@ def warn_unaligned(outputs, inputs, module_kwargs, dim, warned):
             "forward's output",
             stacklevel=2,  # the wrapper's line that gathers
         )
+    return warned

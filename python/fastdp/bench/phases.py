@@ -130,11 +130,15 @@ _PHASES = ("scatter", "replicate", "parallel_apply", "gather")
 def timed(model):
     """`model` with its overridable methods reporting their time to ``_Probe.split``.
 
-    The timed methods are set on the instance, not in a subclass: the class stays the one users run, so paths
-    that depend on it (fastdp's one-device short path is taken only when ``scatter`` is not overridden) are the
-    ones measured. A method the wrapper does not call (no scatter on that short path) reports nothing.
+    The timed methods are set on the instance, not in a subclass: the class stays the one users run. On one device
+    fastdp's ``scatter`` is left as it is: its short path (the module on the inputs as they are) is taken only while
+    no override of it is set, as upstream would call one. A method the wrapper does not call (no scatter on that
+    short path) reports nothing.
     """
+    one_device = isinstance(model, fastdp.DataParallel) and len(model.device_ids) == 1
     for phase in _PHASES:
+        if phase == "scatter" and one_device:
+            continue
         bound = getattr(type(model), phase).__get__(model)
 
         def timed(*args, _phase=phase, _bound=bound, **kwargs):

@@ -3,7 +3,8 @@ grad, eval, checkpointed blocks, no_sync micro-batches of any size, every way of
 optimizer steps, saves and reloads, gradients taken with torch.autograd.grad or backward(inputs=...) inside and
 outside no_sync, buffers resized in place, share_memory(), a forward that raises in one replica, dp.train_step
 inside and outside no_sync, steps rescued from an out-of-memory error in forward or in train_step's backward, no_sync
-windows closed by loss.backward() or train_step), run on the bare model and on the wrapper (4 emulated replicas,
+windows closed by loss.backward() or train_step, forward hooks registered on the master and removed through their
+handles), run on the bare model and on the wrapper (4 emulated replicas,
 with or without oom="rebalance"), compared after every action: gradients, parameters, buffers, the saved state's
 bytes, whatever autograd.grad returned and the input's .grad. One model has a BatchNorm inside its checkpointed
 block, synced across the replicas on the wrapper's side.
@@ -17,6 +18,7 @@ import contextlib
 import copy
 import os
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -71,6 +73,8 @@ actions = st.one_of(
     st.tuples(st.just("train_step"), sizes, injections),
     st.tuples(st.just("rescued_forward"), sizes, st.integers(0, R - 1)),  # then loss.backward()
     st.tuples(st.just("no_sync_train_step"), sizes, st.one_of(st.none(), st.integers(0, R - 1))),  # (forward error)
+    st.tuples(st.just("hook"), st.sampled_from(["add", "remove"])),  # on the master's head, between steps
+    st.tuples(st.just("hook_cycle"), sizes),  # a hook added, a step, the hook removed, a step
 )
 steps = st.tuples(st.lists(actions, max_size=3), windows).map(lambda step: [*step[0], step[1]])
 scripts = st.lists(steps, min_size=1, max_size=4).map(lambda s: [action for step in s for action in step])
@@ -83,6 +87,9 @@ def _input(n, counter):
     counter[0] += 1
     g = torch.Generator().manual_seed(counter[0])
     return torch.randn(n, 6, dtype=torch.float64, generator=g).requires_grad_()
+
+
+_HOOKS = weakref.WeakKeyDictionary()  # a model's head -> the handles of the hooks the "hook" action registered on it
 
 
 def _refuse_sentinel(module, args):
@@ -224,6 +231,19 @@ def _apply(action, model, run, opt, dp, counter, rescue):
         with dp.no_sync() if action[2] else contextlib.nullcontext():
             params = [p for p in run.parameters() if p.requires_grad]
             return torch.autograd.grad(run(_input(action[1], counter)).pow(2).sum(), params, allow_unused=True)
+    elif name == "hook":
+        # A forward hook registered on the master, or the oldest one removed through its handle (which registers
+        # nothing: the replicas must see the master's dict change all the same).
+        handles = _HOOKS.setdefault(model.head, [])
+        if action[1] == "add":
+            handles.append(model.head.register_forward_hook(lambda module, args, out: out * 1.5))
+        elif handles:
+            handles.pop(0).remove()
+    elif name == "hook_cycle":
+        handle = model.head.register_forward_hook(lambda module, args, out: out * 1.5)
+        run(_input(action[1], counter)).pow(2).sum().backward()
+        handle.remove()
+        run(_input(action[1], counter)).pow(2).sum().backward()
     elif name == "resize_buffer":
         for b in model.buffers():
             b.resize_(0)  # sized again by the next forward
@@ -337,8 +357,8 @@ def test_random_training_scripts_match_the_bare_model(make, script, rescue):
                 assert (a is None) == (b is None), action
                 if a is not None:
                     torch.testing.assert_close(b, a, rtol=TOL, atol=TOL, msg=lambda m: f"{action}: {m}")
-        if action[0] in ("train", "between", "window", "train_step", "rescued_forward") or (action[0] == "partial"
-                                                                                         and not action[3]):
+        synchronising = ("train", "between", "window", "train_step", "rescued_forward", "hook_cycle")
+        if action[0] in synchronising or (action[0] == "partial" and not action[3]):
             accumulating = accumulating and action[0] == "partial"  # (members it leaves out keep what they kept)
         elif action[0] in ("no_sync", "partial", "no_sync_train_step") or (action[0] == "clear_one" and accumulating):
             accumulating = True

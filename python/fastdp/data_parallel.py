@@ -180,10 +180,8 @@ class DataParallel(_upstream.UPSTREAM):
                 with torch.autograd.profiler.record_function("DataParallel.forward"):
                     return self._forward(inputs, kwargs)
             d = self.__dict__
-            if d.get("_criterion") is None:  # the short path asked here first: a small model's step pays no frames
-                module = d["_modules"]["module"]
-                if self._short_path(module, inputs, kwargs):
-                    return module(*inputs, **kwargs)
+            if d.get("_criterion") is None and len(d["device_ids"]) == 1:  # one device: no frame of _forward's
+                return self._over_devices(d["_modules"]["module"], inputs, kwargs, None)
             return self._forward(inputs, kwargs)
         except BaseException:
             # An interrupt can land inside a grad-mode switch (torch.no_grad().__enter__ after the mode changed),

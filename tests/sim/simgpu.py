@@ -270,6 +270,7 @@ class SimTensor(torch.Tensor):
         pass
 
     is_cuda = True
+    is_cpu = False
 
     def get_device(self):
         return self._dev

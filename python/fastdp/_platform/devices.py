@@ -28,6 +28,8 @@ def _parse(d):
 
 def is_cpu(d):
     """True for the entries that name the host: "cpu", "cpu:0", torch.device("cpu")."""
+    if d.__class__ is str and d == CPU:  # the normalised entry, as each step passes it: nothing to parse
+        return True
     if isinstance(d, (str, torch.device)):
         return _parse(d).type == "cpu"
     return False
@@ -48,6 +50,8 @@ def normalize(d, what="device"):
     Raises, naming ``what``: TypeError for bools and non-devices, ValueError for unknown strings, negative indices
     and device types other than CPU and CUDA, BackendUnavailableError for a CUDA device where CUDA cannot run.
     """
+    if d.__class__ is str and d == CPU:  # already normalised, as each step's lists are: nothing to parse
+        return CPU
     if isinstance(d, bool):
         raise TypeError(f"{what}: expected a device (int, str or torch.device), got bool {d!r}")
     if isinstance(d, str):
@@ -118,10 +122,10 @@ def torch_device(d):
 
 
 def of_tensor(t):
-    """The normalised device of a tensor."""
-    if t.device.type == "cpu":
-        return CPU
-    return t.device.index
+    """The normalised device of a tensor (read through flags: ``t.device`` makes a device object per read)."""
+    if t.is_cuda:
+        return t.get_device()
+    return CPU if t.is_cpu else t.device.index
 
 
 def cuda_available():

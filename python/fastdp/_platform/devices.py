@@ -118,7 +118,13 @@ def torch_device(d):
     """A normalised entry → torch.device ("cpu" stays the host; ints become cuda:k)."""
     if d == CPU:
         return _CPU_DEVICE
-    return torch.device("cuda", d)
+    device = _CUDA_DEVICES.get(d)
+    if device is None:  # made once per index: torch.device objects never change, and each step asks for several
+        device = _CUDA_DEVICES.setdefault(d, torch.device("cuda", d))
+    return device
+
+
+_CUDA_DEVICES = {}
 
 
 def of_tensor(t):

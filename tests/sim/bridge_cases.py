@@ -1,8 +1,8 @@
 """The simulated-device bridge itself (tests/sim/simcuda.py), run under tests/sim/contract.py by
 tests/test_sim_contract.py: values, views and poisoned fresh memory; values crossing devices through the C core on
-the simulated driver; and the two kinds of bug the contract run is for, planted, and caught: a core copy that reads
-what the Python layer wrote on another stream without a wait (a race), and a Python-layer buffer left unwritten
-(poison in the result)."""
+the simulated driver; an operation on tensors of two devices refused, as a kernel refuses it; and the two kinds of
+bug the contract run is for, planted, and caught: a core copy that reads what the Python layer wrote on another
+stream without a wait (a race), and a Python-layer buffer left unwritten (poison in the result)."""
 
 import gc
 import threading
@@ -55,6 +55,18 @@ def test_fresh_memory_is_poisoned(bridge, dtype, poison):
             assert values.isnan().all(), values
         else:
             assert (values == poison).all(), values
+
+
+def test_an_operation_on_two_devices_is_refused_as_a_kernel_refuses_it(bridge):
+    """A CUDA kernel refuses inputs on two devices (a gradient sent to the wrong replica's device fails there on a GPU,
+    so it must fail here); a copy between devices runs."""
+    a, b = _places.on(torch.ones(3), 0), _places.on(torch.ones(3), 1)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        a + b
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.mm(_places.on(torch.ones(2, 3), 1), _places.on(torch.ones(3, 2), 2))
+    assert torch.equal(b.copy_(a * 2).cpu(), torch.full((3,), 2.0))
+    assert torch.equal(a.to(torch.device("cuda", 3)).cpu(), torch.ones(3))
 
 
 def test_values_cross_devices_through_the_core(bridge):

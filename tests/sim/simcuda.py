@@ -41,6 +41,9 @@ _NO_READ = {"empty_like", "new_empty", "new_empty_strided", "zeros_like", "ones_
 _UNWRITTEN = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"}
 # In-place operations that overwrite their destination without reading it.
 _OVERWRITE = {"copy_", "fill_", "zero_"}
+# The operations CUDA kernels run on tensors of two devices: copies. Every other refuses them ("Expected all tensors
+# to be on the same device").
+_CROSS_DEVICE = {"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize"}
 
 
 def _map(fn, x):
@@ -51,6 +54,15 @@ def _map(fn, x):
     if isinstance(x, dict):
         return {k: _map(fn, v) for k, v in x.items()}
     return fn(x)
+
+
+def _same_device(func, devs):
+    """Raises what a CUDA kernel raises for inputs on two devices. (A host tensor next to a DevTensor passes: the
+    contract tests compare results on the device with references on the host.)"""
+    devices = sorted({t._storage.device for t in devs})
+    if len(devices) > 1:
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                           f"cuda:{devices[0]} and cuda:{devices[1]}! ({_name(func)})")
 
 
 def _leaves(x):
@@ -284,6 +296,8 @@ class Bridge:
         target = self._target(kwargs, devs)
         if not devs and target is None:
             return func(*args, **kwargs)
+        if _name(func) not in _CROSS_DEVICE:
+            _same_device(func, devs)
         if func.is_view and _name(func) == "to":
             # Under inference mode aten::to reaches here whole (elsewhere it is decomposed before): it may return its
             # input (a view) or a copy on another device, which only its decomposition, run through the bridge, says.

@@ -1,8 +1,9 @@
 """The simulated-device bridge itself (tests/sim/simcuda.py), run under tests/sim/contract.py by
 tests/test_sim_contract.py: values, views and poisoned fresh memory; values crossing devices through the C core on
-the simulated driver; an operation on tensors of two devices refused, as a kernel refuses it; and the two kinds of
-bug the contract run is for, planted, and caught: a core copy that reads what the Python layer wrote on another
-stream without a wait (a race), and a Python-layer buffer left unwritten (poison in the result)."""
+the simulated driver; an operation on tensors of two devices refused, as a kernel refuses it, and a gradient on
+another device than its input, as the engine refuses it; and the two kinds of bug the contract run is for, planted,
+and caught: a core copy that reads what the Python layer wrote on another stream without a wait (a race), and a
+Python-layer buffer left unwritten (poison in the result)."""
 
 import gc
 import threading
@@ -67,6 +68,35 @@ def test_an_operation_on_two_devices_is_refused_as_a_kernel_refuses_it(bridge):
         torch.mm(_places.on(torch.ones(2, 3), 1), _places.on(torch.ones(3, 2), 2))
     assert torch.equal(b.copy_(a * 2).cpu(), torch.full((3,), 2.0))
     assert torch.equal(a.to(torch.device("cuda", 3)).cpu(), torch.ones(3))
+
+
+class _GradientElsewhere(torch.autograd.Function):
+    """Passes its input on; its backward sends the gradient to ``device`` (a node with a wrong device list)."""
+
+    @staticmethod
+    def forward(ctx, device, x):
+        ctx.device = device
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad.to(torch.device("cuda", ctx.device))
+
+
+@pytest.mark.parametrize("device, valid", [(1, True), (0, False)])
+def test_a_gradient_on_another_device_than_its_input_is_refused_as_the_engine_refuses_it(bridge, monkeypatch, device,
+                                                                                        valid):
+    """Autograd's engine checks that each gradient a node returns is on its input's device; the engine of a CPU build
+    sees host tensors only, so the bridge's engine makes the check (fastdp's own nodes run under it)."""
+    bridge.cuda.engine(monkeypatch, _GradientElsewhere)
+    x = _places.on(torch.ones(3), 1).requires_grad_()
+    y = _GradientElsewhere.apply(device, x).sum()
+    if valid:
+        (grad,) = torch.autograd.grad(y, x)
+        assert grad.get_device() == 1 and torch.equal(grad.cpu(), torch.ones(3))
+    else:
+        with pytest.raises(RuntimeError, match="invalid gradient at index 1 - expected device cuda:1 but got cuda:0"):
+            torch.autograd.grad(y, x)
 
 
 def test_values_cross_devices_through_the_core(bridge):

@@ -65,6 +65,19 @@ def _same_device(func, devs):
                            f"cuda:{devices[0]} and cuda:{devices[1]}! ({_name(func)})")
 
 
+def _validate_outputs(grads, inputs):
+    """Autograd's check of what a node's backward returns: each gradient on its input's device (the engine of a CPU
+    build sees only host tensors here, and would pass a gradient sent to another replica's device)."""
+    for i, (g, want) in enumerate(zip(grads, inputs)):
+        if want is None or not isinstance(g, torch.Tensor):
+            continue
+        got = g.get_device() if isinstance(g, DevTensor) else "cpu"
+        if got != want:
+            name = lambda d: "cpu" if d == "cpu" else f"cuda:{d}"  # noqa: E731
+            raise RuntimeError(f"Function backward returned an invalid gradient at index {i} - expected device "
+                               f"{name(want)} but got {name(got)}")
+
+
 def _leaves(x):
     out = []
     _map(out.append, x)
@@ -504,13 +517,16 @@ class SimCuda(FakeCuda):
         last to write it); each gradient it hands on to a node of another stream is waited for there and recorded
         as used by that stream. The engine of a CPU build sees host tensors and makes none of these waits; and the
         gradients it materialises for outputs that got none are zeros on the host, where a GPU's engine makes them on
-        the output's device: they are moved there."""
+        the output's device: they are moved there. What the backward returns is checked as the engine checks it:
+        each gradient on its input's device."""
         cuda, forward, backward = self, function.forward, function.backward
 
         def made(ctx, *args):
             # The nodes that will consume this node's gradients: made on the stream current on their device now.
             ctx.sim_consumers = [cuda.current_stream(a.get_device()) if isinstance(a, DevTensor) else None
                                  for a in args]
+            ctx.sim_inputs = [a.get_device() if isinstance(a, DevTensor) else "cpu" if isinstance(a, torch.Tensor)
+                              else None for a in args]
             out = forward(ctx, *args)
             outs = out if isinstance(out, tuple) else (out,)
             ctx.sim_devices = [t.get_device() if isinstance(t, DevTensor) else None for t in outs]
@@ -537,6 +553,7 @@ class SimCuda(FakeCuda):
             finally:
                 st.streams, st.device = before
             handed = results if isinstance(results, tuple) else (results,)
+            _validate_outputs(handed, ctx.sim_inputs)
             for g, consumer in zip(handed, ctx.sim_consumers):
                 if isinstance(g, DevTensor) and consumer is not None and consumer != canonical:
                     # The consumer's stream waits for this node's canonical stream, and the gradient's memory

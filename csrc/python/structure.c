@@ -186,16 +186,20 @@ static int module_dicts(PyObject *const *name, PyObject *m, PyObject **d, Py_ssi
   return -1;
 }
 
+/* m's instance __dict__ (a new reference), None where it has none; NULL on error. */
+static PyObject *instance_dict(PyObject *m) {
+  PyObject *dict = PyObject_GenericGetDict(m, NULL);
+  if (dict || !PyErr_ExceptionMatches(PyExc_AttributeError)) return dict;
+  PyErr_Clear();
+  return Py_NewRef(Py_None);
+}
+
 /* The id of m's instance __dict__ (a new reference), None where it has none; NULL on error. A module given a new
  * __dict__ keeps the same slot dicts in it (a __setstate__ that assigns the state it got): its plain attributes,
  * which kept replicas mirror from that dict, are then elsewhere. */
 static PyObject *dict_id(PyObject *m) {
-  PyObject *dict = PyObject_GenericGetDict(m, NULL);
-  if (!dict) {
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
-    PyErr_Clear();
-    return Py_NewRef(Py_None);
-  }
+  PyObject *dict = instance_dict(m);
+  if (!dict || dict == Py_None) return dict;
   PyObject *id = PyLong_FromVoidPtr(dict);
   Py_DECREF(dict);
   return id;
@@ -449,14 +453,10 @@ static int match_header(PyObject *h, PyObject *m, Py_ssize_t np, Py_ssize_t nb) 
   if (!h || !is_id(PyTuple_GET_ITEM(h, 0), m) || PyTuple_GET_ITEM(h, 1) != (PyObject *)Py_TYPE(m)) return 0;
   int eq = PyLong_AsSsize_t(PyTuple_GET_ITEM(h, 2)) == np && PyLong_AsSsize_t(PyTuple_GET_ITEM(h, 3)) == nb;
   if (eq == 1 && !PyErr_Occurred()) {
-    PyObject *dict = PyObject_GenericGetDict(m, NULL);
-    if (dict) {
-      eq = is_id(PyTuple_GET_ITEM(h, 4), dict); /* held by m: compared as the id the walk took */
-      Py_DECREF(dict);
-    } else if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-      PyErr_Clear();
-      eq = PyTuple_GET_ITEM(h, 4) == Py_None;
-    }
+    PyObject *dict = instance_dict(m), *recorded = PyTuple_GET_ITEM(h, 4);
+    if (dict) /* held by m: compared as the id the walk took */
+      eq = dict == Py_None ? recorded == Py_None : is_id(recorded, dict);
+    Py_XDECREF(dict);
   }
   return PyErr_Occurred() ? -1 : eq;
 }

@@ -73,9 +73,12 @@ def _validate_outputs(grads, inputs):
             continue
         got = g.get_device() if isinstance(g, DevTensor) else "cpu"
         if got != want:
-            name = lambda d: "cpu" if d == "cpu" else f"cuda:{d}"  # noqa: E731
             raise RuntimeError(f"Function backward returned an invalid gradient at index {i} - expected device "
-                               f"{name(want)} but got {name(got)}")
+                               f"{_device_name(want)} but got {_device_name(got)}")
+
+
+def _device_name(d):
+    return "cpu" if d == "cpu" else f"cuda:{d}"
 
 
 def _leaves(x):
